@@ -1,0 +1,111 @@
+"""Cache configuration: one validated dataclass and the named presets.
+
+A bad value fails at construction with the field name and the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ROTATIONS = ("identity", "hadamard", "random", "artifact")
+CODECS = ("token", "kivi")
+TIER_DTYPES = ("bfloat16", "float16", "float32", "model")
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """How one model's KV cache is stored.
+
+    bits: width of the quantized body, or None for no quantization (the ``bf16`` preset).
+    group_size: dims per quantization group of a token's head vector; None means head_dim.
+    sink, window: tokens kept unquantized at the start (per row, first real tokens) and at the end.
+    page_size: tokens leave the window in blocks of this many (the GPU pool's page size).
+    prefill_chunk: a prefill longer than this is processed in chunks, each attending to the
+        quantized cache of the earlier ones.
+    rotation: identity | hadamard | random | artifact (calibrated: OSCAR, OptR, ...).
+    rotate_values: rotate values as well as keys (by R_V on write, R_V^T on the output).
+    clip_k, clip_v: per-row quantile clipping ratios (1.0 = none); an artifact may override.
+    key_mean: subtract the calibrated per-(layer, KV head) key mean from every stored key.
+    codec: token (per-token groups) or kivi (keys per channel over page_size-token groups).
+    tier_dtype: dtype of the unquantized tiers; "model" stores them in the model's own dtype.
+    """
+
+    name: str = "custom"
+    bits: int | None = 2
+    group_size: int | None = 64
+    sink: int = 64
+    window: int = 256
+    page_size: int = 16
+    prefill_chunk: int = 512
+    rotation: str = "identity"
+    rotate_values: bool = True
+    clip_k: float = 1.0
+    clip_v: float = 1.0
+    key_mean: bool = False
+    codec: str = "token"
+    tier_dtype: str = "bfloat16"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.bits is not None and self.bits not in (2, 4, 8):
+            raise ValueError(f"`bits` has to be one of [2, 4, 8] or None (no quantization) but got {self.bits}")
+        if self.group_size is not None and self.group_size <= 0:
+            raise ValueError(f"`group_size` has to be a positive divisor of head_dim or None but got {self.group_size}")
+        for field in ("sink", "window"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"`{field}` has to be >= 0 but got {getattr(self, field)}")
+        for field in ("page_size", "prefill_chunk"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"`{field}` has to be >= 1 but got {getattr(self, field)}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"`rotation` has to be one of {list(ROTATIONS)} but got {self.rotation!r}")
+        if self.codec not in CODECS:
+            raise ValueError(f"`codec` has to be one of {list(CODECS)} but got {self.codec!r}")
+        if self.tier_dtype not in TIER_DTYPES:
+            raise ValueError(f"`tier_dtype` has to be one of {list(TIER_DTYPES)} but got {self.tier_dtype!r}")
+        for field in ("clip_k", "clip_v"):
+            v = getattr(self, field)
+            if not 0.0 < v <= 1.0:
+                raise ValueError(f"`{field}` has to be in (0, 1] but got {v}")
+        if self.codec == "kivi" and self.rotation != "identity":
+            raise ValueError("the kivi codec runs without rotation: `rotation` has to be 'identity'")
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits is not None
+
+    @property
+    def needs_artifact(self) -> bool:
+        return self.rotation == "artifact"
+
+    def replace(self, **changes) -> "CacheSpec":
+        """A copy with some fields changed (None values are ignored), validated again."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def resolved_group(self, head_dim: int) -> int:
+        return head_dim if self.group_size is None else min(self.group_size, head_dim)
+
+
+PRESETS: dict[str, CacheSpec] = {
+    "bf16": CacheSpec(name="bf16", bits=None, rotation="identity", rotate_values=False),
+    "int4": CacheSpec(name="int4", bits=4),
+    "naive-int2": CacheSpec(name="naive-int2", bits=2),
+    "quarot-int2": CacheSpec(name="quarot-int2", bits=2, rotation="hadamard"),
+    "kivi-2": CacheSpec(
+        name="kivi-2", bits=2, group_size=32, sink=0, window=128, page_size=32, codec="kivi"
+    ),
+    "oscar-int2": CacheSpec(
+        name="oscar-int2", bits=2, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True
+    ),
+    "optr-int2": CacheSpec(
+        name="optr-int2", bits=2, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True
+    ),
+}
+
+
+def get_preset(name: str, **overrides) -> CacheSpec:
+    """A preset by name, with optional field overrides (``sink=16, window=64, group_size=32``)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides)

