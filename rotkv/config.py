@@ -68,6 +68,8 @@ class CacheSpec:
             v = getattr(self, field)
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"`{field}` has to be in (0, 1] but got {v}")
+        if self.codec == "kivi" and self.bits is not None and self.page_size % (8 // self.bits):
+            raise ValueError(f"the kivi codec packs a page's tokens: `page_size` has to be a multiple of {8 // self.bits}")
         if self.codec == "kivi" and self.rotation != "identity":
             raise ValueError("the kivi codec runs without rotation: `rotation` has to be 'identity'")
 

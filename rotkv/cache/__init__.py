@@ -1,0 +1,6 @@
+"""The hybrid KV cache: layers, codecs, and the transformers Cache subclass."""
+
+from rotkv.cache.cache import RotkvCache, make_cache, resolve_spec
+from rotkv.cache.layer import HybridLayer
+
+__all__ = ["HybridLayer", "RotkvCache", "make_cache", "resolve_spec"]

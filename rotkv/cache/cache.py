@@ -1,0 +1,121 @@
+"""RotkvCache: the transformers ``Cache`` made of hybrid layers (bf16 for sliding-window layers)."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from rotkv.cache.codecs import make_codecs
+from rotkv.cache.layer import HybridLayer
+from rotkv.config import CacheSpec, get_preset
+from rotkv.hf import compat
+from rotkv.hf.attention import install
+from rotkv.hf.models import check_supported, mean_centering_blocker, sliding_layers
+from rotkv.quant.quantizer import check_group
+from rotkv.rotations.artifact import Artifact, load_artifact, model_geometry, validate_artifact
+from rotkv.rotations.base import LayerRotation, build_rotations
+
+
+def resolve_spec(spec: CacheSpec | str, **overrides) -> CacheSpec:
+    return get_preset(spec, **overrides) if isinstance(spec, str) else spec.replace(**overrides)
+
+
+def layer_rotations(model, spec: CacheSpec, artifact: Artifact | str | None) -> tuple[list[LayerRotation], Artifact | None]:
+    layers, kv_heads, head_dim = model_geometry(model.config)
+    if spec.needs_artifact:
+        if artifact is None:
+            method = spec.name.split("-")[0] if spec.name != "custom" else "oscar"
+            raise ValueError(
+                f"preset {spec.name!r} needs a calibration artifact (rotations, key means, clip ratios); make one with "
+                f"`rotkv calibrate --method {method} --out {method}.safetensors` and pass --artifact {method}.safetensors"
+            )
+        artifact = load_artifact(artifact) if isinstance(artifact, str) else artifact
+        validate_artifact(artifact, model)
+        rots = [artifact.layer_rotation(i) for i in range(layers)]
+        if not spec.key_mean:
+            rots = [LayerRotation(r.R_K, r.R_V, None, r.clip_k, r.clip_v) for r in rots]
+        if artifact.values_folded and not getattr(model.config, "rotkv_values_folded", False):
+            raise ValueError(
+                f"artifact {artifact.path} has R_V folded into the weights, but this model is not folded; "
+                "fold it with rotkv.rotations.folding before building the cache"
+            )
+        return rots, artifact
+    if spec.key_mean:
+        raise ValueError("`key_mean` needs calibrated means: use rotation='artifact'")
+    return build_rotations(spec.rotation, layers, kv_heads, head_dim, spec.seed, spec.rotate_values), None
+
+
+class RotkvCache(Cache):
+    """A drop-in KV cache: ``model.generate(..., past_key_values=RotkvCache(model, "quarot-int2"))``.
+
+    Full-attention layers get a :class:`HybridLayer` (bf16 sink + quantized body + bf16 window);
+    sliding-window layers stay bf16 (transformers' own layer). Building the cache registers the
+    "rotkv" attention function and switches the model to it.
+    """
+
+    def __init__(self, model, spec: CacheSpec | str = "quarot-int2", artifact: Artifact | str | None = None, **overrides):
+        check_supported(model)
+        self.spec = resolve_spec(spec, **overrides)
+        num_layers, kv_heads, head_dim = model_geometry(model.config)
+        self.head_dim, self.kv_heads = head_dim, kv_heads
+        if self.spec.quantized:
+            check_group(self.spec.resolved_group(head_dim), head_dim)
+        if self.spec.key_mean:
+            why = mean_centering_blocker(model)
+            if why:
+                raise ValueError(f"key mean-centering is not exact on this model ({why}); use a preset without key_mean")
+        rotations, self.artifact = layer_rotations(model, self.spec, artifact)
+        windows = sliding_layers(model)
+        layers = []
+        for i in range(num_layers):
+            if windows[i] is not None:
+                layers.append(compat.sliding_layer(windows[i]))
+                continue
+            codecs = None
+            if self.spec.quantized:
+                r = rotations[i]
+                codecs = make_codecs(self.spec.codec, self.spec.bits, self.spec.resolved_group(head_dim),
+                                     r.clip_k or self.spec.clip_k, r.clip_v or self.spec.clip_v)
+            layers.append(HybridLayer(self.spec, rotations[i], head_dim, kv_heads, i, codecs, model.dtype))
+        super().__init__(layers=layers)
+        self.rotation_bytes = sum(r.nbytes for r in rotations)
+        install(model)
+
+    # ---- accounting ------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Measured resident bytes and bits per element over every layer and tier.
+
+        kv_bytes counts codes, metadata and the bf16 tiers (and bf16 sliding layers); rotation
+        matrices and means are reported apart as rotation_bytes.
+        """
+        tot = {"tokens": 0, "body_tokens": 0, "body_bytes": 0, "tier_bytes": 0, "elements": 0, "body_elements": 0}
+        for layer in self.layers:
+            if isinstance(layer, HybridLayer):
+                for k, v in layer.stats().items():
+                    tot[k] += v
+            elif getattr(layer, "is_initialized", False) and layer.keys is not None:
+                tot["tier_bytes"] += layer.keys.numel() * layer.keys.element_size() * 2
+                tot["elements"] += layer.keys.numel() * 2
+        kv_bytes = tot["body_bytes"] + tot["tier_bytes"]
+        return {
+            "kv_bytes": kv_bytes,
+            "kv_bytes_bf16": tot["elements"] * 2,
+            "body_bytes": tot["body_bytes"],
+            "tier_bytes": tot["tier_bytes"],
+            "rotation_bytes": self.rotation_bytes,
+            "artifact_bytes": self.artifact.nbytes if self.artifact is not None else 0,
+            "bits_per_element": 8 * kv_bytes / tot["elements"] if tot["elements"] else 0.0,
+            "body_bits_per_element": 8 * tot["body_bytes"] / tot["body_elements"] if tot["body_elements"] else 0.0,
+            "elements": tot["elements"],
+        }
+
+    def kv_bytes(self) -> int:
+        return int(self.stats()["kv_bytes"])
+
+    def bits_per_element(self) -> float:
+        return float(self.stats()["bits_per_element"])
+
+
+def make_cache(model, spec: CacheSpec | str, artifact: Artifact | str | None = None, **overrides) -> Cache:
+    """A RotkvCache for a preset name or spec; ``bf16`` also goes through rotkv (unquantized tiers)."""
+    return RotkvCache(model, spec, artifact, **overrides)

@@ -1,0 +1,53 @@
+"""Block codecs: how one page of tokens of the quantized body is encoded.
+
+A block batch is ``[nb, kv_heads, P, D]`` (nb pages of P tokens). ``encode`` returns a dict of
+tensors that all have the leading page dimension, so pages can be concatenated and sliced;
+``decode`` inverts it to float32 ``[nb, kv_heads, P, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rotkv.quant.quantizer import QuantizedRows, check_group, dequantize, quantize
+
+
+class TokenCodec:
+    """Per-token groups: each token's head vector is clipped, then quantized in groups of G dims."""
+
+    def __init__(self, bits: int, group_size: int, clip: float = 1.0):
+        self.bits, self.group_size, self.clip = bits, group_size, clip
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        check_group(self.group_size, x.shape[-1])
+        q = quantize(x, self.bits, self.group_size, self.clip)
+        return {"codes": q.codes, "scale": q.scale, "lo": q.lo}
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        return dequantize(QuantizedRows(parts["codes"], parts["scale"], parts["lo"], self.bits, self.group_size))
+
+
+class ChannelCodec:
+    """KIVI keys: per channel, over the P tokens of a page (one group per channel and page)."""
+
+    def __init__(self, bits: int):
+        self.bits = bits
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        xt = x.transpose(-1, -2)  # [nb, H, D, P]: quantize each channel's P tokens as one group
+        q = quantize(xt, self.bits, xt.shape[-1])
+        return {"codes": q.codes, "scale": q.scale, "lo": q.lo}
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        p = parts["codes"].shape[-1] * 8 // self.bits
+        q = QuantizedRows(parts["codes"], parts["scale"], parts["lo"], self.bits, p)
+        return dequantize(q).transpose(-1, -2)
+
+
+def make_codecs(codec: str, bits: int, group_size: int, clip_k: float, clip_v: float):
+    """(key codec, value codec) for a CacheSpec codec name."""
+    if codec == "token":
+        return TokenCodec(bits, group_size, clip_k), TokenCodec(bits, group_size, clip_v)
+    if codec == "kivi":
+        return ChannelCodec(bits), TokenCodec(bits, group_size, 1.0)
+    raise ValueError(f"`codec` has to be one of ['token', 'kivi'] but got {codec!r}")
