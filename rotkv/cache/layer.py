@@ -193,6 +193,9 @@ class HybridLayer(CacheLayerMixin):
         """
         k_new, v_new = self.pending
         self.pending = None
+        if not (torch.isfinite(k_new).all() and torch.isfinite(v_new).all()):
+            self.seen -= k_new.shape[-2]  # nothing is stored: the cache stays as it was
+            raise ValueError(f"layer {self.layer_idx}: the new key/value states contain NaN or Inf; nothing was stored")
         b, hq, q, d = query.shape
         rot = self.rotation
         qr, kr, vr = rot.queries(query), rot.keys(k_new), rot.values(v_new)

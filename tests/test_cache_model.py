@@ -1,0 +1,149 @@
+"""The cache inside a model: exactness of rotation + mean-centering, padding, presets, bad input."""
+
+import pytest
+import torch
+
+from rotkv.cache import RotkvCache
+from rotkv.config import CacheSpec, get_preset
+from rotkv.hf.compat import cache_kwarg
+from rotkv.rotations.artifact import ArtifactMismatch, model_meta, save_artifact
+from rotkv.rotations.base import random_orthogonal
+
+from conftest import make_tiny_llama
+
+
+def write_random_artifact(model, path, seed=0):
+    """Different R_K, R_V per KV head and random key means."""
+    layers, h, d = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
+    t = {}
+    for l in range(layers):
+        t[f"R_K.{l}"] = torch.stack([random_orthogonal(d, seed + 10 * l + i) for i in range(h)])
+        t[f"R_V.{l}"] = torch.stack([random_orthogonal(d, seed + 10 * l + i + 5) for i in range(h)])
+        t[f"k_mean.{l}"] = torch.randn(h, d)
+    meta = model_meta(model, "tiny") | {"method": "test", "bits": 2, "group_size": d}
+    save_artifact(str(path), t, meta)
+
+
+def logits_through(model, ids, cache, mask=None):
+    return model(input_ids=ids, attention_mask=mask, **{cache_kwarg(model): cache}).logits
+
+
+def test_rotation_and_mean_centering_are_exact_in_fp32(tiny_llama, tmp_path):
+    write_random_artifact(tiny_llama, tmp_path / "a.safetensors")
+    ids = torch.randint(1, 128, (1, 40))
+    with torch.no_grad():
+        ref = tiny_llama(input_ids=ids).logits
+        spec = CacheSpec(bits=None, rotation="artifact", key_mean=True, tier_dtype="float32", prefill_chunk=16)
+        cache = RotkvCache(tiny_llama, spec, str(tmp_path / "a.safetensors"))
+        out = logits_through(tiny_llama, ids[:, :30], cache)
+        step = logits_through(tiny_llama, ids[:, 30:], cache)  # decode-style continuation
+    assert torch.allclose(out, ref[:, :30], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(step, ref[:, 30:], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("preset", ["quarot-int2", "kivi-2", "int4"])
+def test_left_padded_batch_equals_each_request_alone(tiny_llama, preset):
+    torch.manual_seed(3)
+    a, b = torch.randint(1, 128, (37,)), torch.randint(1, 128, (22,))
+    ids = torch.zeros(2, 37, dtype=torch.long)
+    mask = torch.zeros(2, 37, dtype=torch.long)
+    ids[0], mask[0] = a, 1
+    ids[1, 15:], mask[1, 15:] = b, 1
+    kw = dict(sink=4, window=8, page_size=4, prefill_chunk=16)
+    gen = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        batch = tiny_llama.generate(input_ids=ids, attention_mask=mask, output_scores=True, return_dict_in_generate=True,
+                                    **{cache_kwarg(tiny_llama): RotkvCache(tiny_llama, preset, **kw)}, **gen)
+        for row, x in ((0, a), (1, b)):
+            alone = tiny_llama.generate(input_ids=x[None], attention_mask=torch.ones(1, len(x), dtype=torch.long),
+                                        output_scores=True, return_dict_in_generate=True,
+                                        **{cache_kwarg(tiny_llama): RotkvCache(tiny_llama, preset, **kw)}, **gen)
+            assert torch.equal(batch.sequences[row, 37:], alone.sequences[0, len(x):])
+            for s_b, s_a in zip(batch.scores, alone.scores):
+                assert torch.allclose(s_b[row], s_a[0], atol=1e-4)
+
+
+def test_sampled_generation_is_reproducible(tiny_llama):
+    ids = torch.randint(1, 128, (1, 20))
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        outs.append(tiny_llama.generate(input_ids=ids, do_sample=True, top_k=20, max_new_tokens=10, pad_token_id=0,
+                                        **{cache_kwarg(tiny_llama): RotkvCache(tiny_llama, "quarot-int2", sink=2, window=4, page_size=2)}))
+    assert torch.equal(outs[0], outs[1]) and outs[0].shape[1] == 30
+
+
+def test_plain_model_still_works_after_switching(tiny_llama):
+    ids = torch.randint(1, 128, (1, 12))
+    with torch.no_grad():
+        ref = tiny_llama(input_ids=ids).logits
+        RotkvCache(tiny_llama, "quarot-int2")
+        again = tiny_llama(input_ids=ids).logits  # DynamicCache through the rotkv attention fallback
+    assert tiny_llama.config._attn_implementation == "rotkv"
+    assert torch.allclose(ref, again, atol=1e-5)
+
+
+def test_stats_report_measured_bits(tiny_llama):
+    cache = RotkvCache(tiny_llama, "naive-int2", sink=4, window=8, page_size=4, group_size=16)
+    with torch.no_grad():
+        logits_through(tiny_llama, torch.randint(1, 128, (1, 100)), cache)
+    st = cache.stats()
+    assert st["body_bits_per_element"] == pytest.approx(2 + 32 / 16)
+    tokens, tier = 100, 4 + 8 + (100 - 12) % 4
+    expect = (tier * 16 + (tokens - tier) * 4) / tokens
+    assert st["bits_per_element"] == pytest.approx(expect)
+    assert st["kv_bytes_bf16"] == 2 * 2 * tokens * 2 * 16 * 2
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field,value,match", [
+    ("bits", 3, "bits"), ("sink", -1, "sink"), ("window", -5, "window"), ("clip_k", 1.5, "clip_k"),
+    ("rotation", "fancy", "rotation"), ("page_size", 0, "page_size"),
+])
+def test_bad_spec_values_name_the_field(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        get_preset("quarot-int2", **{field: value})
+
+
+def test_group_must_divide_head_dim(tiny_llama):
+    with pytest.raises(ValueError, match="group_size"):
+        RotkvCache(tiny_llama, "naive-int2", group_size=12)
+
+
+def test_hadamard_needs_power_of_two_head_dim():
+    model = make_tiny_llama(head_dim=24)
+    with pytest.raises(ValueError, match="power of two"):
+        RotkvCache(model, "quarot-int2", group_size=24)
+
+
+def test_artifact_presets_need_an_artifact(tiny_llama):
+    with pytest.raises(ValueError, match="rotkv calibrate --method oscar"):
+        RotkvCache(tiny_llama, "oscar-int2")
+
+
+def test_artifact_for_another_model_is_refused(tiny_llama, tmp_path):
+    other = make_tiny_llama(seed=1)  # same shapes, other weights
+    write_random_artifact(other, tmp_path / "o.safetensors")
+    with pytest.raises(ArtifactMismatch, match="weights_fingerprint"):
+        RotkvCache(tiny_llama, "oscar-int2", str(tmp_path / "o.safetensors"))
+    deeper = make_tiny_llama(layers=3)
+    write_random_artifact(deeper, tmp_path / "d.safetensors")
+    with pytest.raises(ArtifactMismatch, match="num_layers"):
+        RotkvCache(tiny_llama, "oscar-int2", str(tmp_path / "d.safetensors"))
+
+
+def test_unsupported_architecture_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rotkv.hf.models import UnsupportedModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64))
+    with pytest.raises(UnsupportedModel):
+        RotkvCache(model, "quarot-int2")
+
+
+def test_mean_centering_refused_with_softcapping(tiny_llama, tmp_path):
+    write_random_artifact(tiny_llama, tmp_path / "a.safetensors")
+    tiny_llama.config.attn_logit_softcapping = 50.0
+    with pytest.raises(ValueError, match="soft-capping"):
+        RotkvCache(tiny_llama, "oscar-int2", str(tmp_path / "a.safetensors"))
