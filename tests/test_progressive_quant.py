@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 from rotkv.quant.progressive import (
     dequantize_progressive,
     load_codes,
+    quantize_at,
     quantize_progressive,
     shift_codes,
     shrink,
@@ -56,6 +57,32 @@ def test_equivalent_shift_equals_direct_quantization(start, final, anchor, group
     while q.bits > final:
         q = shrink(q, final)
         assert torch.equal(load_codes(q.codes, q.bits), direct_codes(x, q, group)), q.bits
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    final=st.sampled_from([2, 4, 8]),
+    anchor=st.sampled_from(["final", "start"]),
+    shift=st.sampled_from(["equivalent", "rounded", "plain"]),
+    seed=st.integers(0, 2**31 - 1),
+    scale=st.floats(1e-2, 1e2),
+)
+def test_tokens_written_after_a_shrink_join_the_same_grid(final, anchor, shift, seed, scale):
+    # quantize_at (new tokens at the body's current width) == shrinking the same rows from 16 bits
+    if anchor == "final" and shift != "equivalent":
+        anchor = "start"
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(seed)) * scale
+    q = quantize_progressive(x, 16, final, 32, anchor=anchor, shift=shift)
+    while q.bits > final:
+        q = shrink(q, final)
+        direct = quantize_at(x, q.bits, q.mult, q.div, q.scale.dtype, 32, shift=shift)
+        assert direct.mult == q.mult and direct.div == q.div
+        if shift == "equivalent":  # same metadata, same codes
+            assert torch.equal(direct.scale, q.scale) and torch.equal(direct.lo, q.lo)
+            assert torch.equal(direct.codes, q.codes)
+        else:  # its own scale covers the range, which the shifted grid does not
+            top = direct.lo.float() + direct.scale.float() * direct.mult * ((1 << q.bits) - 1) / direct.div
+            assert (top >= x.reshape(3, 2, 32).amax(-1) * (1 - 1e-6) - 1e-6).all()
 
 
 @settings(max_examples=40, deadline=None)

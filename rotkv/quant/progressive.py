@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from rotkv.quant.packing import pack, unpack
-from rotkv.quant.quantizer import _round_meta, check_group, clip_rows, meta_dtype
+from rotkv.quant.quantizer import check_group, clip_rows, meta_dtype
 
 WIDTHS = (16, 8, 4, 2)
 START_WIDTHS = (16, 8)
@@ -104,13 +104,29 @@ class ProgressiveRows:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.lo))
 
 
-def anchor_meta(lo: torch.Tensor, hi: torch.Tensor, start: int, final: int, anchor: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(scale, lo, div) of the stored grid: the anchor width's step, rounded as stored (lo down, scale up)."""
+def anchor_div(start: int, final: int, anchor: str) -> int:
+    """``div``: 1 when the start step is stored, ``levels(start) / levels(final)`` when the final one is."""
     if anchor not in ANCHORS:
         raise ValueError(f"`anchor` has to be one of {list(ANCHORS)} but got {anchor!r}")
-    width = final if anchor == "final" else start
-    scale, lo_s = _round_meta(lo, hi, width)
-    return scale, lo_s, levels(start) // levels(width)
+    return levels(start) // levels(final) if anchor == "final" else 1
+
+
+def anchor_dtype(start: int, final: int, anchor: str) -> torch.dtype:
+    """fp16 metadata only for a 2- or 4-bit final anchor; fp32 otherwise (a 16-bit grid needs it)."""
+    return meta_dtype(final if anchor == "final" else start)
+
+
+def grid_meta(lo: torch.Tensor, hi: torch.Tensor, steps: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, lo) in ``dtype``, ``lo`` rounded down and ``scale`` up so that ``steps`` scales from
+    lo cover hi; with ``steps = levels(bits)`` this is exactly the fixed quantizer's metadata."""
+    lo_s = lo.to(dtype)
+    lo_s = torch.where(lo_s.float() > lo, torch.nextafter(lo_s, torch.full_like(lo_s, float("-inf"))), lo_s)
+    scale = (hi - lo_s.float()) / steps
+    scale_s = scale.to(dtype)
+    scale_s = torch.where(scale_s.float() < scale, torch.nextafter(scale_s, torch.full_like(scale_s, float("inf"))), scale_s)
+    if not (torch.isfinite(lo_s).all() and torch.isfinite(scale_s).all()):
+        raise ValueError(f"values exceed the range of the {dtype} quantization metadata; use a final width of 8 bits")
+    return scale_s, lo_s
 
 
 def round_half_up(u: torch.Tensor, bits: int) -> torch.Tensor:
@@ -132,19 +148,32 @@ def quantize_progressive(
     step_factor(2, shift)  # validates `shift`
     if anchor == "final" and shift != "equivalent":
         raise ValueError(f"anchor='final' needs shift='equivalent' (the {shift} shift leaves the final grid); use anchor='start'")
+    div = anchor_div(start_bits, final_bits, anchor)
+    return quantize_at(x, start_bits, 1, div, anchor_dtype(start_bits, final_bits, anchor), group_size, clip, shift)
+
+
+def quantize_at(x: torch.Tensor, bits: int, mult: int, div: int, dtype: torch.dtype, group_size: int,
+                clip: float = 1.0, shift: str = "equivalent") -> ProgressiveRows:
+    """Rows ``x [..., D]`` straight at ``bits`` on a body's grid ``lo + (code * mult) * scale / div``.
+
+    This is how tokens written after a shrink join the body: the same ``mult`` and ``div`` as
+    the shifted tokens, their own ``lo`` and ``scale``, a grid that covers their range.
+    """
     d = x.shape[-1]
     check_group(group_size, d)
     if not torch.isfinite(x).all():
         raise ValueError("cannot quantize NaN or Inf: the key/value states contain non-finite values")
     g = clip_rows(x.float(), clip).reshape(*x.shape[:-1], d // group_size, group_size)
-    scale, lo, div = anchor_meta(g.amin(-1), g.amax(-1), start_bits, final_bits, anchor)
-    codes = codes_on_grid(g, scale, lo, div, start_bits).reshape(x.shape)
-    return ProgressiveRows(store_codes(codes, start_bits), scale, lo, start_bits, 1, div, group_size, shift)
+    scale, lo = grid_meta(g.amin(-1), g.amax(-1), levels(bits) * mult / div, dtype)
+    codes = codes_on_grid(g, scale, lo, mult, div, bits).reshape(x.shape)
+    return ProgressiveRows(store_codes(codes, bits), scale, lo, bits, mult, div, group_size, shift)
 
 
-def codes_on_grid(g: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, div: int, bits: int) -> torch.Tensor:
-    """Codes of groups ``g [..., n, G]`` on the grid ``lo + k * scale / div``, in float64, half up."""
-    s = scale.double().unsqueeze(-1)
+def codes_on_grid(g: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, mult: int, div: int, bits: int) -> torch.Tensor:
+    """Codes of groups ``g [..., n, G]`` on the grid ``lo + k * mult * scale / div``, in float64, half up.
+
+    ``scale * mult`` is exact in float64 (24-bit mantissa times a 15-bit integer)."""
+    s = scale.double().unsqueeze(-1) * mult
     safe = torch.where(s > 0, s, torch.ones_like(s))  # constant group: every code is 0
     return round_half_up((g.double() - lo.double().unsqueeze(-1)) * div / safe, bits)
 
@@ -174,5 +203,4 @@ def body_bytes_per_row(head_dim: int, bits: int, group_size: int, meta_bits: int
 
 def meta_bits(start_bits: int, final_bits: int, anchor: str) -> int:
     """Bits of each of ``lo`` and ``scale`` as stored under this anchor."""
-    width = final_bits if anchor == "final" else start_bits
-    return torch.finfo(meta_dtype(width)).bits
+    return torch.finfo(anchor_dtype(start_bits, final_bits, anchor)).bits
