@@ -1,0 +1,168 @@
+"""PM-KVQ allocation (METHODS section 4): per-layer final widths in {2, 4, 8} under a memory budget.
+
+1. Sensitivity. Calibration text runs with positional interpolation, ``position_ids =
+   arange(0, s*T, s)`` (s = 4), so short samples reach long-range RoPE phases. The LM loss is
+   back-propagated to every layer's post-RoPE keys and values (total derivatives: the graph is
+   kept whole, the input embeddings are the leaf). In the basis the cache stores, ``K' = (K - mu)
+   R_K`` with gradient ``G_K R_K`` (and ``V' = V R_V``, ``G_V R_V``), the first-order loss change of
+   quantizing layer l at b bits is bounded by ``s[l, b] = |G'_K * (K' - Q_b(K'))|_1 + |G'_V * (V' -
+   Q_b(V'))|_1``, summed over tokens past the bf16 sink.
+2. Allocation. Binary ``x[l, b]``, one width per layer, minimize ``sum s[l, b] x[l, b]`` subject to
+   ``sum cost[b] x[l, b] <= L * budget`` with ``cost[b]`` the body's bits per element at b bits
+   (codes and metadata): an integer program for ``scipy.optimize.milp``.
+
+The artifact gets ``bits [L]`` (int32 final widths) and ``pmkvq_sensitivity [L, 3]``, next to a
+base artifact's rotations when one is given (OSCAR + PM-KVQ).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import numpy as np
+import torch
+
+from rotkv.quant.quantizer import body_bits_per_element, fake_quantize
+from rotkv.rotations.base import LayerRotation
+
+WIDTHS = (2, 4, 8)
+GRAD_ATTN = "rotkv_pmkvq_grad"
+
+_captured: list[dict | None] = [None]
+
+
+def _grad_attention(module, query, key, value, attention_mask, **kwargs):
+    """SDPA that keeps the post-RoPE key/value tensors of each layer for their gradients."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if _captured[0] is not None and key.requires_grad:
+        key.retain_grad()
+        value.retain_grad()
+        _captured[0][module.layer_idx] = (key, value)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@contextlib.contextmanager
+def capturing_kv_grads(model):
+    """Inside the block, ``model`` fills the returned dict ``{layer: (k, v)}`` ``[B, H, T, D]``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GRAD_ATTN, _grad_attention)
+    AttentionMaskInterface.register(GRAD_ATTN, sdpa_mask)
+    old = model.config._attn_implementation
+    model.set_attn_implementation(GRAD_ATTN)
+    _captured[0] = store = {}
+    try:
+        yield store
+    finally:
+        _captured[0] = None
+        model.set_attn_implementation(old)
+
+
+def _stored_basis(rot: LayerRotation, k, v, gk, gv):
+    """(K', V', G'_K, G'_V) in the basis the cache quantizes; all ``[H, T, D]`` float32."""
+    kr, vr = rot.keys(k), rot.values(v)
+    gkr = gk if rot.R_K is None else gk @ rot.R_K  # dL/dK' = dL/dK R (K = K' R^T + mu)
+    gvr = gv if rot.R_V is None else gv @ rot.R_V
+    return kr, vr, gkr, gvr
+
+
+def layer_sensitivity(rot: LayerRotation, k, v, gk, gv, group: int, clip_k: float, clip_v: float) -> list[float]:
+    """``s[b]`` for b in WIDTHS from one layer's ``k, v, gk, gv [H, T, D]``."""
+    kr, vr, gkr, gvr = _stored_basis(rot, k, v, gk, gv)
+    out = []
+    for b in WIDTHS:
+        ek = kr - fake_quantize(kr, b, group, clip_k)
+        ev = vr - fake_quantize(vr, b, group, clip_v)
+        out.append(float((gkr * ek).abs().sum() + (gvr * ev).abs().sum()))
+    return out
+
+
+def sensitivities(model, chunks: list[torch.Tensor], rotations: list[LayerRotation], group: int,
+                  clip_k: float = 1.0, clip_v: float = 1.0, stretch: int = 4, skip: int = 16) -> np.ndarray:
+    """``[L, len(WIDTHS)]`` summed over ``chunks`` (each ``[1, T]`` token ids); see the module docstring."""
+    dev = next(model.parameters()).device
+    sens = np.zeros((len(rotations), len(WIDTHS)))
+    embed = model.get_input_embeddings()
+    req = [p.requires_grad for p in model.parameters()]
+    model.requires_grad_(False)
+    try:
+        for ids in chunks:
+            ids = ids.to(dev)
+            t = ids.shape[1]
+            emb = embed(ids).detach().requires_grad_(True)
+            pos = torch.arange(0, stretch * t, stretch, device=dev).unsqueeze(0)
+            with capturing_kv_grads(model) as kv:
+                loss = model(inputs_embeds=emb, position_ids=pos, labels=ids, use_cache=False).loss
+            loss.backward()
+            for layer, (k, v) in kv.items():
+                rot = rotations[layer].to(dev)
+                ck = clip_k if rot.clip_k is None else rot.clip_k
+                cv = clip_v if rot.clip_v is None else rot.clip_v
+                sl = slice(skip, None)  # the sink stays bf16 in the cache
+                sens[layer] += layer_sensitivity(rot, k[0, :, sl].detach().float(), v[0, :, sl].detach().float(),
+                                                  k.grad[0, :, sl].float(), v.grad[0, :, sl].float(), group, ck, cv)
+    finally:
+        for p, r in zip(model.parameters(), req):
+            p.requires_grad_(r)
+    return sens
+
+
+def width_cost(group: int) -> np.ndarray:
+    """Body bits per element at each width (codes plus lo/scale as the fixed quantizer stores them)."""
+    return np.array([body_bits_per_element(b, group) for b in WIDTHS])
+
+
+def allocate(sens: np.ndarray, budget_bpe: float, group: int) -> np.ndarray:
+    """Final widths ``[L]`` minimizing summed sensitivity with mean body bits per element <= budget_bpe."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    n_layers, n_w = sens.shape
+    cost = width_cost(group)
+    if budget_bpe < cost.min() - 1e-9:
+        raise ValueError(f"`budget_bpe` {budget_bpe} is below the cheapest width's {cost.min()} bits per element")
+    # scale the objective: raw sensitivities span many decades
+    c = (sens / max(sens.max(), 1e-30)).reshape(-1)
+    one_each = np.kron(np.eye(n_layers), np.ones(n_w))
+    total = np.tile(cost, n_layers)[None]
+    res = milp(c, integrality=np.ones_like(c), bounds=Bounds(0, 1),
+               constraints=[LinearConstraint(one_each, 1, 1), LinearConstraint(total, -np.inf, n_layers * budget_bpe + 1e-9)])
+    if not res.success:
+        raise RuntimeError(f"milp failed: {res.message}")
+    x = np.round(res.x).reshape(n_layers, n_w)
+    return np.array(WIDTHS)[x.argmax(1)]
+
+
+def calibrate_pmkvq(loaded, rotations: list[LayerRotation], budget_bpe: float, group: int, tokens: int = 4096,
+                    chunk_len: int = 512, clip_k: float = 1.0, clip_v: float = 1.0, stretch: int = 4,
+                    files: list[str] | None = None, log=print) -> tuple[np.ndarray, np.ndarray]:
+    """(final widths ``[L]``, sensitivities ``[L, 3]``) on the calibration text."""
+    from rotkv.calibrate.corpus import token_chunks
+
+    chunks = token_chunks(loaded.tokenizer, files, tokens, chunk_len)
+    t0 = time.time()
+    sens = sensitivities(loaded.model, chunks, rotations, group, clip_k, clip_v, stretch)
+    log(f"pmkvq: sensitivities from {len(chunks)} x {chunk_len} tokens (positions x{stretch}) in {time.time() - t0:.0f} s")
+    bits = allocate(sens, budget_bpe, group)
+    log(f"pmkvq: widths {bits.tolist()} (mean body {np.mean([width_cost(group)[WIDTHS.index(b)] for b in bits]):.3f}"
+        f" bits/element, budget {budget_bpe})")
+    return bits, sens
+
+
+def artifact_tensors(bits: np.ndarray, sens: np.ndarray) -> dict[str, torch.Tensor]:
+    return {"bits": torch.tensor(bits, dtype=torch.int32), "pmkvq_sensitivity": torch.tensor(sens, dtype=torch.float32)}
+
+
+def uniform_widths_check(bits: np.ndarray) -> None:
+    bad = [int(b) for b in bits if int(b) not in WIDTHS]
+    if bad:
+        raise ValueError(f"final widths have to be in {list(WIDTHS)} but got {bad}")
+
+
+def log2_span(sens: np.ndarray) -> float:
+    """Decades spanned by the 2-bit sensitivities (a quick read of how uneven the layers are)."""
+    s = sens[:, 0]
+    return math.log10(s.max() / max(s.min(), 1e-30))
