@@ -11,6 +11,8 @@ from dataclasses import dataclass
 ROTATIONS = ("identity", "hadamard", "random", "artifact")
 CODECS = ("token", "kivi")
 TIER_DTYPES = ("bfloat16", "float16", "float32", "model")
+SHIFTS = ("equivalent", "rounded", "plain")  # progressive precision: how a body shrinks
+ANCHORS = ("final", "start")  # progressive precision: whose step the stored scale is
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,13 @@ class CacheSpec:
     key_mean: subtract the calibrated per-(layer, KV head) key mean from every stored key.
     codec: token (per-token groups) or kivi (keys per channel over page_size-token groups).
     tier_dtype: dtype of the unquantized tiers; "model" stores them in the model's own dtype.
+    start_bits: progressive precision (PM-KVQ, rotkv.cache.progressive): the body starts at 16 or
+        8 bits and shrinks to its final width (`bits`, or an artifact's per-layer `bits`) to stay
+        within the budget; None for a fixed width.
+    budget_tokens: each layer's memory budget is what this many tokens of one sequence take at
+        its final width (tiers included); with a fixed width, the oldest tokens after the sink are
+        evicted to stay within it. None: no budget.
+    shift, anchor: progressive only; see rotkv.quant.progressive.
     """
 
     name: str = "custom"
@@ -46,6 +55,10 @@ class CacheSpec:
     codec: str = "token"
     tier_dtype: str = "bfloat16"
     seed: int = 0
+    start_bits: int | None = None
+    budget_tokens: int | None = None
+    shift: str = "equivalent"
+    anchor: str = "final"
 
     def __post_init__(self) -> None:
         if self.bits is not None and self.bits not in (2, 4, 8):
@@ -72,6 +85,27 @@ class CacheSpec:
             raise ValueError(f"the kivi codec packs a page's tokens: `page_size` has to be a multiple of {8 // self.bits}")
         if self.codec == "kivi" and self.rotation != "identity":
             raise ValueError("the kivi codec runs without rotation: `rotation` has to be 'identity'")
+        self._check_progressive()
+
+    def _check_progressive(self) -> None:
+        if self.budget_tokens is not None and self.budget_tokens < 1:
+            raise ValueError(f"`budget_tokens` has to be >= 1 or None but got {self.budget_tokens}")
+        if self.shift not in SHIFTS:
+            raise ValueError(f"`shift` has to be one of {list(SHIFTS)} but got {self.shift!r}")
+        if self.anchor not in ANCHORS:
+            raise ValueError(f"`anchor` has to be one of {list(ANCHORS)} but got {self.anchor!r}")
+        if self.start_bits is None:
+            return
+        if self.start_bits not in (16, 8):
+            raise ValueError(f"`start_bits` has to be one of [16, 8] or None but got {self.start_bits}")
+        if self.bits is None or self.bits > self.start_bits:
+            raise ValueError(f"`bits` (the final width) has to be one of [2, 4, 8] and <= start_bits but got {self.bits}")
+        if self.budget_tokens is None:
+            raise ValueError("progressive precision (`start_bits`) needs `budget_tokens`")
+        if self.codec != "token":
+            raise ValueError(f"progressive precision needs `codec`='token' but got {self.codec!r}")
+        if self.anchor == "final" and self.shift != "equivalent":
+            raise ValueError(f"`anchor`='final' needs `shift`='equivalent'; the {self.shift} shift needs `anchor`='start'")
 
     @property
     def quantized(self) -> bool:
@@ -102,6 +136,13 @@ PRESETS: dict[str, CacheSpec] = {
     ),
     "optr-int2": CacheSpec(
         name="optr-int2", bits=2, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True
+    ),
+    # progressive precision: final widths from the artifact's `bits` (rotkv calibrate --method pmkvq),
+    # else `bits` for every layer; each layer reaches its final width at budget_tokens
+    "pmkvq": CacheSpec(name="pmkvq", bits=2, start_bits=16, budget_tokens=8192),
+    "oscar-pmkvq": CacheSpec(
+        name="oscar-pmkvq", bits=2, start_bits=16, budget_tokens=8192, rotation="artifact",
+        clip_k=0.96, clip_v=0.92, key_mean=True,
     ),
 }
 
