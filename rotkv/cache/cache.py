@@ -117,5 +117,11 @@ class RotkvCache(Cache):
 
 
 def make_cache(model, spec: CacheSpec | str, artifact: Artifact | str | None = None, **overrides) -> Cache:
-    """A RotkvCache for a preset name or spec; ``bf16`` also goes through rotkv (unquantized tiers)."""
-    return RotkvCache(model, spec, artifact, **overrides)
+    """A RotkvCache for a preset name or spec; ``bf16`` also goes through rotkv (unquantized tiers).
+    A spec with ``budget_tokens`` gets budgeted layers (progressive precision or eviction)."""
+    spec = resolve_spec(spec, **overrides)
+    if spec.budget_tokens is not None:
+        from rotkv.cache.progressive import BudgetCache  # it subclasses RotkvCache
+
+        return BudgetCache(model, spec, artifact)
+    return RotkvCache(model, spec, artifact)
