@@ -1,0 +1,224 @@
+"""Layers with a memory budget: progressive precision (PM-KVQ) and, as its baselines, eviction.
+
+Each layer's budget is what ``spec.budget_tokens`` tokens of one sequence take in that layer at
+its final width, the bf16 sink and window included (``layer_budget``), times the batch's rows.
+
+- :class:`ProgressiveLayer` (``spec.start_bits`` set): the body starts at 16 (or 8) bits. Before
+  a page leaves the window, the layer checks the bytes it would then hold; while that is over
+  budget the whole body (every row, keys and values) shrinks one step, 16 -> 8 -> 4 -> 2, down
+  to the layer's final width, by the equivalent right shift on the integer codes
+  (``rotkv.quant.progressive``). Pages written later are quantized at the current width on the
+  same grid. At the final width a layer still over budget raises, naming the budget and the
+  context length: it never drops tokens.
+- :class:`EvictingLayer` (``budget_tokens`` without ``start_bits``): fixed width, or bf16 when
+  ``bits`` is None; over budget, the oldest tokens after the sink are dropped (body pages first,
+  then window tokens): "keep the sink and the most recent tokens that fit". Keys are stored
+  post-RoPE, so the kept tokens keep their positions.
+
+Final widths per layer come from an artifact's ``bits [L]`` (``rotkv calibrate --method pmkvq``),
+otherwise ``spec.bits`` for every layer. Rotations compose: the body stores rotated rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rotkv.cache.cache import RotkvCache
+from rotkv.cache.layer import HybridLayer, RowStore
+from rotkv.config import CacheSpec
+from rotkv.quant.progressive import (
+    ProgressiveRows,
+    anchor_div,
+    anchor_dtype,
+    dequantize_progressive,
+    load_codes,
+    quantize_at,
+    shift_codes,
+    step_factor,
+    store_codes,
+)
+from rotkv.quant.quantizer import meta_dtype
+from rotkv.rotations.artifact import load_artifact, validate_artifact
+
+
+class ProgressiveCodec:
+    """A block codec whose width shrinks; pages ``[nb, H, P, D]`` <-> ``{codes, scale, lo}``.
+
+    State shared by every page of the body: ``bits`` (current width), ``mult`` (M), ``div``.
+    """
+
+    def __init__(self, start_bits: int, final_bits: int, group_size: int, clip: float = 1.0,
+                 anchor: str = "final", shift: str = "equivalent"):
+        self.bits, self.final_bits, self.group_size, self.clip = start_bits, final_bits, group_size, clip
+        self.shift, self.mult = shift, 1
+        self.div = anchor_div(start_bits, final_bits, anchor)
+        self.dtype = anchor_dtype(start_bits, final_bits, anchor)
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        q = quantize_at(x, self.bits, self.mult, self.div, self.dtype, self.group_size, self.clip, self.shift)
+        return {"codes": q.codes, "scale": q.scale, "lo": q.lo}
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        q = ProgressiveRows(parts["codes"], parts["scale"], parts["lo"], self.bits, self.mult, self.div, self.group_size)
+        return dequantize_progressive(q)
+
+    @property
+    def can_shrink(self) -> bool:
+        return self.bits // 2 >= self.final_bits
+
+    def shrink_parts(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The stored codes one step down (integer ops only); lo and scale are kept as they are."""
+        c = self.bits // 2
+        return parts | {"codes": store_codes(shift_codes(load_codes(parts["codes"], self.bits), c, self.shift), c)}
+
+    def step(self) -> None:
+        c = self.bits // 2
+        self.bits, self.mult = c, self.mult * step_factor(c, self.shift)
+
+    def row_bytes(self, head_dim: int, bits: int | None = None) -> int:
+        """Bytes of one token-head row ``[D]`` at ``bits`` (default: the current width)."""
+        bits = self.bits if bits is None else bits
+        return head_dim * bits // 8 + 2 * (head_dim // self.group_size) * self.dtype.itemsize
+
+
+def body_row_bytes(head_dim: int, bits: int, group_size: int, meta: torch.dtype | None = None) -> int:
+    """Bytes of one quantized token-head row ``[D]``: codes plus lo and scale per group."""
+    return head_dim * bits // 8 + 2 * (head_dim // group_size) * (meta or meta_dtype(bits)).itemsize
+
+
+def layer_budget(spec: CacheSpec, final_bits: int | None, kv_heads: int, head_dim: int, tier_itemsize: int) -> int:
+    """Bytes one sequence may hold in one layer: ``spec.budget_tokens`` tokens at ``final_bits``
+    (None: unquantized), with the sink and the fullest window (W + P - 1 tokens) in the tier dtype."""
+    n = spec.budget_tokens
+    tier_tok = 2 * kv_heads * head_dim * tier_itemsize
+    if final_bits is None:
+        return n * tier_tok
+    tiers = min(n, spec.sink + spec.window + spec.page_size - 1)
+    meta = anchor_dtype(spec.start_bits, final_bits, spec.anchor) if spec.start_bits else None
+    body_tok = 2 * kv_heads * body_row_bytes(head_dim, final_bits, spec.resolved_group(head_dim), meta)
+    return tiers * tier_tok + (n - tiers) * body_tok
+
+
+def _bytes(row: RowStore) -> int:
+    return row.tier_bytes() + row.body_bytes()
+
+
+class ProgressiveLayer(HybridLayer):
+    """A hybrid layer whose body shrinks to stay within its budget; see the module docstring."""
+
+    def __init__(self, *args, final_bits: int, budget: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.final_bits, self.budget = final_bits, budget
+        self.shrinks: list[tuple[int, int]] = []  # (context length, new width) of every shrink
+
+    @property
+    def bits(self) -> int:
+        return self.key_codec.bits
+
+    def shrink(self) -> None:
+        """The whole body (every row, keys and values) one step down."""
+        for row in self.rows:
+            if row.body_tokens:
+                row.body_k = self.key_codec.shrink_parts(row.body_k)
+                row.body_v = self.value_codec.shrink_parts(row.body_v)
+        self.key_codec.step()
+        self.value_codec.step()
+
+    def _flush(self, row: RowStore) -> None:
+        p, w = self.spec.page_size, self.spec.window
+        n = row.win_k.shape[1]
+        m = (n - w) // p * p if n >= w + p else 0
+        if not m:
+            return
+        budget = self.budget * len(self.rows)
+        tier_tok = 2 * self.kv_heads * self.head_dim * row.win_k.element_size()
+
+        def after() -> int:  # bytes held once the m tokens are in the body at the current width
+            body_tok = 2 * self.kv_heads * self.key_codec.row_bytes(self.head_dim)
+            return sum(_bytes(r) for r in self.rows) - m * tier_tok + m * body_tok
+
+        while after() > budget and self.key_codec.can_shrink:
+            self.shrink()
+            self.shrinks.append((row.length, self.bits))
+        if after() > budget:
+            raise ValueError(
+                f"layer {self.layer_idx}: the KV cache is over its budget at its final width of {self.final_bits} bits: "
+                f"{after()} bytes > {budget} bytes (budget_tokens={self.spec.budget_tokens} per sequence) at a "
+                f"context length of {row.length} tokens; raise `budget_tokens` or lower the final width"
+            )
+        super()._flush(row)
+
+
+class EvictingLayer(HybridLayer):
+    """Fixed width (or bf16) with a budget: drops the oldest tokens after the sink; see the module docstring."""
+
+    def __init__(self, *args, budget: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.budget = budget
+        self.evicted = 0
+
+    def _append(self, row: RowStore, k: torch.Tensor, v: torch.Tensor) -> None:
+        super()._append(row, k, v)
+        excess = _bytes(row) - self.budget
+        if excess > 0 and row.body_tokens:
+            page = self.spec.page_size
+            page_bytes = row.body_bytes() // (row.body_tokens // page)
+            drop = min(-(-excess // page_bytes), row.body_tokens // page)
+            row.body_k = {key: t[drop:] for key, t in row.body_k.items()}
+            row.body_v = {key: t[drop:] for key, t in row.body_v.items()}
+            row.body_tokens -= drop * page
+            self.evicted += drop * page
+            excess = _bytes(row) - self.budget
+        if excess > 0:
+            tok = 2 * self.kv_heads * self.head_dim * row.win_k.element_size()
+            drop = min(-(-excess // tok), row.win_k.shape[1] - 1)
+            row.win_k, row.win_v = row.win_k[:, drop:].clone(), row.win_v[:, drop:].clone()
+            self.evicted += drop
+
+
+def final_widths(spec: CacheSpec, artifact, num_layers: int) -> list[int | None]:
+    """Per-layer final widths: the artifact's ``bits [L]`` when it has them, else ``spec.bits``."""
+    if artifact is not None and "bits" in artifact.tensors:
+        bits = [int(b) for b in artifact.tensors["bits"].tolist()]
+        if len(bits) != num_layers:
+            raise ValueError(f"artifact {artifact.path} has {len(bits)} widths in `bits` for {num_layers} layers")
+        return bits
+    return [spec.bits] * num_layers
+
+
+class BudgetCache(RotkvCache):
+    """A RotkvCache whose full-attention layers have a byte budget (``spec.budget_tokens``):
+    progressive layers when ``spec.start_bits`` is set, evicting layers otherwise."""
+
+    def __init__(self, model, spec: CacheSpec, artifact=None):
+        if spec.budget_tokens is None:
+            raise ValueError("a BudgetCache needs `budget_tokens` (the context each layer's budget must hold)")
+        super().__init__(model, spec, artifact)
+        if isinstance(artifact, str) and self.artifact is None:  # rotation-free presets read only `bits`
+            artifact = load_artifact(artifact)
+            validate_artifact(artifact, model)
+            self.artifact = artifact
+        widths = final_widths(spec, self.artifact, len(self.layers))
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, HybridLayer):
+                self.layers[i] = self._budgeted(layer, widths[i], model.dtype)
+
+    def _budgeted(self, old: HybridLayer, final: int | None, model_dtype: torch.dtype) -> HybridLayer:
+        spec, d = self.spec, self.head_dim
+        args = (spec, old.rotation_cpu, d, self.kv_heads, old.layer_idx)
+        tier_size = torch.empty(0, dtype=old.tier_dtype).element_size()
+        if spec.start_bits is None:
+            budget = layer_budget(spec, final if spec.quantized else None, self.kv_heads, d, tier_size)
+            return EvictingLayer(*args, codecs=(old.key_codec, old.value_codec), model_dtype=model_dtype, budget=budget)
+        if final is None or final > spec.start_bits:
+            raise ValueError(f"layer {old.layer_idx}: final width {final} has to be one of [2, 4, 8] and <= start_bits {spec.start_bits}")
+        g = spec.resolved_group(d)
+        r = old.rotation_cpu
+        codecs = tuple(ProgressiveCodec(spec.start_bits, final, g, clip, spec.anchor, spec.shift)
+                       for clip in (r.clip_k or spec.clip_k, r.clip_v or spec.clip_v))
+        budget = layer_budget(spec, final, self.kv_heads, d, tier_size)
+        return ProgressiveLayer(*args, codecs=codecs, model_dtype=model_dtype, final_bits=final, budget=budget)
+
+    def widths(self) -> list[int | None]:
+        """Current body width of every layer (None: not progressive)."""
+        return [getattr(layer, "bits", None) if isinstance(layer, ProgressiveLayer) else None for layer in self.layers]

@@ -1,0 +1,108 @@
+"""Budgeted layers inside a model: progressive shrinking, its exactness, the over-budget error, eviction."""
+
+import pytest
+import torch
+
+from rotkv.cache import make_cache
+from rotkv.cache.progressive import BudgetCache, EvictingLayer, ProgressiveLayer, layer_budget
+from rotkv.config import CacheSpec, get_preset
+from rotkv.hf.compat import cache_kwarg
+
+BASE = dict(group_size=16, sink=4, window=16, page_size=8, prefill_chunk=16, tier_dtype="float32")
+
+
+def feed(model, cache, ids, step=16):
+    """Teacher-forced in chunks; returns the logits and each layer's (tokens, bytes, width) after every chunk."""
+    outs, trace = [], []
+    with torch.no_grad():
+        for i in range(0, ids.shape[1], step):
+            outs.append(model(input_ids=ids[:, i : i + step], **{cache_kwarg(model): cache}).logits)
+            trace.append([(l.rows[0].length, sum(r.tier_bytes() + r.body_bytes() for r in l.rows), getattr(l, "bits", None))
+                          for l in cache.layers])
+    return torch.cat(outs, 1), trace
+
+
+def test_progressive_shrinks_in_steps_and_stays_within_budget(tiny_llama):
+    spec = CacheSpec(bits=2, start_bits=16, budget_tokens=160, **BASE)
+    cache = make_cache(tiny_llama, spec)
+    assert isinstance(cache, BudgetCache) and all(isinstance(l, ProgressiveLayer) for l in cache.layers)
+    _, trace = feed(tiny_llama, cache, torch.randint(1, 128, (1, 160)))
+    budget = cache.layers[0].budget
+    widths = [t[0][2] for t in trace]
+    assert widths[0] == 16 and widths[-1] == 2
+    assert widths == sorted(widths, reverse=True) and set(widths) == {16, 8, 4, 2}
+    assert all(b <= budget for t in trace for _, b, _ in t)
+    assert [w for _, w in cache.layers[0].shrinks] == [8, 4, 2]
+
+
+def test_progressive_body_equals_fixed_width_body(tiny_llama):
+    # every stored page, whether written at 16 bits and shifted or written later at a lower width,
+    # holds what direct 2-bit quantization stores: same codes, same fp16 scale and lo. Layer 0's
+    # states depend on the input ids alone, so both caches see the same rows there.
+    ids = torch.randint(1, 128, (1, 150))
+    prog = make_cache(tiny_llama, CacheSpec(bits=2, start_bits=16, budget_tokens=150, **BASE))
+    fixed = make_cache(tiny_llama, CacheSpec(bits=2, **BASE))
+    feed(tiny_llama, prog, ids)
+    feed(tiny_llama, fixed, ids)
+    assert prog.widths() == [2, 2] and prog.layers[0].shrinks[0][0] < 100
+    for name in ("body_k", "body_v"):
+        for part in ("codes", "scale", "lo"):
+            assert torch.equal(getattr(prog.layers[0].rows[0], name)[part], getattr(fixed.layers[0].rows[0], name)[part])
+
+
+def test_16_bit_body_is_nearly_lossless(tiny_llama):
+    ids = torch.randint(1, 128, (1, 64))
+    a, trace = feed(tiny_llama, make_cache(tiny_llama, CacheSpec(bits=2, start_bits=16, budget_tokens=4096, **BASE)), ids)
+    b, _ = feed(tiny_llama, make_cache(tiny_llama, CacheSpec(bits=None, **BASE)), ids)
+    assert trace[-1][0][2] == 16
+    assert torch.allclose(a, b, atol=1e-3)
+
+
+def test_over_budget_at_final_width_raises_with_budget_and_context(tiny_llama):
+    cache = make_cache(tiny_llama, CacheSpec(bits=2, start_bits=16, budget_tokens=60, **BASE))
+    with pytest.raises(ValueError, match=r"over its budget .*budget_tokens=60.*context length of \d+ tokens"):
+        feed(tiny_llama, cache, torch.randint(1, 128, (1, 120)))
+
+
+def test_final_width_4_never_goes_below(tiny_llama):
+    cache = make_cache(tiny_llama, CacheSpec(bits=4, start_bits=8, budget_tokens=200, **BASE))
+    feed(tiny_llama, cache, torch.randint(1, 128, (1, 200)))
+    assert cache.widths() == [4, 4]
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_eviction_keeps_sink_and_most_recent(tiny_llama, bits):
+    spec = CacheSpec(bits=bits, budget_tokens=48, **BASE)
+    cache = make_cache(tiny_llama, spec)
+    assert all(isinstance(l, EvictingLayer) for l in cache.layers)
+    ids = torch.randint(1, 128, (1, 160))
+    _, trace = feed(tiny_llama, cache, ids)
+    layer = cache.layers[0]
+    assert all(b <= layer.budget for t in trace for _, b, _ in t)
+    assert layer.evicted > 0 and layer.rows[0].sink_k.shape[1] == 4
+    # the window's last key is the last token's: compare with an unbudgeted cache
+    ref = make_cache(tiny_llama, CacheSpec(bits=bits, **BASE))
+    feed(tiny_llama, ref, ids)
+    assert torch.equal(layer.rows[0].win_k[:, -1], ref.layers[0].rows[0].win_k[:, -1])
+    assert torch.equal(layer.rows[0].sink_k, ref.layers[0].rows[0].sink_k)
+
+
+def test_layer_budget_counts_tiers_and_metadata():
+    spec = CacheSpec(bits=2, start_bits=16, budget_tokens=1000, group_size=64, sink=16, window=64, page_size=16)
+    # sink + fullest window = 16 + 79 tier tokens at 2 * 3 * 64 * 2 bytes; 905 body tokens at
+    # 2 * 3 * (16 code bytes + fp16 lo and scale) or, anchored at the start, fp32 lo and scale
+    assert layer_budget(spec, 2, 3, 64, 2) == 95 * 768 + 905 * 2 * 3 * (16 + 4)
+    assert layer_budget(spec.replace(anchor="start", shift="plain"), 2, 3, 64, 2) == 95 * 768 + 905 * 2 * 3 * (16 + 8)
+    assert layer_budget(CacheSpec(bits=None, budget_tokens=10), None, 3, 64, 2) == 10 * 768
+
+
+def test_presets_and_validation():
+    assert get_preset("pmkvq").start_bits == 16 and get_preset("oscar-pmkvq").needs_artifact
+    with pytest.raises(ValueError, match="budget_tokens"):
+        CacheSpec(bits=2, start_bits=16)
+    with pytest.raises(ValueError, match="start_bits"):
+        CacheSpec(bits=2, start_bits=4, budget_tokens=10)
+    with pytest.raises(ValueError, match="anchor"):
+        CacheSpec(bits=2, start_bits=16, budget_tokens=10, shift="plain")
+    with pytest.raises(ValueError, match="shift"):
+        CacheSpec(bits=2, start_bits=16, budget_tokens=10, shift="nope", anchor="start")
