@@ -18,7 +18,6 @@ base artifact's rotations when one is given (OSCAR + PM-KVQ).
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 
 import numpy as np
@@ -81,23 +80,31 @@ def layer_sensitivity(rot: LayerRotation, k, v, gk, gv, group: int, clip_k: floa
     return out
 
 
+def kv_with_grads(model, ids: torch.Tensor, stretch: int = 4) -> dict:
+    """``{layer: (k, v)}`` post-RoPE ``[1, H, T, D]`` with ``.grad`` = dL/dk, dL/dv of the LM loss on
+    ``ids [1, T]`` at positions ``arange(0, stretch * T, stretch)``. ``model`` must not need grads."""
+    t = ids.shape[1]
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    pos = torch.arange(0, stretch * t, stretch, device=ids.device).unsqueeze(0)
+    # an explicit all-ones mask: without it, transformers reads non-consecutive position_ids (no
+    # cache, no mask) as packed sequences and lets every token attend to itself only
+    mask = torch.ones_like(ids)
+    with capturing_kv_grads(model) as kv:
+        loss = model(inputs_embeds=emb, attention_mask=mask, position_ids=pos, labels=ids, use_cache=False).loss
+    loss.backward()
+    return kv
+
+
 def sensitivities(model, chunks: list[torch.Tensor], rotations: list[LayerRotation], group: int,
                   clip_k: float = 1.0, clip_v: float = 1.0, stretch: int = 4, skip: int = 16) -> np.ndarray:
     """``[L, len(WIDTHS)]`` summed over ``chunks`` (each ``[1, T]`` token ids); see the module docstring."""
     dev = next(model.parameters()).device
     sens = np.zeros((len(rotations), len(WIDTHS)))
-    embed = model.get_input_embeddings()
     req = [p.requires_grad for p in model.parameters()]
     model.requires_grad_(False)
     try:
         for ids in chunks:
-            ids = ids.to(dev)
-            t = ids.shape[1]
-            emb = embed(ids).detach().requires_grad_(True)
-            pos = torch.arange(0, stretch * t, stretch, device=dev).unsqueeze(0)
-            with capturing_kv_grads(model) as kv:
-                loss = model(inputs_embeds=emb, position_ids=pos, labels=ids, use_cache=False).loss
-            loss.backward()
+            kv = kv_with_grads(model, ids.to(dev), stretch)
             for layer, (k, v) in kv.items():
                 rot = rotations[layer].to(dev)
                 ck = clip_k if rot.clip_k is None else rot.clip_k
@@ -152,17 +159,71 @@ def calibrate_pmkvq(loaded, rotations: list[LayerRotation], budget_bpe: float, g
     return bits, sens
 
 
-def artifact_tensors(bits: np.ndarray, sens: np.ndarray) -> dict[str, torch.Tensor]:
-    return {"bits": torch.tensor(bits, dtype=torch.int32), "pmkvq_sensitivity": torch.tensor(sens, dtype=torch.float32)}
+def pmkvq_artifact(loaded, bits: np.ndarray, sens: np.ndarray, base=None, **info) -> tuple[dict, dict]:
+    """(tensors, metadata): the widths and sensitivities, beside a base artifact's tensors if given."""
+    from rotkv.rotations.artifact import model_meta
+
+    tensors = dict(base.tensors) if base is not None else {}
+    tensors |= {"bits": torch.tensor(bits, dtype=torch.int32), "pmkvq_sensitivity": torch.tensor(sens, dtype=torch.float32)}
+    meta = dict(base.meta) if base is not None else model_meta(loaded.model, loaded.model_id)
+    method = f"{base.meta['method']}+pmkvq" if base is not None else "pmkvq"
+    meta |= {"method": method, "date": model_meta(loaded.model, loaded.model_id)["date"]}
+    meta |= {f"pmkvq_{k}": str(v) for k, v in info.items()}
+    return tensors, meta
 
 
-def uniform_widths_check(bits: np.ndarray) -> None:
-    bad = [int(b) for b in bits if int(b) not in WIDTHS]
-    if bad:
-        raise ValueError(f"final widths have to be in {list(WIDTHS)} but got {bad}")
+def add_arguments(p) -> None:
+    """The options of ``rotkv calibrate --method pmkvq`` (also ``python -m rotkv.calibrate.pmkvq``)."""
+    p.add_argument("--model", default=None, help="smollm2 (default), a .gguf file or a local HF model directory")
+    p.add_argument("--out", required=True, help="output .safetensors file")
+    p.add_argument("--base-artifact", default=None, help="an artifact whose rotations the widths are fitted for")
+    p.add_argument("--rotation", default="identity", choices=["identity", "hadamard"],
+                   help="rotation the sensitivities assume when there is no base artifact")
+    p.add_argument("--budget-bpe", type=float, default=3.5,
+                   help="mean body bits per element (codes and metadata) the widths may use; 2-bit costs 2.5 at G=64")
+    p.add_argument("--data", nargs="+", default=None, help="text files (default: the built-in calibration corpus)")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--chunk-len", type=int, default=512)
+    p.add_argument("--stretch", type=int, default=4, help="positional interpolation factor s")
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--clip-k", type=float, default=None, help="default: the base artifact's, else 1.0")
+    p.add_argument("--clip-v", type=float, default=None)
+    p.add_argument("--device", default="cpu")
 
 
-def log2_span(sens: np.ndarray) -> float:
-    """Decades spanned by the 2-bit sensitivities (a quick read of how uneven the layers are)."""
-    s = sens[:, 0]
-    return math.log10(s.max() / max(s.min(), 1e-30))
+def run(args) -> int:
+    from rotkv.hf.models import load_model
+    from rotkv.rotations.artifact import load_artifact, model_geometry, save_artifact, validate_artifact
+    from rotkv.rotations.base import build_rotations
+
+    loaded = load_model(args.model, device=args.device)
+    layers, kv_heads, head_dim = model_geometry(loaded.model.config)
+    group = min(args.group_size, head_dim)
+    base = None
+    if args.base_artifact:
+        base = load_artifact(args.base_artifact)
+        validate_artifact(base, loaded.model)
+        rots = [base.layer_rotation(i) for i in range(layers)]
+    else:
+        rots = build_rotations(args.rotation, layers, kv_heads, head_dim)
+    clip_k = 1.0 if args.clip_k is None else args.clip_k
+    clip_v = 1.0 if args.clip_v is None else args.clip_v
+    t0 = time.time()
+    bits, sens = calibrate_pmkvq(loaded, rots, args.budget_bpe, group, args.tokens, args.chunk_len,
+                                 clip_k, clip_v, args.stretch, args.data)
+    tensors, meta = pmkvq_artifact(
+        loaded, bits, sens, base, budget_bpe=args.budget_bpe, stretch=args.stretch, tokens=args.tokens,
+        rotation="base" if base is not None else args.rotation, group_size=group,
+        base_artifact=args.base_artifact or "", seconds=f"{time.time() - t0:.0f}")
+    save_artifact(args.out, tensors, meta)
+    print(f"wrote {args.out}: final widths {bits.tolist()}")
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m rotkv.calibrate.pmkvq", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))
