@@ -31,11 +31,9 @@ from rotkv.quant.progressive import (
     anchor_div,
     anchor_dtype,
     dequantize_progressive,
-    load_codes,
     quantize_at,
-    shift_codes,
+    shrink_stored,
     step_factor,
-    store_codes,
 )
 from rotkv.quant.quantizer import meta_dtype
 from rotkv.rotations.artifact import load_artifact, validate_artifact
@@ -68,8 +66,7 @@ class ProgressiveCodec:
 
     def shrink_parts(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The stored codes one step down (integer ops only); lo and scale are kept as they are."""
-        c = self.bits // 2
-        return parts | {"codes": store_codes(shift_codes(load_codes(parts["codes"], self.bits), c, self.shift), c)}
+        return parts | {"codes": shrink_stored(parts["codes"], self.bits, self.shift)}
 
     def step(self) -> None:
         c = self.bits // 2

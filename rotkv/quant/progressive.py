@@ -178,13 +178,18 @@ def codes_on_grid(g: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, mult: 
     return round_half_up((g.double() - lo.double().unsqueeze(-1)) * div / safe, bits)
 
 
+def shrink_stored(codes: torch.Tensor, bits: int, shift: str = "equivalent") -> torch.Tensor:
+    """Stored codes at ``bits`` -> stored codes at ``bits / 2``: unpack, integer shift, pack."""
+    c = bits // 2
+    return store_codes(shift_codes(load_codes(codes, bits), c, shift), c)
+
+
 def shrink(q: ProgressiveRows, final_bits: int = 2) -> ProgressiveRows:
     """One step down (16 -> 8 -> 4 -> 2) by ``q.shift``; refuses to go below ``final_bits``."""
     c = q.bits // 2
     if c < final_bits or c < 2:
         raise ValueError(f"cannot shrink a {q.bits}-bit body below its final width {final_bits}")
-    new = shift_codes(load_codes(q.codes, q.bits), c, q.shift)
-    return replace(q, codes=store_codes(new, c), bits=c, mult=q.mult * step_factor(c, q.shift))
+    return replace(q, codes=shrink_stored(q.codes, q.bits, q.shift), bits=c, mult=q.mult * step_factor(c, q.shift))
 
 
 def dequantize_progressive(q: ProgressiveRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
