@@ -1,0 +1,88 @@
+"""Folding rotations into the attention weights (``nn.Linear`` layout: ``weight [out, in]``).
+
+Values (METHODS 3): for KV head g and query head h with ``g = h // n_rep``,
+``v_proj.weight[g] <- R_V(g)^T @ W[g]``, ``v_proj.bias[g] <- b[g] @ R_V(g)``,
+``o_proj.weight[:, h] <- W_O[:, h] @ R_V(g)``. The value cache then holds ``v R_V`` and the output
+projection undoes it, at no run-time cost.
+
+Pairwise SO(2) rotations of the RoPE pairs ``(i, i + D/2)`` commute with RoPE, so they fold into
+W_Q and W_K (``W[h] <- R(g)^T @ W[h]`` for the query heads of g and for g itself). With QK-norm the
+norm's per-channel weight sits between W and RoPE: a pair folds exactly only where its two norm
+weights are equal (for both q_norm and k_norm); the other pairs are returned to be applied online,
+post-RoPE. All arithmetic is float64, cast back to the weight's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rotkv.calibrate.pairwise import pair_matrix
+from rotkv.hf.models import attention_modules
+
+
+def _geometry(attn) -> tuple[int, int, int]:
+    d = attn.head_dim
+    h = attn.k_proj.weight.shape[0] // d
+    hq = attn.q_proj.weight.shape[0] // d
+    return h, hq, d
+
+
+@torch.no_grad()
+def _rotate_rows(proj: torch.nn.Linear, mats: torch.Tensor, head_of_block) -> None:
+    """Row block b of ``proj`` (``[D, in]``) <- ``R(head_of_block(b))^T @ W_b``; bias ``b_b @ R``."""
+    d = mats.shape[-1]
+    w = proj.weight.double()
+    n = w.shape[0] // d
+    wb = w.reshape(n, d, -1)
+    r = mats.double()[[head_of_block(b) for b in range(n)]]  # [n, D, D]
+    proj.weight.copy_((r.transpose(-1, -2) @ wb).reshape_as(w).to(proj.weight.dtype))
+    if proj.bias is not None:
+        b = proj.bias.double().reshape(n, 1, d)
+        proj.bias.copy_((b @ r).reshape(-1).to(proj.bias.dtype))
+
+
+@torch.no_grad()
+def fold_values(model: torch.nn.Module, r_v: list[torch.Tensor]) -> None:
+    """Fold ``R_V`` (per layer ``[H or 1, D, D]``) into v_proj and o_proj, in place."""
+    for attn, r in zip(attention_modules(model), r_v, strict=True):
+        h, hq, d = _geometry(attn)
+        r = r.expand(h, d, d)
+        rep = hq // h
+        _rotate_rows(attn.v_proj, r, lambda b: b)
+        w = attn.o_proj.weight.double()  # [hidden, Hq*D]
+        wb = w.reshape(w.shape[0], hq, d).transpose(0, 1)  # [Hq, hidden, D]
+        rr = r.double()[[i // rep for i in range(hq)]]
+        attn.o_proj.weight.copy_((wb @ rr).transpose(0, 1).reshape_as(w).to(attn.o_proj.weight.dtype))
+
+
+def foldable_pairs(attn) -> torch.Tensor:
+    """``[D/2]`` bool: pairs whose QK-norm weights are equal (all True without QK-norm)."""
+    d = attn.head_dim
+    ok = torch.ones(d // 2, dtype=torch.bool)
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(attn, name, None)
+        w = getattr(norm, "weight", None)
+        if w is not None and w.numel() == d:
+            ok &= w.detach()[: d // 2].cpu() == w.detach()[d // 2 :].cpu()
+    return ok
+
+
+@torch.no_grad()
+def fold_pairwise(model: torch.nn.Module, angles: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fold per-layer pair angles ``[H or 1, D/2]`` into q_proj and k_proj, in place.
+
+    Returns per layer the angles ``[H, D/2]`` that could not be folded (zero where folded): apply
+    ``pair_matrix(rest)`` to post-RoPE queries and keys online to complete the rotation.
+    """
+    rests = []
+    for attn, a in zip(attention_modules(model), angles, strict=True):
+        h, hq, d = _geometry(attn)
+        a = a.float().expand(h, d // 2)
+        ok = foldable_pairs(attn)
+        folded = torch.where(ok, a, torch.zeros_like(a))
+        r = pair_matrix(folded)
+        rep = hq // h
+        _rotate_rows(attn.q_proj, r, lambda b: b // rep)
+        _rotate_rows(attn.k_proj, r, lambda b: b)
+        rests.append(a - folded)
+    return rests
