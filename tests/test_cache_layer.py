@@ -48,6 +48,8 @@ def test_tier_sizes_and_contents(n, step):
     assert W <= win < W + P or n < S + W + P
     assert layer.get_seq_length() == n
     k_read, v_read = layer.read(row)
+    k_dec, v_dec = layer.decode_row(row)  # the reference read buffer equals a decode of the stored format
+    assert torch.equal(k_read, k_dec) and torch.equal(v_read, v_dec)
     # sink and window are exact; the body equals quantize -> dequantize of the same tokens
     assert torch.equal(k_read[:, :sink], ks[:, :sink]) and torch.equal(k_read[:, sink + body:], ks[:, sink + body:])
     if body:

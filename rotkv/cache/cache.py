@@ -86,9 +86,11 @@ class RotkvCache(Cache):
         """Measured resident bytes and bits per element over every layer and tier.
 
         kv_bytes counts codes, metadata and the bf16 tiers (and bf16 sliding layers); rotation
-        matrices and means are reported apart as rotation_bytes.
+        matrices and means are reported apart as rotation_bytes, and the PyTorch reference reader's
+        float32 read buffer (not part of the cache format; the GPU kernels have none) as scratch_bytes.
         """
-        tot = {"tokens": 0, "body_tokens": 0, "body_bytes": 0, "tier_bytes": 0, "elements": 0, "body_elements": 0}
+        tot = {"tokens": 0, "body_tokens": 0, "body_bytes": 0, "tier_bytes": 0, "scratch_bytes": 0, "elements": 0,
+               "body_elements": 0}
         for layer in self.layers:
             if isinstance(layer, HybridLayer):
                 for k, v in layer.stats().items():
@@ -103,6 +105,7 @@ class RotkvCache(Cache):
             "body_bytes": tot["body_bytes"],
             "tier_bytes": tot["tier_bytes"],
             "rotation_bytes": self.rotation_bytes,
+            "scratch_bytes": tot["scratch_bytes"],
             "artifact_bytes": self.artifact.nbytes if self.artifact is not None else 0,
             "bits_per_element": 8 * kv_bytes / tot["elements"] if tot["elements"] else 0.0,
             "body_bits_per_element": 8 * tot["body_bytes"] / tot["body_elements"] if tot["body_elements"] else 0.0,

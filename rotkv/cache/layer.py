@@ -42,6 +42,13 @@ class RowStore:
     body_k: dict[str, torch.Tensor] = field(default_factory=dict)
     body_v: dict[str, torch.Tensor] = field(default_factory=dict)
     body_tokens: int = 0
+    # The reference reader's float32 view of every stored token in order (sink, dequantized
+    # body, window): appends write into it and a page flush overwrites its tokens with their
+    # dequantized values, so a read never re-decodes or concatenates. It is scratch memory of
+    # the CPU/PyTorch reference path (the Triton decode kernel reads the packed pages instead)
+    # and is reported apart as scratch_bytes, not as resident cache.
+    view_k: torch.Tensor | None = None
+    view_v: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> "RowStore":
@@ -57,6 +64,21 @@ class RowStore:
 
     def body_bytes(self) -> int:
         return sum(_nbytes(t) for t in (*self.body_k.values(), *self.body_v.values()))
+
+    def scratch_bytes(self) -> int:
+        return sum(_nbytes(t) for t in (self.view_k, self.view_v) if t is not None)
+
+    def write_view(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write float32 ``[H, m, D]`` states at token ``start`` of the read view, growing it as needed."""
+        end = start + k.shape[1]
+        if self.view_k is None or self.view_k.shape[1] < end:
+            cap = max(end, 2 * (0 if self.view_k is None else self.view_k.shape[1]), 64)
+            grow = lambda old: torch.cat([old[:, :start], torch.empty(  # noqa: E731
+                k.shape[0], cap - start, k.shape[2], dtype=torch.float32, device=k.device)], 1) \
+                if old is not None else torch.empty(k.shape[0], cap, k.shape[2], dtype=torch.float32, device=k.device)
+            self.view_k, self.view_v = grow(self.view_k), grow(self.view_v)
+        self.view_k[:, start:end] = k
+        self.view_v[:, start:end] = v
 
 
 class HybridLayer(CacheLayerMixin):
@@ -136,13 +158,16 @@ class HybridLayer(CacheLayerMixin):
 
     @staticmethod
     def _copy_row(r: RowStore) -> RowStore:
-        return RowStore(r.sink_k, r.sink_v, r.win_k, r.win_v, dict(r.body_k), dict(r.body_v), r.body_tokens)
+        n = r.length
+        views = (None, None) if r.view_k is None else (r.view_k[:, :n].clone(), r.view_v[:, :n].clone())
+        return RowStore(r.sink_k, r.sink_v, r.win_k, r.win_v, dict(r.body_k), dict(r.body_v), r.body_tokens, *views)
 
     # ---- storage ---------------------------------------------------------------------------------
     def _append(self, row: RowStore, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append rotated states ``[H, n, D]`` (float32) to a row: sink first, then the window;
         full pages leave the window for the body."""
         k, v = k.to(self.tier_dtype), v.to(self.tier_dtype)
+        row.write_view(row.length, k.float(), v.float())
         room = max(0, self.spec.sink - row.sink_k.shape[1])
         if room:
             row.sink_k = torch.cat([row.sink_k, k[:, :room]], 1)
@@ -161,18 +186,30 @@ class HybridLayer(CacheLayerMixin):
         if not pages:
             return
         m = pages * p
+        start = row.sink_k.shape[1] + row.body_tokens
+        decoded = {}
         for name, codec in (("k", self.key_codec), ("v", self.value_codec)):
             win = getattr(row, f"win_{name}")
             block = win[:, :m].float().reshape(self.kv_heads, pages, p, self.head_dim).transpose(0, 1)
             parts = codec.encode(block)
+            decoded[name] = codec.decode(parts).transpose(0, 1).reshape(self.kv_heads, m, self.head_dim)
             body = getattr(row, f"body_{name}")
             for key, t in parts.items():
                 body[key] = torch.cat([body[key], t], 0) if key in body else t
             setattr(row, f"win_{name}", win[:, m:].clone())
         row.body_tokens += m
+        row.write_view(start, decoded["k"], decoded["v"])
 
     def read(self, row: RowStore) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a reader sees: float32 ``[H, n, D]`` keys and values of a row, body dequantized."""
+        """What a reader sees: float32 ``[H, n, D]`` keys and values of a row, body dequantized
+        (a view of the row's read buffer, equal to :meth:`decode_row`)."""
+        n = row.length
+        if row.view_k is None:
+            return self.decode_row(row)
+        return row.view_k[:, :n], row.view_v[:, :n]
+
+    def decode_row(self, row: RowStore) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same as :meth:`read`, decoded from the stored tiers and pages alone."""
         ks, vs = [row.sink_k.float()], [row.sink_v.float()]
         if row.body_tokens:
             for name, codec, out in (("k", self.key_codec, ks), ("v", self.value_codec, vs)):
@@ -225,6 +262,7 @@ class HybridLayer(CacheLayerMixin):
             "body_tokens": body_tokens,
             "body_bytes": sum(r.body_bytes() for r in self.rows),
             "tier_bytes": sum(r.tier_bytes() for r in self.rows),
+            "scratch_bytes": sum(r.scratch_bytes() for r in self.rows),
             "elements": 2 * tokens * self.kv_heads * self.head_dim,
             "body_elements": 2 * body_tokens * self.kv_heads * self.head_dim,
         }

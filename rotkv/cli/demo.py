@@ -1,0 +1,92 @@
+"""`rotkv demo`: a fact hidden in ~2.5K tokens of text, asked about through the quantized cache."""
+
+from __future__ import annotations
+
+import os
+
+from rotkv.cli.common import add_model_args
+
+DEFAULT_PRESETS = ["bf16", "int4", "kivi-2", "naive-int2", "quarot-int2"]
+NEEDLE = "The secret code of the blue vault is {code}."
+QUESTION = "\n\nWhat is the secret code of the blue vault? Answer with the number only."
+ANSWER_PREFIX = "The secret code of the blue vault is"  # starts the reply, so the next tokens are the digits
+
+
+def register(sub) -> None:
+    p = sub.add_parser("demo", help="needle-in-a-haystack retrieval through bf16 and INT2 caches, side by side")
+    add_model_args(p)
+    p.add_argument("--presets", default=",".join(DEFAULT_PRESETS), help="comma-separated presets to compare")
+    p.add_argument("--artifact-dir", default=None,
+                   help="folder with oscar.safetensors / optr.safetensors: adds oscar-int2 / optr-int2")
+    p.add_argument("--tokens", type=int, default=2500, help="approximate context length in tokens")
+    p.add_argument("--depth", type=float, default=0.4, help="where the fact sits in the context (0-1)")
+    p.add_argument("--code", default="4718293", help="the 7-digit fact to retrieve")
+    p.add_argument("--sink", type=int, default=None)
+    p.add_argument("--window", type=int, default=None)
+    p.set_defaults(func=run)
+
+
+def haystack_text() -> str:
+    here = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "eval_python_reference.txt")
+    with open(here, encoding="utf-8") as f:
+        return f.read()
+
+
+def build_prompt(tokenizer, tokens: int, depth: float, code: str):
+    """(context ids, full ids): the context ends with the haystack; the question is its own chunk."""
+    import torch
+
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"--depth has to be in [0, 1] but got {depth}")
+    words = haystack_text().split(" ")
+    # about 1.3 tokens per word in this text; trim by tokens below
+    body = " ".join(words[: int(tokens / 1.1)])
+    ids = tokenizer(body, add_special_tokens=False).input_ids[: max(64, tokens - 120)]
+    body = tokenizer.decode(ids)
+    cut = body.rfind(". ", 0, int(len(body) * depth)) + 2
+    text = body[:cut] + NEEDLE.format(code=code) + " " + body[cut:]
+    marker = "\x00QUESTION\x00"
+    templ = [{"role": "user", "content": text + marker}]
+    full = tokenizer.apply_chat_template(templ, tokenize=False, add_generation_prompt=True) \
+        if getattr(tokenizer, "chat_template", None) else text + marker
+    head, tail = full.split(marker)
+    ctx = tokenizer(head, add_special_tokens=False, return_tensors="pt").input_ids
+    rest = tokenizer(QUESTION + tail + ANSWER_PREFIX, add_special_tokens=False, return_tensors="pt").input_ids
+    return ctx, torch.cat([ctx, rest], 1)
+
+
+def run(args) -> int:
+    from rotkv.cache import RotkvCache
+    from rotkv.generation import generate
+    from rotkv.hf.models import load_model
+
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    artifacts = {}
+    if args.artifact_dir:
+        for method in ("oscar", "optr"):
+            path = os.path.join(args.artifact_dir, f"{method}.safetensors")
+            if os.path.exists(path):
+                presets.append(f"{method}-int2")
+                artifacts[f"{method}-int2"] = path
+    print(f"loading {args.model or 'SmolLM2-135M-Instruct'} ...", flush=True)
+    loaded = load_model(args.model, device=args.device)
+    ctx, ids = build_prompt(loaded.tokenizer, args.tokens, args.depth, args.code)
+    print(f"context: {ctx.shape[1]} tokens with the fact at depth {args.depth:.0%}; "
+          f"question: {ids.shape[1] - ctx.shape[1]} tokens, prefilled after the context so it reads the stored cache\n")
+    rows, reference = [], None
+    for name in presets:
+        cache = RotkvCache(loaded.model, name, artifacts.get(name), sink=args.sink, window=args.window)
+        g = generate(loaded.model, loaded.tokenizer, ids, cache, max_new_tokens=10, context=ctx)
+        st = cache.stats()
+        answer = g.text.strip().splitlines()[0] if g.text.strip() else ""
+        reference = reference if reference is not None else (answer if name == "bf16" else None)
+        rows.append((name, answer, args.code in answer, st["kv_bytes"], st["kv_bytes_bf16"], st["bits_per_element"]))
+        print(f"  {name:<12} -> {answer!r}", flush=True)
+    print()
+    print(f"{'preset':<12} {'answer':<14} {'correct':<8} {'same as bf16':<13} {'KV MB':>7} {'vs bf16':>8} {'bits/elem':>9}")
+    for name, answer, ok, kv, kv16, bpe in rows:
+        same = "-" if reference is None else ("yes" if answer == reference else "no")
+        print(f"{name:<12} {answer[:14]:<14} {'yes' if ok else 'NO':<8} {same:<13} {kv / 1e6:>7.2f} "
+              f"{kv16 / kv:>7.1f}x {bpe:>9.2f}")
+    print("\nKV MB counts codes, metadata and the bf16 sink/window as resident; bits/elem is measured over all tiers.")
+    return 0

@@ -1,0 +1,55 @@
+"""`rotkv generate`: generate text through a rotkv cache and report its measured size."""
+
+from __future__ import annotations
+
+import json
+
+from rotkv.cli.common import add_cache_args, add_model_args, cache_overrides
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="generate text through a quantized KV cache")
+    add_model_args(p)
+    add_cache_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file holding the prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the text and the measured sizes")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from rotkv.cache import RotkvCache
+    from rotkv.generation import encode_prompt, generate
+    from rotkv.hf.models import load_model
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens has to be >= 1 but got {args.max_new_tokens}")
+    prompt = args.prompt
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompt = f.read()
+    loaded = load_model(args.model, device=args.device)
+    cache = RotkvCache(loaded.model, args.preset, args.artifact, **cache_overrides(args))
+    ids = encode_prompt(loaded.tokenizer, prompt, chat=not args.no_chat)
+    g = generate(loaded.model, loaded.tokenizer, ids, cache, args.max_new_tokens,
+                 do_sample=args.sample, temperature=args.temperature, top_p=args.top_p)
+    st = cache.stats()
+    if args.json:
+        print(json.dumps({
+            "text": g.text, "prompt_tokens": g.prompt_tokens, "new_tokens": len(g.new_tokens),
+            "preset": cache.spec.name, "model": loaded.model_id,
+            "kv_bytes": int(st["kv_bytes"]), "kv_bytes_bf16": int(st["kv_bytes_bf16"]),
+            "artifact_bytes": int(st["artifact_bytes"]), "rotation_bytes": int(st["rotation_bytes"]),
+            "bits_per_element": round(st["bits_per_element"], 4),
+            "body_bits_per_element": round(st["body_bits_per_element"], 4),
+            "prefill_s": round(g.prefill_s, 3), "decode_tokens_per_s": round(g.decode_tokens_per_s, 2),
+        }))
+    else:
+        print(g.text)
+    return 0
