@@ -11,6 +11,9 @@ import sys
 SUBCOMMANDS = [
     "rotkv.cli.generate",
     "rotkv.cli.demo",
+    "rotkv.cli.calibrate",
+    "rotkv.cli.inspect",
+    "rotkv.cli.eval",
 ]
 
 

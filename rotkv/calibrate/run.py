@@ -1,0 +1,181 @@
+"""The calibration driver: capture statistics, fit rotations (hadamard, oscar, optr, pairwise), key
+means and clip ratios, and return the artifact tensors and metadata.
+
+Statistics come from all chunks but the last ``n_heldout``; those (calibration text, never evaluation
+text) drive clip search and OptR's early stopping. OptR trains on the first ``n_train`` chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from rotkv.calibrate import clip, optr, oscar, pairwise
+from rotkv.calibrate.capture import capturing
+from rotkv.calibrate.corpus import token_chunks
+from rotkv.calibrate.stats import StatsRecorder, weighted_cs
+from rotkv.hf.models import attention_modules, mean_centering_blocker
+from rotkv.rotations.artifact import model_geometry, model_meta
+from rotkv.rotations.base import LayerRotation, hadamard_matrix
+
+METHODS = ("hadamard", "oscar", "optr", "pairwise")
+CS_FORMS = ("exact", "weighted", "diag")
+
+
+@dataclass
+class CalibConfig:
+    method: str = "oscar"
+    tokens: int = 16384
+    bits: int = 2
+    group_size: int | None = None  # None: min(64, head_dim)
+    granularity: str | None = None  # None: layer for oscar/hadamard/pairwise, kv-head for optr
+    cs: str = "exact"
+    base: str = "oscar"
+    key_mean: bool = True  # clips (and OptR) are fitted with the key mean subtracted
+    sink: int = 16
+    chunk_len: int = 512
+    n_heldout: int = 2
+    n_train: int = 4
+    clip_grid: tuple = clip.GRID
+    search_clips: bool = True
+    steps: int = 80
+    lr: float = 0.02
+    files: list[str] | None = None
+    progress: bool = True
+    timings: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"`method` has to be one of {list(METHODS)} but got {self.method!r}")
+        if self.cs not in CS_FORMS:
+            raise ValueError(f"`cs` has to be one of {list(CS_FORMS)} but got {self.cs!r}")
+        if self.base not in ("hadamard", "oscar"):
+            raise ValueError(f"`base` has to be one of ['hadamard', 'oscar'] but got {self.base!r}")
+        if self.granularity is None:
+            self.granularity = "kv-head" if self.method == "optr" else "layer"
+        if self.granularity not in ("layer", "kv-head"):
+            raise ValueError(f"`granularity` has to be one of ['layer', 'kv-head'] but got {self.granularity!r}")
+        if self.bits not in (2, 4, 8):
+            raise ValueError(f"`bits` has to be one of [2, 4, 8] but got {self.bits}")
+
+
+def collect(model, chunks, sink: int, keep: set[int], keep_kv: bool, heldout: set[int] = frozenset(),
+            progress: bool = True, desc: str = "capture") -> StatsRecorder:
+    """Run every chunk through the model with the capture attention; statistics skip ``heldout`` chunks."""
+    layers, kv_heads, head_dim = model_geometry(model.config)
+    rec = StatsRecorder(layers, kv_heads, head_dim, sink=sink, keep=keep, keep_kv=keep_kv)
+    dev = next(model.parameters()).device
+    with torch.no_grad(), capturing(model, _Switch(rec, heldout)):
+        for i, ids in enumerate(tqdm(chunks, desc=desc, disable=not progress)):
+            rec.chunk = i
+            model(ids.to(dev), use_cache=False)
+    return rec
+
+
+class _Switch:
+    """Forward to the recorder, but only keep samples (no statistics) of held-out chunks."""
+
+    def __init__(self, rec: StatsRecorder, heldout):
+        self.rec, self.heldout = rec, heldout
+
+    def __call__(self, layer, q, k, v, out, probs):
+        if self.rec.chunk in self.heldout:
+            if self.rec.chunk in self.rec.keep:
+                from rotkv.calibrate.stats import Sample
+                self.rec.layers[layer].samples[self.rec.chunk] = Sample(q[0].float().clone(), k[0].float().clone(), v[0].float().clone())
+            return
+        self.rec(layer, q, k, v, out, probs)
+
+
+def value_cov(st, cs: str) -> torch.Tensor:
+    if cs == "exact":
+        return st.cs
+    if cs == "weighted":
+        return weighted_cs(st)
+    return st.cdiag
+
+
+def base_rotations(st, cfg: CalibConfig, method: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(R_K, R_V ``[H, D, D]``, extra tensors) of one layer for a data-driven or fixed method."""
+    h = st.cq.shape[0]
+    if method == "hadamard":
+        r = hadamard_matrix(head_dim).expand(h, head_dim, head_dim).contiguous()
+        return r, r, {}
+    if method == "oscar":
+        return (oscar.oscar_rotation(oscar.pooled(st.cq, cfg.granularity)),
+                oscar.oscar_rotation(oscar.pooled(value_cov(st, cfg.cs), cfg.granularity)), {})
+    if method == "pairwise":
+        ak = pairwise.pair_angles(oscar.pooled(st.ck, cfg.granularity))
+        av = pairwise.pair_angles(oscar.pooled(st.cv, cfg.granularity))
+        return pairwise.pair_matrix(ak), pairwise.pair_matrix(av), {"pair_angles_k": ak, "pair_angles_v": av}
+    raise ValueError(method)
+
+
+def calibrate(loaded, cfg: CalibConfig) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Calibrate ``loaded`` (rotkv.hf.models.Loaded); returns (artifact tensors, metadata)."""
+    model, tok = loaded.model, loaded.tokenizer
+    if cfg.key_mean and (why := mean_centering_blocker(model)):
+        raise ValueError(f"key mean-centering is not exact on this model ({why}); pass key_mean=False")
+    layers, kv_heads, head_dim = model_geometry(model.config)
+    group = cfg.group_size or min(64, head_dim)
+    t0 = time.perf_counter()
+    chunks = token_chunks(tok, cfg.files, cfg.tokens, cfg.chunk_len)
+    n = len(chunks)
+    n_held = min(cfg.n_heldout, max(n - 1, 0))
+    heldout = set(range(n - n_held, n))
+    train = set(range(min(cfg.n_train, n - n_held))) if cfg.method == "optr" else set()
+    rec = collect(model, chunks, cfg.sink, keep=heldout | train, keep_kv=cfg.cs == "weighted" and cfg.method in ("oscar", "optr"),
+                  heldout=heldout, progress=cfg.progress)
+    cfg.timings["capture_s"] = time.perf_counter() - t0
+    attn = attention_modules(model)
+    tensors: dict[str, torch.Tensor] = {}
+    clips_k, clips_v, infos = [], [], []
+    t1 = time.perf_counter()
+    for l in tqdm(range(layers), desc=f"fit {cfg.method}", disable=not cfg.progress):
+        st = rec.layers[l]
+        base = cfg.base if cfg.method == "optr" else cfg.method
+        r_k, r_v, extra = base_rotations(st, cfg, base, head_dim)
+        mu = st.k_mean if cfg.key_mean else None
+        w_o = attn[l].o_proj.weight.detach().float().cpu()
+        scaling = float(getattr(attn[l], "scaling", head_dim**-0.5))
+        held = [st.samples[i] for i in sorted(heldout)]
+        ck = cv = 1.0
+        if cfg.search_clips and held:
+            ck, cv = clip.search_layer(held, LayerRotation(r_k, r_v, mu), w_o, cfg.bits, group, cfg.sink, scaling, cfg.clip_grid)
+        if cfg.method == "optr":
+            tr = [st.samples[i] for i in sorted(train)]
+            r_k, r_v, info = optr.optimize_layer(tr, held, r_k, r_v, mu, w_o, cfg.bits, group, ck, cv, cfg.sink, scaling,
+                                                 steps=cfg.steps, lr=cfg.lr)
+            infos.append(info)
+            if cfg.search_clips:
+                ck, cv = clip.search_layer(held, LayerRotation(r_k, r_v, mu), w_o, cfg.bits, group, cfg.sink, scaling, cfg.clip_grid)
+        same = lambda r: r[:1] if cfg.granularity == "layer" and cfg.method != "optr" else r  # noqa: E731
+        tensors[f"R_K.{l}"], tensors[f"R_V.{l}"] = same(r_k).contiguous(), same(r_v).contiguous()
+        tensors[f"k_mean.{l}"] = st.k_mean
+        for name, t in extra.items():
+            tensors[f"{name}.{l}"] = t
+        clips_k.append(ck)
+        clips_v.append(cv)
+    tensors["clip_k"] = torch.tensor(clips_k, dtype=torch.float32)
+    tensors["clip_v"] = torch.tensor(clips_v, dtype=torch.float32)
+    cfg.timings["fit_s"] = time.perf_counter() - t1
+    cfg.timings["total_s"] = time.perf_counter() - t0
+    meta = model_meta(model, loaded.model_id)
+    meta.update({
+        "method": cfg.method, "bits": cfg.bits, "group_size": group, "granularity": cfg.granularity,
+        "cs": cfg.cs if cfg.method in ("oscar", "optr") else "", "base": cfg.base if cfg.method == "optr" else "",
+        "key_mean_fitted": int(cfg.key_mean), "sink": cfg.sink, "values_folded": "0",
+        "clip_k": ",".join(f"{c:g}" for c in clips_k), "clip_v": ",".join(f"{c:g}" for c in clips_v),
+        "calib_tokens": sum(c.shape[1] for i, c in enumerate(chunks) if i not in heldout),
+        "heldout_tokens": sum(chunks[i].shape[1] for i in heldout),
+        "calib_seconds": f"{cfg.timings['total_s']:.1f}",
+        "threads": torch.get_num_threads(),
+    })
+    if infos:
+        meta["optr_heads_improved_k"] = sum(i["heads_improved_k"] for i in infos)
+        meta["optr_heads_improved_v"] = sum(i["heads_improved_v"] for i in infos)
+        meta["optr_steps"], meta["optr_lr"] = cfg.steps, cfg.lr
+    return tensors, {k: str(v) for k, v in meta.items()}
