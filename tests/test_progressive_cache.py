@@ -106,3 +106,25 @@ def test_presets_and_validation():
         CacheSpec(bits=2, start_bits=16, budget_tokens=10, shift="plain")
     with pytest.raises(ValueError, match="shift"):
         CacheSpec(bits=2, start_bits=16, budget_tokens=10, shift="nope", anchor="start")
+
+
+def test_artifact_widths_and_rotations_compose(tiny_llama, tmp_path):
+    from rotkv.rotations.artifact import model_meta, save_artifact
+    from rotkv.rotations.base import random_orthogonal
+
+    t = {}
+    for l in range(2):
+        t[f"R_K.{l}"] = torch.stack([random_orthogonal(16, 10 * l + i) for i in range(2)])
+        t[f"R_V.{l}"] = torch.stack([random_orthogonal(16, 10 * l + i + 5) for i in range(2)])
+        t[f"k_mean.{l}"] = torch.randn(2, 16)
+    t["bits"] = torch.tensor([4, 2], dtype=torch.int32)
+    save_artifact(str(tmp_path / "a.safetensors"), t, model_meta(tiny_llama, "tiny") | {"method": "oscar+pmkvq"})
+    spec = get_preset("oscar-pmkvq", budget_tokens=150, **BASE)
+    cache = make_cache(tiny_llama, spec, str(tmp_path / "a.safetensors"))
+    feed(tiny_llama, cache, torch.randint(1, 128, (1, 150)))
+    assert cache.widths() == [4, 2] and [l.final_bits for l in cache.layers] == [4, 2]
+    assert cache.layers[0].budget > cache.layers[1].budget
+    assert cache.layers[0].rotation.R_K is not None and cache.layers[0].rotation.k_mean is not None
+    # a rotation-free preset reads only the widths
+    plain = make_cache(tiny_llama, get_preset("pmkvq", budget_tokens=150, **BASE), str(tmp_path / "a.safetensors"))
+    assert [l.final_bits for l in plain.layers] == [4, 2] and plain.layers[0].rotation.R_K is None
