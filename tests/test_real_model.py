@@ -1,0 +1,93 @@
+"""On the real default model (SmolLM2-135M-Instruct, loaded once per session)."""
+
+import json
+
+import pytest
+import torch
+
+from rotkv.cache import RotkvCache
+from rotkv.generation import encode_prompt, generate
+from rotkv.hf.compat import cache_kwarg
+
+pytestmark = pytest.mark.slow
+SMALL = dict(sink=16, window=64, page_size=16)
+
+
+def eval_ids(tok, n):
+    from rotkv.cli.demo import haystack_text
+
+    return tok(haystack_text()[20000:40000], return_tensors="pt").input_ids[:, :n]
+
+
+@torch.no_grad()
+def decode_kl(model, ids, ctx, preset):
+    """KL(plain || preset) over teacher-forced decode steps after a chunk-prefilled context."""
+    ref = torch.log_softmax(model(input_ids=ids).logits[0, ctx - 1:-1].float(), -1)
+    cache = RotkvCache(model, preset, prefill_chunk=128, **SMALL)
+    kw = {cache_kwarg(model): cache}
+    logits = [model(input_ids=ids[:, :ctx], **kw).logits[0, -1]]
+    for t in range(ctx, ids.shape[1] - 1):
+        logits.append(model(input_ids=ids[:, t:t + 1], **kw).logits[0, -1])
+    lp = torch.log_softmax(torch.stack(logits).float(), -1)
+    return (ref.exp() * (ref - lp)).sum(-1).mean().item(), cache.stats()
+
+
+def test_int2_quality_ordering_and_bits(smollm2):
+    model, tok = smollm2.model, smollm2.tokenizer
+    ids = eval_ids(tok, 448)
+    kl = {}
+    for p in ("bf16", "int4", "naive-int2", "quarot-int2"):
+        kl[p], st = decode_kl(model, ids, 384, p)
+        if p == "naive-int2":
+            assert st["body_bits_per_element"] == pytest.approx(2.5)
+    assert kl["bf16"] < 0.01
+    assert kl["int4"] < kl["quarot-int2"] < kl["naive-int2"], kl
+
+
+def test_greedy_and_sampled_generation(smollm2):
+    model, tok = smollm2.model, smollm2.tokenizer
+    ids = encode_prompt(tok, "What is the capital of France?")
+    g = generate(model, tok, ids, RotkvCache(model, "quarot-int2", sink=4, window=8, page_size=4), max_new_tokens=8)
+    assert "Paris" in g.text and g.prompt_tokens == ids.shape[1]
+    torch.manual_seed(0)
+    s = generate(model, tok, ids, RotkvCache(model, "kivi-2"), max_new_tokens=8, do_sample=True, temperature=0.8)
+    assert len(s.new_tokens) >= 1
+
+
+def test_left_padded_batch_on_the_real_model(smollm2):
+    model, tok = smollm2.model, smollm2.tokenizer
+    a = eval_ids(tok, 150)[0]
+    b = eval_ids(tok, 400)[0, 250:340]
+    ids = torch.full((2, 150), tok.pad_token_id)
+    mask = torch.zeros(2, 150, dtype=torch.long)
+    ids[0], mask[0] = a, 1
+    ids[1, 60:], mask[1, 60:] = b, 1
+    gen = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True,
+               pad_token_id=tok.pad_token_id)
+    kw = dict(sink=8, window=16, page_size=8, prefill_chunk=64)
+    batch = model.generate(input_ids=ids, attention_mask=mask, **gen,
+                           **{cache_kwarg(model): RotkvCache(model, "quarot-int2", **kw)})
+    for row, x in ((0, a), (1, b)):
+        alone = model.generate(input_ids=x[None], attention_mask=torch.ones(1, len(x), dtype=torch.long), **gen,
+                               **{cache_kwarg(model): RotkvCache(model, "quarot-int2", **kw)})
+        assert torch.equal(batch.sequences[row, 150:], alone.sequences[0, len(x):])
+        assert torch.allclose(batch.scores[0][row], alone.scores[0][0], atol=2e-3)
+
+
+def test_generate_cli_json(smollm2, monkeypatch, capsys):
+    import rotkv.hf.models as models
+    from rotkv.cli import main
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: smollm2)
+    rc = main(["generate", "--preset", "quarot-int2", "--prompt", "Name three colors.", "--max-new-tokens", "6",
+               "--sink", "4", "--window", "8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["prompt_tokens"] > 5 and out["kv_bytes"] < out["kv_bytes_bf16"]
+    assert {"text", "bits_per_element", "body_bits_per_element", "decode_tokens_per_s", "artifact_bytes"} <= set(out)
+
+
+def test_cli_bad_input_is_one_clear_line(capsys):
+    from rotkv.cli import main
+
+    rc = main(["generate", "--preset", "oscar-int2", "--prompt", "x", "--model", "/no/such/model"])
+    assert rc == 2 and "not found" in capsys.readouterr().err
