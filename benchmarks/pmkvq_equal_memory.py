@@ -77,7 +77,10 @@ def build_methods(args, model, layers, h, d) -> dict:
             out[s.name] = (s.replace(budget_tokens=budget_tokens_for(s.replace(budget_tokens=1), b, target, layers, h, d)), art_arg)
         pm = CacheSpec(name=f"{label}-pmkvq", bits=2, start_bits=16, budget_tokens=n, **base, **rot)
         out[pm.name] = (pm, path)
-    return out, target
+        if args.shift_ablation:  # anchor=start (fp32 metadata, a larger budget), the same for all three
+            for shift in ("equivalent", "rounded", "plain"):
+                out[f"{pm.name}-start-{shift}"] = (pm.replace(anchor="start", shift=shift), path)
+    return {k: v for k, v in out.items() if k not in args.skip}, target
 
 
 def run(args) -> dict:
@@ -116,7 +119,7 @@ def run(args) -> dict:
                 res[name]["nll"] += float(-lp.gather(-1, y[:, None]).sum())
                 res[name]["kl"] += float((lp_ref.exp() * (lp_ref - lp)).sum())
                 st = c.stats()
-                res[name]["trace"].append({"context": j, "kv_bytes": st["kv_bytes"], "stored_tokens": st["tokens"] // 1,
+                res[name]["trace"].append({"context": j, "kv_bytes": st["kv_bytes"], "stored_tokens": c.layers[0].rows[0].length,
                                            "widths": sorted(set(w for w in getattr(c, "widths", lambda: [])() if w))})
             res.setdefault("ref", {"nll": 0.0})["nll"] += float(-lp_ref.gather(-1, y[:, None]).sum())
             scored += j - i
@@ -147,6 +150,9 @@ def main() -> None:
     p.add_argument("--artifact", nargs=2, action="append", metavar=("LABEL", "FILE"), default=[],
                    help="a pmkvq artifact (widths; rotations if it has them); repeat per rotation")
     p.add_argument("--fixed", type=int, nargs="*", default=[8, 4, 2])
+    p.add_argument("--shift-ablation", action="store_true",
+                   help="also progressive with anchor=start and each shift (equivalent, rounded, plain)")
+    p.add_argument("--skip", nargs="*", default=[], help="method names to leave out (e.g. oscar-int8)")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--sink", type=int, default=16)
     p.add_argument("--window", type=int, default=64)

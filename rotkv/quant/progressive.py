@@ -78,12 +78,16 @@ def shift_codes(codes: torch.Tensor, c: int, shift: str = "equivalent") -> torch
 
 def store_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Integer codes ``[..., D]`` -> their storage: uint16 at 16 bits, packed uint8 otherwise."""
-    return codes.to(torch.uint16) if bits == 16 else pack(codes, bits)
+    if bits == 16:  # through int16 bit patterns: uint16 has few kernels (CUDA least of all)
+        return codes.to(torch.int32).to(torch.int16).view(torch.uint16)
+    return pack(codes, bits)
 
 
 def load_codes(stored: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`store_codes`, as int32 ``[..., D]``."""
-    return stored.to(torch.int32) if bits == 16 else unpack(stored, bits).to(torch.int32)
+    if bits == 16:
+        return stored.view(torch.int16).to(torch.int32) & 0xFFFF
+    return unpack(stored, bits).to(torch.int32)
 
 
 @dataclass
