@@ -1,0 +1,428 @@
+"""Split-K decode attention over INT2 pages plus a bf16 tier, merged by log-sum-exp (Triton).
+
+Launch 1, grid ``(B * H_kv, n_int2_splits + n_tier_splits)``: a program takes one KV head of
+one request and all ``n_rep`` query heads that read it (rows padded to ``HPAD >= 16`` for
+``tl.dot``), and a contiguous token range: either of the INT2 body or of the bf16 tier. It
+writes an unnormalized partial output, its running max and its sum (base-2 softmax).
+Launch 2, grid ``(B * H_q,)``: merges the partials.
+
+How the INT2 body is read without materializing K or V. Byte ``j`` of a row holds dims
+``j + i*D/4`` (plane ``i`` = bits ``2i..2i+1``), so plane ``i`` dots against the query's
+quarter ``i``; a plane lies inside one quantization group (``G >= D/4``). With
+``x = c*s_g + lo_g`` per group:
+
+- scores: ``q.k = sum_i s_g(i) * (q_i . c_i) + sum_i lo_g(i) * sum(q_i)``;
+- output: ``sum_n p_n v_n[d] = sum_n (p_n s_n,g) c_n[d] + sum_n p_n lo_n,g``,
+  so scale and lo leave the dot products: the tensor cores see only raw codes.
+
+Codes enter the tensor cores either as bf16 ``128 + c`` (bit pattern ``0x4300 | c``: one
+``prmt`` makes two of them, the ``+128`` is folded into the correction terms) or, for the
+scores with ``QK_INT8``, as int8 ``c`` against a per-head int8 quantized query (exact int32
+dots, scaled after). ``USE_ASM`` selects the inline-PTX unpack (4 codes per 32-bit op);
+the portable shift-and-mask path runs under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mma(x, F16: tl.constexpr):
+    """Cast to the dot-operand type: bf16, or fp16 under the interpreter (its bf16 dot is wrong)."""
+    if F16:
+        return x.to(tl.float16)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _plane_bf16(byte, PLANE: tl.constexpr, USE_ASM: tl.constexpr, F16: tl.constexpr):
+    """uint8 tile -> bf16 ``128 + code`` of 2-bit field ``PLANE``."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            asm=f"""{{
+            .reg .b32 t, m;
+            shr.b32 t, $2, {2 * PLANE};
+            and.b32 t, t, 0x03030303;
+            mov.b32 m, 0x43434343;
+            prmt.b32 $0, t, m, 0x5140;
+            prmt.b32 $1, t, m, 0x7362;
+            }}""",
+            constraints="=r,=r,r", args=[byte], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        return _mma(((byte >> (2 * PLANE)) & 3).to(tl.float32) + 128.0, F16)
+
+
+@triton.jit
+def _plane_i8(byte, PLANE: tl.constexpr, USE_ASM: tl.constexpr):
+    """uint8 tile -> int8 code of 2-bit field ``PLANE``."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            asm=f"""{{
+            .reg .b32 t;
+            shr.b32 t, $1, {2 * PLANE};
+            and.b32 $0, t, 0x03030303;
+            }}""",
+            constraints="=r,r", args=[byte], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        return ((byte >> (2 * PLANE)) & 3).to(tl.int8)
+
+
+@triton.jit
+def _score_plane(q_bf, q_i8, codes, PLANE: tl.constexpr, QK_INT8: tl.constexpr, USE_ASM: tl.constexpr,
+                 F16: tl.constexpr):
+    """``q_i . c_i`` for every (row, token): fp32 ``[HPAD, BLOCK_N]`` (bf16 path: of ``128 + c``)."""
+    if QK_INT8:
+        c = _plane_i8(codes, PLANE, USE_ASM)
+        return tl.dot(q_i8, tl.trans(c), out_dtype=tl.int32).to(tl.float32)
+    else:
+        c = _plane_bf16(codes, PLANE, USE_ASM, F16)
+        return tl.dot(q_bf, tl.trans(c))
+
+
+@triton.jit
+def _n_steps(tok_lo, tok_hi, BLOCK: tl.constexpr, STATIC_STEPS: tl.constexpr):
+    # Under the interpreter (numpy 2) every scalar is a 1-element array that range() rejects:
+    # there the loop runs STATIC_STEPS (a whole split) with masks; compiled, it stops at the
+    # request's end.
+    if STATIC_STEPS > 0:
+        return STATIC_STEPS
+    else:
+        return tl.cdiv(tok_hi - tok_lo, BLOCK)
+
+
+@triton.jit
+def _load_meta(ptr, row, g: tl.constexpr, NG: tl.constexpr, nmask):
+    return tl.load(ptr + row * NG + g, mask=nmask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _int2_part(
+    q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
+    o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
+    REP: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
+    BLOCK_N: tl.constexpr, QK_INT8: tl.constexpr, USE_ASM: tl.constexpr, STATIC_STEPS: tl.constexpr,
+    F16: tl.constexpr,
+):
+    Q4: tl.constexpr = D // 4
+    NG: tl.constexpr = D // G
+    PPG: tl.constexpr = G // Q4  # planes per group
+    start = tl.load(indptr_ptr + b)
+    npages = tl.load(indptr_ptr + b + 1) - start
+    seq = tl.where(npages > 0, (npages - 1) * P + tl.load(last_ptr + b), 0)
+    tok_lo = s * tokens_per_split
+    tok_hi = tl.minimum(seq, tok_lo + tokens_per_split)
+
+    offs_r = tl.arange(0, HPAD)
+    rmask = offs_r < REP
+    qrow = (b * HQ + h * REP + offs_r).to(tl.int64)
+    offs_c = tl.arange(0, Q4)
+    qp = q_ptr + qrow[:, None] * D + offs_c[None, :]
+    qf0 = tl.load(qp + 0 * Q4, mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
+    qf1 = tl.load(qp + 1 * Q4, mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
+    qf2 = tl.load(qp + 2 * Q4, mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
+    qf3 = tl.load(qp + 3 * Q4, mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
+    q0, q1, q2, q3 = _mma(qf0, F16), _mma(qf1, F16), _mma(qf2, F16), _mma(qf3, F16)
+    # per-plane query sums (of the bf16 values the dots see, so the +128 folds out exactly)
+    qs0 = tl.sum(q0.to(tl.float32), axis=1)
+    qs1 = tl.sum(q1.to(tl.float32), axis=1)
+    qs2 = tl.sum(q2.to(tl.float32), axis=1)
+    qs3 = tl.sum(q3.to(tl.float32), axis=1)
+    if QK_INT8:
+        amax = tl.maximum(tl.maximum(tl.max(tl.abs(qf0), axis=1), tl.max(tl.abs(qf1), axis=1)),
+                          tl.maximum(tl.max(tl.abs(qf2), axis=1), tl.max(tl.abs(qf3), axis=1)))
+        qsc = tl.where(amax > 0, amax / 127.0, 1.0)
+        inv = (1.0 / qsc)[:, None]
+        i0 = tl.floor(qf0 * inv + 0.5).to(tl.int8)
+        i1 = tl.floor(qf1 * inv + 0.5).to(tl.int8)
+        i2 = tl.floor(qf2 * inv + 0.5).to(tl.int8)
+        i3 = tl.floor(qf3 * inv + 0.5).to(tl.int8)
+        # the lo term uses the float query sums; the code term is sum_i s * qsc * (i_i . c_i)
+        qs0, qs1, qs2, qs3 = tl.sum(qf0, axis=1), tl.sum(qf1, axis=1), tl.sum(qf2, axis=1), tl.sum(qf3, axis=1)
+    else:
+        qsc = tl.full([HPAD], 1.0, tl.float32)
+        i0, i1, i2, i3 = q0, q1, q2, q3  # unused
+
+    m_i = tl.full([HPAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([HPAD], tl.float32)
+    a0 = tl.zeros([HPAD, Q4], tl.float32)
+    a1 = tl.zeros([HPAD, Q4], tl.float32)
+    a2 = tl.zeros([HPAD, Q4], tl.float32)
+    a3 = tl.zeros([HPAD, Q4], tl.float32)
+    hh = h.to(tl.int64)
+    for it in range(0, _n_steps(tok_lo, tok_hi, BLOCK_N, STATIC_STEPS)):
+        offs_n = tok_lo + it * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < tok_hi
+        page = tl.load(indices_ptr + start + offs_n // P, mask=nmask, other=0).to(tl.int64)
+        row = (page * H + hh) * P + offs_n % P  # int64 row of the [NP * H * P, ...] views
+        kc = tl.load(kc_ptr + row[:, None] * Q4 + offs_c[None, :], mask=nmask[:, None], other=0)
+        vc = tl.load(vc_ptr + row[:, None] * Q4 + offs_c[None, :], mask=nmask[:, None], other=0)
+        # ---- scores [HPAD, BLOCK_N]
+        d0 = _score_plane(q0, i0, kc, 0, QK_INT8, USE_ASM, F16)
+        d1 = _score_plane(q1, i1, kc, 1, QK_INT8, USE_ASM, F16)
+        d2 = _score_plane(q2, i2, kc, 2, QK_INT8, USE_ASM, F16)
+        d3 = _score_plane(q3, i3, kc, 3, QK_INT8, USE_ASM, F16)
+        if QK_INT8:
+            off = 0.0
+        else:
+            off = 128.0  # the bf16 codes are 128 + c
+        s0 = _load_meta(ks_ptr, row, 0, NG, nmask)
+        z0 = _load_meta(kl_ptr, row, 0, NG, nmask) - off * s0
+        if PPG == 4:
+            sc = (s0[None, :] * (d0 + d1 + d2 + d3)) * qsc[:, None] + z0[None, :] * (qs0 + qs1 + qs2 + qs3)[:, None]
+        elif PPG == 2:
+            s1 = _load_meta(ks_ptr, row, 1, NG, nmask)
+            z1 = _load_meta(kl_ptr, row, 1, NG, nmask) - off * s1
+            sc = (s0[None, :] * (d0 + d1) + s1[None, :] * (d2 + d3)) * qsc[:, None]
+            sc += z0[None, :] * (qs0 + qs1)[:, None] + z1[None, :] * (qs2 + qs3)[:, None]
+        else:
+            s1 = _load_meta(ks_ptr, row, 1, NG, nmask)
+            z1 = _load_meta(kl_ptr, row, 1, NG, nmask) - off * s1
+            s2 = _load_meta(ks_ptr, row, 2, NG, nmask)
+            z2 = _load_meta(kl_ptr, row, 2, NG, nmask) - off * s2
+            s3 = _load_meta(ks_ptr, row, 3, NG, nmask)
+            z3 = _load_meta(kl_ptr, row, 3, NG, nmask) - off * s3
+            sc = (s0[None, :] * d0 + s1[None, :] * d1 + s2[None, :] * d2 + s3[None, :] * d3) * qsc[:, None]
+            sc += z0[None, :] * qs0[:, None] + z1[None, :] * qs1[:, None]
+            sc += z2[None, :] * qs2[:, None] + z3[None, :] * qs3[:, None]
+        sc = tl.where(nmask[None, :], sc, float("-inf"))
+        # ---- online softmax (base 2: q carries log2(e))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(sc - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        # ---- values: acc_i += (p * s_g) @ (128 + c_i) + sum(p * lo_g) - 128 * sum(p * s_g)
+        vs0 = _load_meta(vs_ptr, row, 0, NG, nmask)
+        ps0 = _mma(p * vs0[None, :], F16)
+        cr0 = tl.sum(p * _load_meta(vl_ptr, row, 0, NG, nmask)[None, :] - 128.0 * ps0.to(tl.float32), axis=1)
+        if PPG == 4:
+            ps1, ps2, ps3, cr1, cr2, cr3 = ps0, ps0, ps0, cr0, cr0, cr0
+        elif PPG == 2:
+            ps1, cr1 = ps0, cr0
+            vs2 = _load_meta(vs_ptr, row, 1, NG, nmask)
+            ps2 = _mma(p * vs2[None, :], F16)
+            cr2 = tl.sum(p * _load_meta(vl_ptr, row, 1, NG, nmask)[None, :] - 128.0 * ps2.to(tl.float32), axis=1)
+            ps3, cr3 = ps2, cr2
+        else:
+            vs1 = _load_meta(vs_ptr, row, 1, NG, nmask)
+            ps1 = _mma(p * vs1[None, :], F16)
+            cr1 = tl.sum(p * _load_meta(vl_ptr, row, 1, NG, nmask)[None, :] - 128.0 * ps1.to(tl.float32), axis=1)
+            vs2 = _load_meta(vs_ptr, row, 2, NG, nmask)
+            ps2 = _mma(p * vs2[None, :], F16)
+            cr2 = tl.sum(p * _load_meta(vl_ptr, row, 2, NG, nmask)[None, :] - 128.0 * ps2.to(tl.float32), axis=1)
+            vs3 = _load_meta(vs_ptr, row, 3, NG, nmask)
+            ps3 = _mma(p * vs3[None, :], F16)
+            cr3 = tl.sum(p * _load_meta(vl_ptr, row, 3, NG, nmask)[None, :] - 128.0 * ps3.to(tl.float32), axis=1)
+        a0 = tl.dot(ps0, _plane_bf16(vc, 0, USE_ASM, F16), a0 * alpha[:, None]) + cr0[:, None]
+        a1 = tl.dot(ps1, _plane_bf16(vc, 1, USE_ASM, F16), a1 * alpha[:, None]) + cr1[:, None]
+        a2 = tl.dot(ps2, _plane_bf16(vc, 2, USE_ASM, F16), a2 * alpha[:, None]) + cr2[:, None]
+        a3 = tl.dot(ps3, _plane_bf16(vc, 3, USE_ASM, F16), a3 * alpha[:, None]) + cr3[:, None]
+    # ---- partials
+    prow = (qrow * NS + s)
+    tl.store(m_ptr + prow, m_i, mask=rmask)
+    tl.store(l_ptr + prow, l_i, mask=rmask)
+    op = o_ptr + prow[:, None] * D + offs_c[None, :]
+    tl.store(op + 0 * Q4, a0, mask=rmask[:, None])
+    tl.store(op + 1 * Q4, a1, mask=rmask[:, None])
+    tl.store(op + 2 * Q4, a2, mask=rmask[:, None])
+    tl.store(op + 3 * Q4, a3, mask=rmask[:, None])
+
+
+@triton.jit
+def _bf16_part(
+    q_ptr, tk_ptr, tv_ptr, indptr_ptr, indices_ptr, last_ptr,
+    o_ptr, m_ptr, l_ptr, b, h, s, s_out, H, HQ, NS, qk_scale, tokens_per_split,
+    REP: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
+    STATIC_STEPS: tl.constexpr, F16: tl.constexpr,
+):
+    start = tl.load(indptr_ptr + b)
+    npages = tl.load(indptr_ptr + b + 1) - start
+    seq = tl.where(npages > 0, (npages - 1) * P + tl.load(last_ptr + b), 0)
+    tok_lo = s * tokens_per_split
+    tok_hi = tl.minimum(seq, tok_lo + tokens_per_split)
+    offs_r = tl.arange(0, HPAD)
+    rmask = offs_r < REP
+    qrow = (b * HQ + h * REP + offs_r).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    q = (tl.load(q_ptr + qrow[:, None] * D + offs_d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+         * qk_scale)
+    q = _mma(q, F16)
+    m_i = tl.full([HPAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([HPAD], tl.float32)
+    acc = tl.zeros([HPAD, D], tl.float32)
+    hh = h.to(tl.int64)
+    for it in range(0, _n_steps(tok_lo, tok_hi, BLOCK_N, STATIC_STEPS)):
+        offs_n = tok_lo + it * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < tok_hi
+        page = tl.load(indices_ptr + start + offs_n // P, mask=nmask, other=0).to(tl.int64)
+        row = (page * H + hh) * P + offs_n % P
+        k = _mma(tl.load(tk_ptr + row[:, None] * D + offs_d[None, :], mask=nmask[:, None], other=0.0), F16)
+        v = _mma(tl.load(tv_ptr + row[:, None] * D + offs_d[None, :], mask=nmask[:, None], other=0.0), F16)
+        sc = tl.dot(q, tl.trans(k))
+        sc = tl.where(nmask[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(sc - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        acc = tl.dot(_mma(p, F16), v, acc * alpha[:, None])
+    prow = qrow * NS + s_out
+    tl.store(m_ptr + prow, m_i, mask=rmask)
+    tl.store(l_ptr + prow, l_i, mask=rmask)
+    tl.store(o_ptr + prow[:, None] * D + offs_d[None, :], acc, mask=rmask[:, None])
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
+    tk_ptr, tv_ptr, tindptr_ptr, tindices_ptr, tlast_ptr,
+    o_ptr, m_ptr, l_ptr, H, HQ, NS, n_int2_splits, qk_scale, tokens_per_split, tier_tokens_per_split,
+    REP: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, PT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, QK_INT8: tl.constexpr, USE_ASM: tl.constexpr,
+    HAS_INT2: tl.constexpr, HAS_TIER: tl.constexpr, STATIC_STEPS: tl.constexpr,
+    TIER_STATIC_STEPS: tl.constexpr, F16: tl.constexpr,
+):
+    pid, s = tl.program_id(0), tl.program_id(1)
+    b, h = pid // H, pid % H
+    if HAS_INT2 and s < n_int2_splits:
+        _int2_part(q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
+                   o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
+                   REP, HPAD, D, G, P, BLOCK_N, QK_INT8, USE_ASM, STATIC_STEPS, F16)
+    elif HAS_TIER:
+        _bf16_part(q_ptr, tk_ptr, tv_ptr, tindptr_ptr, tindices_ptr, tlast_ptr,
+                   o_ptr, m_ptr, l_ptr, b, h, s - n_int2_splits, s, H, HQ, NS, qk_scale, tier_tokens_per_split,
+                   REP, HPAD, D, PT, BLOCK_T, TIER_STATIC_STEPS, F16)
+
+
+@triton.jit
+def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, NS, D: tl.constexpr, CHUNK: tl.constexpr, STATIC_STEPS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    mx = tl.full([CHUNK], float("-inf"), tl.float32)
+    for it in range(0, _n_steps(0, NS, CHUNK, STATIC_STEPS)):
+        offs_s = it * CHUNK + tl.arange(0, CHUNK)
+        mx = tl.maximum(mx, tl.load(m_ptr + row * NS + offs_s, mask=offs_s < NS, other=float("-inf")))
+    m_all = tl.max(mx, axis=0)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # no tokens at all: output 0
+    num = tl.zeros([D], tl.float32)
+    den = tl.zeros([CHUNK], tl.float32)
+    for it in range(0, _n_steps(0, NS, CHUNK, STATIC_STEPS)):
+        offs_s = it * CHUNK + tl.arange(0, CHUNK)
+        smask = offs_s < NS
+        w = tl.exp2(tl.load(m_ptr + row * NS + offs_s, mask=smask, other=float("-inf")) - m_all)
+        den += w * tl.load(l_ptr + row * NS + offs_s, mask=smask, other=0.0)
+        o = tl.load(o_ptr + (row * NS + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+        num += tl.sum(o * w[:, None], axis=0)
+    d = tl.sum(den, axis=0)
+    d = tl.where(d > 0, d, 1.0)
+    tl.store(out_ptr + row * D + offs_d, (num / d).to(out_ptr.dtype.element_ty))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass
+class DecodeConfig:
+    """Tuning knobs of :func:`decode_attention` (defaults chosen by ``benchmarks/bench_decode.py``)."""
+
+    block_n: int = 64  # INT2 tokens per inner step
+    block_t: int = 32  # bf16 tokens per inner step
+    target_programs: int = 1024  # split so that B * H_kv * splits reaches about this many
+    min_split_tokens: int = 256
+    qk_int8: bool = False
+    use_asm: bool | None = None  # None: inline PTX on a GPU, portable code under the interpreter
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _splits(max_len: int, bh: int, block: int, target: int, min_tokens: int) -> tuple[int, int]:
+    """(tokens_per_split, n_splits) for ``max_len`` tokens, a multiple of ``block``."""
+    if max_len <= 0:
+        return block, 0
+    want = max(1, -(-target // bh))
+    per = max(min_tokens, -(-max_len // want))
+    per = -(-per // block) * block
+    return per, -(-max_len // per)
+
+
+def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, max_len: int,
+                     tier: tuple | None = None, tier_table: tuple | None = None, tier_max_len: int = 0,
+                     sm_scale: float | None = None, cfg: DecodeConfig | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one decode token per request over an INT2 paged body and a bf16 paged tier.
+
+    q ``[B, Hq, D]`` (rotated by R_K; any float dtype). body ``(k_codes, k_scale, k_lo, v_codes,
+    v_scale, v_lo)`` as in :class:`~rotkv.cache.paged.Int2PagePool`; table ``(kv_indptr, kv_indices,
+    kv_last_page_len)``; ``max_len``: the longest request's body length (host int, sizes the grid).
+    tier ``(k, v)`` ``[NPT, H, PT, D]`` with ``tier_table`` and ``tier_max_len`` likewise.
+    Returns ``[B, Hq, D]`` in q's dtype (or written into ``out``).
+    """
+    cfg = cfg or DecodeConfig()
+    b_sz, hq, d = q.shape
+    q = q.contiguous()
+    ref = body[0] if body is not None else tier[0]
+    h = ref.shape[1]
+    if hq % h:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({h})")
+    rep = hq // h
+    hpad = max(16, triton.next_power_of_2(rep))
+    sm_scale = d ** -0.5 if sm_scale is None else sm_scale
+    use_asm = (not _interpreting()) if cfg.use_asm is None else cfg.use_asm
+    has_int2 = body is not None and max_len > 0
+    has_tier = tier is not None and tier_max_len > 0
+    if has_int2:
+        g = d // body[1].shape[-1]
+        p = body[0].shape[2]
+        if g < d // 4:
+            raise ValueError(f"the INT2 decode kernel needs group_size >= head_dim / 4 ({d // 4}), got {g}")
+        per, n_int2 = _splits(max_len, b_sz * h, cfg.block_n, cfg.target_programs, cfg.min_split_tokens)
+    else:
+        g, p, per, n_int2 = d, 16, cfg.block_n, 0
+    if has_tier:
+        pt = tier[0].shape[2]
+        # beside an INT2 body the tier (a few hundred tokens) is one split; alone, it is split like a body
+        tper, n_tier = _splits(tier_max_len, b_sz * h, cfg.block_t, 1 if has_int2 else cfg.target_programs,
+                               1 if has_int2 else cfg.min_split_tokens)
+    else:
+        pt, tper, n_tier = 16, cfg.block_t, 0
+    ns = max(1, n_int2 + n_tier)
+    dev = q.device
+    # every program writes all of its rows, so the partials need no initialization
+    o_part = torch.empty(b_sz, hq, ns, d, dtype=torch.float32, device=dev)
+    m_part = torch.empty(b_sz, hq, ns, dtype=torch.float32, device=dev)
+    l_part = torch.empty(b_sz, hq, ns, dtype=torch.float32, device=dev)
+    if n_int2 + n_tier == 0:
+        m_part.fill_(float("-inf")), l_part.zero_(), o_part.zero_()
+    else:
+        dummy = q
+        bt = body if has_int2 else (dummy,) * 6
+        tb = table if has_int2 else (dummy,) * 3
+        tt = tier if has_tier else (dummy,) * 2
+        ttb = tier_table if has_tier else (dummy,) * 3
+        _split_kernel[(b_sz * h, n_int2 + n_tier)](
+            q, *bt, *tb, *tt, *ttb, o_part, m_part, l_part, h, hq, ns, n_int2, sm_scale * LOG2E, per, tper,
+            REP=rep, HPAD=hpad, D=d, G=g, P=p, PT=pt, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
+            QK_INT8=cfg.qk_int8, USE_ASM=use_asm, HAS_INT2=has_int2, HAS_TIER=has_tier,
+            STATIC_STEPS=per // cfg.block_n if _interpreting() else 0,
+            TIER_STATIC_STEPS=tper // cfg.block_t if _interpreting() else 0, F16=_interpreting(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    if out is None:
+        out = torch.empty(b_sz, hq, d, dtype=q.dtype, device=dev)
+    chunk = min(16, triton.next_power_of_2(ns))
+    _merge_kernel[(b_sz * hq,)](o_part, m_part, l_part, out, ns, D=d, CHUNK=chunk,
+                                STATIC_STEPS=-(-ns // chunk) if _interpreting() else 0)
+    return out

@@ -1,0 +1,45 @@
+"""INT2 pages -> dense K or V (Triton): the first half of the unfused "dequant + SDPA" baseline.
+
+Writes ``out [B, H, L_max, D]`` (tokens past a request's length are left untouched).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dequant_kernel(codes_ptr, scale_ptr, lo_ptr, indptr_ptr, indices_ptr, out_ptr, H, L, n_tok,
+                    D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+    pid, blk = tl.program_id(0), tl.program_id(1)
+    b, h = pid // H, pid % H
+    NG: tl.constexpr = D // G
+    Q4: tl.constexpr = D // 4
+    start = tl.load(indptr_ptr + b)
+    offs_n = blk * BLOCK + tl.arange(0, BLOCK)
+    nmask = offs_n < n_tok
+    page = tl.load(indices_ptr + start + offs_n // P, mask=nmask, other=0).to(tl.int64)
+    row = (page * H + h) * P + offs_n % P
+    offs_c = tl.arange(0, Q4)
+    byte = tl.load(codes_ptr + row[:, None] * Q4 + offs_c[None, :], mask=nmask[:, None], other=0)
+    c = tl.join(tl.join(byte & 3, (byte >> 4) & 3), tl.join((byte >> 2) & 3, (byte >> 6) & 3))
+    c = tl.reshape(tl.permute(c, [0, 2, 3, 1]), [BLOCK, D])  # [n, j, i, k] -> [n, i, k, j]: plane 2i+k
+    offs_d = tl.arange(0, D)
+    grp = row[:, None] * NG + (offs_d // G)[None, :]
+    s = tl.load(scale_ptr + grp, mask=nmask[:, None], other=0.0).to(tl.float32)
+    lo = tl.load(lo_ptr + grp, mask=nmask[:, None], other=0.0).to(tl.float32)
+    x = c.to(tl.float32) * s + lo
+    optr = out_ptr + ((b * H + h).to(tl.int64) * L + offs_n)[:, None] * D + offs_d[None, :]
+    tl.store(optr, x.to(out_ptr.dtype.element_ty), mask=nmask[:, None])
+
+
+def dequant_dense(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, kv_indptr: torch.Tensor,
+                  kv_indices: torch.Tensor, n_tok: int, out: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """Dequantize the first ``n_tok`` tokens of every request into ``out [B, H, L, D]``."""
+    b, h, length, d = out.shape
+    g = d // scale.shape[-1]
+    _dequant_kernel[(b * h, triton.cdiv(n_tok, block))](
+        codes, scale, lo, kv_indptr, kv_indices, out, h, length, n_tok, D=d, G=g, P=codes.shape[2], BLOCK=block)
+    return out

@@ -1,0 +1,142 @@
+"""Fused quantize-on-write (Triton): ``(x - mu) R`` -> clip -> per-group INT2 -> planar pack -> pool.
+
+One program takes ``BLOCK_T`` tokens of one KV head and does everything in registers:
+the rotation is a ``tl.dot`` in 3xTF32 (near-fp32; the reference rotates in fp32), the
+clipping threshold is the ``r``-th largest ``|x|`` of the row found by ``r`` max-and-remove
+rounds that count ties (so it equals ``kthvalue``), the metadata is rounded to fp16 the way
+``rotkv.quant.quantizer`` does it (lo down, scale up, by one fp16 ulp when round-to-nearest
+went the wrong way), codes use IEEE division and round-half-even, exactly as the reference.
+Bytes: reads ``T*H*D`` inputs, writes ``T*H*(D/4 + 4*D/G)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_RNE = 12582912.0  # 1.5 * 2**23: (y + _RNE) - _RNE rounds |y| < 2**22 to nearest-even in fp32
+
+
+def clip_rank(ratio: float, head_dim: int) -> int:
+    """The clip threshold is the ``r``-th largest ``|x|`` of a row (1-based); 0 = no clipping."""
+    if ratio >= 1.0:
+        return 0
+    if not 0.0 < ratio:
+        raise ValueError(f"clip ratio must be in (0, 1], got {ratio}")
+    return head_dim - int(ratio * head_dim)
+
+
+@triton.jit
+def _fp16_step(h, up: tl.constexpr):
+    """fp16 ``h`` moved one ulp toward +inf (up) or -inf, through its bits."""
+    b = h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    f = h.to(tl.float32)
+    if up:
+        nb = tl.where(f >= 0, b + 1, b - 1)
+        nb = tl.where(b == 0x8000, 1, nb)
+    else:
+        nb = tl.where(f > 0, b - 1, b + 1)
+        nb = tl.where(f == 0, 0x8001, nb)
+    return nb.to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _quant_write_kernel(
+    x_ptr, stride_xt, stride_xh,  # x [T, H, D], last dim contiguous
+    rot_ptr, mean_ptr,  # [H, D, D] fp32, [H, D] fp32 (used if ROTATE / HAS_MEAN)
+    slot_ptr,  # [T] int64: page * P + offset
+    codes_ptr, scale_ptr, lo_ptr,  # [NP, H, P, D/4] uint8, [NP, H, P, NG] fp16
+    T, H,
+    D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, CLIP_R: tl.constexpr,
+    ROTATE: tl.constexpr, HAS_MEAN: tl.constexpr, KC: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    NG: tl.constexpr = D // G
+    Q4: tl.constexpr = D // 4
+    pid_t, h = tl.program_id(0), tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = offs_t < T
+    offs_d = tl.arange(0, D)
+    rows = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt + h.to(tl.int64) * stride_xh
+    if ROTATE:
+        x = tl.zeros([BLOCK_T, D], tl.float32)
+        for k0 in tl.static_range(0, D, KC):
+            offs_k = k0 + tl.arange(0, KC)
+            xk = tl.load(rows + offs_k[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+            if HAS_MEAN:
+                xk = xk - tl.load(mean_ptr + h * D + offs_k)[None, :]
+            r = tl.load(rot_ptr + h.to(tl.int64) * D * D + offs_k[:, None] * D + offs_d[None, :])
+            x = tl.dot(xk, r, x, input_precision="tf32x3")
+    else:
+        x = tl.load(rows + offs_d[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        if HAS_MEAN:
+            x = x - tl.load(mean_ptr + h * D + offs_d)[None, :]
+    if CLIP_R > 0:
+        # r-th largest |x| with ties counted: take the max, count and drop its copies, r times
+        a = tl.abs(x)
+        t = tl.zeros([BLOCK_T], tl.float32)
+        removed = tl.zeros([BLOCK_T], tl.int32)
+        for _ in tl.static_range(CLIP_R):
+            m = tl.max(a, axis=1)
+            hit = a == m[:, None]
+            t = tl.where(removed < CLIP_R, m, t)
+            removed += tl.sum(hit.to(tl.int32), axis=1)
+            a = tl.where(hit, -1.0, a)
+        x = tl.minimum(tl.maximum(x, -t[:, None]), t[:, None])
+    xg = tl.reshape(x, [BLOCK_T, NG, G])
+    lo = tl.min(xg, axis=2)
+    hi = tl.max(xg, axis=2)
+    lo16 = lo.to(tl.float16)
+    lo16 = tl.where(lo16.to(tl.float32) > lo, _fp16_step(lo16, False), lo16)
+    lof = lo16.to(tl.float32)
+    sc = tl.div_rn(hi - lof, 3.0)
+    s16 = sc.to(tl.float16)
+    s16 = tl.where(s16.to(tl.float32) < sc, _fp16_step(s16, True), s16)
+    sf = s16.to(tl.float32)
+    safe = tl.where(sf > 0, sf, 1.0)
+    y = tl.div_rn(xg - lof[:, :, None], safe[:, :, None])
+    c = (y + _RNE) - _RNE
+    c = tl.minimum(tl.maximum(c, 0.0), 3.0).to(tl.int32)
+    # planar pack: byte j = sum_i code[i * D/4 + j] << 2i
+    c = tl.reshape(c, [BLOCK_T, 4, Q4])
+    w = 1 << (2 * tl.arange(0, 4))
+    packed = tl.sum(c * w[None, :, None], axis=1).to(tl.uint8)
+    # store
+    slot = tl.load(slot_ptr + offs_t, mask=tmask, other=0)
+    page, off = slot // P, slot % P
+    row = (page * H + h) * P + off  # int64 row of the [NP * H * P, ...] views
+    offs_q = tl.arange(0, Q4)
+    tl.store(codes_ptr + row[:, None] * Q4 + offs_q[None, :], packed, mask=tmask[:, None])
+    offs_g = tl.arange(0, NG)
+    mptr = row[:, None] * NG + offs_g[None, :]
+    tl.store(scale_ptr + mptr, s16, mask=tmask[:, None])
+    tl.store(lo_ptr + mptr, lo16, mask=tmask[:, None])
+
+
+def quant_write(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
+                rot: torch.Tensor | None = None, mean: torch.Tensor | None = None, clip: float = 1.0,
+                block_t: int = 32, num_warps: int = 4) -> None:
+    """Quantize ``x [T, H, D]`` into pool tensors at ``slots [T]``; see the module docstring.
+
+    codes ``[NP, H, P, D/4]`` uint8, scale/lo ``[NP, H, P, D/G]`` fp16; rot ``[H, D, D]``,
+    mean ``[H, D]`` (any float dtype; used in fp32).
+    """
+    t, h, d = x.shape
+    if t == 0:
+        return
+    ng = scale.shape[-1]
+    g, p = d // ng, codes.shape[2]
+    if codes.shape[1:] != (h, p, d // 4) or scale.shape[1:] != (h, p, ng) or lo.shape != scale.shape:
+        raise ValueError(f"pool tensors {tuple(codes.shape)}, {tuple(scale.shape)} do not fit x {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rot = None if rot is None else rot.float().contiguous()
+    mean = None if mean is None else mean.float().contiguous()
+    dummy = codes  # never read when the matching flag is off
+    grid = (triton.cdiv(t, block_t), h)
+    _quant_write_kernel[grid](
+        x, x.stride(0), x.stride(1), rot if rot is not None else dummy, mean if mean is not None else dummy,
+        slots.to(device=x.device, dtype=torch.int64), codes, scale, lo, t, h,
+        D=d, G=g, P=p, CLIP_R=clip_rank(clip, d), ROTATE=rot is not None, HAS_MEAN=mean is not None,
+        KC=min(d, 64), BLOCK_T=block_t, num_warps=num_warps,
+    )

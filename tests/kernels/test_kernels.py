@@ -1,0 +1,221 @@
+"""Triton kernels vs their PyTorch references (rotkv.kernels.reference).
+
+On a CPU machine the grid is small (the interpreter takes seconds per launch); on CUDA the
+``cuda``-marked cases add long, multi-split and >2**31-byte-offset cases.
+"""
+
+import random
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from rotkv.cache.paged import Bf16PagePool, Int2PagePool, PageTable, lengths_from_table  # noqa: E402
+from rotkv.kernels.decode import DecodeConfig, decode_attention  # noqa: E402
+from rotkv.kernels.dequant import dequant_dense  # noqa: E402
+from rotkv.kernels.reference import decode_reference, dequant_rows, quant_write_reference  # noqa: E402
+from rotkv.kernels.write import clip_rank, quant_write  # noqa: E402
+from rotkv.quant.packing import unpack  # noqa: E402
+from rotkv.rotations.base import random_orthogonal  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def _pool_bufs(np_, h, p, d, g, device):
+    return (torch.full((np_, h, p, d // 4), 0xAB, dtype=torch.uint8, device=device),
+            torch.full((np_, h, p, d // g), 7.0, dtype=torch.float16, device=device),
+            torch.full((np_, h, p, d // g), 7.0, dtype=torch.float16, device=device))
+
+
+def _rows(t, h, d, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(t, h, d, generator=g) * 2 + 0.3).to(torch.bfloat16)
+    if t > 2:
+        x[0, 0] = 1.0  # a constant row: scale 0 after clipping, every |x| tied
+        x[1, 0, :7] = 9.0  # ties at the clipping threshold
+    return x.to(device)
+
+
+WRITE_CASES = [  # (head_dim, group, clip, rotate, tokens)
+    (64, 32, 0.96, True, 37),
+    (128, 64, 0.92, True, 33),
+    (128, 128, 1.0, False, 1),
+    (256, 64, 0.96, True, 17),
+]
+WRITE_CASES_CUDA = [(128, 64, 0.96, True, 4097), (128, 32, 0.92, False, 1000), (256, 256, 0.96, True, 300)]
+
+
+def _check_write(d, g, clip, rotate, t, device, seed=0):
+    h, p = 2, 16
+    np_ = -(-t // p) + 2
+    x = _rows(t, h, d, device, seed)
+    rot = torch.stack([random_orthogonal(d, seed + i) for i in range(h)]).to(device) if rotate else None
+    mean = (torch.randn(h, d, generator=torch.Generator().manual_seed(seed)) * 0.5).to(device) if rotate else None
+    slots = torch.randperm(np_ * p, generator=torch.Generator().manual_seed(seed))[:t].to(device)
+    got, want = _pool_bufs(np_, h, p, d, g, device), _pool_bufs(np_, h, p, d, g, device)
+    quant_write(x, slots, *got, rot=rot, mean=mean, clip=clip)
+    quant_write_reference(x, slots, *want, rot=rot, mean=mean, clip=clip, group_size=g)
+    # untouched slots keep their poison, written ones equal the reference
+    untouched = torch.ones(np_ * p, dtype=torch.bool, device=device)
+    untouched[slots] = False
+    assert (got[0].permute(0, 2, 1, 3).reshape(np_ * p, -1)[untouched] == 0xAB).all()
+    codes_mismatch = (unpack(got[0], 2) != unpack(want[0], 2)).float().mean().item()
+    if rotate and device != "cpu":
+        # the kernel rotates in 3xTF32, the reference in fp32: codes may differ at rounding ties
+        assert codes_mismatch < 1e-3
+        assert (got[1] != want[1]).float().mean().item() < 1e-3
+        assert (got[2] != want[2]).float().mean().item() < 1e-3
+    else:
+        assert codes_mismatch == 0.0
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    return codes_mismatch
+
+
+@pytest.mark.parametrize("d,g,clip,rotate,t", WRITE_CASES)
+def test_quant_write_matches_reference(d, g, clip, rotate, t, device):
+    _check_write(d, g, clip, rotate, t, device)
+
+
+@cuda_only
+@pytest.mark.parametrize("d,g,clip,rotate,t", WRITE_CASES_CUDA)
+def test_quant_write_matches_reference_cuda(d, g, clip, rotate, t):
+    _check_write(d, g, clip, rotate, t, "cuda", seed=1)
+
+
+def test_clip_rank():
+    assert clip_rank(1.0, 64) == 0
+    assert clip_rank(0.96, 64) == 3  # sorted index 61 is the 3rd largest
+    assert clip_rank(0.92, 128) == 11
+    with pytest.raises(ValueError, match="clip"):
+        clip_rank(0.0, 64)
+
+
+def _build(lens, tier_lens, h, d, g, p, pt, device, seed=0):
+    """Random K/V quantized into a shuffled INT2 pool, and a bf16 tier; returns kernel inputs."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    pool = Int2PagePool(sum(-(-n // p) for n in lens) + 3, h, d, p, g, device=device)
+    pool._free = rng.sample(pool._free, len(pool._free))  # pages out of order
+    tpool = Bf16PagePool(sum(-(-n // pt) for n in tier_lens) + 3, h, d, pt, device=device)
+    tab, ttab = PageTable(pool), PageTable(tpool)
+    for n, tn in zip(lens, tier_lens):
+        sl = tab.append(tab.add_request(), n).to(device)
+        k = (torch.randn(n, h, d, generator=gen) + 0.5).to(device)
+        v = torch.randn(n, h, d, generator=gen).to(device)
+        quant_write_reference(k, sl, *pool.tensors("k"), group_size=g, clip=0.96)
+        quant_write_reference(v, sl, *pool.tensors("v"), group_size=g, clip=0.92)
+        sl2 = ttab.append(ttab.add_request(), tn).to(device)
+        tpool.write(sl2, torch.randn(tn, h, d, generator=gen).to(device), torch.randn(tn, h, d, generator=gen).to(device))
+    body = (*pool.tensors("k"), *pool.tensors("v"))
+    return body, tab.tensors(device), (tpool.k, tpool.v), ttab.tensors(device), max(lens), max(tier_lens)
+
+
+DECODE_CASES = [  # (body lens, tier lens, kv heads, n_rep, head_dim, group, page, qk_int8)
+    ([37, 70], [5, 20], 2, 3, 64, 32, 16, False),
+    ([100], [0], 1, 4, 128, 64, 8, True),
+    ([17, 0, 65], [3, 9, 1], 2, 1, 128, 128, 16, False),
+    ([50], [33], 1, 8, 256, 64, 32, False),
+]
+DECODE_CASES_CUDA = [
+    ([4097, 1, 300], [320, 1, 64], 8, 4, 128, 64, 16, False),
+    ([4097, 1, 300], [320, 1, 64], 8, 4, 128, 64, 16, True),
+    ([9000, 2500], [100, 7], 4, 8, 128, 32, 16, False),
+    ([3000, 77], [64, 320], 2, 3, 64, 64, 8, True),
+    ([2049], [17], 2, 2, 256, 128, 32, False),
+    ([5000, 123], [200, 0], 2, 5, 128, 128, 64, False),
+]
+
+
+def _check_decode(lens, tier_lens, h, rep, d, g, p, int8, device, cfg=None, seed=0):
+    body, table, tier, ttable, ml, tml = _build(lens, tier_lens, h, d, g, p, 16, device, seed)
+    q = torch.randn(len(lens), h * rep, d, generator=torch.Generator().manual_seed(seed + 1)).to(device, torch.bfloat16)
+    cfg = cfg or DecodeConfig(qk_int8=int8, block_n=32, block_t=16, target_programs=8, min_split_tokens=32)
+    out = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg)
+    ref = decode_reference(q.float(), body[:3], body[3:], table, tier[0], tier[1], ttable)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert torch.isfinite(out).all()
+    assert err < (2e-2 if int8 else 1e-2), err
+    return err
+
+
+@pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p,int8", DECODE_CASES)
+def test_decode_matches_reference(lens, tier_lens, h, rep, d, g, p, int8, device):
+    _check_decode(lens, tier_lens, h, rep, d, g, p, int8, device)
+
+
+@cuda_only
+@pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p,int8", DECODE_CASES_CUDA)
+@pytest.mark.parametrize("block_n,asm", [(32, True), (64, True), (128, False)])
+def test_decode_matches_reference_cuda(lens, tier_lens, h, rep, d, g, p, int8, block_n, asm):
+    cfg = DecodeConfig(qk_int8=int8, block_n=block_n, use_asm=asm, target_programs=256)
+    _check_decode(lens, tier_lens, h, rep, d, g, p, int8, "cuda", cfg=cfg, seed=3)
+
+
+def test_decode_tier_only_and_body_only(device):
+    # the bf16 split-K path alone (the benchmark's "triton bf16" baseline) and the body alone
+    body, table, tier, ttable, ml, tml = _build([40], [24], 1, 64, 64, 16, 16, device)
+    q = torch.randn(1, 2, 64).to(device, torch.bfloat16)
+    cfg = DecodeConfig(block_n=32, block_t=16, target_programs=4, min_split_tokens=16)
+    out = decode_attention(q, None, None, 0, tier, ttable, tml, cfg=cfg)
+    ref = decode_reference(q.float(), None, None, None, tier[0], tier[1], ttable)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    out = decode_attention(q, body, table, ml, cfg=cfg)
+    ref = decode_reference(q.float(), body[:3], body[3:], table)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_decode_rejects_small_groups(device):
+    pool = Int2PagePool(2, 1, 256, 16, 32, device=device)
+    q = torch.zeros(1, 1, 256, device=device)
+    table = PageTable(pool)
+    table.append(table.add_request(), 4)
+    with pytest.raises(ValueError, match="group_size"):
+        decode_attention(q, (*pool.tensors("k"), *pool.tensors("v")), table.tensors(device), 4)
+
+
+def test_dequant_dense_matches_reference(device):
+    body, table, *_ = _build([37, 20], [0, 0], 2, 64, 32, 16, 16, device)
+    out = torch.full((2, 2, 37, 64), float("nan"), device=device)
+    dequant_dense(*body[:3], table[0], table[1], 37, out, block=16)
+    lens = lengths_from_table(table[0], table[2], 16).tolist()
+    for b, n in enumerate(lens):
+        idx = table[1][table[0][b]:table[0][b + 1]].long()
+        rows = [t[idx].permute(1, 0, 2, 3).reshape(2, -1, t.shape[-1])[:, :n] for t in body[:3]]
+        assert torch.equal(out[b, :, :n], dequant_rows(*rows))
+
+
+@cuda_only
+def test_decode_int64_offsets():
+    # a pool whose codes span more than 2**31 bytes, with the request's pages at the end
+    h, d, p, g = 8, 128, 16, 64
+    np_ = (2**31 // (h * p * d // 4)) + 64
+    pool = Int2PagePool(np_, h, d, p, g, device="cuda")
+    pool._free = list(range(np_ - 64))[::-1] + list(range(np_ - 64, np_))[::-1]  # high pages first
+    table = PageTable(pool)
+    n = 500
+    sl = table.append(table.add_request(), n).cuda()
+    assert sl.min().item() * (h * d // 4) > 2**31
+    k, v = torch.randn(n, h, d, device="cuda"), torch.randn(n, h, d, device="cuda")
+    quant_write(k, sl, *pool.tensors("k"))
+    quant_write(v, sl, *pool.tensors("v"))
+    q = torch.randn(1, 4 * h, d, device="cuda", dtype=torch.bfloat16)
+    tt = table.tensors("cuda")
+    out = decode_attention(q, (*pool.tensors("k"), *pool.tensors("v")), tt, n)
+    ref = decode_reference(q.float(), pool.tensors("k"), pool.tensors("v"), tt)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_page_table_vocabulary():
+    pool = Bf16PagePool(8, 1, 4, page_size=4)
+    tab = PageTable(pool)
+    a, b = tab.add_request(), tab.add_request()
+    assert tab.append(a, 5).tolist() == [0, 1, 2, 3, 4]
+    tab.append(b, 4)
+    assert tab.append(a, 1).tolist() == [5]
+    indptr, indices, last = tab.tensors("cpu")
+    assert indptr.tolist() == [0, 2, 3] and indices.tolist() == [0, 1, 2] and last.tolist() == [2, 4]
+    assert lengths_from_table(indptr, last, 4).tolist() == [6, 4]
+    tab.release(a)
+    assert pool.free_pages == 7
