@@ -53,6 +53,15 @@ class RotkvCache(Cache):
     "rotkv" attention function and switches the model to it.
     """
 
+    def __new__(cls, model=None, spec: CacheSpec | str = "quarot-int2", artifact=None, **overrides):
+        # a spec with a memory budget (pmkvq, oscar-pmkvq, ...) needs budgeted layers: hand back a
+        # BudgetCache (a subclass, so Python then runs its __init__ with the same arguments)
+        if cls is RotkvCache and model is not None and resolve_spec(spec, **overrides).budget_tokens is not None:
+            from rotkv.cache.progressive import BudgetCache
+
+            cls = BudgetCache
+        return super().__new__(cls)
+
     def __init__(self, model, spec: CacheSpec | str = "quarot-int2", artifact: Artifact | str | None = None, **overrides):
         check_supported(model)
         self.spec = resolve_spec(spec, **overrides)
@@ -122,9 +131,4 @@ class RotkvCache(Cache):
 def make_cache(model, spec: CacheSpec | str, artifact: Artifact | str | None = None, **overrides) -> Cache:
     """A RotkvCache for a preset name or spec; ``bf16`` also goes through rotkv (unquantized tiers).
     A spec with ``budget_tokens`` gets budgeted layers (progressive precision or eviction)."""
-    spec = resolve_spec(spec, **overrides)
-    if spec.budget_tokens is not None:
-        from rotkv.cache.progressive import BudgetCache  # it subclasses RotkvCache
-
-        return BudgetCache(model, spec, artifact)
-    return RotkvCache(model, spec, artifact)
+    return RotkvCache(model, spec, artifact, **overrides)
