@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from rotkv.cache.cache import RotkvCache
+from rotkv.cache.cache import RotkvCache, resolve_spec
 from rotkv.cache.layer import HybridLayer, RowStore
 from rotkv.config import CacheSpec
 from rotkv.quant.progressive import (
@@ -187,7 +187,8 @@ class BudgetCache(RotkvCache):
     """A RotkvCache whose full-attention layers have a byte budget (``spec.budget_tokens``):
     progressive layers when ``spec.start_bits`` is set, evicting layers otherwise."""
 
-    def __init__(self, model, spec: CacheSpec, artifact=None):
+    def __init__(self, model, spec: CacheSpec | str, artifact=None, **overrides):
+        spec = resolve_spec(spec, **overrides)
         if spec.budget_tokens is None:
             raise ValueError("a BudgetCache needs `budget_tokens` (the context each layer's budget must hold)")
         super().__init__(model, spec, artifact)
