@@ -1,0 +1,90 @@
+"""Quantize-on-write: a 32K-token prefill's K and V (8 KV heads, head_dim 128) into the INT2 pool.
+
+Times ``quant_write`` for K (mean subtraction, rotation by R_K, clip 0.96) plus V (clip 0.92)
+as the median of CUDA events with a cold L2, against a device-to-device copy measured in the same
+run. Bytes: the bf16 input read plus codes, scales and lo written (R_K and the mean, 0.5 MB, are
+left out). Writes ``benchmarks/results/write-<YYYYMMDD-HHMM>.json``.
+
+    PYTHONPATH=. python benchmarks/bench_write.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+from benchmarks.bench_decode import git_commit
+from rotkv.kernels.write import quant_write
+from rotkv.rotations.base import random_orthogonal
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, nargs="+", default=[128])
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--block-t", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dev, gpu, commit = "cuda", torch.cuda.get_device_name(), git_commit()
+    rows = []
+    # copy ceiling: 1 GiB device-to-device, bytes read + written
+    src = torch.randn(2**28, device=dev)
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    copy_tbs = 2 * src.numel() * 4 / copy_ms / 1e9
+    del src, dst
+    print(f"copy: {copy_tbs:.2f} TB/s")
+    t, h, g, p = args.tokens, args.kv_heads, args.group_size, args.page_size
+    for d in args.head_dim:
+        gen = torch.Generator(device=dev).manual_seed(d)
+        k = torch.randn(t, h, d, device=dev, generator=gen).to(torch.bfloat16)
+        v = torch.randn(t, h, d, device=dev, generator=gen).to(torch.bfloat16)
+        rot = torch.stack([random_orthogonal(d, i) for i in range(h)]).to(dev)
+        mean = torch.randn(h, d, device=dev, generator=gen) * 0.3
+        np_ = -(-t // p)
+        slots = torch.arange(t, device=dev)
+        pool = [(torch.empty(np_, h, p, d // 4, dtype=torch.uint8, device=dev),
+                 torch.empty(np_, h, p, d // g, dtype=torch.float16, device=dev),
+                 torch.empty(np_, h, p, d // g, dtype=torch.float16, device=dev)) for _ in range(2)]
+        nbytes = 2 * t * h * d * 2 + 2 * t * h * (d // 4 + 2 * 2 * (d // g))
+        for bt in args.block_t:
+            for nw in args.num_warps:
+                for rotate in (True, False):
+                    def step():
+                        quant_write(k, slots, *pool[0], rot=rot if rotate else None, mean=mean if rotate else None,
+                                    clip=0.96, block_t=bt, num_warps=nw)
+                        quant_write(v, slots, *pool[1], clip=0.92, block_t=bt, num_warps=nw)
+                    try:
+                        ms = do_bench(step, warmup=25, rep=100, return_mode="median")
+                    except Exception as e:
+                        print(f"# block_t={bt} warps={nw} failed: {type(e).__name__}: {str(e)[:300]}")
+                        continue
+                    r = dict(impl="rotkv_write" if rotate else "rotkv_write_norot", tokens=t, kv_heads=h, head_dim=d,
+                             group_size=g, page_size=p, block_t=bt, num_warps=nw, bytes=nbytes, ms=ms,
+                             tb_per_s=nbytes / ms / 1e9, copy_tb_per_s=copy_tbs,
+                             fraction_of_copy=nbytes / ms / 1e9 / copy_tbs, gpu=gpu, commit=commit)
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
+    out = Path(args.out or Path(__file__).parent / "results" / f"write-{stamp}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+    print(f"\n{'impl':<18} {'D':>4} {'bt':>3} {'w':>2} {'ms':>8} {'TB/s':>6} {'of copy':>7}")
+    for r in rows:
+        print(f"{r['impl']:<18} {r['head_dim']:>4} {r['block_t']:>3} {r['num_warps']:>2} {r['ms']:8.4f} "
+              f"{r['tb_per_s']:6.2f} {r['fraction_of_copy']:7.2f}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
