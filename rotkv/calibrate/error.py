@@ -53,8 +53,19 @@ def output_error(samples, rot: LayerRotation, w_o: torch.Tensor, bits: int | Non
     num = den = 0.0
     for s in samples:
         sc = scaling or s.q.shape[-1] ** -0.5
-        ref = project(causal_attention(s.q, s.k, s.v, sc), w_o)
+        ref = reference_output(s, w_o, sc)
         got = project(quantized_output(s.q, s.k, s.v, rot, bits, group, clip_k, clip_v, sink, sc, quant_k, quant_v), w_o)
         num += (got - ref).pow(2).sum().item()
         den += ref.pow(2).sum().item()
     return num / max(den, 1e-30)
+
+
+def reference_output(s, w_o: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The fp32 output after W_O ``[T, hidden]`` of a sample, computed once and kept on the sample
+    (the clip search evaluates many stored variants against the same reference)."""
+    key = (w_o.data_ptr(), tuple(w_o.shape), scaling)
+    cached = getattr(s, "_ref", None)
+    if cached is None or cached[0] != key:
+        cached = (key, project(causal_attention(s.q, s.k, s.v, scaling), w_o))
+        s._ref = cached
+    return cached[1]

@@ -153,10 +153,10 @@ def calibrate(loaded, cfg: CalibConfig) -> tuple[dict[str, torch.Tensor], dict[s
             if cfg.search_clips:
                 ck, cv = clip.search_layer(held, LayerRotation(r_k, r_v, mu), w_o, cfg.bits, group, cfg.sink, scaling, cfg.clip_grid)
         same = lambda r: r[:1] if cfg.granularity == "layer" and cfg.method != "optr" else r  # noqa: E731
-        tensors[f"R_K.{l}"], tensors[f"R_V.{l}"] = same(r_k).contiguous(), same(r_v).contiguous()
+        tensors[f"R_K.{l}"], tensors[f"R_V.{l}"] = same(r_k).clone(), same(r_v).clone()  # never shared storage
         tensors[f"k_mean.{l}"] = st.k_mean
         for name, t in extra.items():
-            tensors[f"{name}.{l}"] = t
+            tensors[f"{name}.{l}"] = same(t).clone()
         clips_k.append(ck)
         clips_v.append(cv)
     tensors["clip_k"] = torch.tensor(clips_k, dtype=torch.float32)

@@ -93,31 +93,40 @@ def train_optr(rec, attn, base_rows, bits, group, sink, steps, heldout_ids, trai
     return rots, infos
 
 
-def decode_kl(loaded, ids, rows_for_kl, rec, bits, group, sink, window, length, new_tokens, chunk, clips):
-    """KL(fp || cache) per row in the decode regime via rotkv.eval.nll (RotkvCache), and measured bits/element."""
-    from rotkv.cache import RotkvCache
-    from rotkv.config import CacheSpec
-    from rotkv.eval import nll
-
+def write_row_artifacts(loaded, rows_for_kl, rec, clips, directory: str) -> dict[str, tuple[str, bool]]:
+    """One artifact per row (rotations, key means, clip ratios); returns name -> (path, key_mean)."""
     model = loaded.model
-    ref = nll.reference(model, ids, length, new_tokens)
     meta = model_meta(model, loaded.model_id)
-    meta["method"] = "table"
-    res = {}
-    tmp = tempfile.mkdtemp()
-    for name, (rots, mean) in tqdm(rows_for_kl.items(), desc="decode KL"):
+    d = model_geometry(model.config)[2]
+    os.makedirs(directory, exist_ok=True)
+    paths = {}
+    for name, (rots, mean) in rows_for_kl.items():
         tensors = {}
         for l, (rk, rv) in enumerate(rots):
-            d = model_geometry(model.config)[2]
             eye = torch.eye(d).expand(rec.layers[l].cq.shape[0], d, d)
             tensors[f"R_K.{l}"] = eye if rk is None else rk
             tensors[f"R_V.{l}"] = eye if rv is None else rv
             tensors[f"k_mean.{l}"] = rec.layers[l].k_mean
         tensors["clip_k"] = torch.tensor(clips[name][0])
         tensors["clip_v"] = torch.tensor(clips[name][1])
-        path = os.path.join(tmp, f"{name}.safetensors")
-        save_artifact(path, tensors, meta)
-        spec = CacheSpec(name=name, bits=bits, group_size=group, sink=sink, window=window, prefill_chunk=chunk,
+        path = os.path.join(directory, f"{name}.safetensors")
+        save_artifact(path, tensors, {**meta, "method": f"table:{name}", "bits": 2, "values_folded": "0",
+                                      "clip_k": ",".join(f"{c:g}" for c in clips[name][0]),
+                                      "clip_v": ",".join(f"{c:g}" for c in clips[name][1])})
+        paths[name] = (path, mean)
+    return paths
+
+
+def decode_kl(model, ids, paths, sink, window, length, new_tokens, chunk):
+    """KL(fp || cache) per row in the decode regime via rotkv.eval.nll (RotkvCache), and measured bits/element."""
+    from rotkv.cache import RotkvCache
+    from rotkv.config import CacheSpec
+    from rotkv.eval import nll
+
+    ref = nll.reference(model, ids, length, new_tokens)
+    res = {}
+    for name, (path, mean) in tqdm(paths.items(), desc="decode KL"):
+        spec = CacheSpec(name=name, bits=2, group_size=64, sink=sink, window=window, prefill_chunk=chunk,
                          rotation="artifact", key_mean=mean)
 
         class M:  # the small interface rotkv.eval.nll expects
@@ -131,6 +140,14 @@ def decode_kl(loaded, ids, rows_for_kl, rec, bits, group, sink, window, length, 
         res[name] = {"kl": sum(scores["kl"]) / len(scores["kl"]), "top1": sum(scores["top1"]) / len(scores["top1"]),
                      "bpe": mem["bits_per_element"], "body_bpe": mem["body_bits_per_element"]}
     return res
+
+
+def run_kl(loaded, paths, out, a) -> None:
+    ids = token_chunks(loaded.tokenizer, None, 10**9, a.kl_length + a.kl_new, kind="eval")[0]
+    t0 = time.perf_counter()
+    out["kl"] = decode_kl(loaded.model, ids, paths, 16, 64, a.kl_length, a.kl_new, 256)
+    out["times_s"]["decode_kl"] = time.perf_counter() - t0
+    write(out, a)
 
 
 def main(argv=None) -> int:
@@ -147,11 +164,19 @@ def main(argv=None) -> int:
     ap.add_argument("--optr-train", type=int, default=2, help="512-token chunks OptR trains on")
     ap.add_argument("--optr-queries", type=int, default=64, help="query rows per chunk in the OptR loss")
     ap.add_argument("--grid", default="1,0.96,0.92,0.88,0.84", help="clip-ratio grid")
+    ap.add_argument("--artifact-dir", default="/tmp/rotkv_table", help="where each KL row's artifact is written")
+    ap.add_argument("--kl-only", action="store_true", help="only the decode KL, from --json's artifacts")
     ap.add_argument("--out", default="docs/results/calibration.md")
     ap.add_argument("--json", default="docs/results/calibration.json")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
     loaded = load_model(device="cpu")
+    if a.kl_only:  # rerun the decode KL from the artifacts a previous run left
+        with open(a.json) as f:
+            out = json.load(f)
+        paths = {k: (p, k.endswith("+mean")) for k, p in out["artifacts"].items() if k in a.kl_rows.split(",")}
+        run_kl(loaded, paths, out, a)
+        return 0
     model = loaded.model
     layers, kv_heads, d = model_geometry(model.config)
     bits, group, sink = 2, min(64, d), 16
@@ -195,14 +220,16 @@ def main(argv=None) -> int:
     out = {"results": results, "curve": {str(k): v for k, v in curve.items()}, "kl": {}, "optr_info": infos,
            "times_s": {"capture": capture_s, "fit_oscar_etc": fit_s, "optr": optr_s, "total": time.perf_counter() - t_start},
            "threads": torch.get_num_threads(), "calib_tokens": a.tokens, "eval_tokens": a.eval_tokens,
-           "command": "python -m rotkv.calibrate.table " + " ".join(argv if argv is not None else sys.argv[1:])}
+           "command": "python -m rotkv.calibrate.table " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "args": vars(a)}
     write(out, a)  # the layer-level table first; the decode KL (slow) is added when it is done
-    if not a.no_kl and not a.layers:
-        ids = token_chunks(loaded.tokenizer, None, 10**9, a.kl_length + a.kl_new, kind="eval")[0]
+    if not a.layers:
         kl_rows = {k: (rows[k.split("+")[0]], k.endswith("+mean")) for k in a.kl_rows.split(",")}
-        out["kl"] = decode_kl(loaded, ids, kl_rows, rec, bits, group, sink, 64, a.kl_length, a.kl_new, 256, clips)
-        out["times_s"]["total"] = time.perf_counter() - t_start
+        paths = write_row_artifacts(loaded, kl_rows, rec, clips, a.artifact_dir)
+        out["artifacts"] = {k: v[0] for k, v in paths.items()}
         write(out, a)
+        if not a.no_kl:
+            run_kl(loaded, paths, out, a)
     return 0
 
 
@@ -237,8 +264,9 @@ def _avg(xs):
     return sum(xs) / len(xs)
 
 
-def render(out, a) -> str:
+def render(out, _a=None) -> str:
     res, kl = out["results"], out["kl"]
+    a = argparse.Namespace(**out["args"])
     lines = ["# Calibration: held-out results on SmolLM2-135M-Instruct (INT2, G=64)", "",
              f"Reproduce: `{out['command']}` "
              f"(calibration {out['calib_tokens']} tokens of `rotkv/data/calib_*.txt`, the last {a.heldout_chunks} 512-token chunk(s) held out for clip search "

@@ -86,3 +86,20 @@ def fold_pairwise(model: torch.nn.Module, angles: list[torch.Tensor]) -> list[to
         _rotate_rows(attn.k_proj, r, lambda b: b)
         rests.append(a - folded)
     return rests
+
+
+def fold_artifact_values(model: torch.nn.Module, artifact):
+    """Fold an artifact's R_V into ``model`` (in place) and return the artifact with ``values_folded``
+    set and R_V removed, for a cache that then stores ``v R_V`` straight from v_proj."""
+    from rotkv.rotations.artifact import Artifact
+
+    if artifact.values_folded:
+        raise ValueError(f"artifact {artifact.path} already has its values folded")
+    if getattr(model.config, "rotkv_values_folded", False):
+        raise ValueError("this model already has values folded into its weights; load a fresh copy")
+    n = artifact.num_layers
+    fold_values(model, [artifact.tensors[f"R_V.{l}"].float() for l in range(n)])
+    model.config.rotkv_values_folded = True
+    tensors = {k: v for k, v in artifact.tensors.items() if not k.startswith("R_V.")}
+    return Artifact(tensors, {**artifact.meta, "values_folded": "1"}, artifact.path,
+                    sum(t.numel() * t.element_size() for t in tensors.values()))
