@@ -1,0 +1,79 @@
+"""`rotkv eval`: decode-regime quality, attention error and RULER-style retrieval, methods and peers side by side."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _list(s: str | None) -> list[str] | None:
+    return None if s is None else [x.strip() for x in s.split(",") if x.strip()]
+
+
+def parse_lengths(items: list[str] | None, tasks: list[str]) -> dict[str, list[int]] | None:
+    """``["2048,8192"]`` (every task) or ``["nll=2048,8192", "niah=1024,2048"]`` (per task); 1K/2K suffixes allowed."""
+    if not items:
+        return None
+    def num(x: str) -> int:
+        x = x.strip().lower()
+        return int(float(x[:-1]) * 1024) if x.endswith("k") else int(x)
+    out: dict[str, list[int]] = {}
+    for item in items:
+        if "=" in item:
+            task, vals = item.split("=", 1)
+            out[task.strip()] = [num(v) for v in vals.split(",") if v.strip()]
+        else:
+            for t in tasks:
+                out[t] = [num(v) for v in item.split(",") if v.strip()]
+    return out
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate methods and peers: nll / attn-error / niah, report and plots")
+    p.add_argument("--model", default=None, help="smollm2 (default), a .gguf file or a local HF model directory")
+    p.add_argument("--methods", default=None, help="comma-separated rotkv presets and peers "
+                   "(hf-quanto-int4, hf-quanto-int2, hf-hqq-int2, turboquant-int3); default: the profile's")
+    p.add_argument("--tasks", default=None, help="comma-separated: nll, attn-error, niah (default: all)")
+    p.add_argument("--lengths", nargs="+", default=None,
+                   help="context lengths: '2048,8192' for every task or per task: 'nll=2K,8K niah=1K,2K,3K'")
+    p.add_argument("--out", required=True, help="output folder (results.json, report.md, plots, cache)")
+    p.add_argument("--text", nargs="+", default=None, help="evaluation text files for nll and attn-error "
+                   "(default: rotkv/data/eval_*.txt)")
+    p.add_argument("--haystack", nargs="+", default=None, help="text files for the essay haystack of niah")
+    p.add_argument("--artifact-dir", default=None, help="calibration artifacts, one per method: oscar.safetensors, "
+                   "optr.safetensors, ...; a missing one is calibrated with the defaults and stored there")
+    p.add_argument("--sink", type=int, default=None, help="bf16 sink tokens of every rotkv preset (profile: 16)")
+    p.add_argument("--window", type=int, default=None, help="bf16 window tokens of every rotkv preset (full: 64)")
+    p.add_argument("--profile", default="smoke", choices=["smoke", "full"])
+    p.add_argument("--depths", default=None, help="needle depths of the single-needle variants, e.g. 0.1,0.5,0.9")
+    p.add_argument("--samples", type=int, default=None, help="haystacks per niah cell")
+    p.add_argument("--windows", type=int, default=None, help="nll windows at 2K (fewer at longer contexts)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens teacher-forced after each nll context")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a busy machine)")
+    p.add_argument("--report-only", action="store_true", help="rebuild results.json, report and plots from the cache")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from rotkv.eval.config import TASKS, make_config
+    from rotkv.eval.report import write_report
+
+    tasks = _list(args.tasks)
+    cfg = make_config(
+        args.profile, model=args.model, methods=_list(args.methods), tasks=tasks,
+        lengths=parse_lengths(args.lengths, tasks or list(TASKS)), texts=args.text, haystacks=args.haystack,
+        artifact_dir=args.artifact_dir, sink=args.sink, window=args.window,
+        niah_depths=[float(x) for x in _list(args.depths)] if args.depths else None, niah_samples=args.samples,
+        nll_windows=args.windows, new_tokens=args.new_tokens, threads=args.threads,
+    )
+    if args.report_only:
+        from rotkv.eval.run import rebuild
+
+        records = rebuild(cfg, args.out)
+    else:
+        from rotkv.eval.run import evaluate
+
+        records = evaluate(cfg, args.out, log=lambda s: print(s, file=sys.stderr, flush=True))
+    paths = write_report(args.out)
+    print(f"{len(records)} records; wrote {os.path.join(args.out, 'results.json')}, " + ", ".join(paths))
+    return 0

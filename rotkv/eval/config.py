@@ -1,0 +1,116 @@
+"""The evaluation configuration: one dataclass, two named profiles, validated at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from dataclasses import dataclass, field
+
+from rotkv.config import PRESETS
+from rotkv.eval.niah import VARIANTS
+from rotkv.eval.peers import PEERS
+
+TASKS = ("nll", "attn-error", "niah")
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
+MAIN_METHODS = ["bf16", "int4", "naive-int2", "quarot-int2", "kivi-2", "oscar-int2", "optr-int2",
+                "hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int2", "turboquant-int3"]
+
+
+def builtin_eval_texts() -> list[str]:
+    """The evaluation texts shipped in rotkv/data (never used for calibration)."""
+    return sorted(glob.glob(os.path.join(DATA_DIR, "eval_*.txt")))
+
+
+@dataclass
+class EvalConfig:
+    """What one ``rotkv eval`` run measures.
+
+    lengths: per task, the context lengths (tokens). nll_windows: windows at 2048 tokens; longer contexts
+    get proportionally fewer (at least one), so every length costs about the same number of tokens.
+    niah_depths: needle depths of the single-needle variants (one haystack per depth and sample);
+    niah_multi_depths: the depths of the needles of one multikey / multivalue haystack;
+    niah_variant_lengths: lengths of some variants when they differ from ``lengths["niah"]``.
+    sink, window: override every rotkv preset (None keeps the presets' own values).
+    """
+
+    profile: str = "smoke"
+    model: str | None = None
+    methods: list[str] = field(default_factory=lambda: ["bf16", "naive-int2", "quarot-int2"])
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    lengths: dict[str, list[int]] = field(default_factory=lambda: {"nll": [256], "attn-error": [256], "niah": [384]})
+    texts: list[str] = field(default_factory=builtin_eval_texts)
+    haystacks: list[str] = field(default_factory=builtin_eval_texts)
+    artifact_dir: str | None = None
+    sink: int | None = 16
+    window: int | None = 32
+    chunk: int = 128
+    nll_windows: int = 1
+    new_tokens: int = 8
+    attn_queries: int = 16
+    niah_variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    niah_depths: list[float] = field(default_factory=lambda: [0.5])
+    niah_multi_depths: list[float] = field(default_factory=lambda: [0.25, 0.75])
+    niah_samples: int = 1
+    niah_variant_lengths: dict[str, list[int]] = field(default_factory=dict)
+    max_answer_tokens: int = 12
+    seed: int = 0
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        known = list(PRESETS) + list(PEERS)
+        for m in self.methods:
+            if m not in known:
+                raise ValueError(f"`methods` has to be a list from {known} but got {m!r}")
+        for t in self.tasks:
+            if t not in TASKS:
+                raise ValueError(f"`tasks` has to be a list from {list(TASKS)} but got {t!r}")
+        for v in self.niah_variants:
+            if v not in VARIANTS:
+                raise ValueError(f"`niah_variants` has to be a list from {list(VARIANTS)} but got {v!r}")
+        for d in self.niah_depths + self.niah_multi_depths:
+            if not 0.0 <= d <= 1.0:
+                raise ValueError(f"needle depths have to be in [0, 1] but got {d}")
+        for task in self.tasks:
+            if not self.lengths.get(task):
+                raise ValueError(f"`lengths` has no context length for task {task!r}")
+        for f in self.texts + self.haystacks:
+            if not os.path.isfile(f):
+                raise FileNotFoundError(f"text file {f} not found")
+        if not self.texts:
+            raise ValueError("no evaluation text: pass --text FILE (rotkv/data has no eval_*.txt)")
+        for name in ("chunk", "nll_windows", "new_tokens", "attn_queries", "niah_samples", "max_answer_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` has to be >= 1 but got {getattr(self, name)}")
+
+    def niah_lengths(self, variant: str) -> list[int]:
+        return sorted(self.niah_variant_lengths.get(variant, self.lengths.get("niah", [])))
+
+    def windows_at(self, length: int) -> int:
+        return max(1, round(self.nll_windows * 2048 / max(length, 2048)))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+PROFILES: dict[str, dict] = {
+    # CI: a few minutes on 2 CPU cores, three rotkv presets, every task and variant at tiny sizes.
+    "smoke": {},
+    # The committed run (docs/results): every method, SmolLM2's lengths, sized for a shared 2-core CPU.
+    "full": dict(
+        methods=MAIN_METHODS,
+        lengths={"nll": [2048, 8192], "attn-error": [1024], "niah": [1024, 2048, 3072]},
+        sink=16, window=64, chunk=512, nll_windows=2, new_tokens=32, attn_queries=64,
+        niah_depths=[0.5], niah_multi_depths=[0.1, 0.5, 0.9], niah_samples=1, max_answer_tokens=12,
+        niah_variant_lengths={"noise": [2048], "multivalue": [2048]},
+    ),
+}
+
+
+def make_config(profile: str = "smoke", **overrides) -> EvalConfig:
+    """A profile with overrides (None values are ignored)."""
+    if profile not in PROFILES:
+        raise ValueError(f"`profile` has to be one of {list(PROFILES)} but got {profile!r}")
+    kw = dict(PROFILES[profile])
+    kw.update({k: v for k, v in overrides.items() if v is not None})
+    return EvalConfig(profile=profile, **kw)

@@ -1,0 +1,89 @@
+"""The methods an evaluation compares: every rotkv preset and the peers, behind one small interface.
+
+A :class:`Method` builds a fresh cache for a model and measures what that cache holds. rotkv presets take
+the run's ``--sink``/``--window`` overrides (so methods compare at equal measured bits) and, for
+presets with a calibrated rotation, the artifact ``<artifact_dir>/<method without bit suffix>.safetensors``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from rotkv.config import PRESETS
+from rotkv.eval import peers
+from rotkv.rotations.artifact import model_geometry
+
+NOMINAL_BITS = {"bf16": 16.0}
+
+
+@dataclass
+class Method:
+    name: str
+    kind: str  # "rotkv" or "peer"
+    bpe_nominal: float
+    overrides: dict = field(default_factory=dict)
+    artifact: str | None = None
+
+    def build(self, model):
+        """A fresh, empty cache for ``model``."""
+        if self.kind == "peer":
+            return peers.make_peer(self.name, model)
+        from rotkv.cache import RotkvCache
+
+        return RotkvCache(model, self.name, self.artifact, **self.overrides)
+
+    def measure(self, cache, model) -> dict:
+        """Resident bytes of ``cache`` as it is now, and its element count (2 * tokens * kv_heads * D * layers)."""
+        if self.kind == "rotkv":
+            st = cache.stats()
+            return {"kv_bytes": int(st["kv_bytes"]), "kv_bytes_at_bf16": int(st["kv_bytes"]),
+                    "elements": int(st["elements"]), "rotation_bytes": int(st["rotation_bytes"])}
+        out = peers.resident_bytes(cache.layers)
+        layers, kv_heads, head_dim = model_geometry(model.config)
+        out["elements"] = 2 * cache.get_seq_length() * kv_heads * head_dim * layers
+        out["rotation_bytes"] = 0
+        return out
+
+
+def nominal_bits(name: str) -> float:
+    if name in peers.PEERS:
+        return float(peers.PEERS[name].bits)
+    spec = PRESETS[name]
+    return 16.0 if spec.bits is None else float(spec.bits)
+
+
+def artifact_name(method: str) -> str:
+    """``oscar-int2`` -> ``oscar`` (the artifact file is named after the method without its bit suffix)."""
+    return method.rsplit("-", 1)[0] if "-" in method else method
+
+
+def known_methods() -> list[str]:
+    return list(PRESETS) + list(PEERS_ORDER)
+
+
+PEERS_ORDER = tuple(peers.PEERS)
+
+
+def resolve(name: str, sink: int | None, window: int | None, artifact_dir: str | None,
+            calibrate=None) -> tuple[Method | None, str | None]:
+    """(Method, None) or (None, why it is unavailable). ``calibrate(method, path)`` makes a missing artifact."""
+    if name in peers.PEERS:
+        why = peers.unavailable(name)
+        return (None, why) if why else (Method(name, "peer", nominal_bits(name)), None)
+    if name not in PRESETS:
+        raise ValueError(f"unknown method {name!r}; available: {known_methods()}")
+    overrides = {k: v for k, v in (("sink", sink), ("window", window)) if v is not None}
+    m = Method(name, "rotkv", nominal_bits(name), overrides)
+    if PRESETS[name].needs_artifact:
+        if artifact_dir is None:
+            return None, f"needs a calibration artifact: pass --artifact-dir (holding {artifact_name(name)}.safetensors)"
+        path = os.path.join(artifact_dir, f"{artifact_name(name)}.safetensors")
+        if not os.path.exists(path):
+            if calibrate is None:
+                return None, f"artifact {path} is missing"
+            why = calibrate(artifact_name(name), path)
+            if why:
+                return None, why
+        m.artifact = path
+    return m, None

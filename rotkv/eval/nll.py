@@ -1,0 +1,66 @@
+"""``nll``: decode-regime quality after a context of L tokens.
+
+For each window of the evaluation text, the first L tokens are prefilled in chunks through the method's
+cache, then the next N tokens are teacher-forced one per call (decode), each reading the stored cache.
+Per scored token: NLL of the true token, KL(reference || method) of the next-token distributions, and
+whether both pick the same top-1 token. The reference is the plain model (float32, no cache, full
+attention over the same tokens), computed once per window.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rotkv.eval.protocol import forward, prefill
+from rotkv.eval.stats import mean_ci
+
+
+def window_starts(n_tokens: int, length: int, new_tokens: int, count: int) -> list[int]:
+    """``count`` start offsets spread evenly over a stream of ``n_tokens`` (windows overlap if it is short)."""
+    span = length + new_tokens
+    if n_tokens < span:
+        raise ValueError(f"the evaluation text has {n_tokens} tokens, fewer than length + new tokens = {span}; "
+                         "pass longer --text files or a smaller length")
+    room = n_tokens - span
+    if count == 1:
+        return [0]
+    return [round(i * room / (count - 1)) for i in range(count)]
+
+
+def reference(model, ids: torch.Tensor, length: int, new_tokens: int) -> torch.Tensor:
+    """Plain-model log-probs ``[N, vocab]`` predicting tokens ``length .. length + N - 1`` of ``ids [1, n]``."""
+    return forward(model, ids[:, : length + new_tokens - 1], None, keep=new_tokens)
+
+
+def score_window(model, method, ids: torch.Tensor, length: int, new_tokens: int, chunk: int,
+                 ref: torch.Tensor) -> tuple[dict[str, list[float]], dict]:
+    """Per-token nll / kl / top1 of one window through a fresh cache of ``method``, and its measured bytes."""
+    cache = method.build(model)
+    logps = [prefill(model, cache, ids[:, :length], chunk)]
+    for t in range(new_tokens - 1):
+        logps.append(forward(model, ids[:, length + t: length + t + 1], cache)[-1])
+    lp = torch.stack(logps)  # [N, vocab]
+    target = ids[0, length: length + new_tokens].to(lp.device)
+    nll = -lp.gather(-1, target[:, None])[:, 0]
+    kl = (ref.exp() * (ref - lp)).sum(-1).clamp_min(0)
+    top1 = (lp.argmax(-1) == ref.argmax(-1)).float()
+    mem = method.measure(cache, model)
+    return {"nll": nll.tolist(), "kl": kl.tolist(), "top1": top1.tolist()}, mem
+
+
+def reference_scores(ref: torch.Tensor, ids: torch.Tensor, length: int, new_tokens: int) -> list[float]:
+    target = ids[0, length: length + new_tokens].to(ref.device)
+    return (-ref.gather(-1, target[:, None])[:, 0]).tolist()
+
+
+def summarize(per_token: dict[str, list[float]], n_windows: int) -> dict:
+    """One record's figures from the pooled per-token values (the interval ignores within-window correlation)."""
+    nll, nll_ci = mean_ci(per_token["nll"])
+    out = {"n": len(per_token["nll"]), "windows": n_windows, "nll": nll, "ci95": nll_ci, "ppl": math.exp(nll)}
+    if "kl" in per_token:
+        kl, kl_ci = mean_ci(per_token["kl"])
+        top1, top1_ci = mean_ci(per_token["top1"])
+        out.update({"kl": kl, "kl_ci95": kl_ci, "top1": top1, "top1_ci95": top1_ci})
+    return out

@@ -1,0 +1,181 @@
+"""DIR/report.md from DIR/results.json and DIR/config.json, and the plots."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+
+from rotkv.eval import plots
+from rotkv.eval.peers import PEERS
+from rotkv.eval.stats import wilson
+
+
+def _f(x, spec=".3f", none="-"):
+    return none if x is None else format(x, spec)
+
+
+def _order(records):
+    return plots._method_order(records)
+
+
+def _by(records, **kw):
+    return [r for r in records if all(r.get(k) == v for k, v in kw.items())]
+
+
+def niah_pooled(records, method, length=None):
+    """(accuracy, ci95, n, mean measured bpe) over every niah question of a method (at one length)."""
+    rs = [r for r in _by(records, method=method, task="niah") if length is None or r["length"] == length]
+    n = sum(r["n"] for r in rs)
+    if not n:
+        return None
+    acc, ci = wilson(sum(r["accuracy"] * r["n"] for r in rs), n)
+    return acc, ci, n, sum(r["bpe_measured"] * r["n"] for r in rs) / n
+
+
+def main_table(records) -> list[str]:
+    methods = _order(records)
+    nll_L = sorted({r["length"] for r in records if r["task"] == "nll"})
+    niah_L = sorted({r["length"] for r in records if r["task"] == "niah"})
+    attn_L = sorted({r["length"] for r in records if r["task"] == "attn-error"})
+    head = ["method"]
+    for L in nll_L:
+        head += [f"bpe @{L}", f"ppl @{L}", f"KL @{L}", f"top-1 @{L}"]
+    for L in attn_L:
+        head += [f"attn err @{L}"]
+    for L in niah_L:
+        head += [f"NIAH @{L} (bpe)"]
+    if niah_L:
+        head += ["NIAH all"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    plain = {r["length"]: r for r in _by(records, method="plain-fp32", task="nll")}
+    if plain:
+        row = ["plain model (fp32, no cache)"]
+        for L in nll_L:
+            p = plain.get(L)
+            row += ["32 (fp32)", _f(p and p["ppl"], ".2f"), "0", "1"]
+        row += ["-"] * (len(head) - len(row))
+        lines.append("| " + " | ".join(row) + " |")
+    for m in methods:
+        row = [m]
+        for L in nll_L:
+            r = next(iter(_by(records, method=m, task="nll", length=L)), None)
+            row += [_f(r and r["bpe_measured"], ".2f"), _f(r and r["ppl"], ".2f"), _f(r and r.get("kl"), ".4f"),
+                    _f(r and r.get("top1"), ".3f")]
+        for L in attn_L:
+            r = next(iter(_by(records, method=m, task="attn-error", length=L)), None)
+            row.append(f"{r['rel_error']:.4f} ({r['bpe_measured']:.2f})" if r else "-")
+        for L in niah_L:
+            p = niah_pooled(records, m, L)
+            row.append(f"{p[0]:.2f} ({p[3]:.2f})" if p else "-")
+        if niah_L:
+            p = niah_pooled(records, m)
+            row.append(f"{p[0]:.2f} ± {p[1]:.2f}, n={p[2]}" if p else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def nll_table(records) -> list[str]:
+    lines = ["| method | context | windows | tokens | NLL ± 95% CI | ppl | KL ± 95% CI | top-1 | KV MB | bpe measured | "
+             "bpe at bf16 model | bpe nominal |", "|" + "---|" * 12]
+    for r in sorted(_by(records, task="nll"), key=lambda r: (r["length"], r["method"] != "plain-fp32")):
+        if r["method"] == "plain-fp32":
+            lines.append(f"| plain model (fp32, no cache) | {r['length']} | {r['windows']} | {r['n']} | "
+                         f"{r['nll']:.3f} ± {r['ci95']:.3f} | {r['ppl']:.2f} | 0 | 1 | - | - | - | - |")
+            continue
+        lines.append(
+            f"| {r['method']} | {r['length']} | {r['windows']} | {r['n']} | {r['nll']:.3f} ± {r['ci95']:.3f} | "
+            f"{r['ppl']:.2f} | {r['kl']:.4f} ± {r['kl_ci95']:.4f} | {r['top1']:.3f} | {r['kv_bytes'] / 1e6:.2f} | "
+            f"{r['bpe_measured']:.2f} | {r['bpe_at_bf16']:.2f} | {r['bpe_nominal']:g} |")
+    return lines
+
+
+def niah_tables(records) -> list[str]:
+    out = []
+    for variant in ("noise", "essay", "multikey", "multivalue"):
+        rs = _by(records, task="niah", variant=variant)
+        if not rs:
+            continue
+        cols = sorted({(r["length"], r["depth"] if r["depth"] is not None else -1) for r in rs})
+        head = ["method"] + [f"{L} @ {'all' if d < 0 else format(d, '.0%')}" for L, d in cols] + ["pooled ± 95% CI", "bpe"]
+        out += [f"**{variant}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for m in _order(rs):
+            row, k, n, bpe = [m], 0.0, 0, 0.0
+            for L, d in cols:
+                r = next((x for x in rs if x["method"] == m and x["length"] == L
+                          and (x["depth"] if x["depth"] is not None else -1) == d), None)
+                if r is None:
+                    row.append("-")
+                    continue
+                mark = {"sink": " (S)", "window": " (W)"}.get(r["bf16_tier"], "")
+                row.append(f"{r['accuracy']:.2f}{mark}")
+                k, n, bpe = k + r["accuracy"] * r["n"], n + r["n"], bpe + r["bpe_measured"] * r["n"]
+            acc, ci = wilson(k, n) if n else (float("nan"), float("nan"))
+            row += [f"{acc:.2f} ± {ci:.2f} (n={n})", f"{bpe / max(n, 1):.2f}"]
+            out.append("| " + " | ".join(row) + " |")
+        out.append("")
+    return out
+
+
+def attn_table(records) -> list[str]:
+    rs = _by(records, task="attn-error")
+    if not rs:
+        return []
+    lines = ["| method | context | mean rel. error ± 95% CI (over layers) | worst layer | bpe measured |", "|---|---|---|---|---|"]
+    for r in rs:
+        worst = max(range(len(r["rel_error_per_layer"])), key=lambda i: r["rel_error_per_layer"][i])
+        lines.append(f"| {r['method']} | {r['length']} | {r['rel_error']:.4f} ± {r['ci95']:.4f} | "
+                     f"{worst} ({r['rel_error_per_layer'][worst]:.4f}) | {r['bpe_measured']:.2f} |")
+    return lines
+
+
+def write_report(out_dir: str) -> list[str]:
+    with open(os.path.join(out_dir, "results.json")) as f:
+        blob = json.load(f)
+    records, unavailable = blob["records"], blob.get("unavailable", {})
+    cfg_path = os.path.join(out_dir, "config.json")
+    prov = json.load(open(cfg_path)) if os.path.exists(cfg_path) else {}
+    cfg = prov.get("config", {})
+    paths = plots.plot_heatmaps(records, out_dir) + plots.plot_pareto(records, out_dir, set(PEERS)) + plots.plot_attn(records, out_dir)
+    secs = defaultdict(float)
+    for r in records:
+        secs[r["method"]] += r.get("seconds", 0.0)
+    L = ["# rotkv evaluation", ""]
+    if prov:
+        v = prov.get("versions", {})
+        L += [f"- model: `{prov.get('model_id')}`; profile `{cfg.get('profile')}`; rotkv presets run with sink "
+              f"{cfg.get('sink')} and window {cfg.get('window')} (bf16 tiers), prefill chunks of {cfg.get('chunk')} tokens",
+              f"- commit `{(prov.get('git') or {}).get('commit')}`; torch {v.get('torch')}, transformers "
+              f"{v.get('transformers')}, optimum-quanto {v.get('optimum-quanto')}, hqq {v.get('hqq')}, turboquant "
+              f"{v.get('turboquant')}; {prov.get('threads')} CPU thread(s)",
+              f"- started {prov.get('started_utc')}; command: `{' '.join(prov.get('argv', []))}`", ""]
+    L += ["bpe = measured bits per element: resident bytes of the cache (codes, scales, bf16 sink/window, peer residuals "
+          "and any dequantized copy a peer keeps) x 8 / (2 x tokens x kv_heads x head_dim x layers). The CPU run keeps the "
+          "model in float32, so a peer's residual and metadata are float32; `bpe at bf16 model` counts those float32 "
+          "tensors at 2 bytes. Rotation matrices are not counted (fixed per model, not per token).", ""]
+    if unavailable:
+        L += ["## Not run", ""] + [f"- `{m}`: {why}" for m, why in unavailable.items()] + [""]
+    L += ["## Main table", ""] + main_table(records) + [""]
+    L += ["NIAH cells: accuracy pooled over the variants and depths at that length (measured bpe in brackets); "
+          "`NIAH all`: every question, Wilson 95% interval.", ""]
+    L += ["## nll: decode after a context", "", "The context is prefilled in chunks through the method's cache; the next "
+          "tokens are teacher-forced one per call. KL is against the plain model (float32, no cache). Intervals are over "
+          "tokens and ignore the correlation within a window.", ""] + nll_table(records) + [""]
+    at = attn_table(records)
+    if at:
+        L += ["## attn-error", "", "Each layer isolated: its input is the plain model's, so the error is its own cache's.",
+              ""] + at + [""]
+    nt = niah_tables(records)
+    if nt:
+        L += ["## niah", "", "(S)/(W): the needle lies in the bf16 sink / recent window of the rotkv presets at question "
+              "time, so quantization cannot touch it.", ""] + nt
+    if secs:
+        L += ["## Time per method (s, this run)", "", "| " + " | ".join(secs) + " |", "|" + "---|" * len(secs),
+              "| " + " | ".join(f"{s:.0f}" for s in secs.values()) + " |", ""]
+    L += ["## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in paths
+                             if not os.path.basename(p).startswith("niah_heatmap_")]
+    L += [""] + [f"- [{os.path.basename(p)}]({os.path.basename(p)})" for p in paths if os.path.basename(p).startswith("niah_heatmap_")]
+    p = os.path.join(out_dir, "report.md")
+    with open(p, "w") as f:
+        f.write("\n".join(L) + "\n")
+    return [p] + paths

@@ -1,0 +1,364 @@
+"""The evaluation driver: resolves methods, runs every (task, length) unit, caches results per method.
+
+Results are cached in ``DIR/cache/<method>/<task>-<length>.json`` together with a fingerprint of the
+settings that produced them, so an interrupted run resumes where it stopped and a changed setting
+recomputes only what it affects. Several processes may share one DIR with disjoint method lists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from importlib import metadata
+
+import torch
+from tqdm.auto import tqdm
+
+from rotkv.eval import attn_error, nll, niah
+from rotkv.eval.config import EvalConfig
+from rotkv.eval.methods import Method, resolve
+from rotkv.eval.stats import mean_ci, wilson
+
+PACKAGES = ("rotkv", "torch", "transformers", "optimum-quanto", "hqq", "turboquant", "numpy", "scipy", "matplotlib")
+
+
+# ---- provenance ---------------------------------------------------------------------------------------
+def versions() -> dict[str, str | None]:
+    out = {"python": platform.python_version()}
+    for p in PACKAGES:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+def git_commit() -> dict[str, str | None]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "rotkv"], cwd=here, capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        return {"commit": sha or None, "rotkv_tree_dirty": bool(dirty)}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "rotkv_tree_dirty": None}
+
+
+def _sha(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+# ---- texts --------------------------------------------------------------------------------------------
+def read_tokens(tokenizer, files: list[str]) -> list[int]:
+    text = "\n\n".join(open(f, encoding="utf-8").read() for f in files)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+# ---- the units ----------------------------------------------------------------------------------------
+def unit_settings(cfg: EvalConfig, unit: tuple, text_sha: str, hay_sha: str) -> dict:
+    """The settings a (task, variant, length) unit's results depend on (its cache fingerprint)."""
+    task, variant, length = unit
+    s = {"model": cfg.model, "task": task, "variant": variant, "length": length, "sink": cfg.sink, "window": cfg.window,
+         "chunk": cfg.chunk, "seed": cfg.seed}
+    if task == "nll":
+        s.update(windows=cfg.windows_at(length), new_tokens=cfg.new_tokens, texts=text_sha)
+    elif task == "attn-error":
+        s.update(queries=cfg.attn_queries, texts=text_sha)
+    else:
+        depths = cfg.niah_depths if variant in ("noise", "essay") else cfg.niah_multi_depths
+        s.update(depths=depths, samples=cfg.niah_samples, answer=cfg.max_answer_tokens,
+                 haystack=hay_sha if variant != "noise" else None, prompt=niah.PROMPT_VERSION)
+    return s
+
+
+def _fingerprint(settings: dict, method: Method) -> str:
+    blob = json.dumps({**settings, "method": method.name, "artifact": method.artifact and _sha(method.artifact)},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _mem_fields(mem: dict, bpe_nominal: float) -> dict:
+    el = max(mem["elements"], 1)
+    return {"kv_bytes": mem["kv_bytes"], "kv_bytes_at_bf16": mem["kv_bytes_at_bf16"], "elements": mem["elements"],
+            "bpe_measured": 8 * mem["kv_bytes"] / el, "bpe_at_bf16": 8 * mem["kv_bytes_at_bf16"] / el,
+            "bpe_nominal": bpe_nominal}
+
+
+def _avg_mem(mems: list[dict]) -> dict:
+    return {k: sum(m[k] for m in mems) / len(mems) for k in ("kv_bytes", "kv_bytes_at_bf16", "elements")}
+
+
+def run_nll(model, method, ids_all, cfg, length, refs) -> list[dict]:
+    pooled: dict[str, list[float]] = {"nll": [], "kl": [], "top1": []}
+    mems = []
+    for start, ref in refs:
+        ids = ids_all[:, start:start + length + cfg.new_tokens]
+        per, mem = nll.score_window(model, method, ids, length, cfg.new_tokens, cfg.chunk, ref)
+        for k in pooled:
+            pooled[k] += per[k]
+        mems.append(mem)
+    rec = {"method": method.name, "task": "nll", "length": length, "variant": None, "depth": None}
+    rec.update(nll.summarize(pooled, len(refs)))
+    rec.update(_mem_fields(_avg_mem(mems), method.bpe_nominal))
+    return [rec]
+
+
+def run_attn(model, method, ids_all, cfg, length, ref) -> list[dict]:
+    errs, mem = attn_error.layer_errors(model, method, ids_all[:, : length + cfg.attn_queries], length,
+                                        cfg.attn_queries, cfg.chunk, ref)
+    m, ci = mean_ci(errs)
+    rec = {"method": method.name, "task": "attn-error", "length": length, "variant": None, "depth": None,
+           "n": len(errs), "ci95": ci, "rel_error": m, "rel_error_per_layer": errs}
+    rec.update(_mem_fields(mem, method.bpe_nominal))
+    return [rec]
+
+
+def niah_samples(tokenizer, cfg: EvalConfig, variant: str, length: int, essay_ids: list[int]) -> list[niah.Sample]:
+    """The haystacks of one (variant, length) unit: per sample, one per depth (single variants) or one in all."""
+    out = []
+    for s in range(cfg.niah_samples):
+        seed = int(hashlib.sha256(f"{cfg.seed}-{variant}-{length}-{s}".encode()).hexdigest()[:8], 16)
+        if variant in ("noise", "essay"):
+            for d_i, d in enumerate(cfg.niah_depths):
+                out.append(niah.make_sample(tokenizer, variant, length, [d], essay_ids, seed + d_i))
+        else:
+            out.append(niah.make_sample(tokenizer, variant, length, cfg.niah_multi_depths, essay_ids, seed))
+    return out
+
+
+def run_niah(model, tokenizer, method, cfg, length, samples, sink: int, window: int) -> list[dict]:
+    cells: dict[tuple, dict] = {}
+    for sample in samples:
+        results, mem = niah.run_sample(model, tokenizer, method, sample, cfg.chunk, cfg.max_answer_tokens)
+        n_ctx = sample.context.shape[1]
+        for r in results:
+            key = (sample.variant, r["depth"])
+            c = cells.setdefault(key, {"scores": [], "mems": [], "tiers": set(), "answers": [], "ctx": []})
+            c["scores"].append(r["score"])
+            c["mems"].append(mem)
+            c["ctx"].append(n_ctx)
+            c["answers"].append({"expected": r["expected"], "answer": r["answer"][:80]})
+            tier = niah.tier_of(tuple(r["span"]), n_ctx, sink, window)
+            if tier:
+                c["tiers"].add(tier)
+    recs = []
+    for (variant, depth), c in cells.items():
+        acc, ci = wilson(sum(c["scores"]), len(c["scores"]))
+        rec = {"method": method.name, "task": "niah", "length": length, "variant": variant, "depth": depth,
+               "n": len(c["scores"]), "ci95": ci, "accuracy": acc, "context_tokens": sum(c["ctx"]) / len(c["ctx"]),
+               "bf16_tier": ",".join(sorted(c["tiers"])), "answers": c["answers"]}
+        rec.update(_mem_fields(_avg_mem(c["mems"]), method.bpe_nominal))
+        recs.append(rec)
+    return recs
+
+
+# ---- the driver ---------------------------------------------------------------------------------------
+def calibrator(loaded, log):
+    """``calibrate(method, path) -> None or why not``: makes a missing artifact with the calibration defaults."""
+    def calibrate(method: str, path: str) -> str | None:
+        try:
+            from rotkv.calibrate.run import CalibConfig, calibrate as fit
+            from rotkv.rotations.artifact import save_artifact
+        except ImportError as e:
+            return f"calibration is not available in this checkout ({e})"
+        log(f"calibrating {method} with the defaults into {path} ...")
+        tensors, meta = fit(loaded, CalibConfig(method=method))
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        save_artifact(path, tensors, meta)
+        return None
+    return calibrate
+
+
+# the order units run in: what the report needs most first, contexts over 4K tokens last (the most expensive)
+PRIORITY = [("nll", None), ("niah", "multikey"), ("niah", "essay"), ("attn-error", None), ("niah", "noise"),
+            ("niah", "multivalue")]
+
+
+def plan(cfg: EvalConfig) -> list[tuple[str, str | None, int]]:
+    """(task, variant, length) units in the order they run."""
+    units = []
+    for t in cfg.tasks:
+        for v in (cfg.niah_variants if t == "niah" else [None]):
+            units += [(t, v, L) for L in (cfg.niah_lengths(v) if t == "niah" else sorted(cfg.lengths[t]))]
+    return sorted(units, key=lambda u: (u[2] > 4096, PRIORITY.index((u[0], u[1])), u[2]))
+
+
+def evaluate(cfg: EvalConfig, out_dir: str, loaded=None, log=print) -> list[dict]:
+    """Run (or resume) the evaluation into ``out_dir``; returns every record of the configured methods."""
+    from rotkv.hf.models import load_model
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    os.makedirs(out_dir, exist_ok=True)
+    t0 = time.time()
+    loaded = loaded or load_model(cfg.model, device="cpu")
+    model, tok = loaded.model, loaded.tokenizer
+    methods, unavailable = [], {}
+    for name in cfg.methods:
+        m, why = resolve(name, cfg.sink, cfg.window, cfg.artifact_dir, calibrator(loaded, log))
+        if m is None:
+            unavailable[name] = why
+            log(f"  {name}: unavailable: {why}")
+        else:
+            methods.append(m)
+    text_ids = read_tokens(tok, cfg.texts) if {"nll", "attn-error"} & set(cfg.tasks) else []
+    essay_ids = read_tokens(tok, cfg.haystacks) if "niah" in cfg.tasks else []
+    text_sha = hashlib.sha256(b"".join(_sha(f).encode() for f in cfg.texts)).hexdigest()[:16]
+    hay_sha = hashlib.sha256(b"".join(_sha(f).encode() for f in cfg.haystacks)).hexdigest()[:16]
+    ids_all = torch.tensor([text_ids]) if text_ids else None
+    sink = cfg.sink if cfg.sink is not None else 0
+    window = cfg.window if cfg.window is not None else 0
+    _write_provenance(cfg, out_dir, loaded, methods, unavailable)
+    for unit in plan(cfg):
+        task, variant, length = unit
+        settings = unit_settings(cfg, unit, text_sha, hay_sha)
+        todo = [m for m in methods if _cached(out_dir, m, unit, settings) is None]
+        if not todo:
+            continue
+        name = f"{task}{'-' + variant if variant else ''}@{length}"
+        log(f"[{time.time() - t0:7.0f}s] {name}: {len(todo)} method(s) to run")
+        ref = _reference(model, tok, cfg, unit, ids_all, essay_ids, out_dir, settings)
+        for m in tqdm(todo, desc=name, unit="method"):
+            t1 = time.time()
+            if task == "nll":
+                recs = run_nll(model, m, ids_all, cfg, length, ref)
+            elif task == "attn-error":
+                recs = run_attn(model, m, ids_all, cfg, length, ref)
+            else:
+                recs = run_niah(model, tok, m, cfg, length, ref, sink, window)
+            for r in recs:
+                r["seconds"] = round(time.time() - t1, 1)
+            _store(out_dir, m, unit, settings, recs)
+            log(f"[{time.time() - t0:7.0f}s]   {m.name} {name}: {_brief(recs)}")
+    records = collect(out_dir, cfg, methods, text_sha, hay_sha)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"records": records, "unavailable": unavailable}, f, indent=1)
+    return records
+
+
+def _reference(model, tok, cfg, unit, ids_all, essay_ids, out_dir, settings):
+    task, variant, length = unit
+    if task == "nll":
+        n = ids_all.shape[1]
+        starts = nll.window_starts(n, length, cfg.new_tokens, cfg.windows_at(length))
+        refs = []
+        for i, s in enumerate(starts):
+            path = os.path.join(out_dir, "cache", "_reference", f"nll-{length}-{s}-{_fingerprint_plain(settings)}.pt")
+            if os.path.exists(path):
+                ref = torch.load(path)
+            else:
+                ref = nll.reference(model, ids_all[:, s:s + length + cfg.new_tokens], length, cfg.new_tokens)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                torch.save(ref, path + f".{os.getpid()}.tmp")
+                os.replace(path + f".{os.getpid()}.tmp", path)
+            refs.append((s, ref))
+        plain = {"nll": []}
+        for s, ref in refs:
+            plain["nll"] += nll.reference_scores(ref, ids_all[:, s:s + length + cfg.new_tokens], length, cfg.new_tokens)
+        rec = {"method": "plain-fp32", "task": "nll", "length": length, "variant": None, "depth": None}
+        rec.update(nll.summarize(plain, len(refs)))
+        os.makedirs(os.path.join(out_dir, "cache", "_reference"), exist_ok=True)
+        with open(os.path.join(out_dir, "cache", "_reference", f"nll-{length}.json"), "w") as f:
+            json.dump({"settings": settings, "records": [rec]}, f)
+        return refs
+    if task == "attn-error":
+        return attn_error.reference(model, ids_all[:, : length + cfg.attn_queries])
+    return niah_samples(tok, cfg, variant, length, essay_ids)
+
+
+def _fingerprint_plain(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _brief(recs: list[dict]) -> str:
+    r = recs[0]
+    if r["task"] == "nll":
+        return f"nll {r['nll']:.3f} kl {r['kl']:.4f} top1 {r['top1']:.3f} bpe {r['bpe_measured']:.2f}"
+    if r["task"] == "attn-error":
+        return f"rel_error {r['rel_error']:.4f} bpe {r['bpe_measured']:.2f}"
+    acc = sum(x["accuracy"] * x["n"] for x in recs) / sum(x["n"] for x in recs)
+    return f"accuracy {acc:.3f} over {sum(x['n'] for x in recs)} questions, bpe {r['bpe_measured']:.2f}"
+
+
+def _path(out_dir: str, method: Method, unit: tuple) -> str:
+    task, variant, length = unit
+    return os.path.join(out_dir, "cache", method.name, f"{task}{'-' + variant if variant else ''}-{length}.json")
+
+
+def _cached(out_dir, method, unit, settings) -> list[dict] | None:
+    p = _path(out_dir, method, unit)
+    if not os.path.exists(p):
+        return None
+    with open(p) as f:
+        blob = json.load(f)
+    return blob["records"] if blob.get("fingerprint") == _fingerprint(settings, method) else None
+
+
+def _store(out_dir, method, unit, settings, recs) -> None:
+    p = _path(out_dir, method, unit)
+    os.makedirs(os.path.dirname(p), exist_ok=True)
+    tmp = p + f".{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"fingerprint": _fingerprint(settings, method), "settings": settings, "records": recs}, f, indent=1)
+    os.replace(tmp, p)
+
+
+def collect(out_dir: str, cfg: EvalConfig, methods: list[Method], text_sha: str, hay_sha: str) -> list[dict]:
+    """Every cached record of the configured methods and units, plus the plain-model nll references."""
+    records = []
+    for unit in plan(cfg):
+        task, _, length = unit
+        settings = unit_settings(cfg, unit, text_sha, hay_sha)
+        if task == "nll":
+            p = os.path.join(out_dir, "cache", "_reference", f"nll-{length}.json")
+            if os.path.exists(p):
+                with open(p) as f:
+                    blob = json.load(f)
+                if blob["settings"] == settings:
+                    records += blob["records"]
+        for m in methods:
+            recs = _cached(out_dir, m, unit, settings)
+            if recs:
+                records += recs
+    return records
+
+
+def _write_provenance(cfg, out_dir, loaded, methods, unavailable) -> None:
+    arts = {}
+    for m in methods:
+        if m.artifact:
+            from rotkv.rotations.artifact import load_artifact
+
+            a = load_artifact(m.artifact)
+            arts[m.name] = {"path": m.artifact, "sha256_16": _sha(m.artifact), "meta": dict(getattr(a, "meta", {}) or {})}
+    blob = {"config": cfg.to_dict(), "model_id": loaded.model_id, "versions": versions(), "git": git_commit(),
+            "threads": torch.get_num_threads(), "argv": sys.argv, "artifacts": arts, "unavailable": unavailable,
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(blob, f, indent=1, default=str)
+
+
+def rebuild(cfg: EvalConfig, out_dir: str) -> list[dict]:
+    """results.json from the cache alone (e.g. after several processes ran disjoint method lists)."""
+    methods, unavailable = [], {}
+    for name in cfg.methods:
+        m, why = resolve(name, cfg.sink, cfg.window, cfg.artifact_dir, None)
+        if m is None:
+            unavailable[name] = why
+        else:
+            methods.append(m)
+    text_sha = hashlib.sha256(b"".join(_sha(f).encode() for f in cfg.texts)).hexdigest()[:16]
+    hay_sha = hashlib.sha256(b"".join(_sha(f).encode() for f in cfg.haystacks)).hexdigest()[:16]
+    records = collect(out_dir, cfg, methods, text_sha, hay_sha)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"records": records, "unavailable": unavailable}, f, indent=1)
+    return records

@@ -1,0 +1,173 @@
+"""The evaluation harness: pure helpers on tiny inputs, then a tiny smoke eval on the real SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from rotkv.cli.eval import parse_lengths
+from rotkv.eval import niah, peers
+from rotkv.eval.config import EvalConfig, make_config
+from rotkv.eval.methods import artifact_name, resolve
+from rotkv.eval.nll import window_starts
+from rotkv.eval.stats import mean_ci, wilson
+
+
+# ---- pure helpers ---------------------------------------------------------------------------------------
+def test_parse_lengths_all_tasks_and_per_task():
+    assert parse_lengths(["2K,8192"], ["nll", "niah"]) == {"nll": [2048, 8192], "niah": [2048, 8192]}
+    assert parse_lengths(["nll=2k", "niah=1K,3072"], ["nll", "niah"]) == {"nll": [2048], "niah": [1024, 3072]}
+    assert parse_lengths(None, ["nll"]) is None
+
+
+def test_config_rejects_bad_values_naming_the_field():
+    with pytest.raises(ValueError, match="`methods`"):
+        EvalConfig(methods=["int3"])
+    with pytest.raises(ValueError, match="`tasks`"):
+        EvalConfig(tasks=["mmlu"])
+    with pytest.raises(ValueError, match="depths"):
+        EvalConfig(niah_depths=[1.5])
+    with pytest.raises(ValueError, match="`profile`"):
+        make_config("huge")
+    with pytest.raises(FileNotFoundError):
+        EvalConfig(texts=["/nonexistent.txt"])
+
+
+def test_windows_scale_down_with_length():
+    cfg = make_config("full")
+    assert cfg.windows_at(2048) == 2 and cfg.windows_at(8192) == 1
+    assert window_starts(10_000, 2048, 32, 3) == [0, 3960, 7920]
+    with pytest.raises(ValueError, match="fewer than"):
+        window_starts(100, 2048, 32, 1)
+
+
+def test_intervals():
+    m, ci = mean_ci([1.0, 2.0, 3.0])
+    assert m == 2.0 and abs(ci - 1.96 / 3**0.5) < 1e-12
+    assert mean_ci([4.0]) == (4.0, 0.0)
+    acc, half = wilson(5, 10)
+    assert acc == 0.5 and 0.25 < half < 0.3
+    acc, half = wilson(10, 10)
+    assert acc == 1.0 and half > 0.1  # a perfect score on 10 questions is still uncertain
+
+
+def test_exact_match_scoring():
+    assert niah.score_answer(" 1234567.", ["1234567"]) == 1.0
+    assert niah.score_answer(" 12345678", ["1234567"]) == 0.0  # a longer number is not the value
+    assert niah.score_answer(" 7654321 or 1234567", ["1234567"]) == 0.0  # the first number is the answer
+    assert niah.score_answer("1. 111\n2. 222", ["111", "222", "333"]) == pytest.approx(2 / 3)
+
+
+def test_tier_marks():
+    assert niah.tier_of((3, 20), 1000, sink=16, window=64) == "sink"
+    assert niah.tier_of((950, 970), 1000, sink=16, window=64) == "window"
+    assert niah.tier_of((400, 420), 1000, sink=16, window=64) == ""
+    assert niah.tier_of((-1, -1), 1000, sink=16, window=64) == ""
+
+
+def test_artifact_names_and_missing_artifact(tmp_path):
+    assert artifact_name("oscar-int2") == "oscar" and artifact_name("optr-int2") == "optr"
+    m, why = resolve("oscar-int2", 16, 64, None)
+    assert m is None and "--artifact-dir" in why
+    m, why = resolve("oscar-int2", 16, 64, str(tmp_path), calibrate=lambda method, path: f"no {method}")
+    assert m is None and why == "no oscar"
+    m, why = resolve("quarot-int2", 16, 64, None)
+    assert why is None and m.overrides == {"sink": 16, "window": 64} and m.bpe_nominal == 2.0
+
+
+def test_missing_peer_is_reported_with_install_hint(monkeypatch):
+    real = peers.importlib.util.find_spec
+    monkeypatch.setattr(peers.importlib.util, "find_spec", lambda n, *a: None if n.startswith("turboquant") else real(n, *a))
+    m, why = resolve("turboquant-int3", None, None, None)
+    assert m is None and "pip install turboquant" in why
+    with pytest.raises(ImportError, match="pip install turboquant"):
+        peers.make_peer("turboquant-int3", None)
+
+
+def test_resident_bytes_counts_whole_storages_once():
+    class Layer:
+        pass
+
+    base = torch.zeros(4, 10, dtype=torch.float32)
+    a, b = Layer(), Layer()
+    a.view = base[:, 5:]  # a view pins its whole storage
+    a.same = base  # counted once
+    a.meta = {"scale": torch.zeros(3, dtype=torch.float16)}
+    b.codes = [torch.zeros(8, dtype=torch.uint8)]
+    got = peers.resident_bytes([a, b])
+    assert got["kv_bytes"] == 160 + 6 + 8
+    assert got["kv_bytes_at_bf16"] == 80 + 6 + 8
+
+
+# ---- the real model --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def loaded():
+    from rotkv.hf.models import load_model
+
+    return load_model(device="cpu")
+
+
+@pytest.mark.slow
+def test_needles_are_where_the_spans_say(loaded):
+    tok = loaded.tokenizer
+    essay = tok(open(EvalConfig().haystacks[0]).read()[:20000], add_special_tokens=False).input_ids
+    for variant, depths in (("essay", [0.5]), ("multikey", [0.1, 0.5, 0.9]), ("noise", [0.3])):
+        s = niah.make_sample(tok, variant, 600, depths, essay, seed=1)
+        assert abs(s.context.shape[1] - 600) < 40
+        for q, expected, depth, (a, b) in s.questions:
+            needle = tok.decode(s.context[0, a:b + 1])
+            assert expected[0] in needle, (variant, depth, needle)
+            assert 0.5 * depth * 600 < a + 1 or depth < 0.2
+    mv = niah.make_sample(tok, "multivalue", 600, [0.2, 0.8], essay, seed=2)
+    assert len(mv.questions) == 1 and len(mv.questions[0][1]) == 2
+
+
+@pytest.mark.slow
+def test_rotkv_bytes_agree_with_the_walker(loaded):
+    """The generic walker used for peers, applied to a rotkv cache's stored rows, gives its own accounting."""
+    from rotkv.cache import RotkvCache
+    from rotkv.eval.protocol import prefill
+
+    cache = RotkvCache(loaded.model, "quarot-int2", sink=16, window=32)
+    ids = loaded.tokenizer("hello world " * 60, return_tensors="pt").input_ids[:, :150]
+    prefill(loaded.model, cache, ids, 64)
+    rows = [layer.rows for layer in cache.layers]
+    assert peers.resident_bytes(rows)["kv_bytes"] == cache.stats()["kv_bytes"]
+
+
+@pytest.mark.slow
+def test_smoke_eval_end_to_end_and_resume(loaded, tmp_path, monkeypatch):
+    from rotkv.eval.methods import Method
+    from rotkv.eval.report import write_report
+    from rotkv.eval.run import evaluate
+
+    cfg = make_config("smoke", methods=["bf16", "quarot-int2", "turboquant-int3" if not peers.unavailable("turboquant-int3") else "naive-int2"],
+                      lengths={"nll": [160], "attn-error": [160], "niah": [256]},
+                      niah_variants=["essay", "multikey"], new_tokens=4, attn_queries=8, chunk=64, window=32, threads=None)
+    records = evaluate(cfg, str(tmp_path), loaded=loaded, log=lambda s: None)
+    by = {(r["method"], r["task"], r["variant"], r["depth"]): r for r in records}
+    for r in records:
+        for k in ("method", "task", "length", "variant", "depth", "n", "ci95"):
+            assert k in r
+        if r["method"] != "plain-fp32":
+            assert r["kv_bytes"] > 0 and r["bpe_measured"] > 0 and "bpe_nominal" in r
+    bf, q = by[("bf16", "nll", None, None)], by[("quarot-int2", "nll", None, None)]
+    assert bf["bpe_measured"] == pytest.approx(16.0) and q["bpe_measured"] < 8
+    assert bf["kl"] < q["kl"] and bf["top1"] >= q["top1"]
+    assert by[("bf16", "attn-error", None, None)]["rel_error"] < 0.02
+    assert by[("quarot-int2", "attn-error", None, None)]["rel_error"] > by[("bf16", "attn-error", None, None)]["rel_error"]
+    assert {r["variant"] for r in records if r["task"] == "niah"} == {"essay", "multikey"}
+    assert ("plain-fp32", "nll", None, None) in by
+    paths = write_report(str(tmp_path))
+    text = open(os.path.join(tmp_path, "report.md")).read()
+    assert "## Main table" in text and "quarot-int2" in text
+    assert all(os.path.exists(p) for p in paths) and any(p.endswith("niah_heatmaps.png") for p in paths)
+    prov = json.load(open(os.path.join(tmp_path, "config.json")))
+    assert prov["versions"]["torch"] and "commit" in prov["git"]
+    # a second run resumes from the cache: nothing is rebuilt
+    monkeypatch.setattr(Method, "build", lambda self, model: (_ for _ in ()).throw(AssertionError("recomputed")))
+    again = evaluate(cfg, str(tmp_path), loaded=loaded, log=lambda s: None)
+    assert len(again) == len(records)
