@@ -42,6 +42,11 @@ CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is
     "i8dot-n64-w4": DecodeConfig(block_n=64, num_warps=4, qk_int8=True),
     "i8dot-n128-w4": DecodeConfig(block_n=128, num_warps=4, qk_int8=True),
     "bf16dot-n64-w4-noasm": DecodeConfig(block_n=64, num_warps=4, use_asm=False),
+    "bf16dot-n128-w2": DecodeConfig(block_n=128, num_warps=2),
+    "bf16dot-n32-w2": DecodeConfig(block_n=32, num_warps=2),
+    "bf16dot-n64-w1": DecodeConfig(block_n=64, num_warps=1),
+    "i8dot-n64-w2": DecodeConfig(block_n=64, num_warps=2, qk_int8=True),
+    "bf16dot-n64-w2-t2k": DecodeConfig(block_n=64, num_warps=2, target_programs=2048),
 }
 BF16_CONFIGS = {
     "t64-w4": DecodeConfig(block_t=64, num_warps=4),
@@ -112,8 +117,8 @@ def run_shape(b, length, args, dev, gpu, commit, log):
     int2_bytes = 2 * b * h * body_n * (d // 4 + 2 * 2 * (d // g)) + table[1].numel() * 4
 
     def unfused():
-        dequant_dense(*body[:3], table[0], table[1], body_n, kd)
-        dequant_dense(*body[3:], table[0], table[1], body_n, vd)
+        dequant_dense(*body[:3], *table, body_n, kd)
+        dequant_dense(*body[3:], *table, body_n, vd)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q4, kd, vd)
 

@@ -342,7 +342,7 @@ class DecodeConfig:
     block_t: int = 32  # bf16 tokens per inner step
     target_programs: int = 1024  # split so that B * H_kv * splits reaches about this many
     min_split_tokens: int = 256
-    qk_int8: bool = False
+    qk_int8: bool = False  # int8 query . codes for the scores; needs head_dim >= 128 (int8 MMA K >= 32)
     use_asm: bool | None = None  # None: inline PTX on a GPU, portable code under the interpreter
     num_warps: int = 4
     num_stages: int = 2
@@ -415,7 +415,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
         _split_kernel[(b_sz * h, n_int2 + n_tier)](
             q, *bt, *tb, *tt, *ttb, o_part, m_part, l_part, h, hq, ns, n_int2, sm_scale * LOG2E, per, tper,
             REP=rep, HPAD=hpad, D=d, G=g, P=p, PT=pt, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
-            QK_INT8=cfg.qk_int8, USE_ASM=use_asm, HAS_INT2=has_int2, HAS_TIER=has_tier,
+            QK_INT8=cfg.qk_int8 and d >= 128, USE_ASM=use_asm, HAS_INT2=has_int2, HAS_TIER=has_tier,
             STATIC_STEPS=per // cfg.block_n if _interpreting() else 0,
             TIER_STATIC_STEPS=tper // cfg.block_t if _interpreting() else 0, F16=_interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,

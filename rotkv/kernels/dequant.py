@@ -11,13 +11,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _dequant_kernel(codes_ptr, scale_ptr, lo_ptr, indptr_ptr, indices_ptr, out_ptr, H, L, n_tok,
+def _dequant_kernel(codes_ptr, scale_ptr, lo_ptr, indptr_ptr, indices_ptr, last_ptr, out_ptr, H, L,
                     D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
     pid, blk = tl.program_id(0), tl.program_id(1)
     b, h = pid // H, pid % H
     NG: tl.constexpr = D // G
     Q4: tl.constexpr = D // 4
     start = tl.load(indptr_ptr + b)
+    npages = tl.load(indptr_ptr + b + 1) - start
+    n_tok = tl.where(npages > 0, (npages - 1) * P + tl.load(last_ptr + b), 0)
     offs_n = blk * BLOCK + tl.arange(0, BLOCK)
     nmask = offs_n < n_tok
     page = tl.load(indices_ptr + start + offs_n // P, mask=nmask, other=0).to(tl.int64)
@@ -36,10 +38,12 @@ def _dequant_kernel(codes_ptr, scale_ptr, lo_ptr, indptr_ptr, indices_ptr, out_p
 
 
 def dequant_dense(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, kv_indptr: torch.Tensor,
-                  kv_indices: torch.Tensor, n_tok: int, out: torch.Tensor, block: int = 64) -> torch.Tensor:
-    """Dequantize the first ``n_tok`` tokens of every request into ``out [B, H, L, D]``."""
+                  kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, max_len: int, out: torch.Tensor,
+                  block: int = 64) -> torch.Tensor:
+    """Dequantize every request's tokens (``max_len`` the longest) into ``out [B, H, L, D]``."""
     b, h, length, d = out.shape
     g = d // scale.shape[-1]
-    _dequant_kernel[(b * h, triton.cdiv(n_tok, block))](
-        codes, scale, lo, kv_indptr, kv_indices, out, h, length, n_tok, D=d, G=g, P=codes.shape[2], BLOCK=block)
+    _dequant_kernel[(b * h, triton.cdiv(max_len, block))](
+        codes, scale, lo, kv_indptr, kv_indices, kv_last_page_len, out, h, length, D=d, G=g, P=codes.shape[2],
+        BLOCK=block)
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-_RNE = 12582912.0  # 1.5 * 2**23: (y + _RNE) - _RNE rounds |y| < 2**22 to nearest-even in fp32
+_RNE = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + _RNE) - _RNE rounds |y| < 2**22 to nearest-even in fp32
 
 
 def clip_rank(ratio: float, head_dim: int) -> int:

@@ -178,8 +178,9 @@ def test_decode_rejects_small_groups(device):
 def test_dequant_dense_matches_reference(device):
     body, table, *_ = _build([37, 20], [0, 0], 2, 64, 32, 16, 16, device)
     out = torch.full((2, 2, 37, 64), float("nan"), device=device)
-    dequant_dense(*body[:3], table[0], table[1], 37, out, block=16)
+    dequant_dense(*body[:3], *table, 37, out, block=16)
     lens = lengths_from_table(table[0], table[2], 16).tolist()
+    assert torch.isnan(out[1, :, 20:]).all()  # past the shorter request: untouched
     for b, n in enumerate(lens):
         idx = table[1][table[0][b]:table[0][b + 1]].long()
         rows = [t[idx].permute(1, 0, 2, 3).reshape(2, -1, t.shape[-1])[:, :n] for t in body[:3]]
