@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from rotkv.kernels import backend as kernels
 from rotkv.quant.quantizer import QuantizedRows, check_group, dequantize, quantize
 
 
@@ -20,6 +21,9 @@ class TokenCodec:
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         check_group(self.group_size, x.shape[-1])
+        fast = kernels.token_encode(x, self.bits, self.group_size, self.clip)  # CUDA: Triton, same bytes
+        if fast is not None:
+            return fast
         q = quantize(x, self.bits, self.group_size, self.clip)
         return {"codes": q.codes, "scale": q.scale, "lo": q.lo}
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
 from rotkv.config import CacheSpec
+from rotkv.kernels import backend as kernels
 from rotkv.rotations.base import LayerRotation
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -247,9 +248,12 @@ class HybridLayer(CacheLayerMixin):
         for i, row in enumerate(self.rows):
             for c0 in range(q - counts[i], q, self.spec.prefill_chunk):
                 c1 = min(c0 + self.spec.prefill_chunk, q)
-                past_k, past_v = self.read(row)
                 kc, vc = kr[i, :, c0:c1], vr[i, :, c0:c1]
-                out[i, :, c0:c1] = _sdpa(qr[i, :, c0:c1], torch.cat([past_k, kc], 1), torch.cat([past_v, vc], 1), scaling)
+                o = kernels.attend_decode(self, row, qr[i, :, c0:c1], kc, vc, scaling)  # CUDA decode; else None
+                if o is None:
+                    past_k, past_v = self.read(row)
+                    o = _sdpa(qr[i, :, c0:c1], torch.cat([past_k, kc], 1), torch.cat([past_v, vc], 1), scaling)
+                out[i, :, c0:c1] = o
                 self._append(row, kc, vc)
         return rot.outputs(out).transpose(1, 2).to(query.dtype)
 
