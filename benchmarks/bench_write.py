@@ -58,17 +58,19 @@ def main(argv=None) -> int:
         nbytes = 2 * t * h * d * 2 + 2 * t * h * (d // 4 + 2 * 2 * (d // g))
         for bt in args.block_t:
             for nw in args.num_warps:
-                for rotate in (True, False):
+                variants = [("rotkv_write", True, True), ("rotkv_write_norot", False, True),
+                            ("rotkv_write_noclip", True, False)]
+                for impl, rotate, clip in variants:
                     def step():
                         quant_write(k, slots, *pool[0], rot=rot if rotate else None, mean=mean if rotate else None,
-                                    clip=0.96, block_t=bt, num_warps=nw)
-                        quant_write(v, slots, *pool[1], clip=0.92, block_t=bt, num_warps=nw)
+                                    clip=0.96 if clip else 1.0, block_t=bt, num_warps=nw)
+                        quant_write(v, slots, *pool[1], clip=0.92 if clip else 1.0, block_t=bt, num_warps=nw)
                     try:
                         ms = do_bench(step, warmup=25, rep=100, return_mode="median")
                     except Exception as e:
                         print(f"# block_t={bt} warps={nw} failed: {type(e).__name__}: {str(e)[:300]}")
                         continue
-                    r = dict(impl="rotkv_write" if rotate else "rotkv_write_norot", tokens=t, kv_heads=h, head_dim=d,
+                    r = dict(impl=impl, tokens=t, kv_heads=h, head_dim=d,
                              group_size=g, page_size=p, block_t=bt, num_warps=nw, bytes=nbytes, ms=ms,
                              tb_per_s=nbytes / ms / 1e9, copy_tb_per_s=copy_tbs,
                              fraction_of_copy=nbytes / ms / 1e9 / copy_tbs, gpu=gpu, commit=commit)
