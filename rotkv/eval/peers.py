@@ -10,7 +10,8 @@ turboquant 0.2.0 overrides ``Cache.update(k, v, layer_idx, cache_kwargs=None)``;
 calls ``update(k, v, layer_idx, kwargs=...)`` and the package fails with ``update() got an
 unexpected keyword argument 'kwargs'``. :class:`_turboquant_adapter` is a subclass whose ``update``
 takes any extra arguments and calls the package's own ``update(k, v, layer_idx)``; nothing else of
-the package is changed. The package stores codes as one uint8 per element, float32 norms, a
+the package is changed. turboquant 0.2.0 also calls ``np.trapz``, which numpy 2.4 removed (renamed
+``np.trapezoid`` in 2.0); the adapter restores that alias when it is missing. The package stores codes as one uint8 per element, float32 norms, a
 128-token residual and, after every update, the dequantized full cache as ``layer.keys/values``:
 all of that is resident and is counted by :func:`resident_bytes`.
 """
@@ -54,6 +55,10 @@ def unavailable(name: str) -> str | None:
 
 
 def _turboquant_adapter(bits: int):
+    import numpy as np
+
+    if not hasattr(np, "trapz"):  # turboquant 0.2.0 builds its codebook with np.trapz, removed in numpy 2.4
+        np.trapz = np.trapezoid
     from turboquant import TurboQuantCache
 
     class TurboQuantAdapter(TurboQuantCache):

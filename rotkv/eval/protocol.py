@@ -50,5 +50,15 @@ def greedy(model, cache, first_logp: torch.Tensor, max_new: int, stop_ids: set[i
 
 
 def fork(cache):
-    """An independent copy of a filled cache, so several questions can read the same context."""
-    return copy.deepcopy(cache)
+    """An independent copy of a filled cache, so several questions can read the same context.
+
+    quanto's quantized tensors cannot be deep-copied; such a cache is copied layer by layer with the
+    tensors shared, which is safe for transformers' QuantizedLayer: its ``update`` rebinds its tensors
+    (``torch.cat``, a fresh quantization) and never writes into them.
+    """
+    try:
+        return copy.deepcopy(cache)
+    except RuntimeError:
+        twin = copy.copy(cache)
+        twin.layers = [copy.copy(layer) for layer in cache.layers]
+        return twin

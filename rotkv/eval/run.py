@@ -218,6 +218,7 @@ def evaluate(cfg: EvalConfig, out_dir: str, loaded=None, log=print) -> list[dict
     sink = cfg.sink if cfg.sink is not None else 0
     window = cfg.window if cfg.window is not None else 0
     _write_provenance(cfg, out_dir, loaded, methods, unavailable)
+    failed: dict[str, str] = {}
     for unit in plan(cfg):
         task, variant, length = unit
         settings = unit_settings(cfg, unit, text_sha, hay_sha)
@@ -229,19 +230,27 @@ def evaluate(cfg: EvalConfig, out_dir: str, loaded=None, log=print) -> list[dict
         ref = _reference(model, tok, cfg, unit, ids_all, essay_ids, out_dir, settings)
         for m in tqdm(todo, desc=name, unit="method"):
             t1 = time.time()
-            if task == "nll":
-                recs = run_nll(model, m, ids_all, cfg, length, ref)
-            elif task == "attn-error":
-                recs = run_attn(model, m, ids_all, cfg, length, ref)
-            else:
-                recs = run_niah(model, tok, m, cfg, length, ref, sink, window)
+            try:
+                if task == "nll":
+                    recs = run_nll(model, m, ids_all, cfg, length, ref)
+                elif task == "attn-error":
+                    recs = run_attn(model, m, ids_all, cfg, length, ref)
+                else:
+                    recs = run_niah(model, tok, m, cfg, length, ref, sink, window)
+            except Exception as e:  # a failing method (a peer's bug) is reported, the run goes on
+                failed[f"{m.name} {name}"] = f"{type(e).__name__}: {e}"
+                log(f"[{time.time() - t0:7.0f}s]   {m.name} {name}: FAILED {type(e).__name__}: {e}")
+                continue
             for r in recs:
                 r["seconds"] = round(time.time() - t1, 1)
             _store(out_dir, m, unit, settings, recs)
             log(f"[{time.time() - t0:7.0f}s]   {m.name} {name}: {_brief(recs)}")
     records = collect(out_dir, cfg, methods, text_sha, hay_sha)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"records": records, "unavailable": unavailable}, f, indent=1)
+        json.dump({"records": records, "unavailable": unavailable, "failed": failed}, f, indent=1)
+    if failed:
+        with open(os.path.join(out_dir, f"failed-{os.getpid()}.json"), "w") as f:
+            json.dump(failed, f, indent=1)
     return records
 
 
