@@ -342,9 +342,9 @@ class DecodeConfig:
     block_t: int = 32  # bf16 tokens per inner step
     target_programs: int = 1024  # split so that B * H_kv * splits reaches about this many
     min_split_tokens: int = 256
-    qk_int8: bool = False  # int8 query . codes for the scores; needs head_dim >= 128 (int8 MMA K >= 32)
+    qk_int8: bool = True  # int8 query . codes for the scores; used when head_dim >= 128 (int8 MMA K >= 32)
     use_asm: bool | None = None  # None: inline PTX on a GPU, portable code under the interpreter
-    num_warps: int = 4
+    num_warps: int = 1  # one warp per program was fastest on the H200 (docs/kernels.md)
     num_stages: int = 2
 
 

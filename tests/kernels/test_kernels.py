@@ -147,9 +147,9 @@ def test_decode_matches_reference(lens, tier_lens, h, rep, d, g, p, int8, device
 
 @cuda_only
 @pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p,int8", DECODE_CASES_CUDA)
-@pytest.mark.parametrize("block_n,asm", [(32, True), (64, True), (128, False)])
-def test_decode_matches_reference_cuda(lens, tier_lens, h, rep, d, g, p, int8, block_n, asm):
-    cfg = DecodeConfig(qk_int8=int8, block_n=block_n, use_asm=asm, target_programs=256)
+@pytest.mark.parametrize("block_n,asm,warps", [(32, True, 4), (64, True, 4), (128, False, 4), (64, True, 1)])
+def test_decode_matches_reference_cuda(lens, tier_lens, h, rep, d, g, p, int8, block_n, asm, warps):
+    cfg = DecodeConfig(qk_int8=int8, block_n=block_n, use_asm=asm, target_programs=256, num_warps=warps)
     _check_decode(lens, tier_lens, h, rep, d, g, p, int8, "cuda", cfg=cfg, seed=3)
 
 
