@@ -87,7 +87,7 @@ def train_optr(rec, attn, base_rows, bits, group, sink, steps, heldout_ids, trai
         tr = [st.samples[i] for i in train_ids]
         ck, cv = clip.search_layer(held, LayerRotation(r_k, r_v, st.k_mean), w_o, bits, group, sink, sc, grid)
         nk, nv, info = optr.optimize_layer(tr, held, r_k, r_v, st.k_mean, w_o, bits, group, ck, cv, sink, sc, steps=steps,
-                                           n_queries=n_queries)
+                                           n_queries=n_queries, eval_every=max(1, steps // 4))
         rots.append((nk, nv))
         infos.append(info)
     return rots, infos
@@ -161,6 +161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kl-rows", default="identity,hadamard,pairwise,oscar-exact,oscar-exact+mean,optr+mean")
     ap.add_argument("--layers", type=int, default=None, help="fit and evaluate only the first N layers (smoke runs)")
     ap.add_argument("--heldout-chunks", type=int, default=1)
+    ap.add_argument("--rows", default="identity,hadamard,pairwise,block-hadamard-8,oscar-exact,oscar-weighted,oscar-diag,"
+                    "hadamard+mean,oscar-exact+mean,oscar-diag+mean", help="table rows besides optr+mean")
     ap.add_argument("--optr-train", type=int, default=2, help="512-token chunks OptR trains on")
     ap.add_argument("--optr-queries", type=int, default=64, help="query rows per chunk in the OptR loss")
     ap.add_argument("--grid", default="1,0.96,0.92,0.88,0.84", help="clip-ratio grid")
@@ -198,25 +200,29 @@ def main(argv=None) -> int:
     fit_s = time.perf_counter() - t0
     held_only = _HeldView(rec, held_ids)
     results, clips = {}, {}
-    plan = [("identity", False), ("hadamard", False), ("pairwise", False)] + [(f"block-hadamard-{b}", False) for b in blocks] + [
-        ("oscar-exact", False), ("oscar-weighted", False), ("oscar-diag", False), ("oscar-exact-kvhead", False),
-        ("hadamard", True), ("oscar-exact", True), ("oscar-weighted", True), ("oscar-diag", True)]
+    plan = [(r.split("+")[0], r.endswith("+mean")) for r in a.rows.split(",")]
     for name, mean in tqdm(plan, desc="rows"):
         key = name + ("+mean" if mean else "")
         results[key] = evaluate_row(held_only, ev, attn, rows[name], mean, bits, group, sink, True, grid)
         clips[key] = (results[key]["clip_k"], results[key]["clip_v"])
+    out = {"results": results, "curve": {}, "kl": {}, "optr_info": [], "times_s": {"capture": capture_s, "fit_oscar_etc": fit_s},
+           "threads": torch.get_num_threads(), "calib_tokens": a.tokens, "eval_tokens": a.eval_tokens,
+           "command": "python -m rotkv.calibrate.table " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "args": vars(a)}
+    write(out, a)  # before OptR, the slow part
     t0 = time.perf_counter()
     rows["optr"], infos = train_optr(rec, attn, rows["oscar-exact-kvhead"], bits, group, sink, a.optr_steps, held_ids, train_ids,
                                      grid, a.optr_queries)
     optr_s = time.perf_counter() - t0
     results["optr+mean"] = evaluate_row(held_only, ev, attn, rows["optr"], True, bits, group, sink, True, grid)
     clips["optr+mean"] = (results["optr+mean"]["clip_k"], results["optr+mean"]["clip_v"])
-    # mixing-support curve: no clipping, no mean, INT4 and INT2
+    # mixing-support curve: no clipping, no mean, INT4 and INT2, on the first evaluation chunk
+    ev1 = _HeldView(ev, [0])
     curve = {}
     for b in [1] + blocks + [d]:
         name = {1: "identity", d: "hadamard"}.get(b, f"block-hadamard-{b}")
-        curve[b] = {f"int{q}": evaluate_row(held_only, ev, attn, rows[name], False, q, group, sink, False)["kv"] for q in (4, 2)}
-    curve["pairwise"] = {f"int{q}": evaluate_row(held_only, ev, attn, rows["pairwise"], False, q, group, sink, False)["kv"] for q in (4, 2)}
+        curve[b] = {f"int{q}": evaluate_row(held_only, ev1, attn, rows[name], False, q, group, sink, False)["kv"] for q in (4, 2)}
+    curve["pairwise"] = {f"int{q}": evaluate_row(held_only, ev1, attn, rows["pairwise"], False, q, group, sink, False)["kv"] for q in (4, 2)}
     out = {"results": results, "curve": {str(k): v for k, v in curve.items()}, "kl": {}, "optr_info": infos,
            "times_s": {"capture": capture_s, "fit_oscar_etc": fit_s, "optr": optr_s, "total": time.perf_counter() - t_start},
            "threads": torch.get_num_threads(), "calib_tokens": a.tokens, "eval_tokens": a.eval_tokens,
@@ -256,7 +262,7 @@ class _HeldView:
 
 class _LayerView:
     def __init__(self, st, held_ids):
-        self.k_mean = st.k_mean
+        self.k_mean = getattr(st, "k_mean", None)
         self.samples = {i: st.samples[i] for i in held_ids}
 
 
@@ -286,13 +292,16 @@ def render(out, _a=None) -> str:
                      f"{_avg(r['clip_v']):.3f} | {k['kl']:.4f} | {k['top1']:.3f} | {k['bpe']:.3f} |" if k else
                      f"| {name} | {_avg(r['k']):.4f} | {_avg(r['v']):.4f} | {_avg(r['kv']):.4f} | {_avg(r['clip_k']):.3f} | "
                      f"{_avg(r['clip_v']):.3f} | - | - | - |")
+    if not out["curve"]:
+        return "\n".join(lines)
     lines += ["", "## Mixing support (block-Hadamard of size b, post-RoPE; no clipping, no mean)", "",
               "| b | err K+V INT4 | err K+V INT2 |", "|---|---|---|"]
     for b, v in out["curve"].items():
         lines.append(f"| {b} | {_avg(v['int4']):.5f} | {_avg(v['int2']):.4f} |")
     t = out["times_s"]
     lines += ["", f"Times ({out['threads']} threads, shared machine): capture {t['capture']:.0f} s, "
-              f"OSCAR/pairwise fits {t['fit_oscar_etc']:.1f} s, OptR {t['optr']:.0f} s, total {t['total']:.0f} s.", ""]
+              f"OSCAR/pairwise fits {t['fit_oscar_etc']:.1f} s, OptR {t['optr']:.0f} s, total {t['total']:.0f} s"
+              + (f", decode KL {t['decode_kl']:.0f} s" if "decode_kl" in t else "") + ".", ""]
     return "\n".join(lines)
 
 
