@@ -147,3 +147,19 @@ def test_mean_centering_refused_with_softcapping(tiny_llama, tmp_path):
     tiny_llama.config.attn_logit_softcapping = 50.0
     with pytest.raises(ValueError, match="soft-capping"):
         RotkvCache(tiny_llama, "oscar-int2", str(tmp_path / "a.safetensors"))
+
+
+def test_local_hf_directory_loads(tmp_path, smollm2):
+    """Any local Hugging Face model directory works (here a tiny random Llama with SmolLM2's tokenizer)."""
+    from rotkv.hf.models import load_model, resolve_model_path
+
+    model = make_tiny_llama()
+    model.resize_token_embeddings(len(smollm2.tokenizer))
+    model.save_pretrained(tmp_path)
+    smollm2.tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), device="cpu")
+    assert loaded.model.config.num_hidden_layers == 2 and loaded.model_id == tmp_path.name
+    d, f, _ = resolve_model_path(None)
+    assert resolve_model_path(f"{d}/{f}")[1] == f  # a .gguf path
+    with pytest.raises(FileNotFoundError, match="not found"):
+        resolve_model_path(str(tmp_path / "missing"))
