@@ -87,7 +87,7 @@ def test_smollm2_kernel_path_matches_reference(monkeypatch):
             for t in range(ctx, ids.shape[1] - 1):
                 logits.append(model(input_ids=ids[:, t:t + 1], **kw).logits[0, -1])
         logp[use] = torch.log_softmax(torch.stack(logits).float(), -1)
-        assert cache.stats()["body_tokens"] > 0
+        assert any(r.body_tokens for layer in cache.layers for r in getattr(layer, "rows", []))
     ref, got = logp["0"], logp["1"]
     kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
     top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
