@@ -76,11 +76,10 @@ def attend_decode(layer, row, q: torch.Tensor, k_new: torch.Tensor, v_new: torch
     from rotkv.kernels.decode import decode_attention
 
     dev = q.device
-    tier, tier_n = None, 0
+    one = lambda *v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    # the bf16 tier: sink, window and the new token (which the reference attends at full precision)
     tk, n = _tier_pages([row.sink_k, row.win_k, k_new], 16)
     tv, _ = _tier_pages([row.sink_v, row.win_v, v_new], 16)
-    one = lambda *v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
-    tier, tier_n = (tk, tv), n
     tier_table = (one(0, tk.shape[0]), torch.arange(tk.shape[0], dtype=torch.int32, device=dev),
                   one(n - (tk.shape[0] - 1) * 16))
     body = table = None
@@ -89,6 +88,6 @@ def attend_decode(layer, row, q: torch.Tensor, k_new: torch.Tensor, v_new: torch
         nb, _, p, _ = bk["codes"].shape
         body = (bk["codes"], bk["scale"], bk["lo"], bv["codes"], bv["scale"], bv["lo"])
         table = (one(0, nb), torch.arange(nb, dtype=torch.int32, device=dev), one(p))
-    out = decode_attention(q.transpose(0, 1).float(), body, table, row.body_tokens, tier, tier_table, tier_n,
+    out = decode_attention(q.transpose(0, 1).float(), body, table, row.body_tokens, (tk, tv), tier_table, n,
                            sm_scale=scaling)
     return out.transpose(0, 1)  # [Hq, 1, D]

@@ -24,7 +24,6 @@ the portable shift-and-mask path runs under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
