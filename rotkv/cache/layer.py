@@ -101,6 +101,7 @@ class HybridLayer(CacheLayerMixin):
         self.rows: list[RowStore] = []
         self.seen = 0  # slots the model has sent, pads included (what transformers calls the sequence length)
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.read_view = True
 
     def __repr__(self) -> str:
         return f"HybridLayer({self.layer_idx}, {self.spec.name}, rows={len(self.rows)}, seen={self.seen})"
@@ -108,6 +109,8 @@ class HybridLayer(CacheLayerMixin):
     # ---- CacheLayerMixin -----------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
+        # the float32 read buffer serves the PyTorch reader; the CUDA decode kernel reads the pages
+        self.read_view = not kernels.enabled(key_states)
         self.rotation = self.rotation_cpu.to(self.device)
         self.rows = [RowStore.empty(self.kv_heads, self.head_dim, self.tier_dtype, self.device)
                      for _ in range(key_states.shape[0])]
@@ -168,7 +171,8 @@ class HybridLayer(CacheLayerMixin):
         """Append rotated states ``[H, n, D]`` (float32) to a row: sink first, then the window;
         full pages leave the window for the body."""
         k, v = k.to(self.tier_dtype), v.to(self.tier_dtype)
-        row.write_view(row.length, k.float(), v.float())
+        if self.read_view:
+            row.write_view(row.length, k.float(), v.float())
         room = max(0, self.spec.sink - row.sink_k.shape[1])
         if room:
             row.sink_k = torch.cat([row.sink_k, k[:, :room]], 1)
@@ -193,13 +197,15 @@ class HybridLayer(CacheLayerMixin):
             win = getattr(row, f"win_{name}")
             block = win[:, :m].float().reshape(self.kv_heads, pages, p, self.head_dim).transpose(0, 1)
             parts = codec.encode(block)
-            decoded[name] = codec.decode(parts).transpose(0, 1).reshape(self.kv_heads, m, self.head_dim)
+            if self.read_view:
+                decoded[name] = codec.decode(parts).transpose(0, 1).reshape(self.kv_heads, m, self.head_dim)
             body = getattr(row, f"body_{name}")
             for key, t in parts.items():
                 body[key] = torch.cat([body[key], t], 0) if key in body else t
             setattr(row, f"win_{name}", win[:, m:].clone())
         row.body_tokens += m
-        row.write_view(start, decoded["k"], decoded["v"])
+        if self.read_view:
+            row.write_view(start, decoded["k"], decoded["v"])
 
     def read(self, row: RowStore) -> tuple[torch.Tensor, torch.Tensor]:
         """What a reader sees: float32 ``[H, n, D]`` keys and values of a row, body dequantized
