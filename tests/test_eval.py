@@ -135,7 +135,8 @@ def test_rotkv_bytes_agree_with_the_walker(loaded):
     ids = loaded.tokenizer("hello world " * 60, return_tensors="pt").input_ids[:, :150]
     prefill(loaded.model, cache, ids, 64)
     rows = [layer.rows for layer in cache.layers]
-    assert peers.resident_bytes(rows)["kv_bytes"] == cache.stats()["kv_bytes"]
+    st = cache.stats()  # the CPU reader's float32 read buffer is resident too, reported apart as scratch
+    assert peers.resident_bytes(rows)["kv_bytes"] == st["kv_bytes"] + st.get("scratch_bytes", 0)
 
 
 @pytest.mark.slow

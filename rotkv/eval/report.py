@@ -15,6 +15,18 @@ def _f(x, spec=".3f", none="-"):
     return none if x is None else format(x, spec)
 
 
+def _bpe(r):
+    """Measured bpe; for a cache holding float32 tensors (peers on the float32 CPU model) also at a bf16 model."""
+    if r is None:
+        return "-"
+    b, b16 = r["bpe_measured"], r.get("bpe_at_bf16", r["bpe_measured"])
+    return f"{b:.2f}" if abs(b - b16) < 0.01 else f"{b:.2f} ({b16:.2f} at bf16)"
+
+
+def _kl(x):
+    return "-" if x is None else (f"{x:.4f}" if x >= 1e-3 else f"{x:.1e}")
+
+
 def _order(records):
     return plots._method_order(records)
 
@@ -60,7 +72,7 @@ def main_table(records) -> list[str]:
         row = [m]
         for L in nll_L:
             r = next(iter(_by(records, method=m, task="nll", length=L)), None)
-            row += [_f(r and r["bpe_measured"], ".2f"), _f(r and r["ppl"], ".2f"), _f(r and r.get("kl"), ".4f"),
+            row += [_bpe(r), _f(r and r["ppl"], ".2f"), _kl(r and r.get("kl")),
                     _f(r and r.get("top1"), ".3f")]
         for L in attn_L:
             r = next(iter(_by(records, method=m, task="attn-error", length=L)), None)
@@ -85,7 +97,7 @@ def nll_table(records) -> list[str]:
             continue
         lines.append(
             f"| {r['method']} | {r['length']} | {r['windows']} | {r['n']} | {r['nll']:.3f} ± {r['ci95']:.3f} | "
-            f"{r['ppl']:.2f} | {r['kl']:.4f} ± {r['kl_ci95']:.4f} | {r['top1']:.3f} | {r['kv_bytes'] / 1e6:.2f} | "
+            f"{r['ppl']:.2f} | {_kl(r['kl'])} ± {_kl(r['kl_ci95'])} | {r['top1']:.3f} | {r['kv_bytes'] / 1e6:.2f} | "
             f"{r['bpe_measured']:.2f} | {r['bpe_at_bf16']:.2f} | {r['bpe_nominal']:g} |")
     return lines
 
@@ -153,8 +165,36 @@ def write_report(out_dir: str) -> list[str]:
           "and any dequantized copy a peer keeps) x 8 / (2 x tokens x kv_heads x head_dim x layers). The CPU run keeps the "
           "model in float32, so a peer's residual and metadata are float32; `bpe at bf16 model` counts those float32 "
           "tensors at 2 bytes. Rotation matrices are not counted (fixed per model, not per token).", ""]
+    methods = set(_order(records))
+    notes = []
+    if methods & set(PEERS):
+        notes.append("Peers run with their own defaults through their own APIs: transformers' `QuantizedCache` (quanto / "
+                     "hqq backends: groups of 64 along the channel axis, a 128-token residual at the model dtype, and the "
+                     "whole cache re-quantized whenever the residual fills) and `turboquant.TurboQuantCache(bits=3)` "
+                     "(uint8 codes, float32 norms, a 128-token residual, and the dequantized cache kept as the layer's "
+                     "keys/values). turboquant 0.2.0 fails on transformers 5.24 (`update() got an unexpected keyword "
+                     "argument 'kwargs'`) and on numpy 2.4 (`np.trapz` removed); `rotkv/eval/peers.py` adapts the call "
+                     "(a subclass whose `update` drops the extra arguments) and restores the `np.trapz` alias; the "
+                     "environment is unchanged.")
+    if methods - set(PEERS):
+        notes.append("rotkv's CPU reference reader also keeps a float32 read buffer of every stored token (reported by "
+                     "`RotkvCache.stats()` as `scratch_bytes`, grown by doubling: about 42-63 bits per element at 1-3K "
+                     "tokens). It is not part of the cache format and the GPU decode kernel has none, so it is not in "
+                     "rotkv's bpe; it is in the record's `scratch_bytes` where recorded. A peer's dequantized copy is "
+                     "counted because it is part of the peer's only implementation.")
+    if notes:
+        L += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     if unavailable:
         L += ["## Not run", ""] + [f"- `{m}`: {why}" for m, why in unavailable.items()] + [""]
+    if blob.get("failed"):
+        L += ["## Failed", ""] + [f"- `{k}`: {why}" for k, why in blob["failed"].items()] + [""]
+    if blob.get("missing"):
+        per = defaultdict(list)
+        for x in blob["missing"]:
+            m, unit = x.split(" ", 1)
+            per[m].append(unit)
+        L += ["## Not finished in this run", "", "Units of the configured plan without a result (the run was stopped "
+              "before reaching them):", ""] + [f"- `{m}`: " + ", ".join(units) for m, units in per.items()] + [""]
     L += ["## Main table", ""] + main_table(records) + [""]
     L += ["NIAH cells: accuracy pooled over the variants and depths at that length (measured bpe in brackets); "
           "`NIAH all`: every question, Wilson 95% interval.", ""]
@@ -178,4 +218,27 @@ def write_report(out_dir: str) -> list[str]:
     p = os.path.join(out_dir, "report.md")
     with open(p, "w") as f:
         f.write("\n".join(L) + "\n")
-    return [p] + paths
+    return [p, write_readme_section(out_dir, records, prov, paths)] + paths
+
+
+def write_readme_section(out_dir: str, records: list[dict], prov: dict, paths: list[str]) -> str:
+    """A README section: the main table and one heatmap, with links relative to the repository root."""
+    rel = os.path.relpath(out_dir, os.getcwd())
+    heat = next((p for p in paths if os.path.basename(p) == "niah_heatmaps.png"), None)
+    cfg = prov.get("config", {})
+    L = ["## Results", "",
+         f"SmolLM2-135M-Instruct on a CPU, every method through its own cache: the context is prefilled in chunks of "
+         f"{cfg.get('chunk')} tokens that read the quantized cache of the earlier ones, and whatever is scored (the next "
+         f"tokens, the question) reads the stored cache. rotkv presets keep a bf16 sink of {cfg.get('sink')} and window of "
+         f"{cfg.get('window')} tokens; peers run with their own defaults. Every score has the measured bits per element "
+         "(all tiers, metadata and peer residuals counted) beside it. Full tables, intervals and plots: "
+         f"[{rel}/report.md]({rel}/report.md).", ""]
+    L += main_table(records) + [""]
+    if heat:
+        L += [f"![NIAH heatmaps]({rel}/{os.path.basename(heat)})", ""]
+    L += ["Reproduce: `rotkv eval --profile full --out DIR --artifact-dir ARTIFACTS` "
+          f"(this run: [{rel}/run_full.sh]({rel}/run_full.sh)).", ""]
+    p = os.path.join(out_dir, "README_section.md")
+    with open(p, "w") as f:
+        f.write("\n".join(L))
+    return p

@@ -90,11 +90,12 @@ def _mem_fields(mem: dict, bpe_nominal: float) -> dict:
     el = max(mem["elements"], 1)
     return {"kv_bytes": mem["kv_bytes"], "kv_bytes_at_bf16": mem["kv_bytes_at_bf16"], "elements": mem["elements"],
             "bpe_measured": 8 * mem["kv_bytes"] / el, "bpe_at_bf16": 8 * mem["kv_bytes_at_bf16"] / el,
-            "bpe_nominal": bpe_nominal}
+            "bpe_nominal": bpe_nominal, "scratch_bytes": mem.get("scratch_bytes", 0)}
 
 
 def _avg_mem(mems: list[dict]) -> dict:
-    return {k: sum(m[k] for m in mems) / len(mems) for k in ("kv_bytes", "kv_bytes_at_bf16", "elements")}
+    keys = ("kv_bytes", "kv_bytes_at_bf16", "elements", "scratch_bytes")
+    return {k: sum(m.get(k, 0) for m in mems) / len(mems) for k in keys}
 
 
 def run_nll(model, method, ids_all, cfg, length, refs) -> list[dict]:
@@ -368,6 +369,21 @@ def rebuild(cfg: EvalConfig, out_dir: str) -> list[dict]:
     text_sha = hashlib.sha256(b"".join(_sha(f).encode() for f in cfg.texts)).hexdigest()[:16]
     hay_sha = hashlib.sha256(b"".join(_sha(f).encode() for f in cfg.haystacks)).hexdigest()[:16]
     records = collect(out_dir, cfg, methods, text_sha, hay_sha)
+    failed = {}
+    for name in sorted(os.listdir(out_dir)):
+        if name.startswith("failed-") and name.endswith(".json"):
+            with open(os.path.join(out_dir, name)) as f:
+                failed.update(json.load(f))
+    done = {(r["method"], r["task"], r["variant"], r["length"]) for r in records}
+    missing = [f"{m.name} {t}{'-' + v if v else ''}@{L}" for m in methods for t, v, L in plan(cfg)
+               if (m.name, t, v, L) not in done]
     with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"records": records, "unavailable": unavailable}, f, indent=1)
+        json.dump({"records": records, "unavailable": unavailable, "failed": failed, "missing": missing}, f, indent=1)
+    prov_path = os.path.join(out_dir, "config.json")
+    if os.path.exists(prov_path):  # the merged run's configuration: every method of this call
+        with open(prov_path) as f:
+            prov = json.load(f)
+        prov.update(config=cfg.to_dict(), unavailable=unavailable, report_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        with open(prov_path, "w") as f:
+            json.dump(prov, f, indent=1, default=str)
     return records
