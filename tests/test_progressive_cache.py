@@ -131,3 +131,6 @@ def test_artifact_widths_and_rotations_compose(tiny_llama, tmp_path):
     # a rotation-free preset reads only the widths
     plain = make_cache(tiny_llama, get_preset("pmkvq", budget_tokens=150, **BASE), str(tmp_path / "a.safetensors"))
     assert [l.final_bits for l in plain.layers] == [4, 2] and plain.layers[0].rotation.R_K is None
+    # a fixed-width spec ignores the widths: every layer's budget is at `bits`
+    fixed = make_cache(tiny_llama, get_preset("oscar-int2", budget_tokens=150, **BASE), str(tmp_path / "a.safetensors"))
+    assert all(isinstance(l, EvictingLayer) for l in fixed.layers) and fixed.layers[0].budget == fixed.layers[1].budget

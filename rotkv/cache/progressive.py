@@ -205,8 +205,8 @@ class BudgetCache(RotkvCache):
         spec, d = self.spec, self.head_dim
         args = (spec, old.rotation_cpu, d, self.kv_heads, old.layer_idx)
         tier_size = torch.empty(0, dtype=old.tier_dtype).element_size()
-        if spec.start_bits is None:
-            budget = layer_budget(spec, final if spec.quantized else None, self.kv_heads, d, tier_size)
+        if spec.start_bits is None:  # fixed width: spec.bits, whatever widths an artifact carries
+            budget = layer_budget(spec, spec.bits, self.kv_heads, d, tier_size)
             return EvictingLayer(*args, codecs=(old.key_codec, old.value_codec), model_dtype=model_dtype, budget=budget)
         if final is None or final > spec.start_bits:
             raise ValueError(f"layer {old.layer_idx}: final width {final} has to be one of [2, 4, 8] and <= start_bits {spec.start_bits}")
