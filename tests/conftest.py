@@ -1,5 +1,6 @@
 import pytest
-import torch
+
+from rotkv_testing import make_tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -8,16 +9,6 @@ def smollm2():
     from rotkv.hf.models import load_model
 
     return load_model()
-
-
-def make_tiny_llama(seed: int = 0, layers: int = 2, kv_heads: int = 2, q_heads: int = 4, head_dim: int = 16):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=q_heads * head_dim, num_attention_heads=q_heads, num_key_value_heads=kv_heads,
-                      head_dim=head_dim, intermediate_size=128, num_hidden_layers=layers, vocab_size=128,
-                      max_position_embeddings=4096, pad_token_id=0)
-    return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture

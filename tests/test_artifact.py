@@ -12,7 +12,7 @@ from rotkv.calibrate.run import CalibConfig, calibrate
 from rotkv.hf.models import Loaded
 from rotkv.rotations.artifact import ArtifactMismatch, load_artifact, save_artifact, validate_artifact
 from rotkv.rotations.folding import fold_artifact_values
-from conftest import make_tiny_llama
+from rotkv_testing import make_tiny_llama
 
 
 class ByteTokenizer:

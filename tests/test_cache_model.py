@@ -9,7 +9,7 @@ from rotkv.hf.compat import cache_kwarg
 from rotkv.rotations.artifact import ArtifactMismatch, model_meta, save_artifact
 from rotkv.rotations.base import random_orthogonal
 
-from conftest import make_tiny_llama
+from rotkv_testing import make_tiny_llama
 
 
 def write_random_artifact(model, path, seed=0):
