@@ -12,11 +12,16 @@ BASE = dict(group_size=16, sink=4, window=16, page_size=8, prefill_chunk=16, tie
 
 
 def feed(model, cache, ids, step=16):
-    """Teacher-forced in chunks; returns the logits and each layer's (tokens, bytes, width) after every chunk."""
+    """Teacher-forced in chunks; returns the logits and each layer's (tokens, bytes, width) after every chunk.
+    After every chunk, what the attention reads (the float32 read view) must be what is stored."""
     outs, trace = [], []
     with torch.no_grad():
         for i in range(0, ids.shape[1], step):
             outs.append(model(input_ids=ids[:, i : i + step], **{cache_kwarg(model): cache}).logits)
+            for l in cache.layers:
+                for r in l.rows:
+                    read, stored = l.read(r), l.decode_row(r)
+                    assert read[0].shape == stored[0].shape and torch.equal(read[0], stored[0]) and torch.equal(read[1], stored[1])
             trace.append([(l.rows[0].length, sum(r.tier_bytes() + r.body_bytes() for r in l.rows), getattr(l, "bits", None))
                           for l in cache.layers])
     return torch.cat(outs, 1), trace

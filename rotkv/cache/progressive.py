@@ -113,13 +113,19 @@ class ProgressiveLayer(HybridLayer):
         return self.key_codec.bits
 
     def shrink(self) -> None:
-        """The whole body (every row, keys and values) one step down."""
+        """The whole body (every row, keys and values) one step down; the rows' float32 read
+        views (the reference reader's) get the body's new values."""
         for row in self.rows:
             if row.body_tokens:
                 row.body_k = self.key_codec.shrink_parts(row.body_k)
                 row.body_v = self.value_codec.shrink_parts(row.body_v)
         self.key_codec.step()
         self.value_codec.step()
+        for row in self.rows:
+            if row.body_tokens and row.view_k is not None:
+                k, v = (c.decode(getattr(row, f"body_{n}")).transpose(0, 1).reshape(self.kv_heads, row.body_tokens, self.head_dim)
+                        for n, c in (("k", self.key_codec), ("v", self.value_codec)))
+                row.write_view(row.sink_k.shape[1], k, v)
 
     def _flush(self, row: RowStore) -> None:
         p, w = self.spec.page_size, self.spec.window
@@ -146,6 +152,13 @@ class ProgressiveLayer(HybridLayer):
         super()._flush(row)
 
 
+def _drop_view(row: RowStore, start: int, count: int) -> None:
+    """Remove tokens ``[start, start + count)`` from the row's float32 read view, if it has one."""
+    if row.view_k is not None and count > 0:
+        cut = lambda t: torch.cat([t[:, :start], t[:, start + count :]], 1)  # noqa: E731
+        row.view_k, row.view_v = cut(row.view_k), cut(row.view_v)
+
+
 class EvictingLayer(HybridLayer):
     """Fixed width (or bf16) with a budget: drops the oldest tokens after the sink; see the module docstring."""
 
@@ -157,6 +170,7 @@ class EvictingLayer(HybridLayer):
     def _append(self, row: RowStore, k: torch.Tensor, v: torch.Tensor) -> None:
         super()._append(row, k, v)
         excess = _bytes(row) - self.budget
+        sink = row.sink_k.shape[1]
         if excess > 0 and row.body_tokens:
             page = self.spec.page_size
             page_bytes = row.body_bytes() // (row.body_tokens // page)
@@ -164,12 +178,14 @@ class EvictingLayer(HybridLayer):
             row.body_k = {key: t[drop:] for key, t in row.body_k.items()}
             row.body_v = {key: t[drop:] for key, t in row.body_v.items()}
             row.body_tokens -= drop * page
+            _drop_view(row, sink, drop * page)
             self.evicted += drop * page
             excess = _bytes(row) - self.budget
         if excess > 0:
             tok = 2 * self.kv_heads * self.head_dim * row.win_k.element_size()
             drop = min(-(-excess // tok), row.win_k.shape[1] - 1)
             row.win_k, row.win_v = row.win_k[:, drop:].clone(), row.win_v[:, drop:].clone()
+            _drop_view(row, sink + row.body_tokens, drop)
             self.evicted += drop
 
 
