@@ -123,11 +123,17 @@ def anchor_dtype(start: int, final: int, anchor: str) -> torch.dtype:
 def grid_meta(lo: torch.Tensor, hi: torch.Tensor, steps: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, lo) in ``dtype``, ``lo`` rounded down and ``scale`` up so that ``steps`` scales from
     lo cover hi; with ``steps = levels(bits)`` this is exactly the fixed quantizer's metadata."""
-    lo_s = lo.to(dtype)
-    lo_s = torch.where(lo_s.float() > lo, torch.nextafter(lo_s, torch.full_like(lo_s, float("-inf"))), lo_s)
-    scale = (hi - lo_s.float()) / steps
-    scale_s = scale.to(dtype)
-    scale_s = torch.where(scale_s.float() < scale, torch.nextafter(scale_s, torch.full_like(scale_s, float("inf"))), scale_s)
+    try:
+        lo_s = lo.to(dtype)
+        lo_s = torch.where(lo_s.float() > lo, torch.nextafter(lo_s, torch.full_like(lo_s, float("-inf"))), lo_s)
+        scale = (hi - lo_s.float()) / steps
+        scale_s = scale.to(dtype)
+        scale_s = torch.where(scale_s.float() < scale, torch.nextafter(scale_s, torch.full_like(scale_s, float("inf"))), scale_s)
+    except (RuntimeError, NotImplementedError):  # a device without nextafter for dtype: the metadata is small
+        if lo.device.type == "cpu":
+            raise
+        scale_s, lo_s = grid_meta(lo.cpu(), hi.cpu(), steps, dtype)
+        return scale_s.to(lo.device), lo_s.to(lo.device)
     if not (torch.isfinite(lo_s).all() and torch.isfinite(scale_s).all()):
         raise ValueError(f"values exceed the range of the {dtype} quantization metadata; use a final width of 8 bits")
     return scale_s, lo_s
