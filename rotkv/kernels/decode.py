@@ -239,6 +239,149 @@ def _int2_part(
 
 
 @triton.jit
+def _codes4(byte, I8: tl.constexpr, USE_ASM: tl.constexpr, F16: tl.constexpr):
+    """uint8 ``[N, D/4]`` -> codes ``[N, D]`` in the column order ``k = 32 * (j // 8) + 8 * i + j % 8``
+    (plane ``i`` of byte ``j``, i.e. dim ``i * D/4 + j``): runs of 8 bytes stay together, so a
+    thread that holds 8 consecutive code bytes unpacks them with 4 ops per 32-bit word into the
+    8 consecutive K values an int8 MMA operand register pair wants; the planes are placed by
+    ``tl.join`` + ``tl.permute`` (register relabelling, no data movement).
+
+    int8 ``c`` (``I8``) or bf16/fp16 ``128 + c``.
+    """
+    n: tl.constexpr = byte.shape[0]
+    q4: tl.constexpr = byte.shape[1]
+    x = tl.reshape(byte, (n, q4 // 8, 8))
+    if I8:
+        c0 = _plane_i8(x, 0, USE_ASM)
+        c1 = _plane_i8(x, 1, USE_ASM)
+        c2 = _plane_i8(x, 2, USE_ASM)
+        c3 = _plane_i8(x, 3, USE_ASM)
+    else:
+        c0 = _plane_bf16(x, 0, USE_ASM, F16)
+        c1 = _plane_bf16(x, 1, USE_ASM, F16)
+        c2 = _plane_bf16(x, 2, USE_ASM, F16)
+        c3 = _plane_bf16(x, 3, USE_ASM, F16)
+    y = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # [N, j // 8, j % 8, a, b]: plane 2a + b
+    y = tl.permute(y, (0, 1, 3, 4, 2))  # [N, j // 8, a, b, j % 8]
+    return tl.reshape(y, (n, 4 * q4))
+
+@triton.jit
+def _int2_part_v2(
+    q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
+    o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
+    REP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
+    BLOCK_N: tl.constexpr, PB: tl.constexpr, QK_INT8: tl.constexpr, USE_ASM: tl.constexpr,
+    STATIC_STEPS: tl.constexpr, F16: tl.constexpr,
+):
+    """INT2 body, v2: the MMA rows are (plane i, query head r), ``RQ = 4 * RP`` of them.
+
+    Scores: one dot ``Qblk [RQ, D] @ C^T [D, N]`` where row ``(i, r)`` of ``Qblk`` holds head
+    ``r``'s plane-``i`` dims (zero elsewhere) and ``C`` the four planes interleaved (``_codes4``):
+    row ``(i, r)`` of the result is ``q_{r,i} . c_i``, so all 16 rows are useful at n_rep 4
+    (v1 padded 4 rows to 16 and ran 4 dots). The per-plane metadata fold and the sum over planes
+    run on ``[4, RP, N]``; the softmax on ``[RP, N]`` (no padded rows). Values: one dot
+    ``A [RQ, N] @ V [N, D]`` with ``A[(i, r)] = p_r * s_g(i)``; only the diagonal blocks
+    (row plane == column plane) are kept, at the store. Page indices load once per page
+    (``PB = min(P, BLOCK_N)`` tokens share one page), not once per token.
+    """
+    Q4: tl.constexpr = D // 4
+    NG: tl.constexpr = D // G
+    PPG: tl.constexpr = G // Q4  # planes per group
+    RQ: tl.constexpr = 4 * RP
+    NCH: tl.constexpr = BLOCK_N // PB
+    start = tl.load(indptr_ptr + b)
+    npages = tl.load(indptr_ptr + b + 1) - start
+    seq = tl.where(npages > 0, (npages - 1) * P + tl.load(last_ptr + b), 0)
+    tok_lo = s * tokens_per_split
+    tok_hi = tl.minimum(seq, tok_lo + tokens_per_split)
+
+    # ---- block query: row (i, r) = i * RP + r, column k = 4j + i' holds q_r[i' * Q4 + j] if i' == i
+    offs_q = tl.arange(0, RQ)
+    qi, qr = offs_q // RP, offs_q % RP
+    offs_k = tl.arange(0, D)
+    kpl, kj = (offs_k // 8) % 4, (offs_k // 32) * 8 + offs_k % 8  # column k: plane, byte (see _codes4)
+    qrow = (b * HQ + h * REP + qr).to(tl.int64)
+    qmask = (qr < REP)[:, None] & (kpl[None, :] == qi[:, None])
+    qf = tl.load(q_ptr + qrow[:, None] * D + (kpl * Q4 + kj)[None, :], mask=qmask, other=0.0).to(tl.float32)
+    qf = qf * qk_scale
+    if QK_INT8:
+        # one int8 scale per head (over all planes), as v1
+        qsc = tl.max(tl.reshape(tl.max(tl.abs(qf), axis=1), (4, RP)), axis=0)
+        qsc = tl.where(qsc > 0, qsc / 127.0, 1.0)
+        qsc_q = tl.reshape(tl.broadcast_to(qsc[None, :], (4, RP)), (RQ,))
+        qa = tl.floor(qf * (1.0 / qsc_q)[:, None] + 0.5).to(tl.int8)
+        qs = tl.sum(qf, axis=1)  # the lo term uses the float query sums
+        off = 0.0
+    else:
+        qa = _mma(qf, F16)
+        qsc = tl.full([RP], 1.0, tl.float32)
+        qs = tl.sum(qa.to(tl.float32), axis=1)  # of the values the dot sees: the +128 folds out exactly
+        off = 128.0
+    qsg = tl.sum(tl.reshape(qs, (NG, PPG, RP)), axis=1)  # [NG, RP] query sum over each group's dims
+
+    offs_r = tl.arange(0, RP)
+    offs_g = tl.arange(0, NG)
+    m_i = tl.full([RP], float("-inf"), tl.float32)
+    l_i = tl.zeros([RP], tl.float32)
+    acc = tl.zeros([RQ, D], tl.float32)
+    cacc = tl.zeros([RQ], tl.float32)  # the lo and -128 terms, added to acc once at the end
+    hh = h.to(tl.int64)
+    offs_c = tl.arange(0, Q4)
+    for it in range(0, _n_steps(tok_lo, tok_hi, BLOCK_N, STATIC_STEPS)):
+        base = tok_lo + it * BLOCK_N
+        offs_n = base + tl.arange(0, BLOCK_N)
+        nmask = offs_n < tok_hi
+        # one page index per PB tokens (PB divides P; splits start at multiples of BLOCK_N)
+        ch = base + tl.arange(0, NCH) * PB
+        pg = tl.load(indices_ptr + start + ch // P, mask=ch < tok_hi, other=0).to(tl.int64)
+        rbase = (pg * H + hh) * P + ch % P
+        row = tl.reshape(rbase[:, None] + tl.arange(0, PB)[None, :], (BLOCK_N,))
+        kc = tl.load(kc_ptr + row[:, None] * Q4 + offs_c[None, :], mask=nmask[:, None], other=0)
+        vc = tl.load(vc_ptr + row[:, None] * Q4 + offs_c[None, :], mask=nmask[:, None], other=0)
+        kcode = _codes4(kc, QK_INT8, USE_ASM, F16)
+        vcode = _codes4(vc, False, USE_ASM, F16)
+        # metadata: one [N, NG] tile per tensor (NG contiguous fp16 per token), used as [NG, N]
+        moff = row[:, None] * NG + offs_g[None, :]
+        ksg = tl.trans(tl.load(ks_ptr + moff, mask=nmask[:, None], other=0.0).to(tl.float32))
+        klg = tl.trans(tl.load(kl_ptr + moff, mask=nmask[:, None], other=0.0).to(tl.float32))
+        vsg = tl.trans(tl.load(vs_ptr + moff, mask=nmask[:, None], other=0.0).to(tl.float32))
+        vlg = tl.trans(tl.load(vl_ptr + moff, mask=nmask[:, None], other=0.0).to(tl.float32))
+        # ---- scores [RP, N] = qsc_r * sum_g s_g (sum over g's planes of q_i . c_i) + sum_g z_g qsum_g
+        if QK_INT8:
+            d = tl.dot(qa, tl.trans(kcode), out_dtype=tl.int32).to(tl.float32)
+        else:
+            d = tl.dot(qa, tl.trans(kcode))
+        dg = tl.sum(tl.reshape(d, (NG, PPG, RP, BLOCK_N)), axis=1)  # [NG, RP, N]
+        sc = tl.sum(dg * ksg[:, None, :], axis=0) * qsc[:, None]
+        sc += tl.sum((klg - off * ksg)[:, None, :] * qsg[:, :, None], axis=0)
+        sc = tl.where(nmask[None, :], sc, float("-inf"))
+        # ---- online softmax (base 2: q carries log2(e))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(sc - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        # ---- values: acc[(i, r)] += (p_r * s_g(i)) @ (128 + c); cacc[(i, r)] += sum(p_r * lo_g(i)) - 128 * sum(p_r * s_g(i))
+        a = _mma(tl.reshape(tl.broadcast_to(p[None, None, :, :] * vsg[:, None, None, :], (NG, PPG, RP, BLOCK_N)),
+                            (RQ, BLOCK_N)), F16)
+        crl = tl.sum(p[None, :, :] * vlg[:, None, :], axis=2)  # [NG, RP]
+        crl = tl.reshape(tl.broadcast_to(crl[:, None, :], (NG, PPG, RP)), (RQ,))
+        alpha_q = tl.reshape(tl.broadcast_to(alpha[None, :], (4, RP)), (RQ,))
+        cacc = cacc * alpha_q + crl - 128.0 * tl.sum(a.to(tl.float32), axis=1)
+        acc = tl.dot(a, vcode, acc * alpha_q[:, None])
+    acc += cacc[:, None]
+    # ---- partials: row (i, r), column k (plane kpl, byte kj) -> dim kpl * Q4 + kj of head r
+    rmask = offs_r < REP
+    prow = (b * HQ + h * REP + offs_r).to(tl.int64) * NS + s
+    tl.store(m_ptr + prow, m_i, mask=rmask)
+    tl.store(l_ptr + prow, l_i, mask=rmask)
+    orow = (b * HQ + h * REP + qr).to(tl.int64) * NS + s
+    omask = (qr < REP)[:, None] & (kpl[None, :] == qi[:, None])
+    tl.store(o_ptr + orow[:, None] * D + (kpl * Q4 + kj)[None, :], acc, mask=omask)
+
+
+@triton.jit
 def _bf16_part(
     q_ptr, tk_ptr, tv_ptr, indptr_ptr, indices_ptr, last_ptr,
     o_ptr, m_ptr, l_ptr, b, h, s, s_out, H, HQ, NS, qk_scale, tokens_per_split,
@@ -291,11 +434,15 @@ def _split_kernel(
     REP: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, PT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, QK_INT8: tl.constexpr, USE_ASM: tl.constexpr,
     HAS_INT2: tl.constexpr, HAS_TIER: tl.constexpr, STATIC_STEPS: tl.constexpr,
-    TIER_STATIC_STEPS: tl.constexpr, F16: tl.constexpr,
+    TIER_STATIC_STEPS: tl.constexpr, F16: tl.constexpr, V2: tl.constexpr, RP: tl.constexpr, PB: tl.constexpr,
 ):
     pid, s = tl.program_id(0), tl.program_id(1)
     b, h = pid // H, pid % H
-    if HAS_INT2 and s < n_int2_splits:
+    if HAS_INT2 and V2 and s < n_int2_splits:
+        _int2_part_v2(q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
+                      o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
+                      REP, RP, D, G, P, BLOCK_N, PB, QK_INT8, USE_ASM, STATIC_STEPS, F16)
+    elif HAS_INT2 and s < n_int2_splits:
         _int2_part(q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
                    o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
                    REP, HPAD, D, G, P, BLOCK_N, QK_INT8, USE_ASM, STATIC_STEPS, F16)
@@ -345,6 +492,7 @@ class DecodeConfig:
     use_asm: bool | None = None  # None: inline PTX on a GPU, portable code under the interpreter
     num_warps: int = 1  # one warp per program was fastest on the H200 (docs/kernels.md)
     num_stages: int = 2
+    v2: bool = False  # the (plane, head)-row kernel `_int2_part_v2` (int8 scores at any head_dim)
 
 
 def _splits(max_len: int, bh: int, block: int, target: int, min_tokens: int) -> tuple[int, int]:
@@ -398,6 +546,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
     else:
         pt, tper, n_tier = 16, cfg.block_t, 0
     ns = max(1, n_int2 + n_tier)
+    v2 = cfg.v2 and p & (p - 1) == 0  # v2 reads a page in power-of-2 chunks
     dev = q.device
     # every program writes all of its rows, so the partials need no initialization
     o_part = torch.empty(b_sz, hq, ns, d, dtype=torch.float32, device=dev)
@@ -414,9 +563,10 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
         _split_kernel[(b_sz * h, n_int2 + n_tier)](
             q, *bt, *tb, *tt, *ttb, o_part, m_part, l_part, h, hq, ns, n_int2, sm_scale * LOG2E, per, tper,
             REP=rep, HPAD=hpad, D=d, G=g, P=p, PT=pt, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
-            QK_INT8=cfg.qk_int8 and d >= 128, USE_ASM=use_asm, HAS_INT2=has_int2, HAS_TIER=has_tier,
+            QK_INT8=cfg.qk_int8 and (d >= 128 or v2), USE_ASM=use_asm, HAS_INT2=has_int2, HAS_TIER=has_tier,
             STATIC_STEPS=per // cfg.block_n if _interpreting() else 0,
             TIER_STATIC_STEPS=tper // cfg.block_t if _interpreting() else 0, F16=_interpreting(),
+            V2=v2, RP=max(4, triton.next_power_of_2(rep)), PB=min(p, cfg.block_n),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if out is None:
