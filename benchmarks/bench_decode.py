@@ -36,17 +36,17 @@ from rotkv.kernels.decode import DecodeConfig, decode_attention
 from rotkv.kernels.dequant import dequant_dense
 
 CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is logged
-    # v1 (rows = query heads padded to 16): the best v1 config of run 3 (its bf16-score configs lost everywhere)
+    # v1 (rows = query heads padded to 16), int8 scores; run 3's bf16-score configs lost everywhere
     "i8dot-n64-w1": DecodeConfig(block_n=64, num_warps=1, qk_int8=True, v2=False),
-    # v2 (rows = (plane, query head), int8 scores)
-    "v2-n64-w1": DecodeConfig(block_n=64, num_warps=1, v2=True),
-    "v2-n64-w2": DecodeConfig(block_n=64, num_warps=2, v2=True),
-    "v2-n64-w4": DecodeConfig(block_n=64, num_warps=4, v2=True),
-    "v2-n128-w2": DecodeConfig(block_n=128, num_warps=2, v2=True),
-    "v2-n128-w4": DecodeConfig(block_n=128, num_warps=4, v2=True),
+    "i8dot-n64-w1-s1": DecodeConfig(block_n=64, num_warps=1, num_stages=1, v2=False),
+    "i8dot-n64-w1-s3": DecodeConfig(block_n=64, num_warps=1, num_stages=3, v2=False),
+    "i8dot-n32-w1": DecodeConfig(block_n=32, num_warps=1, v2=False),
+    "i8dot-n64-w2": DecodeConfig(block_n=64, num_warps=2, v2=False),
+    "i8dot-n64-w4": DecodeConfig(block_n=64, num_warps=4, v2=False),
+    "i8dot-n64-w1-t2k": DecodeConfig(block_n=64, num_warps=1, target_programs=2048, v2=False),
+    # v2 (rows = (plane, query head)); lost to v1 in run 6 (decode-20261129-1118.json), the best two kept
     "v2-n32-w1": DecodeConfig(block_n=32, num_warps=1, v2=True),
-    "v2-n64-w2-t2k": DecodeConfig(block_n=64, num_warps=2, target_programs=2048, v2=True),
-    "v2-n128-w2-t2k": DecodeConfig(block_n=128, num_warps=2, target_programs=2048, v2=True),
+    "v2-n128-w4": DecodeConfig(block_n=128, num_warps=4, v2=True),
 }
 BF16_CONFIGS = {
     "t64-w4": DecodeConfig(block_t=64, num_warps=4),

@@ -438,14 +438,15 @@ def _split_kernel(
 ):
     pid, s = tl.program_id(0), tl.program_id(1)
     b, h = pid // H, pid % H
-    if HAS_INT2 and V2 and s < n_int2_splits:
-        _int2_part_v2(q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
-                      o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
-                      REP, RP, D, G, P, BLOCK_N, PB, QK_INT8, USE_ASM, STATIC_STEPS, F16)
-    elif HAS_INT2 and s < n_int2_splits:
-        _int2_part(q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
-                   o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
-                   REP, HPAD, D, G, P, BLOCK_N, QK_INT8, USE_ASM, STATIC_STEPS, F16)
+    if HAS_INT2 and s < n_int2_splits:
+        if V2:  # constexpr: only the selected body kernel is compiled
+            _int2_part_v2(q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
+                          o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
+                          REP, RP, D, G, P, BLOCK_N, PB, QK_INT8, USE_ASM, STATIC_STEPS, F16)
+        else:
+            _int2_part(q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
+                       o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
+                       REP, HPAD, D, G, P, BLOCK_N, QK_INT8, USE_ASM, STATIC_STEPS, F16)
     elif HAS_TIER:
         _bf16_part(q_ptr, tk_ptr, tv_ptr, tindptr_ptr, tindices_ptr, tlast_ptr,
                    o_ptr, m_ptr, l_ptr, b, h, s - n_int2_splits, s, H, HQ, NS, qk_scale, tier_tokens_per_split,
