@@ -45,6 +45,7 @@ def register(sub) -> None:
     p.add_argument("--sink", type=int, default=None, help="bf16 sink tokens of every rotkv preset (profile: 16)")
     p.add_argument("--window", type=int, default=None, help="bf16 window tokens of every rotkv preset (full: 64)")
     p.add_argument("--profile", default="smoke", choices=["smoke", "full"])
+    p.add_argument("--variants", default=None, help="niah variants: noise, essay, multikey, multivalue (default: all)")
     p.add_argument("--depths", default=None, help="needle depths of the single-needle variants, e.g. 0.1,0.5,0.9")
     p.add_argument("--samples", type=int, default=None, help="haystacks per niah cell")
     p.add_argument("--windows", type=int, default=None, help="nll windows at 2K (fewer at longer contexts)")
@@ -63,6 +64,7 @@ def run(args) -> int:
         args.profile, model=args.model, methods=_list(args.methods), tasks=tasks,
         lengths=parse_lengths(args.lengths, tasks or list(TASKS)), texts=args.text, haystacks=args.haystack,
         artifact_dir=args.artifact_dir, sink=args.sink, window=args.window,
+        niah_variants=_list(args.variants),
         niah_depths=[float(x) for x in _list(args.depths)] if args.depths else None, niah_samples=args.samples,
         nll_windows=args.windows, new_tokens=args.new_tokens, threads=args.threads,
     )
