@@ -160,7 +160,9 @@ def write_report(out_dir: str) -> list[str]:
               f"- commit `{(prov.get('git') or {}).get('commit')}`; torch {v.get('torch')}, transformers "
               f"{v.get('transformers')}, optimum-quanto {v.get('optimum-quanto')}, hqq {v.get('hqq')}, turboquant "
               f"{v.get('turboquant')}; {prov.get('threads')} CPU thread(s)",
-              f"- started {prov.get('started_utc')}; command: `{' '.join(prov.get('argv', []))}`", ""]
+              (f"- merged from the cache on {prov.get('report_utc')} by `{' '.join(prov['argv_merge'])}`; the runs "
+               "that filled the cache: see run_full.sh and log_*.txt" if prov.get("argv_merge") else
+               f"- started {prov.get('started_utc')}; command: `{' '.join(prov.get('argv', []))}`"), ""]
     L += ["bpe = measured bits per element: resident bytes of the cache (codes, scales, bf16 sink/window, peer residuals "
           "and any dequantized copy a peer keeps) x 8 / (2 x tokens x kv_heads x head_dim x layers). The CPU run keeps the "
           "model in float32, so a peer's residual and metadata are float32; `bpe at bf16 model` counts those float32 "

@@ -383,7 +383,9 @@ def rebuild(cfg: EvalConfig, out_dir: str) -> list[dict]:
     if os.path.exists(prov_path):  # the merged run's configuration: every method of this call
         with open(prov_path) as f:
             prov = json.load(f)
-        prov.update(config=cfg.to_dict(), unavailable=unavailable, report_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        # every process of a split run rewrites config.json at its start: keep the merged view explicit
+        prov.update(config=cfg.to_dict(), unavailable=unavailable, argv_merge=sys.argv,
+                    report_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         with open(prov_path, "w") as f:
             json.dump(prov, f, indent=1, default=str)
     return records
