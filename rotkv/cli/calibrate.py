@@ -6,10 +6,12 @@ from __future__ import annotations
 def register(sub) -> None:
     p = sub.add_parser("calibrate", help="calibrate rotations (hadamard, oscar, optr, pairwise) into a safetensors artifact")
     p.add_argument("--model", default=None, help="smollm2 (default), a .gguf file or a local HF model directory")
-    p.add_argument("--method", required=True, choices=["hadamard", "oscar", "optr", "pairwise"])
+    p.add_argument("--method", required=True, choices=["hadamard", "oscar", "optr", "pairwise", "pmkvq"],
+                   help="pmkvq: per-layer final widths for progressive precision (see --base-artifact)")
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--data", nargs="+", default=None, help="text files (default: the built-in calibration corpus)")
-    p.add_argument("--tokens", type=int, default=16384, help="calibration tokens, held-out chunks included")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="calibration tokens, held-out chunks included (default 16384; 2048 for pmkvq)")
     p.add_argument("--bits", type=int, default=2, choices=[2, 4, 8])
     p.add_argument("--group-size", type=int, default=None, help="default: 64, or head_dim when smaller")
     p.add_argument("--granularity", choices=["layer", "kv-head"], default=None,
@@ -21,10 +23,24 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=80, help="OptR Adam steps per phase")
     p.add_argument("--no-clip-search", action="store_true", help="store clip ratios 1.0 (no clipping)")
     p.add_argument("--device", default="cpu")
+    pm = p.add_argument_group("pmkvq")
+    pm.add_argument("--base-artifact", default=None, help="pmkvq: an artifact whose rotations the widths are fitted for")
+    pm.add_argument("--budget-bpe", type=float, default=3.5, help="pmkvq: mean body bits per element the widths may use")
+    pm.add_argument("--stretch", type=int, default=4, help="pmkvq: positional interpolation factor s")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.method == "pmkvq":
+        import argparse
+
+        from rotkv.calibrate import pmkvq
+
+        return pmkvq.run(argparse.Namespace(
+            model=args.model, out=args.out, base_artifact=args.base_artifact, rotation="identity",
+            budget_bpe=args.budget_bpe, data=args.data, tokens=args.tokens or 2048, chunk_len=512,
+            stretch=args.stretch, group_size=args.group_size or 64, clip_k=None, clip_v=None, device=args.device))
+    args.tokens = args.tokens or 16384
     from rotkv.calibrate.run import CalibConfig, calibrate
     from rotkv.hf.models import load_model
     from rotkv.rotations.artifact import load_artifact, save_artifact
