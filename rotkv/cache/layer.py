@@ -73,7 +73,7 @@ class RowStore:
         """Write float32 ``[H, m, D]`` states at token ``start`` of the read view, growing it as needed."""
         end = start + k.shape[1]
         if self.view_k is None or self.view_k.shape[1] < end:
-            cap = max(end, 2 * (0 if self.view_k is None else self.view_k.shape[1]), 64)
+            cap = max(end + 64, (5 * (0 if self.view_k is None else self.view_k.shape[1])) // 4)  # +25%: geometric, but little slack
             grow = lambda old: torch.cat([old[:, :start], torch.empty(  # noqa: E731
                 k.shape[0], cap - start, k.shape[2], dtype=torch.float32, device=k.device)], 1) \
                 if old is not None else torch.empty(k.shape[0], cap, k.shape[2], dtype=torch.float32, device=k.device)
