@@ -36,17 +36,17 @@ from rotkv.kernels.decode import DecodeConfig, decode_attention
 from rotkv.kernels.dequant import dequant_dense
 
 CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is logged
-    # v1 (rows = query heads padded to 16), int8 scores; run 3's bf16-score configs lost everywhere
-    "i8dot-n64-w1": DecodeConfig(block_n=64, num_warps=1, qk_int8=True, v2=False),
-    "i8dot-n64-w1-s1": DecodeConfig(block_n=64, num_warps=1, num_stages=1, v2=False),
-    "i8dot-n64-w1-s3": DecodeConfig(block_n=64, num_warps=1, num_stages=3, v2=False),
-    "i8dot-n32-w1": DecodeConfig(block_n=32, num_warps=1, v2=False),
-    "i8dot-n64-w2": DecodeConfig(block_n=64, num_warps=2, v2=False),
-    "i8dot-n64-w4": DecodeConfig(block_n=64, num_warps=4, v2=False),
-    "i8dot-n64-w1-t2k": DecodeConfig(block_n=64, num_warps=1, target_programs=2048, v2=False),
-    # v2 (rows = (plane, query head)); lost to v1 in run 6 (decode-20261129-1118.json), the best two kept
-    "v2-n32-w1": DecodeConfig(block_n=32, num_warps=1, v2=True),
-    "v2-n128-w4": DecodeConfig(block_n=128, num_warps=4, v2=True),
+    # CUDA body kernel (rotkv/kernels/cuda/int2_decode.cu): tiles per softmax step, min blocks, target warps
+    "cuda-t2": DecodeConfig(backend="cuda", cuda_tiles=2),
+    "cuda-t4": DecodeConfig(backend="cuda", cuda_tiles=4),
+    "cuda-t2-mb4": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_min_blocks=4),
+    "cuda-t4-mb4": DecodeConfig(backend="cuda", cuda_tiles=4, cuda_min_blocks=4),
+    "cuda-t2-mb5": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_min_blocks=5),
+    "cuda-t2-mb4-w2k": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_min_blocks=4, cuda_target_warps=2048),
+    "cuda-t2-mb4-w8k": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_min_blocks=4, cuda_target_warps=8192),
+    # Triton v1 (rows = query heads padded to 16), int8 scores: the previous default
+    "i8dot-n64-w1": DecodeConfig(block_n=64, num_warps=1, qk_int8=True, v2=False, backend="triton"),
+    "v2-n128-w4": DecodeConfig(block_n=128, num_warps=4, v2=True, backend="triton"),
 }
 BF16_CONFIGS = {
     "t64-w4": DecodeConfig(block_t=64, num_warps=4),

@@ -430,13 +430,13 @@ def _bf16_part(
 def _split_kernel(
     q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
     tk_ptr, tv_ptr, tindptr_ptr, tindices_ptr, tlast_ptr,
-    o_ptr, m_ptr, l_ptr, H, HQ, NS, n_int2_splits, qk_scale, tokens_per_split, tier_tokens_per_split,
+    o_ptr, m_ptr, l_ptr, H, HQ, NS, n_int2_splits, s0, qk_scale, tokens_per_split, tier_tokens_per_split,
     REP: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, PT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, QK_INT8: tl.constexpr, USE_ASM: tl.constexpr,
     HAS_INT2: tl.constexpr, HAS_TIER: tl.constexpr, STATIC_STEPS: tl.constexpr,
     TIER_STATIC_STEPS: tl.constexpr, F16: tl.constexpr, V2: tl.constexpr, RP: tl.constexpr, PB: tl.constexpr,
 ):
-    pid, s = tl.program_id(0), tl.program_id(1)
+    pid, s = tl.program_id(0), tl.program_id(1) + s0  # s0 > 0: the body's splits were written elsewhere
     b, h = pid // H, pid % H
     if HAS_INT2 and s < n_int2_splits:
         if V2:  # constexpr: only the selected body kernel is compiled
@@ -454,16 +454,18 @@ def _split_kernel(
 
 
 @triton.jit
-def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, NS, D: tl.constexpr, CHUNK: tl.constexpr, STATIC_STEPS: tl.constexpr):
+def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, NS, D: tl.constexpr, DB: tl.constexpr, CHUNK: tl.constexpr,
+                  STATIC_STEPS: tl.constexpr):
+    # grid (rows, D // DB): a program merges one DB-wide slice of one query row's partials
     row = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.program_id(1) * DB + tl.arange(0, DB)
     mx = tl.full([CHUNK], float("-inf"), tl.float32)
     for it in range(0, _n_steps(0, NS, CHUNK, STATIC_STEPS)):
         offs_s = it * CHUNK + tl.arange(0, CHUNK)
         mx = tl.maximum(mx, tl.load(m_ptr + row * NS + offs_s, mask=offs_s < NS, other=float("-inf")))
     m_all = tl.max(mx, axis=0)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # no tokens at all: output 0
-    num = tl.zeros([D], tl.float32)
+    num = tl.zeros([DB], tl.float32)
     den = tl.zeros([CHUNK], tl.float32)
     for it in range(0, _n_steps(0, NS, CHUNK, STATIC_STEPS)):
         offs_s = it * CHUNK + tl.arange(0, CHUNK)
@@ -494,6 +496,13 @@ class DecodeConfig:
     num_warps: int = 1  # one warp per program was fastest on the H200 (docs/kernels.md)
     num_stages: int = 2
     v2: bool = False  # the (plane, head)-row kernel `_int2_part_v2` (int8 scores at any head_dim)
+    # INT2 body kernel: "cuda" (rotkv/kernels/cuda/int2_decode.cu, built with nvcc on first use),
+    # "triton", or "auto" (CUDA where it is supported and builds, else Triton)
+    backend: str = "auto"
+    cuda_tiles: int = 2  # 16-token tiles per softmax step of the CUDA kernel (2 or 4)
+    cuda_min_blocks: int = 1  # __launch_bounds__ min blocks (4 caps registers at 128)
+    cuda_target_warps: int = 4096  # CUDA kernel: split so that B * H_kv * splits reaches about this
+    cuda_min_split_tokens: int = 64
 
 
 def _splits(max_len: int, bh: int, block: int, target: int, min_tokens: int) -> tuple[int, int]:
@@ -504,6 +513,34 @@ def _splits(max_len: int, bh: int, block: int, target: int, min_tokens: int) -> 
     per = max(min_tokens, -(-max_len // want))
     per = -(-per // block) * block
     return per, -(-max_len // per)
+
+
+_CUDA_WARNED: set = set()
+
+
+def _use_cuda_body(cfg: DecodeConfig, q: torch.Tensor, body: tuple, rep: int) -> bool:
+    if cfg.backend == "triton" or _interpreting() or not q.is_cuda:
+        if cfg.backend == "cuda" and not q.is_cuda:
+            raise ValueError("backend='cuda' needs CUDA tensors")
+        return False
+    from rotkv.kernels import cuda_decode
+
+    why = cuda_decode.supported(q, body, rep)
+    if why is None:
+        try:
+            cuda_decode.build(q.device)
+        except RuntimeError as e:
+            why = str(e)
+    if why is not None:
+        if cfg.backend == "cuda":
+            raise ValueError(f"the CUDA INT2 decode kernel cannot run here: {why}")
+        if why not in _CUDA_WARNED:
+            _CUDA_WARNED.add(why)
+            import warnings
+
+            warnings.warn(f"rotkv: CUDA INT2 decode kernel not used ({why}); using the Triton kernel", stacklevel=3)
+        return False
+    return True
 
 
 def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, max_len: int,
@@ -534,7 +571,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
     if has_int2:
         g = d // body[1].shape[-1]
         p = body[0].shape[2]
-        if g < d // 4:
+        if g < d // 4 and not _use_cuda_body(cfg, q, body, rep):  # the CUDA kernel takes G >= 32
             raise ValueError(f"the INT2 decode kernel needs group_size >= head_dim / 4 ({d // 4}), got {g}")
         per, n_int2 = _splits(max_len, b_sz * h, cfg.block_n, cfg.target_programs, cfg.min_split_tokens)
     else:
@@ -548,6 +585,11 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
         pt, tper, n_tier = 16, cfg.block_t, 0
     ns = max(1, n_int2 + n_tier)
     v2 = cfg.v2 and p & (p - 1) == 0  # v2 reads a page in power-of-2 chunks
+    use_cuda = has_int2 and _use_cuda_body(cfg, q, body, rep)
+    if use_cuda:
+        per, n_int2 = _splits(max_len, b_sz * h, 16 * cfg.cuda_tiles, cfg.cuda_target_warps,
+                              cfg.cuda_min_split_tokens)
+        ns = max(1, n_int2 + n_tier)
     dev = q.device
     # every program writes all of its rows, so the partials need no initialization
     o_part = torch.empty(b_sz, hq, ns, d, dtype=torch.float32, device=dev)
@@ -561,18 +603,28 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
         tb = table if has_int2 else (dummy,) * 3
         tt = tier if has_tier else (dummy,) * 2
         ttb = tier_table if has_tier else (dummy,) * 3
-        _split_kernel[(b_sz * h, n_int2 + n_tier)](
-            q, *bt, *tb, *tt, *ttb, o_part, m_part, l_part, h, hq, ns, n_int2, sm_scale * LOG2E, per, tper,
-            REP=rep, HPAD=hpad, D=d, G=g, P=p, PT=pt, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
-            QK_INT8=cfg.qk_int8 and (d >= 128 or v2), USE_ASM=use_asm, HAS_INT2=has_int2, HAS_TIER=has_tier,
-            STATIC_STEPS=per // cfg.block_n if _interpreting() else 0,
-            TIER_STATIC_STEPS=tper // cfg.block_t if _interpreting() else 0, F16=_interpreting(),
-            V2=v2, RP=max(4, triton.next_power_of_2(rep)), PB=min(p, cfg.block_n),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        s0 = 0
+        if use_cuda:
+            from rotkv.kernels.cuda_decode import body_partials
+
+            qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
+            body_partials(qb, body, table, o_part, m_part, l_part, n_int2, per, sm_scale * LOG2E,
+                          tiles=cfg.cuda_tiles, min_blocks=cfg.cuda_min_blocks)
+            s0, has_int2 = n_int2, False
+        if has_int2 or n_tier > 0:  # whatever the CUDA body kernel did not write
+            _split_kernel[(b_sz * h, n_int2 + n_tier - s0)](
+                q, *bt, *tb, *tt, *ttb, o_part, m_part, l_part, h, hq, ns, n_int2, s0, sm_scale * LOG2E, per, tper,
+                REP=rep, HPAD=hpad, D=d, G=g, P=p, PT=pt, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
+                QK_INT8=cfg.qk_int8 and (d >= 128 or v2), USE_ASM=use_asm, HAS_INT2=has_int2, HAS_TIER=has_tier,
+                STATIC_STEPS=per // cfg.block_n if _interpreting() else 0,
+                TIER_STATIC_STEPS=tper // cfg.block_t if _interpreting() else 0, F16=_interpreting(),
+                V2=v2, RP=max(4, triton.next_power_of_2(rep)), PB=min(p, cfg.block_n),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
     if out is None:
         out = torch.empty(b_sz, hq, d, dtype=q.dtype, device=dev)
     chunk = min(16, triton.next_power_of_2(ns))
-    _merge_kernel[(b_sz * hq,)](o_part, m_part, l_part, out, ns, D=d, CHUNK=chunk,
+    db = d if b_sz * hq >= 1024 or _interpreting() else 32  # small batches: more programs for many splits
+    _merge_kernel[(b_sz * hq, d // db)](o_part, m_part, l_part, out, ns, D=d, DB=db, CHUNK=chunk,
                                 STATIC_STEPS=-(-ns // chunk) if _interpreting() else 0)
     return out

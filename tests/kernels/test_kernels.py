@@ -154,8 +154,40 @@ def test_decode_matches_reference(lens, tier_lens, h, rep, d, g, p, int8, v2, de
     pytest.param(64, True, 1, True, id="v2-n64-w1"), pytest.param(128, True, 2, True, id="v2-n128-w2"),
     pytest.param(64, True, 4, True, id="v2-n64-w4"), pytest.param(32, False, 2, True, id="v2-n32-w2-noasm")])
 def test_decode_matches_reference_cuda(lens, tier_lens, h, rep, d, g, p, int8, block_n, asm, warps, v2):
-    cfg = DecodeConfig(qk_int8=int8, block_n=block_n, use_asm=asm, target_programs=256, num_warps=warps, v2=v2)
+    cfg = DecodeConfig(qk_int8=int8, block_n=block_n, use_asm=asm, target_programs=256, num_warps=warps, v2=v2,
+                       backend="triton")
     _check_decode(lens, tier_lens, h, rep, d, g, p, int8, "cuda", cfg=cfg, seed=3)
+
+
+CUDA_KERNEL_CASES = [  # the CUDA body kernel needs P % 16 == 0 and G % 32 == 0
+    ([4097, 1, 300], [320, 1, 64], 8, 4, 128, 64, 16),
+    ([9000, 2500], [100, 7], 4, 8, 128, 32, 16),
+    ([3000, 77], [64, 320], 2, 3, 64, 64, 16),
+    ([700, 33], [64, 3], 3, 3, 64, 32, 32),
+    ([2049], [17], 2, 2, 256, 128, 32),
+    ([1500, 16], [9, 0], 2, 6, 256, 32, 16),
+    ([5000, 123], [200, 0], 2, 5, 128, 128, 64),
+    ([260, 0, 31], [0, 5, 2], 1, 1, 128, 128, 16),
+]
+
+
+@cuda_only
+@pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p", CUDA_KERNEL_CASES)
+@pytest.mark.parametrize("tiles,min_blocks,target", [(2, 1, 256), (4, 4, 64), (2, 4, 4096)])
+def test_decode_cuda_kernel_matches_reference(lens, tier_lens, h, rep, d, g, p, tiles, min_blocks, target):
+    cfg = DecodeConfig(backend="cuda", cuda_tiles=tiles, cuda_min_blocks=min_blocks, cuda_target_warps=target,
+                       cuda_min_split_tokens=32)
+    _check_decode(lens, tier_lens, h, rep, d, g, p, True, "cuda", cfg=cfg, seed=5)
+
+
+@cuda_only
+def test_decode_cuda_kernel_refuses_what_it_cannot_run():
+    body, table, tier, ttable, ml, tml = _build([40], [8], 1, 64, 64, 8, 16, "cuda")  # page size 8
+    q = torch.randn(1, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="page size"):
+        decode_attention(q, body, table, ml, tier, ttable, tml, cfg=DecodeConfig(backend="cuda"))
+    with pytest.warns(UserWarning, match="page size"):  # auto: falls back to Triton, once
+        decode_attention(q, body, table, ml, tier, ttable, tml, cfg=DecodeConfig(backend="auto"))
 
 
 def test_decode_tier_only_and_body_only(device):
@@ -209,9 +241,9 @@ def test_decode_int64_offsets():
     q = torch.randn(1, 4 * h, d, device="cuda", dtype=torch.bfloat16)
     tt = table.tensors("cuda")
     ref = decode_reference(q.float(), pool.tensors("k"), pool.tensors("v"), tt)
-    for v2 in (False, True):
-        out = decode_attention(q, (*pool.tensors("k"), *pool.tensors("v")), tt, n, cfg=DecodeConfig(v2=v2))
-        assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2, v2
+    for cfg in (DecodeConfig(backend="triton"), DecodeConfig(backend="triton", v2=True), DecodeConfig(backend="cuda")):
+        out = decode_attention(q, (*pool.tensors("k"), *pool.tensors("v")), tt, n, cfg=cfg)
+        assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2, cfg
 
 
 def test_page_table_vocabulary():

@@ -1,0 +1,496 @@
+// Split-K decode attention over a paged INT2 body, one warp per (request, KV head, split).
+//
+// Why CUDA and not Triton: the Triton kernel (rotkv/kernels/decode.py) reaches 1.2-1.3x bf16
+// because every code tile goes through shared memory to reach the MMA operand layout and the
+// query rows are padded to 16. Here the codes are loaded from global memory straight into the
+// registers of the mma.sync fragments, and the MMAs are transposed so that tokens are the M
+// dimension and query heads the N dimension (8: GQA 1..8 without padding to 16):
+//
+//   scores   S^T [16 tok, 8 heads] = C [16 tok, 32 dims of one chunk] (int8 codes 0..3)
+//                                    x Q^T [32, 8] (int8 query, one scale per head)   (mma m16n8k32)
+//   values   O^T [16 dims, 8 heads] += (128 + C)^T [16 dims, 16 tok] (bf16 0x4300|c)
+//                                      x P~^T [16 tok, 8 heads] (bf16 p * s_v)        (mma m16n8k16)
+//
+// P~^T is the S^T accumulator transposed in registers by movmatrix. Scale and minimum stay out of
+// the products: q.k = qsc * sum_g s_g (q_g . c_g) + sum_g lo_g * sum(q_g), and
+// sum_n p_n v_n = sum_n (p_n s_n) (128 + c_n) + sum_n p_n lo_n - 128 * sum_n (p_n s_n), the last
+// sum taken by one more MMA against an all-ones A so that it uses the same bf16-rounded p~.
+//
+// Planar packing: byte j of a token row holds dims j, j + D/4, j + D/2, j + 3D/4 (plane i = bits
+// 2i..2i+1). A K-chunk of 32 int8 codes covers dims [32c, 32c + 32) and lies in one quantization
+// group (G % 32 == 0). Value rows of one m16 tile cover 16 dims of one plane inside 32 consecutive
+// dims, so they share a group too.
+//
+// Layout (as rotkv.cache.paged.Int2PagePool): codes [NP, H, P, D/4] u8, scale/lo [NP, H, P, D/G]
+// fp16, page table kv_indptr [B+1], kv_indices, kv_last_page_len [B] (int32), P % 16 == 0.
+// Output: unnormalized partials o [B, HQ, NS, D] fp32, running max m and sum l [B, HQ, NS]
+// (base 2: the query scale carries log2 e), merged by the Triton merge kernel.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define DEVI __device__ __forceinline__
+
+namespace {
+
+struct Params {
+  const __nv_bfloat16* q;  // [B, HQ, D]
+  const uint8_t* kc;
+  const __half* ks;
+  const __half* kl;
+  const uint8_t* vc;
+  const __half* vs;
+  const __half* vl;
+  const int* indptr;
+  const int* indices;
+  const int* last;
+  float* o;
+  float* m;
+  float* l;
+  int H, HQ, rep, P, NS, n_splits, tokens_per_split, n_work;
+  float qk_scale;
+};
+
+DEVI uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+DEVI void mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+DEVI void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+DEVI uint32_t movmatrix_t(uint32_t x) {
+  uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+  return r;
+}
+
+DEVI uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <int NG>
+DEVI void load_meta(const __half* p, float (&out)[NG]) {
+  if constexpr (NG == 1) {
+    out[0] = __half2float(*p);
+  } else if constexpr (NG == 2) {
+    __half2 v = *reinterpret_cast<const __half2*>(p);
+    out[0] = __low2float(v);
+    out[1] = __high2float(v);
+  } else if constexpr (NG == 4) {
+    uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) out[2 * k] = __low2float(h[k]), out[2 * k + 1] = __high2float(h[k]);
+  } else {
+    uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) out[2 * k] = __low2float(h[k]), out[2 * k + 1] = __high2float(h[k]);
+  }
+}
+
+// ---- K side: per token, the thread (g, t) loads KW words; chunk cc (dims [32cc, 32cc+32)) takes
+// its A registers (k 4t..4t+3 and 16+4t..16+4t+3) from (word, plane) pairs and its query B
+// registers from the dims those bytes hold.
+template <int D> struct KMap;
+template <> struct KMap<64> {   // one word at byte 4t; chunk cc: planes 2cc (lo) and 2cc+1 (hi)
+  static constexpr int KW = 1;
+  static DEVI int byte_off(int t, int w) { return 4 * t; }
+  static DEVI int lo_word(int cc) { return 0; }
+  static DEVI int hi_word(int cc) { return 0; }
+  static DEVI constexpr int lo_plane(int cc) { return 2 * cc; }
+  static DEVI constexpr int hi_plane(int cc) { return 2 * cc + 1; }
+  static DEVI int lo_dim(int cc, int t) { return 2 * cc * 16 + 4 * t; }
+  static DEVI int hi_dim(int cc, int t) { return (2 * cc + 1) * 16 + 4 * t; }
+};
+template <> struct KMap<128> {  // 8 bytes at 8t; chunk cc = plane: lo word bytes 8t.., hi 8t+4..
+  static constexpr int KW = 2;
+  static DEVI int byte_off(int t, int w) { return 8 * t + 4 * w; }
+  static DEVI int lo_word(int cc) { return 0; }
+  static DEVI int hi_word(int cc) { return 1; }
+  static DEVI constexpr int lo_plane(int cc) { return cc; }
+  static DEVI constexpr int hi_plane(int cc) { return cc; }
+  static DEVI int lo_dim(int cc, int t) { return 32 * cc + 8 * t; }
+  static DEVI int hi_dim(int cc, int t) { return 32 * cc + 8 * t + 4; }
+};
+template <> struct KMap<256> {  // 8 bytes at 8t and at 32+8t; chunk cc = 2i + c
+  static constexpr int KW = 4;
+  static DEVI int byte_off(int t, int w) { return 32 * (w >> 1) + 8 * t + 4 * (w & 1); }
+  static DEVI int lo_word(int cc) { return 2 * (cc & 1); }
+  static DEVI int hi_word(int cc) { return 2 * (cc & 1) + 1; }
+  static DEVI constexpr int lo_plane(int cc) { return cc >> 1; }
+  static DEVI constexpr int hi_plane(int cc) { return cc >> 1; }
+  static DEVI int lo_dim(int cc, int t) { return 64 * (cc >> 1) + 32 * (cc & 1) + 8 * t; }
+  static DEVI int hi_dim(int cc, int t) { return 64 * (cc >> 1) + 32 * (cc & 1) + 8 * t + 4; }
+};
+
+// ---- V side: the thread (g, t) loads VW words of tokens 2t, 2t+1, 2t+8, 2t+9; m-tile mt's rows
+// g and g+8 are (word slot, byte, plane) -> a dim.
+template <int D> struct VMap;
+template <> struct VMap<64> {   // word g&3, byte pair g>>2; m-tile = plane
+  static constexpr int VW = 1, NMT = 4;
+  static DEVI int byte_off(int g, int w) { return 4 * (g & 3); }
+  static DEVI int slot(int mt) { return 0; }
+  static DEVI int bp(int mt, int g) { return g >> 2; }
+  static DEVI constexpr int plane(int mt) { return mt; }
+  static DEVI int dim(int mt, int g) { return 16 * mt + 4 * (g & 3) + 2 * (g >> 2); }
+  static DEVI constexpr int dim_base(int mt) { return 16 * mt; }
+};
+template <> struct VMap<128> {  // word g; m-tile (i, bp)
+  static constexpr int VW = 1, NMT = 8;
+  static DEVI int byte_off(int g, int w) { return 4 * g; }
+  static DEVI int slot(int mt) { return 0; }
+  static DEVI int bp(int mt, int g) { return mt & 1; }
+  static DEVI constexpr int plane(int mt) { return mt >> 1; }
+  static DEVI int dim(int mt, int g) { return 32 * (mt >> 1) + 4 * g + 2 * (mt & 1); }
+  static DEVI constexpr int dim_base(int mt) { return 32 * (mt >> 1); }
+};
+template <> struct VMap<256> {  // words g and g+8; m-tile (i, c, bp)
+  static constexpr int VW = 2, NMT = 16;
+  static DEVI int byte_off(int g, int w) { return 32 * w + 4 * g; }
+  static DEVI int slot(int mt) { return (mt >> 1) & 1; }
+  static DEVI int bp(int mt, int g) { return mt & 1; }
+  static DEVI constexpr int plane(int mt) { return mt >> 2; }
+  static DEVI int dim(int mt, int g) { return 64 * (mt >> 2) + 32 * ((mt >> 1) & 1) + 4 * g + 2 * (mt & 1); }
+  static DEVI constexpr int dim_base(int mt) { return 64 * (mt >> 2) + 32 * ((mt >> 1) & 1); }
+};
+
+template <int D, int NG, int TILES, int MINB>
+__global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) {
+  using KM = KMap<D>;
+  using VM = VMap<D>;
+  constexpr int NB = D / 4, G = D / NG, NCH = D / 32, NMT = VM::NMT, KW = KM::KW, VW = VM::VW;
+  static_assert(G % 32 == 0, "group_size must be a multiple of 32");
+  const int warp = blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (warp >= p.n_work) return;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int s = warp % p.n_splits, bh = warp / p.n_splits;
+  const int b = bh / p.H, h = bh % p.H;
+
+  const int start = p.indptr[b];
+  const int npages = p.indptr[b + 1] - start;
+  const int seq = npages > 0 ? (npages - 1) * p.P + p.last[b] : 0;
+  const int tok_lo = s * p.tokens_per_split;
+  const int tok_hi = min(seq, tok_lo + p.tokens_per_split);
+
+  // ---- query: head g's int8 fragments, per-head scale, per-group float sums
+  uint32_t qb0[NCH], qb1[NCH];
+  float qsg_own[NG];
+  float qsc_own;
+  {
+    float qv[NCH][8];
+    const bool live = g < p.rep;
+    const __nv_bfloat16* qp = p.q + ((int64_t)b * p.HQ + (int64_t)h * p.rep + g) * D;
+    float amax = 0.f;
+#pragma unroll
+    for (int cc = 0; cc < NCH; ++cc) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        qv[cc][e] = live ? __bfloat162float(qp[KM::lo_dim(cc, t) + e]) * p.qk_scale : 0.f;
+        qv[cc][4 + e] = live ? __bfloat162float(qp[KM::hi_dim(cc, t) + e]) * p.qk_scale : 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(qv[cc][e]));
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    qsc_own = amax > 0.f ? amax / 127.f : 1.f;
+    const float inv = 1.f / qsc_own;
+#pragma unroll
+    for (int k = 0; k < NG; ++k) qsg_own[k] = 0.f;
+#pragma unroll
+    for (int cc = 0; cc < NCH; ++cc) {
+      uint32_t lo = 0, hi = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int a = (int)floorf(qv[cc][e] * inv + 0.5f);
+        int c = (int)floorf(qv[cc][4 + e] * inv + 0.5f);
+        lo |= (uint32_t)(a & 0xff) << (8 * e);
+        hi |= (uint32_t)(c & 0xff) << (8 * e);
+        qsg_own[(32 * cc) / G] += qv[cc][e] + qv[cc][4 + e];
+      }
+      qb0[cc] = lo;
+      qb1[cc] = hi;
+    }
+#pragma unroll
+    for (int k = 0; k < NG; ++k) {
+      qsg_own[k] += __shfl_xor_sync(0xffffffffu, qsg_own[k], 1);
+      qsg_own[k] += __shfl_xor_sync(0xffffffffu, qsg_own[k], 2);
+    }
+  }
+  // the accumulator columns are heads 2t and 2t+1: fetch their scale and sums from lanes 4*head
+  float qsc[2], qsg[2][NG];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    qsc[j] = __shfl_sync(0xffffffffu, qsc_own, 4 * (2 * t + j));
+#pragma unroll
+    for (int k = 0; k < NG; ++k) qsg[j][k] = __shfl_sync(0xffffffffu, qsg_own[k], 4 * (2 * t + j));
+  }
+
+  float acc[NMT][4];
+  float psum[NG][4];  // sum over tokens of bf16 p~ per group (rows all equal; c0/c1 = heads 2t/2t+1)
+  float crl[NG][2];   // sum_n p_n lo_n per group, partial over this thread's tokens
+#pragma unroll
+  for (int mt = 0; mt < NMT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+#pragma unroll
+  for (int k = 0; k < NG; ++k) {
+    psum[k][0] = psum[k][1] = psum[k][2] = psum[k][3] = 0.f;
+    crl[k][0] = crl[k][1] = 0.f;
+  }
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  const uint32_t ONES = 0x3F803F80u;  // bf16 (1, 1)
+  const uint32_t MAGIC = 0x43434343u;
+  const int64_t hh = h;
+
+  for (int blk = tok_lo; blk < tok_hi; blk += 16 * TILES) {
+    // ---- loads of TILES tiles of 16 tokens (a tile never crosses a page: P % 16 == 0)
+    uint32_t kw[TILES][2][KW];        // tokens g, g+8
+    uint32_t vw[TILES][4][VW];        // tokens 2t, 2t+1, 2t+8, 2t+9
+    float ksm[TILES][2][NG], klm[TILES][2][NG], vsm[TILES][2][NG], vlm[TILES][2][NG];
+#pragma unroll
+    for (int ti = 0; ti < TILES; ++ti) {
+      const int t0 = blk + 16 * ti;
+      if (t0 < tok_hi) {
+        const int64_t page = p.indices[start + t0 / p.P];
+        const int64_t row0 = (page * p.H + hh) * p.P + (t0 % p.P);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int64_t row = row0 + g + 8 * r;
+          const uint8_t* kp = p.kc + row * NB;
+          if constexpr (KW == 1) {
+            kw[ti][r][0] = *reinterpret_cast<const uint32_t*>(kp + KM::byte_off(t, 0));
+          } else {
+#pragma unroll
+            for (int w = 0; w < KW; w += 2) {
+              uint2 x = *reinterpret_cast<const uint2*>(kp + KM::byte_off(t, w));
+              kw[ti][r][w] = x.x;
+              kw[ti][r][w + 1] = x.y;
+            }
+          }
+          if (t0 + g + 8 * r < tok_hi) {  // beyond the split: zeros, so that p~ and p*lo stay 0
+            load_meta<NG>(p.ks + row * NG, ksm[ti][r]);
+            load_meta<NG>(p.kl + row * NG, klm[ti][r]);
+            load_meta<NG>(p.vs + row * NG, vsm[ti][r]);
+            load_meta<NG>(p.vl + row * NG, vlm[ti][r]);
+          } else {
+#pragma unroll
+            for (int k = 0; k < NG; ++k) ksm[ti][r][k] = klm[ti][r][k] = vsm[ti][r][k] = vlm[ti][r][k] = 0.f;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int64_t row = row0 + 2 * t + (u & 1) + 8 * (u >> 1);
+#pragma unroll
+          for (int w = 0; w < VW; ++w)
+            vw[ti][u][w] = *reinterpret_cast<const uint32_t*>(p.vc + row * NB + VM::byte_off(g, w));
+        }
+      }
+    }
+    // ---- scores S^T, folded, masked
+    float sc[TILES][4];
+    float bmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int ti = 0; ti < TILES; ++ti) {
+      const int t0 = blk + 16 * ti;
+      int d[NG][4];
+#pragma unroll
+      for (int k = 0; k < NG; ++k) d[k][0] = d[k][1] = d[k][2] = d[k][3] = 0;
+      if (t0 < tok_hi) {
+#pragma unroll
+        for (int cc = 0; cc < NCH; ++cc) {
+          const int gi = (32 * cc) / G;
+          const uint32_t lw0 = kw[ti][0][KM::lo_word(cc)], lw1 = kw[ti][1][KM::lo_word(cc)];
+          const uint32_t hw0 = kw[ti][0][KM::hi_word(cc)], hw1 = kw[ti][1][KM::hi_word(cc)];
+          const int pl = 2 * KM::lo_plane(cc), ph = 2 * KM::hi_plane(cc);  // constants once unrolled
+          const uint32_t a0 = (lw0 >> pl) & 0x03030303u, a1 = (lw1 >> pl) & 0x03030303u;
+          const uint32_t a2 = (hw0 >> ph) & 0x03030303u, a3 = (hw1 >> ph) & 0x03030303u;
+          mma_s8(d[gi], a0, a1, a2, a3, qb0[cc], qb1[cc]);
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1, j = e & 1;
+        float v = 0.f;
+#pragma unroll
+        for (int k = 0; k < NG; ++k) v += ksm[ti][r][k] * (float)d[k][e] * qsc[j] + klm[ti][r][k] * qsg[j][k];
+        const bool ok = t0 + g + 8 * r < tok_hi;
+        sc[ti][e] = ok ? v : -INFINITY;
+        bmax[j] = fmaxf(bmax[j], sc[ti][e]);
+      }
+    }
+    // ---- online softmax over the block (per head: reduce over the 8 lanes sharing t)
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      float x = bmax[j];
+      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+      x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+      const float m_new = fmaxf(m_run[j], x);
+      m_use[j] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[j] = exp2f(m_run[j] - m_use[j]);
+      m_run[j] = m_new;
+      l_run[j] *= alpha[j];
+    }
+    // rescale only when some head's max moved (after the first blocks it seldom does)
+    if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
+#pragma unroll
+      for (int mt = 0; mt < NMT; ++mt) {
+        acc[mt][0] *= alpha[0], acc[mt][1] *= alpha[1], acc[mt][2] *= alpha[0], acc[mt][3] *= alpha[1];
+      }
+#pragma unroll
+      for (int k = 0; k < NG; ++k) {
+        psum[k][0] *= alpha[0], psum[k][1] *= alpha[1], psum[k][2] *= alpha[0], psum[k][3] *= alpha[1];
+        crl[k][0] *= alpha[0], crl[k][1] *= alpha[1];
+      }
+    }
+    // ---- values
+#pragma unroll
+    for (int ti = 0; ti < TILES; ++ti) {
+      const int t0 = blk + 16 * ti;
+      if (t0 >= tok_hi) continue;
+      float pr[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = e & 1;
+        pr[e] = exp2f(sc[ti][e] - m_use[j]);
+        l_run[j] += pr[e];
+      }
+      uint32_t pb0[NG], pb1[NG];
+#pragma unroll
+      for (int k = 0; k < NG; ++k) {
+        // P~[tok][head] for tokens g (row 0) and g+8 (row 1), heads 2t, 2t+1, then transposed
+        pb0[k] = movmatrix_t(pack_bf16(pr[0] * vsm[ti][0][k], pr[1] * vsm[ti][0][k]));
+        pb1[k] = movmatrix_t(pack_bf16(pr[2] * vsm[ti][1][k], pr[3] * vsm[ti][1][k]));
+        crl[k][0] += pr[0] * vlm[ti][0][k] + pr[2] * vlm[ti][1][k];
+        crl[k][1] += pr[1] * vlm[ti][0][k] + pr[3] * vlm[ti][1][k];
+        mma_bf16(psum[k], ONES, ONES, ONES, ONES, pb0[k], pb1[k]);
+      }
+      // token pairs (2t, 2t+1) -> u 0/1, (2t+8, 2t+9) -> u 2/3
+#pragma unroll
+      for (int mt = 0; mt < NMT; ++mt) {
+        const int gi = VM::dim_base(mt) / G;
+        const int sl = VM::slot(mt);
+        const uint32_t sel = VM::bp(mt, g) ? 0x7362u : 0x5140u;
+        const uint32_t x0 = prmt(vw[ti][0][sl], vw[ti][1][sl], sel);
+        const uint32_t x1 = prmt(vw[ti][2][sl], vw[ti][3][sl], sel);
+        const int sh = 2 * VM::plane(mt);
+        const uint32_t m0 = (x0 >> sh) & 0x03030303u, m1 = (x1 >> sh) & 0x03030303u;
+        const uint32_t a0 = prmt(m0, MAGIC, 0x4140u), a1 = prmt(m0, MAGIC, 0x4342u);
+        const uint32_t a2 = prmt(m1, MAGIC, 0x4140u), a3 = prmt(m1, MAGIC, 0x4342u);
+        mma_bf16(acc[mt], a0, a1, a2, a3, pb0[gi], pb1[gi]);
+      }
+    }
+  }
+  // ---- reduce the per-thread partial sums over the 8 lanes sharing t
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    l_run[j] += __shfl_xor_sync(0xffffffffu, l_run[j], 4);
+    l_run[j] += __shfl_xor_sync(0xffffffffu, l_run[j], 8);
+    l_run[j] += __shfl_xor_sync(0xffffffffu, l_run[j], 16);
+#pragma unroll
+    for (int k = 0; k < NG; ++k) {
+      crl[k][j] += __shfl_xor_sync(0xffffffffu, crl[k][j], 4);
+      crl[k][j] += __shfl_xor_sync(0xffffffffu, crl[k][j], 8);
+      crl[k][j] += __shfl_xor_sync(0xffffffffu, crl[k][j], 16);
+    }
+  }
+  // ---- partials: heads 2t, 2t+1 (if < rep); dims of rows g, g+8 of every m-tile
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int head = 2 * t + j;
+    if (head >= p.rep) continue;
+    const int64_t prow = ((int64_t)b * p.HQ + (int64_t)h * p.rep + head) * p.NS + s;
+    if (g == 0) {
+      p.m[prow] = m_run[j];
+      p.l[prow] = l_run[j];
+    }
+    float* op = p.o + prow * D;
+#pragma unroll
+    for (int mt = 0; mt < NMT; ++mt) {
+      const int gi = VM::dim_base(mt) / G;
+      const float corr = crl[gi][j] - 128.f * psum[gi][j];
+      const int d0 = VM::dim(mt, g);
+      op[d0] = acc[mt][j] + corr;
+      op[d0 + 1] = acc[mt][2 + j] + corr;
+    }
+  }
+}
+
+template <int D, int NG, int TILES, int MINB>
+int launch(const Params& p, cudaStream_t stream) {
+  const int blocks = (p.n_work + 3) / 4;
+  int2_decode_kernel<D, NG, TILES, MINB><<<blocks, 128, 0, stream>>>(p);
+  return (int)cudaGetLastError();
+}
+
+template <int D, int NG>
+int launch_tiles(const Params& p, int tiles, int minb, cudaStream_t stream) {
+  if (tiles == 2) {
+    if (minb >= 5) return launch<D, NG, 2, 5>(p, stream);
+    return minb >= 4 ? launch<D, NG, 2, 4>(p, stream) : launch<D, NG, 2, 1>(p, stream);
+  }
+  if (tiles == 4) return minb >= 4 ? launch<D, NG, 4, 4>(p, stream) : launch<D, NG, 4, 1>(p, stream);
+  return -2;
+}
+
+}  // namespace
+
+extern "C" int rotkv_int2_decode(int d, int ng, int tiles, int minb, const void* q, const void* kc, const void* ks,
+                                 const void* kl, const void* vc, const void* vs, const void* vl, const void* indptr,
+                                 const void* indices, const void* last, void* o, void* m, void* l, int n_batch, int H,
+                                 int HQ, int P, int NS, int n_splits, int tokens_per_split, float qk_scale,
+                                 void* stream) {
+  if (HQ % H) return -1;
+  Params p;
+  p.q = (const __nv_bfloat16*)q;
+  p.kc = (const uint8_t*)kc;
+  p.ks = (const __half*)ks;
+  p.kl = (const __half*)kl;
+  p.vc = (const uint8_t*)vc;
+  p.vs = (const __half*)vs;
+  p.vl = (const __half*)vl;
+  p.indptr = (const int*)indptr;
+  p.indices = (const int*)indices;
+  p.last = (const int*)last;
+  p.o = (float*)o;
+  p.m = (float*)m;
+  p.l = (float*)l;
+  p.H = H;
+  p.HQ = HQ;
+  p.rep = HQ / H;
+  p.P = P;
+  p.NS = NS;
+  p.n_splits = n_splits;
+  p.tokens_per_split = tokens_per_split;
+  p.n_work = n_batch * H * n_splits;
+  p.qk_scale = qk_scale;
+  if (p.rep > 8 || P % 16 || tokens_per_split % (16 * tiles)) return -1;
+  if (p.n_work == 0) return 0;
+  cudaStream_t st = (cudaStream_t)stream;
+  if (d == 64 && ng == 1) return launch_tiles<64, 1>(p, tiles, minb, st);
+  if (d == 64 && ng == 2) return launch_tiles<64, 2>(p, tiles, minb, st);
+  if (d == 128 && ng == 1) return launch_tiles<128, 1>(p, tiles, minb, st);
+  if (d == 128 && ng == 2) return launch_tiles<128, 2>(p, tiles, minb, st);
+  if (d == 128 && ng == 4) return launch_tiles<128, 4>(p, tiles, minb, st);
+  if (d == 256 && ng == 1) return launch_tiles<256, 1>(p, tiles, minb, st);
+  if (d == 256 && ng == 2) return launch_tiles<256, 2>(p, tiles, minb, st);
+  if (d == 256 && ng == 4) return launch_tiles<256, 4>(p, tiles, minb, st);
+  if (d == 256 && ng == 8) return launch_tiles<256, 8>(p, tiles, minb, st);
+  return -1;
+}
