@@ -36,14 +36,14 @@ from rotkv.kernels.decode import DecodeConfig, decode_attention
 from rotkv.kernels.dequant import dequant_dense
 
 CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is logged
-    # CUDA body kernel (rotkv/kernels/cuda/int2_decode.cu): tiles per softmax step, min blocks, target warps
-    "cuda-t2": DecodeConfig(backend="cuda", cuda_tiles=2),
-    "cuda-t4": DecodeConfig(backend="cuda", cuda_tiles=4),
-    "cuda-t2-mb4": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_min_blocks=4),
-    "cuda-t4-mb4": DecodeConfig(backend="cuda", cuda_tiles=4, cuda_min_blocks=4),
-    "cuda-t2-mb5": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_min_blocks=5),
-    "cuda-t2-mb4-w2k": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_min_blocks=4, cuda_target_warps=2048),
-    "cuda-t2-mb4-w8k": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_min_blocks=4, cuda_target_warps=8192),
+    # CUDA body kernel (rotkv/kernels/cuda/int2_decode.cu): cp.async stages, tiles per step, target warps
+    "cuda-s4": DecodeConfig(backend="cuda", cuda_stages=4),
+    "cuda-s8": DecodeConfig(backend="cuda", cuda_stages=8),
+    "cuda-s0": DecodeConfig(backend="cuda", cuda_stages=0),
+    "cuda-s4-w2k": DecodeConfig(backend="cuda", cuda_stages=4, cuda_target_warps=2048),
+    "cuda-s8-w2k": DecodeConfig(backend="cuda", cuda_stages=8, cuda_target_warps=2048),
+    "cuda-s4-mb3": DecodeConfig(backend="cuda", cuda_stages=4, cuda_min_blocks=3),
+    "cuda-t4-s8": DecodeConfig(backend="cuda", cuda_tiles=4, cuda_stages=8),
     # Triton v1 (rows = query heads padded to 16), int8 scores: the previous default
     "i8dot-n64-w1": DecodeConfig(block_n=64, num_warps=1, qk_int8=True, v2=False, backend="triton"),
     "v2-n128-w4": DecodeConfig(block_n=128, num_warps=4, v2=True, backend="triton"),

@@ -499,8 +499,10 @@ class DecodeConfig:
     # INT2 body kernel: "cuda" (rotkv/kernels/cuda/int2_decode.cu, built with nvcc on first use),
     # "triton", or "auto" (CUDA where it is supported and builds, else Triton)
     backend: str = "auto"
-    cuda_tiles: int = 2  # 16-token tiles per softmax step of the CUDA kernel (2 or 4)
-    cuda_min_blocks: int = 1  # __launch_bounds__ min blocks (4 caps registers at 128)
+    cuda_tiles: int = 2  # 16-token tiles per softmax step of the CUDA kernel
+    cuda_min_blocks: int | None = None  # __launch_bounds__ min blocks of 4 warps per SM; None: 4 (128
+    # registers) up to head_dim 128, 2 at 256
+    cuda_stages: int = 4  # tiles in flight per warp through cp.async (0: plain loads into registers)
     cuda_target_warps: int = 4096  # CUDA kernel: split so that B * H_kv * splits reaches about this
     cuda_min_split_tokens: int = 64
 
@@ -518,6 +520,10 @@ def _splits(max_len: int, bh: int, block: int, target: int, min_tokens: int) -> 
 _CUDA_WARNED: set = set()
 
 
+def _min_blocks(cfg: DecodeConfig, d: int) -> int:
+    return cfg.cuda_min_blocks if cfg.cuda_min_blocks is not None else (4 if d <= 128 else 2)
+
+
 def _use_cuda_body(cfg: DecodeConfig, q: torch.Tensor, body: tuple, rep: int) -> bool:
     if cfg.backend == "triton" or _interpreting() or not q.is_cuda:
         if cfg.backend == "cuda" and not q.is_cuda:
@@ -528,7 +534,8 @@ def _use_cuda_body(cfg: DecodeConfig, q: torch.Tensor, body: tuple, rep: int) ->
     why = cuda_decode.supported(q, body, rep)
     if why is None:
         try:
-            cuda_decode.build(q.device)
+            cuda_decode.build(q.device, (q.shape[-1], body[1].shape[-1], cfg.cuda_tiles,
+                                         _min_blocks(cfg, q.shape[-1]), cfg.cuda_stages))
         except RuntimeError as e:
             why = str(e)
     if why is not None:
@@ -578,9 +585,10 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
         g, p, per, n_int2 = d, 16, cfg.block_n, 0
     if has_tier:
         pt = tier[0].shape[2]
-        # beside an INT2 body the tier (a few hundred tokens) is one split; alone, it is split like a body
-        tper, n_tier = _splits(tier_max_len, b_sz * h, cfg.block_t, 1 if has_int2 else cfg.target_programs,
-                               1 if has_int2 else cfg.min_split_tokens)
+        # beside an INT2 body the tier (a few hundred tokens) gets splits of >= 64 tokens, so that at
+        # small batches its serial loop does not outlast the body's; alone, it is split like a body
+        tper, n_tier = _splits(tier_max_len, b_sz * h, cfg.block_t, cfg.target_programs,
+                               64 if has_int2 else cfg.min_split_tokens)
     else:
         pt, tper, n_tier = 16, cfg.block_t, 0
     ns = max(1, n_int2 + n_tier)
@@ -609,7 +617,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
 
             qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
             body_partials(qb, body, table, o_part, m_part, l_part, n_int2, per, sm_scale * LOG2E,
-                          tiles=cfg.cuda_tiles, min_blocks=cfg.cuda_min_blocks)
+                          tiles=cfg.cuda_tiles, min_blocks=_min_blocks(cfg, d), stages=cfg.cuda_stages)
             s0, has_int2 = n_int2, False
         if has_int2 or n_tier > 0:  # whatever the CUDA body kernel did not write
             _split_kernel[(b_sz * h, n_int2 + n_tier - s0)](

@@ -173,10 +173,10 @@ CUDA_KERNEL_CASES = [  # the CUDA body kernel needs P % 16 == 0 and G % 32 == 0
 
 @cuda_only
 @pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p", CUDA_KERNEL_CASES)
-@pytest.mark.parametrize("tiles,min_blocks,target", [(2, 1, 256), (4, 4, 64), (2, 4, 4096)])
-def test_decode_cuda_kernel_matches_reference(lens, tier_lens, h, rep, d, g, p, tiles, min_blocks, target):
+@pytest.mark.parametrize("tiles,min_blocks,target,stages", [(2, 1, 256, 0), (4, 4, 64, 8), (2, None, 4096, 4)])
+def test_decode_cuda_kernel_matches_reference(lens, tier_lens, h, rep, d, g, p, tiles, min_blocks, target, stages):
     cfg = DecodeConfig(backend="cuda", cuda_tiles=tiles, cuda_min_blocks=min_blocks, cuda_target_warps=target,
-                       cuda_min_split_tokens=32)
+                       cuda_min_split_tokens=64, cuda_stages=stages)
     _check_decode(lens, tier_lens, h, rep, d, g, p, True, "cuda", cfg=cfg, seed=5)
 
 
@@ -186,7 +186,10 @@ def test_decode_cuda_kernel_refuses_what_it_cannot_run():
     q = torch.randn(1, 2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="page size"):
         decode_attention(q, body, table, ml, tier, ttable, tml, cfg=DecodeConfig(backend="cuda"))
-    with pytest.warns(UserWarning, match="page size"):  # auto: falls back to Triton, once
+    from rotkv.kernels import decode as decode_mod
+
+    decode_mod._CUDA_WARNED.clear()  # the warning is given once per reason and process
+    with pytest.warns(UserWarning, match="page size"):  # auto: falls back to Triton
         decode_attention(q, body, table, ml, tier, ttable, tml, cfg=DecodeConfig(backend="auto"))
 
 

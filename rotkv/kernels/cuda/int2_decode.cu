@@ -83,25 +83,22 @@ DEVI uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// NG fp16 values of one token, kept as raw bits until used
+template <int NG> struct MetaRaw;
+template <> struct MetaRaw<1> { using T = unsigned short; static DEVI T zero() { return 0; } };
+template <> struct MetaRaw<2> { using T = uint32_t; static DEVI T zero() { return 0u; } };
+template <> struct MetaRaw<4> { using T = uint2; static DEVI T zero() { return make_uint2(0u, 0u); } };
+template <> struct MetaRaw<8> { using T = uint4; static DEVI T zero() { return make_uint4(0u, 0u, 0u, 0u); } };
+
 template <int NG>
-DEVI void load_meta(const __half* p, float (&out)[NG]) {
-  if constexpr (NG == 1) {
-    out[0] = __half2float(*p);
-  } else if constexpr (NG == 2) {
-    __half2 v = *reinterpret_cast<const __half2*>(p);
-    out[0] = __low2float(v);
-    out[1] = __high2float(v);
-  } else if constexpr (NG == 4) {
-    uint2 raw = *reinterpret_cast<const uint2*>(p);
-    const __half2* h = reinterpret_cast<const __half2*>(&raw);
-#pragma unroll
-    for (int k = 0; k < 2; ++k) out[2 * k] = __low2float(h[k]), out[2 * k + 1] = __high2float(h[k]);
-  } else {
-    uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const __half2* h = reinterpret_cast<const __half2*>(&raw);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) out[2 * k] = __low2float(h[k]), out[2 * k + 1] = __high2float(h[k]);
-  }
+DEVI float meta_at(const typename MetaRaw<NG>::T& raw, int k) {
+  uint32_t w;
+  if constexpr (NG == 1) w = raw;
+  else if constexpr (NG == 2) w = raw;
+  else if constexpr (NG == 4) w = (k >> 1) ? raw.y : raw.x;
+  else w = (k >> 1) == 0 ? raw.x : (k >> 1) == 1 ? raw.y : (k >> 1) == 2 ? raw.z : raw.w;
+  const unsigned short bits = (NG == 1 || (k & 1) == 0) ? (unsigned short)(w & 0xffffu) : (unsigned short)(w >> 16);
+  return __half2float(__ushort_as_half(bits));
 }
 
 // ---- K side: per token, the thread (g, t) loads KW words; chunk cc (dims [32cc, 32cc+32)) takes
@@ -170,7 +167,18 @@ template <> struct VMap<256> {  // words g and g+8; m-tile (i, c, bp)
   static DEVI constexpr int dim_base(int mt) { return 64 * (mt >> 2) + 32 * ((mt >> 1) & 1); }
 };
 
-template <int D, int NG, int TILES, int MINB>
+template <int D, int NG> struct TileGeo {  // one 16-token tile in shared memory: K, V codes, ks, kl, vs, vl
+  static constexpr int KB = 16 * (D / 4), MB = 16 * NG * 2, BYTES = 2 * KB + 4 * MB, CHUNKS = BYTES / 16;
+};
+
+DEVI void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
+DEVI void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+DEVI void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+template <int D, int NG, int TILES, int MINB, int STAGES>
 __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) {
   using KM = KMap<D>;
   using VM = VMap<D>;
@@ -257,49 +265,144 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
   const uint32_t MAGIC = 0x43434343u;
   const int64_t hh = h;
 
+  // loop-invariant byte offsets of this thread's words inside a 16-token tile
+  int koff[2], voff[4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) koff[r] = (g + 8 * r) * NB + KM::byte_off(t, 0);
+#pragma unroll
+  for (int u = 0; u < 4; ++u) voff[u] = (2 * t + (u & 1) + 8 * (u >> 1)) * NB + VM::byte_off(g, 0);
+  using MetaT = typename MetaRaw<NG>::T;
+  using TG = TileGeo<D, NG>;
+  int pslot = start + tok_lo / p.P, poff = tok_lo % p.P;  // page-table slot and offset of the next tile
+  // cp.async pipeline (STAGES > 0): this warp's ring of STAGES tiles in shared memory
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  uint8_t* ring = smem_raw + (threadIdx.x >> 5) * (STAGES > 0 ? STAGES : 1) * TG::BYTES;
+  const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
+  const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + 15) / 16 : 0;
+  int issued = 0;  // tiles whose copies were issued (the next one's page is pslot/poff)
+  auto issue = [&](void) {
+    if (issued < ntiles) {
+      const int64_t row0 = ((int64_t)p.indices[pslot] * p.H + hh) * p.P + poff;
+      const uint8_t* kb = p.kc + row0 * (D / 4);
+      const uint8_t* vb = p.vc + row0 * (D / 4);
+      const uint8_t* ksb = reinterpret_cast<const uint8_t*>(p.ks + row0 * NG);
+      const uint8_t* klb = reinterpret_cast<const uint8_t*>(p.kl + row0 * NG);
+      const uint8_t* vsb = reinterpret_cast<const uint8_t*>(p.vs + row0 * NG);
+      const uint8_t* vlb = reinterpret_cast<const uint8_t*>(p.vl + row0 * NG);
+      const uint32_t dst = ring_s + (issued % (STAGES > 0 ? STAGES : 1)) * TG::BYTES;
+#pragma unroll
+      for (int i = 0; i < (TG::CHUNKS + 31) / 32; ++i) {
+        const int c = lane + 32 * i;
+        if (c < TG::CHUNKS) {
+          const int byte = 16 * c;
+          const uint8_t* src;
+          if (byte < TG::KB) {
+            src = kb + byte;
+          } else if (byte < 2 * TG::KB) {
+            src = vb + (byte - TG::KB);
+          } else {
+            const int mb = byte - 2 * TG::KB, m = mb / TG::MB, o = mb % TG::MB;
+            src = (m == 0 ? ksb : m == 1 ? klb : m == 2 ? vsb : vlb) + o;
+          }
+          cp_async16(dst + byte, src);
+        }
+      }
+      poff += 16;
+      if (poff == p.P) poff = 0, ++pslot;
+    }
+    ++issued;
+    cp_async_commit();
+  };
+  if constexpr (STAGES > 0) {
+#pragma unroll
+    for (int k = 0; k < STAGES; ++k) issue();
+  }
+
   for (int blk = tok_lo; blk < tok_hi; blk += 16 * TILES) {
-    // ---- loads of TILES tiles of 16 tokens (a tile never crosses a page: P % 16 == 0)
+    // ---- this step's TILES tiles of 16 tokens (a tile never crosses a page: P % 16 == 0)
     uint32_t kw[TILES][2][KW];        // tokens g, g+8
     uint32_t vw[TILES][4][VW];        // tokens 2t, 2t+1, 2t+8, 2t+9
-    float ksm[TILES][2][NG], klm[TILES][2][NG], vsm[TILES][2][NG], vlm[TILES][2][NG];
+    MetaT ksr[TILES][2], klr[TILES][2], vsr[TILES][2], vlr[TILES][2];  // raw fp16 metadata, tokens g, g+8
+    if constexpr (STAGES > 0) {
+      cp_async_wait<STAGES - TILES>();
+      __syncwarp();
+      const int k0 = (blk - tok_lo) / 16;
+#pragma unroll
+      for (int ti = 0; ti < TILES; ++ti) {
+        const int t0 = blk + 16 * ti;
+        if (t0 < tok_hi) {
+          const uint8_t* st = ring + ((k0 + ti) % STAGES) * TG::BYTES;
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            if constexpr (KW == 1) {
+              kw[ti][r][0] = *reinterpret_cast<const uint32_t*>(st + koff[r]);
+            } else {
+#pragma unroll
+              for (int w = 0; w < KW; w += 2) {
+                uint2 x = *reinterpret_cast<const uint2*>(st + koff[r] + 32 * (w >> 1));
+                kw[ti][r][w] = x.x;
+                kw[ti][r][w + 1] = x.y;
+              }
+            }
+            const int row = g + 8 * r;
+            const MetaT* mb = reinterpret_cast<const MetaT*>(st + 2 * TG::KB);
+            if (t0 + row < tok_hi) {  // beyond the split: zeros, so that p~ and p*lo stay 0
+              ksr[ti][r] = mb[row], klr[ti][r] = mb[16 + row], vsr[ti][r] = mb[32 + row], vlr[ti][r] = mb[48 + row];
+            } else {
+              ksr[ti][r] = klr[ti][r] = vsr[ti][r] = vlr[ti][r] = MetaRaw<NG>::zero();
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+#pragma unroll
+            for (int w = 0; w < VW; ++w)
+              vw[ti][u][w] = *reinterpret_cast<const uint32_t*>(st + TG::KB + voff[u] + 32 * w);
+          }
+        }
+      }
+      __syncwarp();
+#pragma unroll
+      for (int ti = 0; ti < TILES; ++ti) issue();
+    } else {
 #pragma unroll
     for (int ti = 0; ti < TILES; ++ti) {
       const int t0 = blk + 16 * ti;
       if (t0 < tok_hi) {
-        const int64_t page = p.indices[start + t0 / p.P];
-        const int64_t row0 = (page * p.H + hh) * p.P + (t0 % p.P);
+        const int64_t row0 = ((int64_t)p.indices[pslot] * p.H + hh) * p.P + poff;
+        const uint8_t* kb = p.kc + row0 * NB;
+        const uint8_t* vb = p.vc + row0 * NB;
+        const MetaT* ksb = reinterpret_cast<const MetaT*>(p.ks + row0 * NG);
+        const MetaT* klb = reinterpret_cast<const MetaT*>(p.kl + row0 * NG);
+        const MetaT* vsb = reinterpret_cast<const MetaT*>(p.vs + row0 * NG);
+        const MetaT* vlb = reinterpret_cast<const MetaT*>(p.vl + row0 * NG);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int64_t row = row0 + g + 8 * r;
-          const uint8_t* kp = p.kc + row * NB;
           if constexpr (KW == 1) {
-            kw[ti][r][0] = *reinterpret_cast<const uint32_t*>(kp + KM::byte_off(t, 0));
+            kw[ti][r][0] = *reinterpret_cast<const uint32_t*>(kb + koff[r]);
           } else {
 #pragma unroll
             for (int w = 0; w < KW; w += 2) {
-              uint2 x = *reinterpret_cast<const uint2*>(kp + KM::byte_off(t, w));
+              uint2 x = *reinterpret_cast<const uint2*>(kb + koff[r] + 32 * (w >> 1));
               kw[ti][r][w] = x.x;
               kw[ti][r][w + 1] = x.y;
             }
           }
-          if (t0 + g + 8 * r < tok_hi) {  // beyond the split: zeros, so that p~ and p*lo stay 0
-            load_meta<NG>(p.ks + row * NG, ksm[ti][r]);
-            load_meta<NG>(p.kl + row * NG, klm[ti][r]);
-            load_meta<NG>(p.vs + row * NG, vsm[ti][r]);
-            load_meta<NG>(p.vl + row * NG, vlm[ti][r]);
+          const int row = g + 8 * r;
+          if (t0 + row < tok_hi) {  // beyond the split: zeros, so that p~ and p*lo stay 0
+            ksr[ti][r] = ksb[row], klr[ti][r] = klb[row], vsr[ti][r] = vsb[row], vlr[ti][r] = vlb[row];
           } else {
-#pragma unroll
-            for (int k = 0; k < NG; ++k) ksm[ti][r][k] = klm[ti][r][k] = vsm[ti][r][k] = vlm[ti][r][k] = 0.f;
+            ksr[ti][r] = klr[ti][r] = vsr[ti][r] = vlr[ti][r] = MetaRaw<NG>::zero();
           }
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
-          const int64_t row = row0 + 2 * t + (u & 1) + 8 * (u >> 1);
 #pragma unroll
-          for (int w = 0; w < VW; ++w)
-            vw[ti][u][w] = *reinterpret_cast<const uint32_t*>(p.vc + row * NB + VM::byte_off(g, w));
+          for (int w = 0; w < VW; ++w) vw[ti][u][w] = *reinterpret_cast<const uint32_t*>(vb + voff[u] + 32 * w);
         }
       }
+      poff += 16;
+      if (poff == p.P) poff = 0, ++pslot;
+    }
     }
     // ---- scores S^T, folded, masked
     float sc[TILES][4];
@@ -327,7 +430,8 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
         const int r = e >> 1, j = e & 1;
         float v = 0.f;
 #pragma unroll
-        for (int k = 0; k < NG; ++k) v += ksm[ti][r][k] * (float)d[k][e] * qsc[j] + klm[ti][r][k] * qsg[j][k];
+        for (int k = 0; k < NG; ++k)
+          v += meta_at<NG>(ksr[ti][r], k) * (float)d[k][e] * qsc[j] + meta_at<NG>(klr[ti][r], k) * qsg[j][k];
         const bool ok = t0 + g + 8 * r < tok_hi;
         sc[ti][e] = ok ? v : -INFINITY;
         bmax[j] = fmaxf(bmax[j], sc[ti][e]);
@@ -375,10 +479,12 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
 #pragma unroll
       for (int k = 0; k < NG; ++k) {
         // P~[tok][head] for tokens g (row 0) and g+8 (row 1), heads 2t, 2t+1, then transposed
-        pb0[k] = movmatrix_t(pack_bf16(pr[0] * vsm[ti][0][k], pr[1] * vsm[ti][0][k]));
-        pb1[k] = movmatrix_t(pack_bf16(pr[2] * vsm[ti][1][k], pr[3] * vsm[ti][1][k]));
-        crl[k][0] += pr[0] * vlm[ti][0][k] + pr[2] * vlm[ti][1][k];
-        crl[k][1] += pr[1] * vlm[ti][0][k] + pr[3] * vlm[ti][1][k];
+        const float vs0 = meta_at<NG>(vsr[ti][0], k), vs1 = meta_at<NG>(vsr[ti][1], k);
+        const float vl0 = meta_at<NG>(vlr[ti][0], k), vl1 = meta_at<NG>(vlr[ti][1], k);
+        pb0[k] = movmatrix_t(pack_bf16(pr[0] * vs0, pr[1] * vs0));
+        pb1[k] = movmatrix_t(pack_bf16(pr[2] * vs1, pr[3] * vs1));
+        crl[k][0] += pr[0] * vl0 + pr[2] * vl1;
+        crl[k][1] += pr[1] * vl0 + pr[3] * vl1;
         mma_bf16(psum[k], ONES, ONES, ONES, ONES, pb0[k], pb1[k]);
       }
       // token pairs (2t, 2t+1) -> u 0/1, (2t+8, 2t+9) -> u 2/3
@@ -432,26 +538,17 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
   }
 }
 
-template <int D, int NG, int TILES, int MINB>
-int launch(const Params& p, cudaStream_t stream) {
-  const int blocks = (p.n_work + 3) / 4;
-  int2_decode_kernel<D, NG, TILES, MINB><<<blocks, 128, 0, stream>>>(p);
-  return (int)cudaGetLastError();
-}
-
-template <int D, int NG>
-int launch_tiles(const Params& p, int tiles, int minb, cudaStream_t stream) {
-  if (tiles == 2) {
-    if (minb >= 5) return launch<D, NG, 2, 5>(p, stream);
-    return minb >= 4 ? launch<D, NG, 2, 4>(p, stream) : launch<D, NG, 2, 1>(p, stream);
-  }
-  if (tiles == 4) return minb >= 4 ? launch<D, NG, 4, 4>(p, stream) : launch<D, NG, 4, 1>(p, stream);
-  return -2;
-}
-
 }  // namespace
 
-extern "C" int rotkv_int2_decode(int d, int ng, int tiles, int minb, const void* q, const void* kc, const void* ks,
+#ifndef ROTKV_D  // the Python loader builds one library per (D, NG, TILES, MINB, STAGES)
+#define ROTKV_D 128
+#define ROTKV_NG 2
+#define ROTKV_TILES 2
+#define ROTKV_MINB 4
+#define ROTKV_STAGES 4
+#endif
+
+extern "C" int rotkv_int2_decode(int d, int ng, int tiles, int minb, int stages, const void* q, const void* kc, const void* ks,
                                  const void* kl, const void* vc, const void* vs, const void* vl, const void* indptr,
                                  const void* indices, const void* last, void* o, void* m, void* l, int n_batch, int H,
                                  int HQ, int P, int NS, int n_splits, int tokens_per_split, float qk_scale,
@@ -480,17 +577,15 @@ extern "C" int rotkv_int2_decode(int d, int ng, int tiles, int minb, const void*
   p.tokens_per_split = tokens_per_split;
   p.n_work = n_batch * H * n_splits;
   p.qk_scale = qk_scale;
+  if (d != ROTKV_D || ng != ROTKV_NG || tiles != ROTKV_TILES || minb != ROTKV_MINB || stages != ROTKV_STAGES) return -3;
   if (p.rep > 8 || P % 16 || tokens_per_split % (16 * tiles)) return -1;
   if (p.n_work == 0) return 0;
-  cudaStream_t st = (cudaStream_t)stream;
-  if (d == 64 && ng == 1) return launch_tiles<64, 1>(p, tiles, minb, st);
-  if (d == 64 && ng == 2) return launch_tiles<64, 2>(p, tiles, minb, st);
-  if (d == 128 && ng == 1) return launch_tiles<128, 1>(p, tiles, minb, st);
-  if (d == 128 && ng == 2) return launch_tiles<128, 2>(p, tiles, minb, st);
-  if (d == 128 && ng == 4) return launch_tiles<128, 4>(p, tiles, minb, st);
-  if (d == 256 && ng == 1) return launch_tiles<256, 1>(p, tiles, minb, st);
-  if (d == 256 && ng == 2) return launch_tiles<256, 2>(p, tiles, minb, st);
-  if (d == 256 && ng == 4) return launch_tiles<256, 4>(p, tiles, minb, st);
-  if (d == 256 && ng == 8) return launch_tiles<256, 8>(p, tiles, minb, st);
-  return -1;
+  constexpr int smem = 4 * (ROTKV_STAGES > 0 ? ROTKV_STAGES : 0) * TileGeo<ROTKV_D, ROTKV_NG>::BYTES;
+  auto kern = int2_decode_kernel<ROTKV_D, ROTKV_NG, ROTKV_TILES, ROTKV_MINB, ROTKV_STAGES>;
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return (int)e;
+  }
+  kern<<<(p.n_work + 3) / 4, 128, smem, (cudaStream_t)stream>>>(p);
+  return (int)cudaGetLastError();
 }
