@@ -36,15 +36,12 @@ from rotkv.kernels.decode import DecodeConfig, decode_attention
 from rotkv.kernels.dequant import dequant_dense
 
 CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is logged
-    # CUDA body kernel (rotkv/kernels/cuda/int2_decode.cu): cp.async stages, tiles per step, target warps
+    # the default (backend "auto": CUDA body kernel, Triton v2 for bodies under DecodeConfig.small_work)
+    "default": DecodeConfig(),
+    # CUDA body kernel (rotkv/kernels/cuda/int2_decode.cu): cp.async stages, target warps
+    "cuda-s0-w4k": DecodeConfig(backend="cuda", cuda_target_warps=4096),
     "cuda-s4": DecodeConfig(backend="cuda", cuda_stages=4),
-    "cuda-s8": DecodeConfig(backend="cuda", cuda_stages=8),
-    "cuda-s0": DecodeConfig(backend="cuda", cuda_stages=0),
-    "cuda-s4-w2k": DecodeConfig(backend="cuda", cuda_stages=4, cuda_target_warps=2048),
-    "cuda-s8-w2k": DecodeConfig(backend="cuda", cuda_stages=8, cuda_target_warps=2048),
-    "cuda-s4-mb3": DecodeConfig(backend="cuda", cuda_stages=4, cuda_min_blocks=3),
-    "cuda-t4-s8": DecodeConfig(backend="cuda", cuda_tiles=4, cuda_stages=8),
-    # Triton v1 (rows = query heads padded to 16), int8 scores: the previous default
+    # Triton body kernels: v1 (rows = query heads padded to 16, int8 scores), v2 (rows = plane x head)
     "i8dot-n64-w1": DecodeConfig(block_n=64, num_warps=1, qk_int8=True, v2=False, backend="triton"),
     "v2-n128-w4": DecodeConfig(block_n=128, num_warps=4, v2=True, backend="triton"),
 }
@@ -155,6 +152,9 @@ def run_shape(b, length, args, dev, gpu, commit, log):
     if cand:
         best = min(cand, key=lambda r: r["ms"])
         row("rotkv_int2", best["ms"], nbytes, config=best["config"])
+        dflt = [r for r in cand if r["config"] == "default"]
+        if dflt:
+            row("rotkv_int2_default", dflt[0]["ms"], nbytes, config="default")
     for r in rows:
         r["speedup_vs_best_bf16"] = best_bf16 / r["ms"]
     del body, tier

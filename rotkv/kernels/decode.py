@@ -24,6 +24,7 @@ the portable shift-and-mask path runs under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -502,8 +503,12 @@ class DecodeConfig:
     cuda_tiles: int = 2  # 16-token tiles per softmax step of the CUDA kernel
     cuda_min_blocks: int | None = None  # __launch_bounds__ min blocks of 4 warps per SM; None: 4 (128
     # registers) up to head_dim 128, 2 at 256
-    cuda_stages: int = 4  # tiles in flight per warp through cp.async (0: plain loads into registers)
-    cuda_target_warps: int = 4096  # CUDA kernel: split so that B * H_kv * splits reaches about this
+    cuda_stages: int = 0  # tiles in flight per warp through cp.async (0: plain loads into registers; 4 and 8
+    # were measured no faster on the H200, docs/kernels.md)
+    # auto: bodies under this many token-heads (B * H_kv * max_len) take the Triton v2 kernel with
+    # 128-token blocks and 4 warps (one launch fewer; faster at B=1, 4K on the H200)
+    small_work: int = 65536
+    cuda_target_warps: int = 2048  # CUDA kernel: split so that B * H_kv * splits reaches about this
     cuda_min_split_tokens: int = 64
 
 
@@ -564,6 +569,9 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
     """
     cfg = cfg or DecodeConfig()
     b_sz, hq, d = q.shape
+    if (cfg.backend == "auto" and body is not None and q.is_cuda
+            and b_sz * body[0].shape[1] * max_len < cfg.small_work):
+        cfg = dataclasses.replace(cfg, backend="triton", v2=True, block_n=128, num_warps=4)
     q = q.contiguous()
     ref = body[0] if body is not None else tier[0]
     h = ref.shape[1]

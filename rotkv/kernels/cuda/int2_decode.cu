@@ -425,13 +425,26 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
           mma_s8(d[gi], a0, a1, a2, a3, qb0[cc], qb1[cc]);
         }
       }
+      float ksf[2][NG], lot[2][2];  // token scales; the lo term sum_g lo_g * sum(q_g) per (token, head)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int k = 0; k < NG; ++k) ksf[r][k] = meta_at<NG>(ksr[ti][r], k);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          float x = 0.f;
+#pragma unroll
+          for (int k = 0; k < NG; ++k) x += meta_at<NG>(klr[ti][r], k) * qsg[j][k];
+          lot[r][j] = x;
+        }
+      }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1, j = e & 1;
-        float v = 0.f;
+        float v = ksf[r][0] * (float)d[0][e];
 #pragma unroll
-        for (int k = 0; k < NG; ++k)
-          v += meta_at<NG>(ksr[ti][r], k) * (float)d[k][e] * qsc[j] + meta_at<NG>(klr[ti][r], k) * qsg[j][k];
+        for (int k = 1; k < NG; ++k) v += ksf[r][k] * (float)d[k][e];
+        v = v * qsc[j] + lot[r][j];
         const bool ok = t0 + g + 8 * r < tok_hi;
         sc[ti][e] = ok ? v : -INFINITY;
         bmax[j] = fmaxf(bmax[j], sc[ti][e]);
