@@ -58,12 +58,12 @@ def main(argv=None) -> int:
         nbytes = 2 * t * h * d * 2 + 2 * t * h * (d // 4 + 2 * 2 * (d // g))
         for bt in args.block_t:
             for nw in args.num_warps:
-                variants = [("rotkv_write", True, True, "bf16x3"), ("rotkv_write_tf32x3", True, True, "tf32x3"),
-                            ("rotkv_write_norot", False, True, "bf16x3"), ("rotkv_write_noclip", True, False, "bf16x3")]
-                for impl, rotate, clip, prec in variants:
+                variants = [("rotkv_write", True, True), ("rotkv_write_norot", False, True),
+                            ("rotkv_write_noclip", True, False)]
+                for impl, rotate, clip in variants:
                     def step():
                         quant_write(k, slots, *pool[0], rot=rot if rotate else None, mean=mean if rotate else None,
-                                    clip=0.96 if clip else 1.0, block_t=bt, num_warps=nw, rotate_precision=prec)
+                                    clip=0.96 if clip else 1.0, block_t=bt, num_warps=nw)
                         quant_write(v, slots, *pool[1], clip=0.92 if clip else 1.0, block_t=bt, num_warps=nw)
                     try:
                         ms = do_bench(step, warmup=25, rep=100, return_mode="median")

@@ -1,8 +1,7 @@
 """Fused quantize-on-write (Triton): ``(x - mu) R`` -> clip -> per-group INT2 -> planar pack -> pool.
 
 One program takes ``BLOCK_T`` tokens of one KV head and does everything in registers:
-the rotation is near-fp32 on the tensor cores (x and R split into bf16 hi + lo, three bf16
-``tl.dot``; or 3xTF32; the reference rotates in fp32), the
+the rotation is a ``tl.dot`` in 3xTF32 (near-fp32; the reference rotates in fp32), the
 clipping threshold is the ``r``-th largest ``|x|`` of the row found by ``r`` max-and-remove
 rounds that count ties (so it equals ``kthvalue``), the metadata is rounded to fp16 the way
 ``rotkv.quant.quantizer`` does it (lo down, scale up, by one fp16 ulp when round-to-nearest
@@ -51,7 +50,6 @@ def _quant_write_kernel(
     T, H,
     D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, CLIP_R: tl.constexpr,
     ROTATE: tl.constexpr, HAS_MEAN: tl.constexpr, KC: tl.constexpr, BLOCK_T: tl.constexpr,
-    SPLIT_BF16: tl.constexpr,
 ):
     NG: tl.constexpr = D // G
     Q4: tl.constexpr = D // 4
@@ -68,18 +66,7 @@ def _quant_write_kernel(
             if HAS_MEAN:
                 xk = xk - tl.load(mean_ptr + h * D + offs_k)[None, :]
             r = tl.load(rot_ptr + h.to(tl.int64) * D * D + offs_k[:, None] * D + offs_d[None, :])
-            if SPLIT_BF16:
-                # x and R each as bf16 hi + lo: three bf16 products (lo x lo dropped) give ~16-bit
-                # operands with fp32 accumulation, on the bf16 tensor cores
-                xh = xk.to(tl.bfloat16)
-                xl = (xk - xh.to(tl.float32)).to(tl.bfloat16)
-                rh = r.to(tl.bfloat16)
-                rl = (r - rh.to(tl.float32)).to(tl.bfloat16)
-                x = tl.dot(xh, rh, x)
-                x = tl.dot(xh, rl, x)
-                x = tl.dot(xl, rh, x)
-            else:
-                x = tl.dot(xk, r, x, input_precision="tf32x3")
+            x = tl.dot(xk, r, x, input_precision="tf32x3")
     else:
         x = tl.load(rows + offs_d[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
         if HAS_MEAN:
@@ -128,15 +115,12 @@ def _quant_write_kernel(
 
 def quant_write(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
                 rot: torch.Tensor | None = None, mean: torch.Tensor | None = None, clip: float = 1.0,
-                block_t: int = 32, num_warps: int = 4, rotate_precision: str = "bf16x3") -> None:
+                block_t: int = 32, num_warps: int = 4) -> None:
     """Quantize ``x [T, H, D]`` into pool tensors at ``slots [T]``; see the module docstring.
 
     codes ``[NP, H, P, D/4]`` uint8, scale/lo ``[NP, H, P, D/G]`` fp16; rot ``[H, D, D]``,
-    mean ``[H, D]`` (any float dtype; used in fp32). ``rotate_precision``: "bf16x3" (x and R split
-    into bf16 hi + lo, three bf16 products) or "tf32x3" (three TF32 products); both are near-fp32.
+    mean ``[H, D]`` (any float dtype; used in fp32).
     """
-    if rotate_precision not in ("bf16x3", "tf32x3"):
-        raise ValueError(f"rotate_precision must be 'bf16x3' or 'tf32x3', got {rotate_precision!r}")
     t, h, d = x.shape
     if t == 0:
         return
@@ -154,5 +138,5 @@ def quant_write(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale
         x, x.stride(0), x.stride(1), rot if rot is not None else dummy, mean if mean is not None else dummy,
         slots.to(device=x.device, dtype=torch.int64), codes, scale, lo, t, h,
         D=d, G=g, P=p, CLIP_R=clip_rank(clip, d), ROTATE=rot is not None, HAS_MEAN=mean is not None,
-        KC=min(d, 64), BLOCK_T=block_t, SPLIT_BF16=rotate_precision == "bf16x3" and x.is_cuda, num_warps=num_warps,
+        KC=min(d, 64), BLOCK_T=block_t, num_warps=num_warps,
     )

@@ -47,7 +47,7 @@ WRITE_CASES = [  # (head_dim, group, clip, rotate, tokens)
 WRITE_CASES_CUDA = [(128, 64, 0.96, True, 4097), (128, 32, 0.92, False, 1000), (256, 256, 0.96, True, 300)]
 
 
-def _check_write(d, g, clip, rotate, t, device, seed=0, prec="bf16x3"):
+def _check_write(d, g, clip, rotate, t, device, seed=0):
     h, p = 2, 16
     np_ = -(-t // p) + 2
     x = _rows(t, h, d, device, seed)
@@ -55,7 +55,7 @@ def _check_write(d, g, clip, rotate, t, device, seed=0, prec="bf16x3"):
     mean = (torch.randn(h, d, generator=torch.Generator().manual_seed(seed)) * 0.5).to(device) if rotate else None
     slots = torch.randperm(np_ * p, generator=torch.Generator().manual_seed(seed))[:t].to(device)
     got, want = _pool_bufs(np_, h, p, d, g, device), _pool_bufs(np_, h, p, d, g, device)
-    quant_write(x, slots, *got, rot=rot, mean=mean, clip=clip, rotate_precision=prec)
+    quant_write(x, slots, *got, rot=rot, mean=mean, clip=clip)
     quant_write_reference(x, slots, *want, rot=rot, mean=mean, clip=clip, group_size=g)
     # untouched slots keep their poison, written ones equal the reference
     untouched = torch.ones(np_ * p, dtype=torch.bool, device=device)
@@ -63,7 +63,7 @@ def _check_write(d, g, clip, rotate, t, device, seed=0, prec="bf16x3"):
     assert (got[0].permute(0, 2, 1, 3).reshape(np_ * p, -1)[untouched] == 0xAB).all()
     codes_mismatch = (unpack(got[0], 2) != unpack(want[0], 2)).float().mean().item()
     if rotate and device != "cpu":
-        # the kernel rotates in bf16x3 or 3xTF32, the reference in fp32: codes may differ at rounding ties
+        # the kernel rotates in 3xTF32, the reference in fp32: codes may differ at rounding ties
         assert codes_mismatch < 1e-3
         assert (got[1] != want[1]).float().mean().item() < 1e-3
         assert (got[2] != want[2]).float().mean().item() < 1e-3
@@ -79,11 +79,9 @@ def test_quant_write_matches_reference(d, g, clip, rotate, t, device):
 
 
 @cuda_only
-@pytest.mark.parametrize("prec", ["bf16x3", "tf32x3"])
 @pytest.mark.parametrize("d,g,clip,rotate,t", WRITE_CASES_CUDA)
-def test_quant_write_matches_reference_cuda(d, g, clip, rotate, t, prec):
-    rate = _check_write(d, g, clip, rotate, t, "cuda", seed=1, prec=prec)
-    print(f"write d={d} g={g} rotate={rotate} {prec}: code mismatch rate {rate:.2e}")
+def test_quant_write_matches_reference_cuda(d, g, clip, rotate, t):
+    _check_write(d, g, clip, rotate, t, "cuda", seed=1)
 
 
 def test_clip_rank():
@@ -192,7 +190,7 @@ def test_decode_cuda_kernel_refuses_what_it_cannot_run():
 
     decode_mod._CUDA_WARNED.clear()  # the warning is given once per reason and process
     with pytest.warns(UserWarning, match="page size"):  # auto: falls back to Triton
-        decode_attention(q, body, table, ml, tier, ttable, tml, cfg=DecodeConfig(backend="auto"))
+        decode_attention(q, body, table, ml, tier, ttable, tml, cfg=DecodeConfig(backend="auto", small_work=0))
 
 
 def test_decode_tier_only_and_body_only(device):
