@@ -56,6 +56,16 @@ def _tier_pages(parts: list[torch.Tensor], page: int) -> tuple[torch.Tensor, int
     return out.reshape(h, npg, page, d).transpose(0, 1).contiguous(), n
 
 
+def _decode_config():
+    """DecodeConfig for the cache's decode steps; ``ROTKV_DECODE_BACKEND`` = auto | cuda | triton."""
+    from rotkv.kernels.decode import DecodeConfig
+
+    backend = os.environ.get("ROTKV_DECODE_BACKEND", "auto")
+    if backend not in ("auto", "cuda", "triton"):
+        raise ValueError(f"ROTKV_DECODE_BACKEND must be auto, cuda or triton, got {backend!r}")
+    return DecodeConfig(backend=backend)
+
+
 def attend_decode(layer, row, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                   scaling: float) -> torch.Tensor | None:
     """One row's decode attention: ``q [Hq, 1, D]`` rotated, ``k_new, v_new [H, 1, D]`` rotated.
@@ -89,5 +99,5 @@ def attend_decode(layer, row, q: torch.Tensor, k_new: torch.Tensor, v_new: torch
         body = (bk["codes"], bk["scale"], bk["lo"], bv["codes"], bv["scale"], bv["lo"])
         table = (one(0, nb), torch.arange(nb, dtype=torch.int32, device=dev), one(p))
     out = decode_attention(q.transpose(0, 1).float(), body, table, row.body_tokens, (tk, tv), tier_table, n,
-                           sm_scale=scaling)
+                           sm_scale=scaling, cfg=_decode_config())
     return out.transpose(0, 1)  # [Hq, 1, D]

@@ -78,18 +78,22 @@ def test_smollm2_kernel_path_matches_reference(monkeypatch):
     ids = tok(haystack_text()[20000:40000], return_tensors="pt").input_ids[:, :448].cuda()
     ctx = 384
     logp = {}
-    for use in ("0", "1"):
+    for use, backend in (("0", "auto"), ("1", "auto"), ("1", "cuda"), ("1", "triton")):
         monkeypatch.setenv("ROTKV_KERNELS", use)
+        monkeypatch.setenv("ROTKV_DECODE_BACKEND", backend)
         cache = RotkvCache(model, "quarot-int2", prefill_chunk=128, sink=16, window=64, page_size=16)
         kw = {cache_kwarg(model): cache}
         with torch.no_grad():
             logits = [model(input_ids=ids[:, :ctx], **kw).logits[0, -1]]
             for t in range(ctx, ids.shape[1] - 1):
                 logits.append(model(input_ids=ids[:, t:t + 1], **kw).logits[0, -1])
-        logp[use] = torch.log_softmax(torch.stack(logits).float(), -1)
+        logp[use if use == "0" else backend] = torch.log_softmax(torch.stack(logits).float(), -1)
         assert any(r.body_tokens for layer in cache.layers for r in getattr(layer, "rows", []))
-    ref, got = logp["0"], logp["1"]
-    kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
-    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
-    print(f"smollm2 kernel vs reference: KL {kl:.2e}, top-1 agreement {top1:.3f} over {ref.shape[0]} steps")
-    assert kl < 1e-2 and top1 > 0.9
+    ref = logp["0"]
+    for backend in ("auto", "cuda", "triton"):
+        got = logp[backend]
+        kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
+        top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+        print(f"smollm2 kernel ({backend}) vs reference: KL {kl:.2e}, top-1 agreement {top1:.3f} "
+              f"over {ref.shape[0]} steps")
+        assert kl < 1e-2 and top1 > 0.9, backend
