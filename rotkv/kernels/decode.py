@@ -639,7 +639,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
             )
     if out is None:
         out = torch.empty(b_sz, hq, d, dtype=q.dtype, device=dev)
-    chunk = min(16, triton.next_power_of_2(ns))
+    chunk = min(64, triton.next_power_of_2(ns))  # splits merged per step (B = 1, 128K has ~260)
     db = d if b_sz * hq >= 1024 or _interpreting() else 32  # small batches: more programs for many splits
     _merge_kernel[(b_sz * hq, d // db)](o_part, m_part, l_part, out, ns, D=d, DB=db, CHUNK=chunk,
                                 STATIC_STEPS=-(-ns // chunk) if _interpreting() else 0)
