@@ -100,6 +100,8 @@ def supported(q: torch.Tensor, body: tuple, rep: int) -> str | None:
         return f"page size {codes.shape[2]} is not a multiple of 16"
     if rep > 8:
         return f"GQA group {rep} > 8"
+    if codes.shape[0] * codes.shape[1] * codes.shape[2] >= 2**32:
+        return "the pool has 2^32 or more token rows (the kernel indexes rows in 32 bits)"
     for t in body:
         if not t.is_contiguous() or t.data_ptr() % 16:
             return "body tensors must be contiguous and 16-byte aligned"

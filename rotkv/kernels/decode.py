@@ -502,7 +502,7 @@ class DecodeConfig:
     backend: str = "auto"
     cuda_tiles: int = 2  # 16-token tiles per softmax step of the CUDA kernel
     cuda_min_blocks: int | None = None  # __launch_bounds__ min blocks of 4 warps per SM; None: 4 (128
-    # registers) up to head_dim 128, 2 at 256
+    # registers) at head_dim <= 128 with <= 2 groups, 3 with more groups, 2 at head_dim 256
     cuda_stages: int = 0  # tiles in flight per warp through cp.async (0: plain loads into registers; 4 and 8
     # were measured no faster on the H200, docs/kernels.md)
     # auto: bodies under this many token-heads (B * H_kv * max_len) take the Triton v2 kernel with
@@ -525,8 +525,13 @@ def _splits(max_len: int, bh: int, block: int, target: int, min_tokens: int) -> 
 _CUDA_WARNED: set = set()
 
 
-def _min_blocks(cfg: DecodeConfig, d: int) -> int:
-    return cfg.cuda_min_blocks if cfg.cuda_min_blocks is not None else (4 if d <= 128 else 2)
+def _min_blocks(cfg: DecodeConfig, d: int, ng: int) -> int:
+    """4 blocks of 4 warps per SM (128 registers) where that does not spill (nvcc -Xptxas -v)."""
+    if cfg.cuda_min_blocks is not None:
+        return cfg.cuda_min_blocks
+    if d <= 128 and ng <= 2:
+        return 4
+    return 3 if d <= 128 else 2
 
 
 def _use_cuda_body(cfg: DecodeConfig, q: torch.Tensor, body: tuple, rep: int) -> bool:
@@ -540,7 +545,7 @@ def _use_cuda_body(cfg: DecodeConfig, q: torch.Tensor, body: tuple, rep: int) ->
     if why is None:
         try:
             cuda_decode.build(q.device, (q.shape[-1], body[1].shape[-1], cfg.cuda_tiles,
-                                         _min_blocks(cfg, q.shape[-1]), cfg.cuda_stages))
+                                         _min_blocks(cfg, q.shape[-1], body[1].shape[-1]), cfg.cuda_stages))
         except RuntimeError as e:
             why = str(e)
     if why is not None:
@@ -625,7 +630,8 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
 
             qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
             body_partials(qb, body, table, o_part, m_part, l_part, n_int2, per, sm_scale * LOG2E,
-                          tiles=cfg.cuda_tiles, min_blocks=_min_blocks(cfg, d), stages=cfg.cuda_stages)
+                          tiles=cfg.cuda_tiles, min_blocks=_min_blocks(cfg, d, body[1].shape[-1]),
+                          stages=cfg.cuda_stages)
             s0, has_int2 = n_int2, False
         if has_int2 or n_tier > 0:  # whatever the CUDA body kernel did not write
             _split_kernel[(b_sz * h, n_int2 + n_tier - s0)](

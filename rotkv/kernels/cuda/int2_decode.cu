@@ -273,6 +273,13 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
   for (int u = 0; u < 4; ++u) voff[u] = (2 * t + (u & 1) + 8 * (u >> 1)) * NB + VM::byte_off(g, 0);
   using MetaT = typename MetaRaw<NG>::T;
   using TG = TileGeo<D, NG>;
+  // this thread's loop-invariant bases (token row 0 of the pool): K row g, V row 2t, meta row g
+  const uint8_t* kc_t = p.kc + koff[0];
+  const uint8_t* vc_t = p.vc + voff[0];
+  const uint8_t* ks_t = reinterpret_cast<const uint8_t*>(p.ks) + g * 2 * NG;
+  const uint8_t* kl_t = reinterpret_cast<const uint8_t*>(p.kl) + g * 2 * NG;
+  const uint8_t* vs_t = reinterpret_cast<const uint8_t*>(p.vs) + g * 2 * NG;
+  const uint8_t* vl_t = reinterpret_cast<const uint8_t*>(p.vl) + g * 2 * NG;
   int pslot = start + tok_lo / p.P, poff = tok_lo % p.P;  // page-table slot and offset of the next tile
   // cp.async pipeline (STAGES > 0): this warp's ring of STAGES tiles in shared memory
   extern __shared__ __align__(16) uint8_t smem_raw[];
@@ -368,28 +375,33 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
     for (int ti = 0; ti < TILES; ++ti) {
       const int t0 = blk + 16 * ti;
       if (t0 < tok_hi) {
-        const int64_t row0 = ((int64_t)p.indices[pslot] * p.H + hh) * p.P + poff;
-        const uint8_t* kb = p.kc + row0 * NB;
-        const uint8_t* vb = p.vc + row0 * NB;
-        const MetaT* ksb = reinterpret_cast<const MetaT*>(p.ks + row0 * NG);
-        const MetaT* klb = reinterpret_cast<const MetaT*>(p.kl + row0 * NG);
-        const MetaT* vsb = reinterpret_cast<const MetaT*>(p.vs + row0 * NG);
-        const MetaT* vlb = reinterpret_cast<const MetaT*>(p.vl + row0 * NG);
+        // 32-bit row index (the loader checks NP * H * P < 2^32); one wide multiply-add per tensor
+        // onto this thread's loop-invariant base, the rest are immediate offsets
+        const uint32_t row0 = ((uint32_t)p.indices[pslot] * (uint32_t)p.H + (uint32_t)h) * (uint32_t)p.P + poff;
+        const uint8_t* kb = kc_t + (uint64_t)row0 * NB;
+        const uint8_t* vb = vc_t + (uint64_t)row0 * NB;
+        const uint8_t* ksb = ks_t + (uint64_t)row0 * (2 * NG);
+        const uint8_t* klb = kl_t + (uint64_t)row0 * (2 * NG);
+        const uint8_t* vsb = vs_t + (uint64_t)row0 * (2 * NG);
+        const uint8_t* vlb = vl_t + (uint64_t)row0 * (2 * NG);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           if constexpr (KW == 1) {
-            kw[ti][r][0] = *reinterpret_cast<const uint32_t*>(kb + koff[r]);
+            kw[ti][r][0] = *reinterpret_cast<const uint32_t*>(kb + 8 * r * NB);
           } else {
 #pragma unroll
             for (int w = 0; w < KW; w += 2) {
-              uint2 x = *reinterpret_cast<const uint2*>(kb + koff[r] + 32 * (w >> 1));
+              uint2 x = *reinterpret_cast<const uint2*>(kb + 8 * r * NB + 32 * (w >> 1));
               kw[ti][r][w] = x.x;
               kw[ti][r][w + 1] = x.y;
             }
           }
-          const int row = g + 8 * r;
-          if (t0 + row < tok_hi) {  // beyond the split: zeros, so that p~ and p*lo stay 0
-            ksr[ti][r] = ksb[row], klr[ti][r] = klb[row], vsr[ti][r] = vsb[row], vlr[ti][r] = vlb[row];
+          if (t0 + g + 8 * r < tok_hi) {  // beyond the split: zeros, so that p~ and p*lo stay 0
+            const int mo = 8 * r * 2 * NG;
+            ksr[ti][r] = *reinterpret_cast<const MetaT*>(ksb + mo);
+            klr[ti][r] = *reinterpret_cast<const MetaT*>(klb + mo);
+            vsr[ti][r] = *reinterpret_cast<const MetaT*>(vsb + mo);
+            vlr[ti][r] = *reinterpret_cast<const MetaT*>(vlb + mo);
           } else {
             ksr[ti][r] = klr[ti][r] = vsr[ti][r] = vlr[ti][r] = MetaRaw<NG>::zero();
           }
@@ -397,7 +409,8 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
 #pragma unroll
-          for (int w = 0; w < VW; ++w) vw[ti][u][w] = *reinterpret_cast<const uint32_t*>(vb + voff[u] + 32 * w);
+          for (int w = 0; w < VW; ++w)
+            vw[ti][u][w] = *reinterpret_cast<const uint32_t*>(vb + ((u & 1) + 8 * (u >> 1)) * NB + 32 * w);
         }
       }
       poff += 16;
@@ -508,8 +521,11 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
         const uint32_t sel = VM::bp(mt, g) ? 0x7362u : 0x5140u;
         const uint32_t x0 = prmt(vw[ti][0][sl], vw[ti][1][sl], sel);
         const uint32_t x1 = prmt(vw[ti][2][sl], vw[ti][3][sl], sel);
-        const int sh = 2 * VM::plane(mt);
-        const uint32_t m0 = (x0 >> sh) & 0x03030303u, m1 = (x1 >> sh) & 0x03030303u;
+        // planes 0-2 stay in place: the bf16 is then 128 + 4^i c (exact: <= 176), rescaled at the
+        // end; plane 3 (bits 6-7 would reach the exponent) is shifted down
+        const int pl = VM::plane(mt);
+        const uint32_t mask = pl < 3 ? 0x03030303u << (2 * pl) : 0x03030303u;
+        const uint32_t m0 = (pl < 3 ? x0 : x0 >> 6) & mask, m1 = (pl < 3 ? x1 : x1 >> 6) & mask;
         const uint32_t a0 = prmt(m0, MAGIC, 0x4140u), a1 = prmt(m0, MAGIC, 0x4342u);
         const uint32_t a2 = prmt(m1, MAGIC, 0x4140u), a3 = prmt(m1, MAGIC, 0x4342u);
         mma_bf16(acc[mt], a0, a1, a2, a3, pb0[gi], pb1[gi]);
@@ -543,10 +559,12 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
 #pragma unroll
     for (int mt = 0; mt < NMT; ++mt) {
       const int gi = VM::dim_base(mt) / G;
-      const float corr = crl[gi][j] - 128.f * psum[gi][j];
+      const int pl = VM::plane(mt);
+      const float inv = pl == 0 ? 1.f : pl == 1 ? 0.25f : pl == 2 ? 0.0625f : 1.f;  // undo 4^i (exact)
+      const float off = 128.f * psum[gi][j];
       const int d0 = VM::dim(mt, g);
-      op[d0] = acc[mt][j] + corr;
-      op[d0 + 1] = acc[mt][2 + j] + corr;
+      op[d0] = (acc[mt][j] - off) * inv + crl[gi][j];
+      op[d0 + 1] = (acc[mt][2 + j] - off) * inv + crl[gi][j];
     }
   }
 }
