@@ -511,6 +511,20 @@ class DecodeConfig:
     cuda_target_warps: int = 2048  # CUDA kernel: split so that B * H_kv * splits reaches about this
     cuda_min_split_tokens: int = 64
 
+    def __post_init__(self):
+        if self.backend not in ("auto", "cuda", "triton"):
+            raise ValueError(f"backend must be 'auto', 'cuda' or 'triton', got {self.backend!r}")
+        if not 1 <= self.cuda_tiles <= 8:
+            raise ValueError(f"cuda_tiles must be in 1..8, got {self.cuda_tiles}")
+        if self.cuda_stages and self.cuda_stages < self.cuda_tiles:
+            raise ValueError(f"cuda_stages ({self.cuda_stages}) must be 0 or >= cuda_tiles ({self.cuda_tiles})")
+        if self.cuda_min_blocks is not None and not 1 <= self.cuda_min_blocks <= 8:
+            raise ValueError(f"cuda_min_blocks must be None or in 1..8, got {self.cuda_min_blocks}")
+        for name in ("block_n", "block_t", "target_programs", "min_split_tokens", "cuda_target_warps",
+                     "cuda_min_split_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
 
 def _splits(max_len: int, bh: int, block: int, target: int, min_tokens: int) -> tuple[int, int]:
     """(tokens_per_split, n_splits) for ``max_len`` tokens, a multiple of ``block``."""

@@ -261,3 +261,19 @@ def test_page_table_vocabulary():
     assert lengths_from_table(indptr, last, 4).tolist() == [6, 4]
     tab.release(a)
     assert pool.free_pages == 7
+
+
+def test_decode_config_rejects_bad_values():
+    for bad in (dict(backend="cuda2"), dict(cuda_tiles=0), dict(cuda_tiles=2, cuda_stages=1),
+                dict(cuda_min_blocks=0), dict(block_n=0)):
+        with pytest.raises(ValueError):
+            DecodeConfig(**bad)
+
+
+def test_decode_cuda_backend_refused_off_cuda():
+    if CUDA:
+        pytest.skip("checks the CPU refusal")
+    body, table, tier, ttable, ml, tml = _build([40], [8], 1, 64, 64, 16, 16, "cpu")
+    q = torch.randn(1, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="CUDA"):
+        decode_attention(q, body, table, ml, tier, ttable, tml, cfg=DecodeConfig(backend="cuda"))

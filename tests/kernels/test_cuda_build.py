@@ -1,0 +1,34 @@
+"""The CUDA decode kernel compiles, for every head_dim / group count it covers, without register
+spills in the default variants (``nvcc -Xptxas -v``, sm_90). Runs wherever ``nvcc`` is found,
+GPU or not; the kernel's numerics are tested against the reference on CUDA (test_kernels.py)."""
+
+import re
+import subprocess
+
+import pytest
+
+from rotkv.kernels.cuda_decode import SOURCE, _nvcc
+
+NVCC = _nvcc()
+# (head_dim, groups per head, min blocks per SM as DecodeConfig picks it)
+DEFAULT_VARIANTS = [(64, 1, 4), (64, 2, 4), (128, 1, 4), (128, 2, 4), (128, 4, 3), (256, 1, 2), (256, 2, 2),
+                    (256, 4, 2)]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("d,ng,minb", DEFAULT_VARIANTS)
+def test_cuda_kernel_compiles_without_spills(d, ng, minb, tmp_path):
+    macros = [f"-DROTKV_D={d}", f"-DROTKV_NG={ng}", "-DROTKV_TILES=2", f"-DROTKV_MINB={minb}", "-DROTKV_STAGES=0"]
+    res = subprocess.run([NVCC, "-O3", "-std=c++17", "-use_fast_math", "-gencode=arch=compute_90,code=sm_90",
+                          "-Xptxas", "-v", "-cubin", *macros, "-o", str(tmp_path / "k.cubin"), str(SOURCE)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr)]
+    assert spills and max(spills) == 0, res.stderr[-2000:]
+
+
+def test_min_blocks_table_matches_the_config():
+    from rotkv.kernels.decode import DecodeConfig, _min_blocks
+
+    for d, ng, minb in DEFAULT_VARIANTS:
+        assert _min_blocks(DecodeConfig(), d, ng) == minb
