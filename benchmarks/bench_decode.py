@@ -38,10 +38,9 @@ from rotkv.kernels.dequant import dequant_dense
 CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is logged
     # the default (backend "auto": CUDA body kernel, Triton v2 for bodies under DecodeConfig.small_work)
     "default": DecodeConfig(),
-    # CUDA body kernel (rotkv/kernels/cuda/int2_decode.cu): cp.async stages, target warps
+    # CUDA body kernel (rotkv/kernels/cuda/int2_decode.cu): target warps
     "cuda-s0-w4k": DecodeConfig(backend="cuda", cuda_target_warps=4096),
     "cuda-s0-w1k": DecodeConfig(backend="cuda", cuda_target_warps=1024),
-    "cuda-s4": DecodeConfig(backend="cuda", cuda_stages=4),
     # Triton body kernels: v1 (rows = query heads padded to 16, int8 scores), v2 (rows = plane x head)
     "i8dot-n64-w1": DecodeConfig(block_n=64, num_warps=1, qk_int8=True, v2=False, backend="triton"),
     "v2-n128-w4": DecodeConfig(block_n=128, num_warps=4, v2=True, backend="triton"),

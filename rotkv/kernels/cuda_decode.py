@@ -43,10 +43,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ROTKV_CACHE_DIR", Path.home() / ".cache" / "rotkv"))
 
 
-def build(device: torch.device | None = None, variant: tuple = (128, 2, 2, 4, 4)) -> ctypes.CDLL:
+def build(device: torch.device | None = None, variant: tuple = (128, 2, 2, 4)) -> ctypes.CDLL:
     """Compile (once per source, architecture and variant) and load one kernel instantiation.
 
-    variant = (head_dim, groups per head, tiles per step, min blocks per SM, cp.async stages).
+    variant = (head_dim, groups per head, tiles per softmax step, min blocks per SM).
     """
     device = device or torch.device("cuda", torch.cuda.current_device())
     arch = _arch(device)
@@ -66,7 +66,7 @@ def build(device: torch.device | None = None, variant: tuple = (128, 2, 2, 4, 4)
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             tmp = out.with_suffix(f".{os.getpid()}.tmp")
-            macros = [f"-DROTKV_{n}={v}" for n, v in zip(("D", "NG", "TILES", "MINB", "STAGES"), variant)]
+            macros = [f"-DROTKV_{n}={v}" for n, v in zip(("D", "NG", "TILES", "MINB"), variant)]
             cmd = [nvcc, "-O3", "-std=c++17", "-use_fast_math", "-shared", "-Xcompiler", "-fPIC", *macros,
                    f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(tmp), str(SOURCE)]
             res = subprocess.run(cmd, capture_output=True, text=True)
@@ -77,7 +77,7 @@ def build(device: torch.device | None = None, variant: tuple = (128, 2, 2, 4, 4)
         lib = ctypes.CDLL(str(out))
         fn = lib.rotkv_int2_decode
         fn.restype = ctypes.c_int
-        fn.argtypes = ([ctypes.c_int] * 5 + [ctypes.c_void_p] * 13 + [ctypes.c_int] * 7
+        fn.argtypes = ([ctypes.c_int] * 4 + [ctypes.c_void_p] * 13 + [ctypes.c_int] * 7
                        + [ctypes.c_float, ctypes.c_void_p])
         _LIBS[key] = lib
         return lib
@@ -112,17 +112,17 @@ def supported(q: torch.Tensor, body: tuple, rep: int) -> str | None:
 
 def body_partials(q: torch.Tensor, body: tuple, table: tuple, o_part: torch.Tensor, m_part: torch.Tensor,
                   l_part: torch.Tensor, n_splits: int, tokens_per_split: int, qk_scale: float,
-                  tiles: int = 2, min_blocks: int = 4, stages: int = 4) -> None:
+                  tiles: int = 2, min_blocks: int = 4) -> None:
     """Write partials ``[:, :, :n_splits]`` of ``o/m/l_part`` for the INT2 body.
 
     q ``[B, Hq, D]`` bf16 contiguous; ``tokens_per_split`` a multiple of ``16 * tiles``.
     """
     b_sz, hq, d = q.shape
     h, p, ng = body[0].shape[1], body[0].shape[2], body[1].shape[-1]
-    lib = build(q.device, (d, ng, tiles, min_blocks, stages))
+    lib = build(q.device, (d, ng, tiles, min_blocks))
     indptr, indices, last = (t.to(torch.int32).contiguous() for t in table)
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    rc = lib.rotkv_int2_decode(d, ng, tiles, min_blocks, stages, q.data_ptr(), *(t.data_ptr() for t in body),
+    rc = lib.rotkv_int2_decode(d, ng, tiles, min_blocks, q.data_ptr(), *(t.data_ptr() for t in body),
                                indptr.data_ptr(), indices.data_ptr(), last.data_ptr(),
                                o_part.data_ptr(), m_part.data_ptr(), l_part.data_ptr(),
                                b_sz, h, hq, p, o_part.shape[2], n_splits, tokens_per_split, qk_scale, stream)

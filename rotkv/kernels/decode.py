@@ -503,8 +503,6 @@ class DecodeConfig:
     cuda_tiles: int = 2  # 16-token tiles per softmax step of the CUDA kernel
     cuda_min_blocks: int | None = None  # __launch_bounds__ min blocks of 4 warps per SM; None: 4 (128
     # registers) at head_dim <= 128 with <= 2 groups, 3 with more groups, 2 at head_dim 256
-    cuda_stages: int = 0  # tiles in flight per warp through cp.async (0: plain loads into registers; 4 and 8
-    # were measured no faster on the H200, docs/kernels.md)
     # auto: bodies under this many token-heads (B * H_kv * max_len) take the Triton v2 kernel with
     # 128-token blocks and 4 warps (one launch fewer; faster at B=1, 4K on the H200)
     small_work: int = 65536
@@ -516,8 +514,6 @@ class DecodeConfig:
             raise ValueError(f"backend must be 'auto', 'cuda' or 'triton', got {self.backend!r}")
         if not 1 <= self.cuda_tiles <= 8:
             raise ValueError(f"cuda_tiles must be in 1..8, got {self.cuda_tiles}")
-        if self.cuda_stages and self.cuda_stages < self.cuda_tiles:
-            raise ValueError(f"cuda_stages ({self.cuda_stages}) must be 0 or >= cuda_tiles ({self.cuda_tiles})")
         if self.cuda_min_blocks is not None and not 1 <= self.cuda_min_blocks <= 8:
             raise ValueError(f"cuda_min_blocks must be None or in 1..8, got {self.cuda_min_blocks}")
         for name in ("block_n", "block_t", "target_programs", "min_split_tokens", "cuda_target_warps",
@@ -559,7 +555,7 @@ def _use_cuda_body(cfg: DecodeConfig, q: torch.Tensor, body: tuple, rep: int) ->
     if why is None:
         try:
             cuda_decode.build(q.device, (q.shape[-1], body[1].shape[-1], cfg.cuda_tiles,
-                                         _min_blocks(cfg, q.shape[-1], body[1].shape[-1]), cfg.cuda_stages))
+                                         _min_blocks(cfg, q.shape[-1], body[1].shape[-1])))
         except RuntimeError as e:
             why = str(e)
     if why is not None:
@@ -644,8 +640,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
 
             qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
             body_partials(qb, body, table, o_part, m_part, l_part, n_int2, per, sm_scale * LOG2E,
-                          tiles=cfg.cuda_tiles, min_blocks=_min_blocks(cfg, d, body[1].shape[-1]),
-                          stages=cfg.cuda_stages)
+                          tiles=cfg.cuda_tiles, min_blocks=_min_blocks(cfg, d, body[1].shape[-1]))
             s0, has_int2 = n_int2, False
         if has_int2 or n_tier > 0:  # whatever the CUDA body kernel did not write
             _split_kernel[(b_sz * h, n_int2 + n_tier - s0)](

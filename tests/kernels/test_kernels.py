@@ -173,10 +173,10 @@ CUDA_KERNEL_CASES = [  # the CUDA body kernel needs P % 16 == 0 and G % 32 == 0
 
 @cuda_only
 @pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p", CUDA_KERNEL_CASES)
-@pytest.mark.parametrize("tiles,min_blocks,target,stages", [(2, 1, 256, 0), (4, 4, 64, 8), (2, None, 4096, 4)])
-def test_decode_cuda_kernel_matches_reference(lens, tier_lens, h, rep, d, g, p, tiles, min_blocks, target, stages):
+@pytest.mark.parametrize("tiles,min_blocks,target", [(2, 1, 256), (4, 4, 64), (2, None, 4096)])
+def test_decode_cuda_kernel_matches_reference(lens, tier_lens, h, rep, d, g, p, tiles, min_blocks, target):
     cfg = DecodeConfig(backend="cuda", cuda_tiles=tiles, cuda_min_blocks=min_blocks, cuda_target_warps=target,
-                       cuda_min_split_tokens=64, cuda_stages=stages)
+                       cuda_min_split_tokens=64)
     _check_decode(lens, tier_lens, h, rep, d, g, p, True, "cuda", cfg=cfg, seed=5)
 
 
@@ -264,7 +264,7 @@ def test_page_table_vocabulary():
 
 
 def test_decode_config_rejects_bad_values():
-    for bad in (dict(backend="cuda2"), dict(cuda_tiles=0), dict(cuda_tiles=2, cuda_stages=1),
+    for bad in (dict(backend="cuda2"), dict(cuda_tiles=0), dict(cuda_tiles=9),
                 dict(cuda_min_blocks=0), dict(block_n=0)):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)

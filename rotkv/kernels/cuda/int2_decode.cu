@@ -167,18 +167,7 @@ template <> struct VMap<256> {  // words g and g+8; m-tile (i, c, bp)
   static DEVI constexpr int dim_base(int mt) { return 64 * (mt >> 2) + 32 * ((mt >> 1) & 1); }
 };
 
-template <int D, int NG> struct TileGeo {  // one 16-token tile in shared memory: K, V codes, ks, kl, vs, vl
-  static constexpr int KB = 16 * (D / 4), MB = 16 * NG * 2, BYTES = 2 * KB + 4 * MB, CHUNKS = BYTES / 16;
-};
-
-DEVI void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
-}
-DEVI void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-DEVI void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-
-template <int D, int NG, int TILES, int MINB, int STAGES>
+template <int D, int NG, int TILES, int MINB>
 __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) {
   using KM = KMap<D>;
   using VM = VMap<D>;
@@ -272,7 +261,6 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
 #pragma unroll
   for (int u = 0; u < 4; ++u) voff[u] = (2 * t + (u & 1) + 8 * (u >> 1)) * NB + VM::byte_off(g, 0);
   using MetaT = typename MetaRaw<NG>::T;
-  using TG = TileGeo<D, NG>;
   // this thread's loop-invariant bases (token row 0 of the pool): K row g, V row 2t, meta row g
   const uint8_t* kc_t = p.kc + koff[0];
   const uint8_t* vc_t = p.vc + voff[0];
@@ -281,96 +269,12 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
   const uint8_t* vs_t = reinterpret_cast<const uint8_t*>(p.vs) + g * 2 * NG;
   const uint8_t* vl_t = reinterpret_cast<const uint8_t*>(p.vl) + g * 2 * NG;
   int pslot = start + tok_lo / p.P, poff = tok_lo % p.P;  // page-table slot and offset of the next tile
-  // cp.async pipeline (STAGES > 0): this warp's ring of STAGES tiles in shared memory
-  extern __shared__ __align__(16) uint8_t smem_raw[];
-  uint8_t* ring = smem_raw + (threadIdx.x >> 5) * (STAGES > 0 ? STAGES : 1) * TG::BYTES;
-  const uint32_t ring_s = (uint32_t)__cvta_generic_to_shared(ring);
-  const int ntiles = tok_hi > tok_lo ? (tok_hi - tok_lo + 15) / 16 : 0;
-  int issued = 0;  // tiles whose copies were issued (the next one's page is pslot/poff)
-  auto issue = [&](void) {
-    if (issued < ntiles) {
-      const int64_t row0 = ((int64_t)p.indices[pslot] * p.H + hh) * p.P + poff;
-      const uint8_t* kb = p.kc + row0 * (D / 4);
-      const uint8_t* vb = p.vc + row0 * (D / 4);
-      const uint8_t* ksb = reinterpret_cast<const uint8_t*>(p.ks + row0 * NG);
-      const uint8_t* klb = reinterpret_cast<const uint8_t*>(p.kl + row0 * NG);
-      const uint8_t* vsb = reinterpret_cast<const uint8_t*>(p.vs + row0 * NG);
-      const uint8_t* vlb = reinterpret_cast<const uint8_t*>(p.vl + row0 * NG);
-      const uint32_t dst = ring_s + (issued % (STAGES > 0 ? STAGES : 1)) * TG::BYTES;
-#pragma unroll
-      for (int i = 0; i < (TG::CHUNKS + 31) / 32; ++i) {
-        const int c = lane + 32 * i;
-        if (c < TG::CHUNKS) {
-          const int byte = 16 * c;
-          const uint8_t* src;
-          if (byte < TG::KB) {
-            src = kb + byte;
-          } else if (byte < 2 * TG::KB) {
-            src = vb + (byte - TG::KB);
-          } else {
-            const int mb = byte - 2 * TG::KB, m = mb / TG::MB, o = mb % TG::MB;
-            src = (m == 0 ? ksb : m == 1 ? klb : m == 2 ? vsb : vlb) + o;
-          }
-          cp_async16(dst + byte, src);
-        }
-      }
-      poff += 16;
-      if (poff == p.P) poff = 0, ++pslot;
-    }
-    ++issued;
-    cp_async_commit();
-  };
-  if constexpr (STAGES > 0) {
-#pragma unroll
-    for (int k = 0; k < STAGES; ++k) issue();
-  }
 
   for (int blk = tok_lo; blk < tok_hi; blk += 16 * TILES) {
     // ---- this step's TILES tiles of 16 tokens (a tile never crosses a page: P % 16 == 0)
     uint32_t kw[TILES][2][KW];        // tokens g, g+8
     uint32_t vw[TILES][4][VW];        // tokens 2t, 2t+1, 2t+8, 2t+9
     MetaT ksr[TILES][2], klr[TILES][2], vsr[TILES][2], vlr[TILES][2];  // raw fp16 metadata, tokens g, g+8
-    if constexpr (STAGES > 0) {
-      cp_async_wait<STAGES - TILES>();
-      __syncwarp();
-      const int k0 = (blk - tok_lo) / 16;
-#pragma unroll
-      for (int ti = 0; ti < TILES; ++ti) {
-        const int t0 = blk + 16 * ti;
-        if (t0 < tok_hi) {
-          const uint8_t* st = ring + ((k0 + ti) % STAGES) * TG::BYTES;
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            if constexpr (KW == 1) {
-              kw[ti][r][0] = *reinterpret_cast<const uint32_t*>(st + koff[r]);
-            } else {
-#pragma unroll
-              for (int w = 0; w < KW; w += 2) {
-                uint2 x = *reinterpret_cast<const uint2*>(st + koff[r] + 32 * (w >> 1));
-                kw[ti][r][w] = x.x;
-                kw[ti][r][w + 1] = x.y;
-              }
-            }
-            const int row = g + 8 * r;
-            const MetaT* mb = reinterpret_cast<const MetaT*>(st + 2 * TG::KB);
-            if (t0 + row < tok_hi) {  // beyond the split: zeros, so that p~ and p*lo stay 0
-              ksr[ti][r] = mb[row], klr[ti][r] = mb[16 + row], vsr[ti][r] = mb[32 + row], vlr[ti][r] = mb[48 + row];
-            } else {
-              ksr[ti][r] = klr[ti][r] = vsr[ti][r] = vlr[ti][r] = MetaRaw<NG>::zero();
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-#pragma unroll
-            for (int w = 0; w < VW; ++w)
-              vw[ti][u][w] = *reinterpret_cast<const uint32_t*>(st + TG::KB + voff[u] + 32 * w);
-          }
-        }
-      }
-      __syncwarp();
-#pragma unroll
-      for (int ti = 0; ti < TILES; ++ti) issue();
-    } else {
 #pragma unroll
     for (int ti = 0; ti < TILES; ++ti) {
       const int t0 = blk + 16 * ti;
@@ -415,7 +319,6 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
       }
       poff += 16;
       if (poff == p.P) poff = 0, ++pslot;
-    }
     }
     // ---- scores S^T, folded, masked
     float sc[TILES][4];
@@ -571,15 +474,14 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
 
 }  // namespace
 
-#ifndef ROTKV_D  // the Python loader builds one library per (D, NG, TILES, MINB, STAGES)
+#ifndef ROTKV_D  // the Python loader builds one library per (D, NG, TILES, MINB)
 #define ROTKV_D 128
 #define ROTKV_NG 2
 #define ROTKV_TILES 2
 #define ROTKV_MINB 4
-#define ROTKV_STAGES 4
 #endif
 
-extern "C" int rotkv_int2_decode(int d, int ng, int tiles, int minb, int stages, const void* q, const void* kc, const void* ks,
+extern "C" int rotkv_int2_decode(int d, int ng, int tiles, int minb, const void* q, const void* kc, const void* ks,
                                  const void* kl, const void* vc, const void* vs, const void* vl, const void* indptr,
                                  const void* indices, const void* last, void* o, void* m, void* l, int n_batch, int H,
                                  int HQ, int P, int NS, int n_splits, int tokens_per_split, float qk_scale,
@@ -608,15 +510,9 @@ extern "C" int rotkv_int2_decode(int d, int ng, int tiles, int minb, int stages,
   p.tokens_per_split = tokens_per_split;
   p.n_work = n_batch * H * n_splits;
   p.qk_scale = qk_scale;
-  if (d != ROTKV_D || ng != ROTKV_NG || tiles != ROTKV_TILES || minb != ROTKV_MINB || stages != ROTKV_STAGES) return -3;
+  if (d != ROTKV_D || ng != ROTKV_NG || tiles != ROTKV_TILES || minb != ROTKV_MINB) return -3;
   if (p.rep > 8 || P % 16 || tokens_per_split % (16 * tiles)) return -1;
   if (p.n_work == 0) return 0;
-  constexpr int smem = 4 * (ROTKV_STAGES > 0 ? ROTKV_STAGES : 0) * TileGeo<ROTKV_D, ROTKV_NG>::BYTES;
-  auto kern = int2_decode_kernel<ROTKV_D, ROTKV_NG, ROTKV_TILES, ROTKV_MINB, ROTKV_STAGES>;
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return (int)e;
-  }
-  kern<<<(p.n_work + 3) / 4, 128, smem, (cudaStream_t)stream>>>(p);
+  int2_decode_kernel<ROTKV_D, ROTKV_NG, ROTKV_TILES, ROTKV_MINB><<<(p.n_work + 3) / 4, 128, 0, (cudaStream_t)stream>>>(p);
   return (int)cudaGetLastError();
 }
