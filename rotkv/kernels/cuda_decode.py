@@ -62,25 +62,37 @@ def build(device: torch.device | None = None, variant: tuple = (128, 2, 2, 4)) -
         if nvcc is None:
             _FAILED[key] = "nvcc not found (set ROTKV_NVCC or CUDA_HOME)"
             raise RuntimeError(_FAILED[key])
-        out = cache_dir() / f"int2_decode-{tag}-{key}-sm{arch}.so"
-        if not out.exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_suffix(f".{os.getpid()}.tmp")
-            macros = [f"-DROTKV_{n}={v}" for n, v in zip(("D", "NG", "TILES", "MINB"), variant)]
-            cmd = [nvcc, "-O3", "-std=c++17", "-use_fast_math", "-shared", "-Xcompiler", "-fPIC", *macros,
-                   f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(tmp), str(SOURCE)]
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            if res.returncode != 0:
-                _FAILED[key] = f"nvcc failed ({' '.join(cmd)}):\n{res.stderr[-2000:]}"
-                raise RuntimeError(_FAILED[key])
-            os.replace(tmp, out)
-        lib = ctypes.CDLL(str(out))
-        fn = lib.rotkv_int2_decode
-        fn.restype = ctypes.c_int
-        fn.argtypes = ([ctypes.c_int] * 4 + [ctypes.c_void_p] * 13 + [ctypes.c_int] * 7
-                       + [ctypes.c_float, ctypes.c_void_p])
+        try:
+            lib = _compile_and_load(nvcc, arch, tag, key, variant)
+        except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, bad library, ...
+            _FAILED[key] = f"building the CUDA kernel failed: {type(e).__name__}: {e}"
+            raise RuntimeError(_FAILED[key]) from e
+        except RuntimeError as e:
+            _FAILED[key] = str(e)
+            raise
         _LIBS[key] = lib
         return lib
+
+
+def _compile_and_load(nvcc: str, arch: str, tag: str, key: str, variant: tuple) -> ctypes.CDLL:
+    """nvcc the source into the cache (atomically: a temp file renamed) unless it is there; load it."""
+    out = cache_dir() / f"int2_decode-{tag}-{key}-sm{arch}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        macros = [f"-DROTKV_{n}={v}" for n, v in zip(("D", "NG", "TILES", "MINB"), variant)]
+        cmd = [nvcc, "-O3", "-std=c++17", "-use_fast_math", "-shared", "-Xcompiler", "-fPIC", *macros,
+               f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(tmp), str(SOURCE)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stderr[-2000:]}")
+        os.replace(tmp, out)
+    lib = ctypes.CDLL(str(out))
+    fn = lib.rotkv_int2_decode
+    fn.restype = ctypes.c_int
+    fn.argtypes = ([ctypes.c_int] * 4 + [ctypes.c_void_p] * 13 + [ctypes.c_int] * 7
+                   + [ctypes.c_float, ctypes.c_void_p])
+    return lib
 
 
 def supported(q: torch.Tensor, body: tuple, rep: int) -> str | None:
