@@ -101,6 +101,26 @@ def _n_steps(tok_lo, tok_hi, BLOCK: tl.constexpr, STATIC_STEPS: tl.constexpr):
 
 
 @triton.jit
+def _split_range(indptr_ptr, last_ptr, b, s, P: tl.constexpr, tokens_per_split):
+    """(first page-table slot, first token, end token) of split ``s`` of request ``b``."""
+    start = tl.load(indptr_ptr + b)
+    npages = tl.load(indptr_ptr + b + 1) - start
+    seq = tl.where(npages > 0, (npages - 1) * P + tl.load(last_ptr + b), 0)
+    tok_lo = s * tokens_per_split
+    return start, tok_lo, tl.minimum(seq, tok_lo + tokens_per_split)
+
+
+@triton.jit
+def _online_softmax(sc, m_i, l_i):
+    """One block of base-2 online softmax over scores ``sc [rows, N]``: (p, alpha, m_i, l_i)."""
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(sc - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _load_meta(ptr, row, g: tl.constexpr, NG: tl.constexpr, nmask):
     return tl.load(ptr + row * NG + g, mask=nmask, other=0.0).to(tl.float32)
 
@@ -116,11 +136,7 @@ def _int2_part(
     Q4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     PPG: tl.constexpr = G // Q4  # planes per group
-    start = tl.load(indptr_ptr + b)
-    npages = tl.load(indptr_ptr + b + 1) - start
-    seq = tl.where(npages > 0, (npages - 1) * P + tl.load(last_ptr + b), 0)
-    tok_lo = s * tokens_per_split
-    tok_hi = tl.minimum(seq, tok_lo + tokens_per_split)
+    start, tok_lo, tok_hi = _split_range(indptr_ptr, last_ptr, b, s, P, tokens_per_split)
 
     offs_r = tl.arange(0, HPAD)
     rmask = offs_r < REP
@@ -196,12 +212,7 @@ def _int2_part(
             sc += z2[None, :] * qs2[:, None] + z3[None, :] * qs3[:, None]
         sc = tl.where(nmask[None, :], sc, float("-inf"))
         # ---- online softmax (base 2: q carries log2(e))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(sc - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i)
         # ---- values: acc_i += (p * s_g) @ (128 + c_i) + sum(p * lo_g) - 128 * sum(p * s_g)
         vs0 = _load_meta(vs_ptr, row, 0, NG, nmask)
         ps0 = _mma(p * vs0[None, :], F16)
@@ -290,11 +301,7 @@ def _int2_part_v2(
     PPG: tl.constexpr = G // Q4  # planes per group
     RQ: tl.constexpr = 4 * RP
     NCH: tl.constexpr = BLOCK_N // PB
-    start = tl.load(indptr_ptr + b)
-    npages = tl.load(indptr_ptr + b + 1) - start
-    seq = tl.where(npages > 0, (npages - 1) * P + tl.load(last_ptr + b), 0)
-    tok_lo = s * tokens_per_split
-    tok_hi = tl.minimum(seq, tok_lo + tokens_per_split)
+    start, tok_lo, tok_hi = _split_range(indptr_ptr, last_ptr, b, s, P, tokens_per_split)
 
     # ---- block query: row (i, r) = i * RP + r, column k = 4j + i' holds q_r[i' * Q4 + j] if i' == i
     offs_q = tl.arange(0, RQ)
@@ -357,12 +364,7 @@ def _int2_part_v2(
         sc += tl.sum((klg - off * ksg)[:, None, :] * qsg[:, :, None], axis=0)
         sc = tl.where(nmask[None, :], sc, float("-inf"))
         # ---- online softmax (base 2: q carries log2(e))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(sc - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i)
         # ---- values: acc[(i, r)] += (p_r * s_g(i)) @ (128 + c); cacc[(i, r)] += sum(p_r * lo_g(i)) - 128 * sum(p_r * s_g(i))
         a = _mma(tl.reshape(tl.broadcast_to(p[None, None, :, :] * vsg[:, None, None, :], (NG, PPG, RP, BLOCK_N)),
                             (RQ, BLOCK_N)), F16)
@@ -389,11 +391,7 @@ def _bf16_part(
     REP: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
     STATIC_STEPS: tl.constexpr, F16: tl.constexpr,
 ):
-    start = tl.load(indptr_ptr + b)
-    npages = tl.load(indptr_ptr + b + 1) - start
-    seq = tl.where(npages > 0, (npages - 1) * P + tl.load(last_ptr + b), 0)
-    tok_lo = s * tokens_per_split
-    tok_hi = tl.minimum(seq, tok_lo + tokens_per_split)
+    start, tok_lo, tok_hi = _split_range(indptr_ptr, last_ptr, b, s, P, tokens_per_split)
     offs_r = tl.arange(0, HPAD)
     rmask = offs_r < REP
     qrow = (b * HQ + h * REP + offs_r).to(tl.int64)
@@ -414,12 +412,7 @@ def _bf16_part(
         v = _mma(tl.load(tv_ptr + row[:, None] * D + offs_d[None, :], mask=nmask[:, None], other=0.0), F16)
         sc = tl.dot(q, tl.trans(k))
         sc = tl.where(nmask[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(sc - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i)
         acc = tl.dot(_mma(p, F16), v, acc * alpha[:, None])
     prow = qrow * NS + s_out
     tl.store(m_ptr + prow, m_i, mask=rmask)
