@@ -13,6 +13,7 @@ caller then runs its reference code:
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -58,9 +59,14 @@ def _tier_pages(parts: list[torch.Tensor], page: int) -> tuple[torch.Tensor, int
 
 def _decode_config():
     """DecodeConfig for the cache's decode steps; ``ROTKV_DECODE_BACKEND`` = auto | cuda | triton."""
+    return _decode_config_for(os.environ.get("ROTKV_DECODE_BACKEND", "auto"))
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_config_for(backend: str):
+    # one config per backend: decode steps (every layer, every token) do not rebuild and revalidate it
     from rotkv.kernels.decode import DecodeConfig
 
-    backend = os.environ.get("ROTKV_DECODE_BACKEND", "auto")
     if backend not in ("auto", "cuda", "triton"):
         raise ValueError(f"ROTKV_DECODE_BACKEND must be auto, cuda or triton, got {backend!r}")
     return DecodeConfig(backend=backend)

@@ -591,12 +591,17 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
     use_asm = (not _interpreting()) if cfg.use_asm is None else cfg.use_asm
     has_int2 = body is not None and max_len > 0
     has_tier = tier is not None and tier_max_len > 0
+    use_cuda = has_int2 and _use_cuda_body(cfg, q, body, rep)
     if has_int2:
         g = d // body[1].shape[-1]
         p = body[0].shape[2]
-        if g < d // 4 and not _use_cuda_body(cfg, q, body, rep):  # the CUDA kernel takes G >= 32
+        if g < d // 4 and not use_cuda:  # the CUDA kernel takes any G >= 32
             raise ValueError(f"the INT2 decode kernel needs group_size >= head_dim / 4 ({d // 4}), got {g}")
-        per, n_int2 = _splits(max_len, b_sz * h, cfg.block_n, cfg.target_programs, cfg.min_split_tokens)
+        if use_cuda:
+            per, n_int2 = _splits(max_len, b_sz * h, 16 * cfg.cuda_tiles, cfg.cuda_target_warps,
+                                  cfg.cuda_min_split_tokens)
+        else:
+            per, n_int2 = _splits(max_len, b_sz * h, cfg.block_n, cfg.target_programs, cfg.min_split_tokens)
     else:
         g, p, per, n_int2 = d, 16, cfg.block_n, 0
     if has_tier:
@@ -609,11 +614,6 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
         pt, tper, n_tier = 16, cfg.block_t, 0
     ns = max(1, n_int2 + n_tier)
     v2 = cfg.v2 and p & (p - 1) == 0  # v2 reads a page in power-of-2 chunks
-    use_cuda = has_int2 and _use_cuda_body(cfg, q, body, rep)
-    if use_cuda:
-        per, n_int2 = _splits(max_len, b_sz * h, 16 * cfg.cuda_tiles, cfg.cuda_target_warps,
-                              cfg.cuda_min_split_tokens)
-        ns = max(1, n_int2 + n_tier)
     dev = q.device
     # every program writes all of its rows, so the partials need no initialization
     o_part = torch.empty(b_sz, hq, ns, d, dtype=torch.float32, device=dev)
