@@ -11,6 +11,7 @@ Triton body kernel instead.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -26,7 +27,14 @@ _LIBS: dict[str, ctypes.CDLL] = {}
 _FAILED: dict[str, str] = {}
 
 
+@functools.lru_cache(maxsize=None)
+def _source() -> bytes:
+    return SOURCE.read_bytes()
+
+
+@functools.lru_cache(maxsize=None)
 def _nvcc() -> str | None:
+    """ROTKV_NVCC, else nvcc on PATH, else $CUDA_HOME/bin/nvcc (looked up once per process)."""
     for cand in (os.environ.get("ROTKV_NVCC"), shutil.which("nvcc"),
                  os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
         if cand and os.path.exists(cand):
@@ -50,7 +58,7 @@ def build(device: torch.device | None = None, variant: tuple = (128, 2, 2, 4)) -
     """
     device = device or torch.device("cuda", torch.cuda.current_device())
     arch = _arch(device)
-    src = SOURCE.read_bytes()
+    src = _source()  # read once: build() runs on every decode call that may use the kernel
     tag = "-".join(str(v) for v in variant)
     key = hashlib.sha256(src + arch.encode() + tag.encode()).hexdigest()[:16]
     with _LOCK:
