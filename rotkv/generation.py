@@ -72,3 +72,65 @@ def generate(model, tokenizer, ids: torch.Tensor, cache: RotkvCache, max_new_tok
     rate = steps / (clock.times[-1] - clock.times[0]) if steps > 0 else 0.0
     text = tokenizer.decode(new, skip_special_tokens=True)
     return Generated(text, new, ids.shape[1], prefill_s, rate)
+
+
+@dataclass
+class BatchRun:
+    """Greedy tokens ``[B, new]`` and the timings of a batched run (seconds; steps synchronized)."""
+
+    tokens: torch.Tensor
+    prefill_s: float
+    step_s: list[float]
+
+    @property
+    def step_ms(self) -> float:
+        """Median decode step (the first, which warms up or captures, excluded when there are others)."""
+        steps = self.step_s[1:] if len(self.step_s) > 1 else self.step_s
+        return 1000 * sorted(steps)[len(steps) // 2] if steps else 0.0
+
+
+def _sync(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.no_grad()
+def generate_batch(model, ids: torch.Tensor, cache, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
+                   cuda_graph: bool = False) -> BatchRun:
+    """Prefill ``ids [B, L]`` (left padded where ``attention_mask`` says so) into ``cache`` in one
+    call, then decode greedily one token per row per step.
+
+    ``cache`` is any transformers cache (rotkv's or transformers' own). With ``cuda_graph=True``
+    (a RotkvCache on CUDA) the decode step is captured once and replayed (``rotkv.cache.graph``).
+    """
+    dev = model.device
+    ids = ids.to(dev)
+    kw = cache_kwarg(model)
+    mask = attention_mask.to(dev) if attention_mask is not None else None
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0) if mask is not None else None
+    t0 = _sync(dev)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{kw: cache})
+    tok = out.logits[:, -1].argmax(-1)
+    prefill_s = _sync(dev) - t0
+    lengths = (mask.long().sum(-1) if mask is not None else torch.full((ids.shape[0],), ids.shape[1], device=dev))
+    graph = None
+    if cuda_graph:
+        from rotkv.cache.graph import GraphDecoder
+
+        graph = GraphDecoder(model, cache, int(lengths.max()) + max_new_tokens, kw)
+    new, steps = [tok], []
+    for _ in range(max_new_tokens - 1):
+        t = _sync(dev)
+        if graph is not None:
+            logits = graph.step(tok, lengths)
+        else:
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+            logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=lengths[:, None], use_cache=True,
+                           **{kw: cache}).logits[:, -1]
+        tok = logits.argmax(-1)
+        lengths = lengths + 1
+        new.append(tok)
+        steps.append(_sync(dev) - t)
+    return BatchRun(torch.stack(new, 1), prefill_s, steps)

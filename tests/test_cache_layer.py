@@ -1,4 +1,4 @@
-"""Bookkeeping of the hybrid layer across the sink / body / window boundaries, on random tensors."""
+"""Bookkeeping of the paged hybrid layer across the sink / body / window boundaries, on random tensors."""
 
 import pytest
 import torch
@@ -37,19 +37,22 @@ def expected_tiers(n):
     return sink, body, rest - body
 
 
+def tiers(layer, row=0):
+    st = layer.state
+    sink = int(st.sink_tokens()[row])
+    return sink, int(st.body_count[row]) * P, int(st.tier_tokens[row]) - sink
+
+
 @pytest.mark.parametrize("n", [1, S, S + W, S + W + 1, S + W + P - 1, S + W + P, S + W + P + 1, 200])
 @pytest.mark.parametrize("step", [None, 1, 5])
 def test_tier_sizes_and_contents(n, step):
     layer = make_layer()
     ks, vs = feed(layer, n, step)
-    row = layer.rows[0]
     sink, body, win = expected_tiers(n)
-    assert (row.sink_k.shape[1], row.body_tokens, row.win_k.shape[1]) == (sink, body, win)
+    assert tiers(layer) == (sink, body, win)
     assert W <= win < W + P or n < S + W + P
     assert layer.get_seq_length() == n
-    k_read, v_read = layer.read(row)
-    k_dec, v_dec = layer.decode_row(row)  # the reference read buffer equals a decode of the stored format
-    assert torch.equal(k_read, k_dec) and torch.equal(v_read, v_dec)
+    k_read, v_read = layer.read(0)  # decoded from the stored format
     # sink and window are exact; the body equals quantize -> dequantize of the same tokens
     assert torch.equal(k_read[:, :sink], ks[:, :sink]) and torch.equal(k_read[:, sink + body:], ks[:, sink + body:])
     if body:
@@ -67,14 +70,15 @@ def test_byte_accounting_is_measured():
     assert st["tier_bytes"] == 2 * (sink + win) * H * D * 4  # float32 tiers in this test
     # INT2 codes (D/4 bytes) + fp16 scale and lo per 16-dim group, for K and V
     assert st["body_bytes"] == 2 * body * H * (D // 4 + 2 * 2 * (D // 16))
+    assert st["pool_bytes"] >= st["body_bytes"] + st["tier_bytes"]
 
 
 def test_bf16_spec_keeps_everything_unquantized():
     spec = CacheSpec(bits=None, sink=S, window=W, page_size=P, tier_dtype="float32")
     layer = HybridLayer(spec, LayerRotation(), D, H, 0, None)
     ks, _ = feed(layer, 100, 7)
-    assert layer.rows[0].body_tokens == 0
-    assert torch.equal(layer.read(layer.rows[0])[0], ks)
+    assert layer.state.body_count[0] == 0
+    assert torch.equal(layer.read(0)[0], ks)
 
 
 def test_prefill_chunks_see_the_quantized_cache():
@@ -89,7 +93,7 @@ def test_prefill_chunks_see_the_quantized_cache():
         b.update(k[:, :, i:i + 16], v[:, :, i:i + 16])
         outs.append(b.attend(q[:, :, i:i + 16], None, 0.25))
     assert torch.allclose(out_a, torch.cat(outs, 1), atol=1e-6)
-    assert torch.equal(a.read(a.rows[0])[0], b.read(b.rows[0])[0])
+    assert torch.equal(a.read(0)[0], b.read(0)[0])
 
 
 def test_left_padding_rows_match_single_rows():
@@ -104,7 +108,7 @@ def test_left_padding_rows_match_single_rows():
     ref = alone.attend(q[1:, :, 13:], None, 0.25)
     assert torch.allclose(out[1, 13:], ref[0], atol=1e-6)
     assert torch.equal(out[1, :13], torch.zeros_like(out[1, :13]))
-    assert layer.rows[1].length == 27 and layer.rows[0].length == 40
+    assert layer.state.lengths().tolist() == [40, 27]
 
 
 def test_right_padding_is_refused():
@@ -117,11 +121,16 @@ def test_right_padding_is_refused():
 
 def test_nan_in_states_is_refused_and_nothing_else_changes():
     layer = make_layer()
-    feed(layer, S + W)  # fills sink and window exactly; the next page flush quantizes
-    before = layer.read(layer.rows[0])[0].clone()
+    feed(layer, S + W + P)  # a page is about to leave the window
+    before = layer.read(0)[0].clone()
+    pages = layer.state.tier_free.used, layer.state.body_free.used
     k = torch.randn(1, H, P, D)
     k[0, 1, 2, 3] = float("nan")
     layer.update(k, k)
     with pytest.raises(ValueError, match="NaN or Inf"):
         layer.attend(torch.randn(1, H, P, D), None, 0.25)
-    assert torch.equal(layer.read(layer.rows[0])[0][:, : S + W], before)
+    assert torch.equal(layer.read(0)[0], before)
+    assert (layer.state.tier_free.used, layer.state.body_free.used) == pages
+    assert layer.get_seq_length() == S + W + P
+    feed(layer, 3, seed=5)  # and it keeps working
+    assert layer.get_seq_length() == S + W + P + 3

@@ -6,7 +6,10 @@ import torch
 from transformers.cache_utils import Cache
 
 from rotkv.cache.codecs import make_codecs
+import numpy as np
+
 from rotkv.cache.layer import HybridLayer
+from rotkv.cache.plan import PageState
 from rotkv.config import CacheSpec, get_preset
 from rotkv.hf import compat
 from rotkv.hf.attention import install
@@ -48,9 +51,13 @@ def layer_rotations(model, spec: CacheSpec, artifact: Artifact | str | None) -> 
 class RotkvCache(Cache):
     """A drop-in KV cache: ``model.generate(..., past_key_values=RotkvCache(model, "quarot-int2"))``.
 
-    Full-attention layers get a :class:`HybridLayer` (bf16 sink + quantized body + bf16 window);
-    sliding-window layers stay bf16 (transformers' own layer). Building the cache registers the
-    "rotkv" attention function and switches the model to it.
+    Full-attention layers get a :class:`HybridLayer` (bf16 sink + quantized body + bf16 window)
+    over page pools, all sharing one :class:`~rotkv.cache.plan.PageState` (the page lists and
+    free lists of the batch); sliding-window layers stay bf16 (transformers' own layer).
+    Building the cache registers the "rotkv" attention function and switches the model to it.
+
+    check_finite: refuse NaN/Inf keys and values (nothing is stored). It costs one device sync
+    per layer on the GPU; the CUDA-graph decode (``rotkv.cache.graph``) runs without it.
     """
 
     def __new__(cls, model=None, spec: CacheSpec | str = "quarot-int2", artifact=None, **overrides):
@@ -62,7 +69,8 @@ class RotkvCache(Cache):
             cls = BudgetCache
         return super().__new__(cls)
 
-    def __init__(self, model, spec: CacheSpec | str = "quarot-int2", artifact: Artifact | str | None = None, **overrides):
+    def __init__(self, model, spec: CacheSpec | str = "quarot-int2", artifact: Artifact | str | None = None,
+                 check_finite: bool = True, **overrides):
         check_supported(model)
         self.spec = resolve_spec(spec, **overrides)
         num_layers, kv_heads, head_dim = model_geometry(model.config)
@@ -75,6 +83,8 @@ class RotkvCache(Cache):
                 raise ValueError(f"key mean-centering is not exact on this model ({why}); use a preset without key_mean")
         rotations, self.artifact = layer_rotations(model, self.spec, artifact)
         windows = sliding_layers(model)
+        sp = self.spec
+        self.state = PageState(sp.sink, sp.window, sp.page_size, sp.quantized, sp.prefill_chunk)
         layers = []
         for i in range(num_layers):
             if windows[i] is not None:
@@ -85,25 +95,64 @@ class RotkvCache(Cache):
                 r = rotations[i]
                 codecs = make_codecs(self.spec.codec, self.spec.bits, self.spec.resolved_group(head_dim),
                                      r.clip_k or self.spec.clip_k, r.clip_v or self.spec.clip_v)
-            layers.append(HybridLayer(self.spec, rotations[i], head_dim, kv_heads, i, codecs, model.dtype))
+            layers.append(HybridLayer(self.spec, rotations[i], head_dim, kv_heads, i, codecs, model.dtype,
+                                      state=self.state, check_finite=check_finite))
         super().__init__(layers=layers)
         self.rotation_bytes = sum(r.nbytes for r in rotations)
         install(model)
+
+    # ---- batch edits: one page-list edit, then every layer copies the pages it must ---------------
+    def _select_rows(self, index) -> None:
+        index = np.asarray(index.tolist() if isinstance(index, torch.Tensor) else index, dtype=np.int64)
+        paged = [layer for layer in self.layers if isinstance(layer, HybridLayer)]
+        if paged and paged[0].is_initialized:
+            copies = self.state.select_rows(index)
+            for layer in paged:
+                layer.pools.fit(self.state.tier_free.capacity, self.state.body_free.capacity)
+                layer.pools.copy_pages(*(torch.as_tensor(c, device=layer.device) for c in copies))
+        for layer in self.layers:
+            if not isinstance(layer, HybridLayer) and getattr(layer, "is_initialized", False):
+                layer.reorder_cache(torch.as_tensor(index))  # index_select (row-store layers copy rows)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Rows become ``beam_idx`` (beam search); a row chosen twice gets its own copy of its pages."""
+        self._select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only these rows; the pages of the others go back to the free lists."""
+        self._select_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select_rows(np.repeat(np.arange(self.state.rows), repeats))
+
+    def reset(self) -> None:
+        """Forget every token; the pools keep their memory for the next batch."""
+        for layer in self.layers:
+            layer.reset()
+        self.state.reset(0)
+
+    def free_pages(self) -> dict[str, int]:
+        """Pages in use and free in the shared pools (every layer has the same)."""
+        st = self.state
+        return {"tier_used": st.tier_free.used, "tier_free": st.tier_free.free_count,
+                "body_used": st.body_free.used, "body_free": st.body_free.free_count}
 
     # ---- accounting ------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         """Measured resident bytes and bits per element over every layer and tier.
 
-        kv_bytes counts codes, metadata and the bf16 tiers (and bf16 sliding layers); rotation
-        matrices and means are reported apart as rotation_bytes, and the PyTorch reference reader's
-        float32 read buffer (not part of the cache format; the GPU kernels have none) as scratch_bytes.
+        kv_bytes counts codes, metadata and the bf16 tiers of the stored tokens (and bf16 sliding
+        layers); rotation matrices and means are reported apart as rotation_bytes, the PyTorch
+        reference reader's float32 mirror of the body (not part of the cache format; the GPU
+        kernels have none) as scratch_bytes, and the pools' allocated capacity (free pages
+        included) as pool_bytes.
         """
         tot = {"tokens": 0, "body_tokens": 0, "body_bytes": 0, "tier_bytes": 0, "scratch_bytes": 0, "elements": 0,
-               "body_elements": 0}
+               "body_elements": 0, "pool_bytes": 0}
         for layer in self.layers:
-            if isinstance(layer, HybridLayer):
+            if hasattr(layer, "stats"):
                 for k, v in layer.stats().items():
-                    tot[k] += v
+                    tot[k] = tot.get(k, 0) + v
             elif getattr(layer, "is_initialized", False) and layer.keys is not None:
                 tot["tier_bytes"] += layer.keys.numel() * layer.keys.element_size() * 2
                 tot["elements"] += layer.keys.numel() * 2
@@ -115,6 +164,7 @@ class RotkvCache(Cache):
             "tier_bytes": tot["tier_bytes"],
             "rotation_bytes": self.rotation_bytes,
             "scratch_bytes": tot["scratch_bytes"],
+            "pool_bytes": tot["pool_bytes"],
             "artifact_bytes": self.artifact.nbytes if self.artifact is not None else 0,
             "bits_per_element": 8 * kv_bytes / tot["elements"] if tot["elements"] else 0.0,
             "body_bits_per_element": 8 * tot["body_bytes"] / tot["body_elements"] if tot["body_elements"] else 0.0,

@@ -1,26 +1,34 @@
-"""One layer of the hybrid cache: bf16 sink + quantized body + bf16 recent window, per row.
+"""One layer of the hybrid cache over shared page pools: bf16 sink + quantized body + bf16 window.
 
-Every row (request) of a batch has its own storage, so a left-padded batch stores exactly
-what each request would store alone: pads are never stored, the sink is the first ``S`` real
-tokens of the row, and tokens leave the window in pages of ``P`` once it holds ``W + P``
-(so the window keeps ``W`` to ``W + P - 1`` tokens).
+Storage, per layer (``rotkv.cache.pools``): a tier pool ``[pages, kv_heads, P, D]`` in the tier
+dtype for the sink and the recent window, and a body pool of encoded pages (INT2: codes, fp16
+scale and minimum), both shared by every row of the batch. Which pages a row owns lives in the
+cache's :class:`~rotkv.cache.plan.PageState`, shared by all layers; this class never holds a
+per-row tensor.
 
-Keys are stored mean-centered and rotated, ``(k - mu) R_K``, in every tier; values as
-``v R_V``. Tensors are ``[kv_heads, tokens, D]`` per row.
+Semantics (the same as :class:`rotkv.cache.rowstore.RowStoreLayer`, the per-row reference):
+pads are never stored, the sink is the first ``S`` real tokens of a row, tokens leave the window
+in pages of ``P`` once it holds ``W + P`` (so it keeps ``W`` to ``W + P - 1`` tokens), and a
+prefill longer than ``prefill_chunk`` runs in chunks that attend to the quantized pages of the
+earlier chunks and to their own tokens at tier precision. Keys are stored ``(k - mu) R_K``,
+values ``v R_V``.
 
-The layer follows transformers' ``CacheLayerMixin``: ``update`` only records the new states
-(the registered attention function needs the padding mask to place them), then
-:meth:`HybridLayer.attend` runs the attention against what is stored and writes the new tokens.
+Each forward call is planned once for all layers (:meth:`PageState.plan`); a layer then runs,
+per step: one batched write of the new tokens into the tier pool, one attention over every row
+(on CUDA, a decode step is one call of the split-K kernel over the page tables), and one batched
+flush of the pages that leave the window (the fused write kernel on CUDA).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
+from rotkv.cache.codecs import TokenCodec
+from rotkv.cache.plan import PageState, Step, page_table
+from rotkv.cache.pools import LayerPools
 from rotkv.config import CacheSpec
 from rotkv.kernels import backend as kernels
 from rotkv.rotations.base import LayerRotation
@@ -28,69 +36,20 @@ from rotkv.rotations.base import LayerRotation
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-@dataclass
-class RowStore:
-    """The stored tokens of one row: sink and window in the tier dtype, body as encoded pages."""
-
-    sink_k: torch.Tensor
-    sink_v: torch.Tensor
-    win_k: torch.Tensor
-    win_v: torch.Tensor
-    body_k: dict[str, torch.Tensor] = field(default_factory=dict)
-    body_v: dict[str, torch.Tensor] = field(default_factory=dict)
-    body_tokens: int = 0
-    # The reference reader's float32 view of every stored token in order (sink, dequantized
-    # body, window): appends write into it and a page flush overwrites its tokens with their
-    # dequantized values, so a read never re-decodes or concatenates. It is scratch memory of
-    # the CPU/PyTorch reference path (the Triton decode kernel reads the packed pages instead)
-    # and is reported apart as scratch_bytes, not as resident cache.
-    view_k: torch.Tensor | None = None
-    view_v: torch.Tensor | None = None
-
-    @classmethod
-    def empty(cls, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> "RowStore":
-        z = lambda: torch.empty(heads, 0, head_dim, dtype=dtype, device=device)  # noqa: E731
-        return cls(z(), z(), z(), z())
-
-    @property
-    def length(self) -> int:
-        return self.sink_k.shape[1] + self.body_tokens + self.win_k.shape[1]
-
-    def tier_bytes(self) -> int:
-        return sum(_nbytes(t) for t in (self.sink_k, self.sink_v, self.win_k, self.win_v))
-
-    def body_bytes(self) -> int:
-        return sum(_nbytes(t) for t in (*self.body_k.values(), *self.body_v.values()))
-
-    def scratch_bytes(self) -> int:
-        return sum(_nbytes(t) for t in (self.view_k, self.view_v) if t is not None)
-
-    def write_view(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write float32 ``[H, m, D]`` states at token ``start`` of the read view, growing it as needed."""
-        end = start + k.shape[1]
-        if self.view_k is None or self.view_k.shape[1] < end:
-            cap = max(end + 64, (5 * (0 if self.view_k is None else self.view_k.shape[1])) // 4)  # +25%: geometric, but little slack
-            grow = lambda old: torch.cat([old[:, :start], torch.empty(  # noqa: E731
-                k.shape[0], cap - start, k.shape[2], dtype=torch.float32, device=k.device)], 1) \
-                if old is not None else torch.empty(k.shape[0], cap, k.shape[2], dtype=torch.float32, device=k.device)
-            self.view_k, self.view_v = grow(self.view_k), grow(self.view_v)
-        self.view_k[:, start:end] = k
-        self.view_v[:, start:end] = v
-
-
 class HybridLayer(CacheLayerMixin):
-    """A full-attention layer's cache; see the module docstring."""
+    """A full-attention layer's cache; see the module docstring.
+
+    ``state``: the :class:`PageState` shared with the cache's other layers (a layer built alone
+    makes its own).
+    """
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
     def __init__(self, spec: CacheSpec, rotation: LayerRotation, head_dim: int, kv_heads: int, layer_idx: int,
-                 codecs=None, model_dtype: torch.dtype = torch.float32):
+                 codecs=None, model_dtype: torch.dtype = torch.float32, state: PageState | None = None,
+                 check_finite: bool = True):
         super().__init__()
         self.spec, self.head_dim, self.kv_heads, self.layer_idx = spec, head_dim, kv_heads, layer_idx
         self.rotation_cpu = rotation
@@ -98,22 +57,24 @@ class HybridLayer(CacheLayerMixin):
         self.key_codec, self.value_codec = codecs if codecs is not None else (None, None)
         td = spec.tier_dtype
         self.tier_dtype = model_dtype if td == "model" else _DTYPES[td]
-        self.rows: list[RowStore] = []
-        self.seen = 0  # slots the model has sent, pads included (what transformers calls the sequence length)
+        self.state = state or PageState(spec.sink, spec.window, spec.page_size, spec.quantized, spec.prefill_chunk)
+        self.check_finite = check_finite
+        self.pools: LayerPools | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.read_view = True
+        self.static = None  # a rotkv.cache.graph.StaticDecode while a CUDA-graph decode step runs
 
     def __repr__(self) -> str:
-        return f"HybridLayer({self.layer_idx}, {self.spec.name}, rows={len(self.rows)}, seen={self.seen})"
+        return f"HybridLayer({self.layer_idx}, {self.spec.name}, rows={self.state.rows}, seen={self.state.seen})"
 
     # ---- CacheLayerMixin -----------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        # the float32 read buffer serves the PyTorch reader; the CUDA decode kernel reads the pages
-        self.read_view = not kernels.enabled(key_states)
         self.rotation = self.rotation_cpu.to(self.device)
-        self.rows = [RowStore.empty(self.kv_heads, self.head_dim, self.tier_dtype, self.device)
-                     for _ in range(key_states.shape[0])]
+        self.pools = LayerPools(self.kv_heads, self.head_dim, self.spec.page_size, self.tier_dtype, self.device,
+                                self.key_codec, self.value_codec,
+                                mirror=self.spec.quantized and not kernels.enabled(key_states))
+        if self.state.rows == 0 and self.state.seen == 0:
+            self.state.reset(key_states.shape[0])
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -124,107 +85,58 @@ class HybridLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if key_states.shape[0] != len(self.rows):
-            raise ValueError(f"batch size changed from {len(self.rows)} to {key_states.shape[0]} without reordering the cache")
+        if key_states.shape[0] != self.state.rows:
+            raise ValueError(f"batch size changed from {self.state.rows} to {key_states.shape[0]} without reordering the cache")
         if self.pending is not None:
             raise RuntimeError(
                 f"layer {self.layer_idx}: new states arrived before the previous ones were attended; "
                 "the model must run with attn_implementation='rotkv' (RotkvCache sets it)"
             )
-        self.seen += key_states.shape[-2]
         self.pending = (key_states, value_states)
         key_states._rotkv_layer = self
         return key_states, value_states
 
     def get_seq_length(self) -> int:
-        return self.seen
+        return self.state.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
+        return self.state.seen + query_length, 0
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
-        self.rows, self.seen, self.pending, self.is_initialized = [], 0, None, False
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.rows = [self._copy_row(self.rows[i]) for i in beam_idx.tolist()]
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.rows = [self.rows[i] for i in indices.tolist()]
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.rows = [self._copy_row(r) for r in self.rows for _ in range(repeats)]
+        """Forget every token (the pools keep their memory for the next batch)."""
+        self.pending = None
+        if self.is_initialized:
+            self.state.reset(0)
+        self.is_initialized = False
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("rotkv caches cannot be cropped: quantized tokens cannot be restored")
 
-    @staticmethod
-    def _copy_row(r: RowStore) -> RowStore:
-        n = r.length
-        views = (None, None) if r.view_k is None else (r.view_k[:, :n].clone(), r.view_v[:, :n].clone())
-        return RowStore(r.sink_k, r.sink_v, r.win_k, r.win_v, dict(r.body_k), dict(r.body_v), r.body_tokens, *views)
+    # ---- reading the stored tokens -------------------------------------------------------------
+    def read(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 ``[kv_heads, n, D]`` keys and values of one row in order (sink, dequantized body,
+        window), decoded from the stored format (never from the CPU mirror)."""
+        st = self.state
+        n_body = int(st.body_count[row])
+        pages = torch.as_tensor(st.body_pages[row, :n_body], device=self.device)
+        bk, bv = self.pools.body_dense(pages[None], torch.float32, use_mirror=False)
+        tt = int(st.tier_tokens[row])
+        s = min(tt, st.sink)
+        tk, tv = self.pools.tier_dense(*self._tier_index(st.tier_pages[row:row + 1], np.array([tt])), torch.float32)
+        cat = lambda t, b: torch.cat([t[0, :, :s], b[0], t[0, :, s:tt]], 1)  # noqa: E731
+        return cat(tk, bk), cat(tv, bv)
 
-    # ---- storage ---------------------------------------------------------------------------------
-    def _append(self, row: RowStore, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append rotated states ``[H, n, D]`` (float32) to a row: sink first, then the window;
-        full pages leave the window for the body."""
-        k, v = k.to(self.tier_dtype), v.to(self.tier_dtype)
-        if self.read_view:
-            row.write_view(row.length, k.float(), v.float())
-        room = max(0, self.spec.sink - row.sink_k.shape[1])
-        if room:
-            row.sink_k = torch.cat([row.sink_k, k[:, :room]], 1)
-            row.sink_v = torch.cat([row.sink_v, v[:, :room]], 1)
-            k, v = k[:, room:], v[:, room:]
-        if k.shape[1]:
-            row.win_k = torch.cat([row.win_k, k], 1)
-            row.win_v = torch.cat([row.win_v, v], 1)
-        if self.spec.quantized:
-            self._flush(row)
-
-    def _flush(self, row: RowStore) -> None:
-        p, w = self.spec.page_size, self.spec.window
-        n = row.win_k.shape[1]
-        pages = (n - w) // p if n >= w + p else 0
-        if not pages:
-            return
-        m = pages * p
-        start = row.sink_k.shape[1] + row.body_tokens
-        decoded = {}
-        for name, codec in (("k", self.key_codec), ("v", self.value_codec)):
-            win = getattr(row, f"win_{name}")
-            block = win[:, :m].float().reshape(self.kv_heads, pages, p, self.head_dim).transpose(0, 1)
-            parts = codec.encode(block)
-            if self.read_view:
-                decoded[name] = codec.decode(parts).transpose(0, 1).reshape(self.kv_heads, m, self.head_dim)
-            body = getattr(row, f"body_{name}")
-            for key, t in parts.items():
-                body[key] = torch.cat([body[key], t], 0) if key in body else t
-            setattr(row, f"win_{name}", win[:, m:].clone())
-        row.body_tokens += m
-        if self.read_view:
-            row.write_view(start, decoded["k"], decoded["v"])
-
-    def read(self, row: RowStore) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a reader sees: float32 ``[H, n, D]`` keys and values of a row, body dequantized
-        (a view of the row's read buffer, equal to :meth:`decode_row`)."""
-        n = row.length
-        if row.view_k is None:
-            return self.decode_row(row)
-        return row.view_k[:, :n], row.view_v[:, :n]
-
-    def decode_row(self, row: RowStore) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same as :meth:`read`, decoded from the stored tiers and pages alone."""
-        ks, vs = [row.sink_k.float()], [row.sink_v.float()]
-        if row.body_tokens:
-            for name, codec, out in (("k", self.key_codec, ks), ("v", self.value_codec, vs)):
-                x = codec.decode(getattr(row, f"body_{name}"))  # [nb, H, P, D]
-                out.append(x.transpose(0, 1).reshape(self.kv_heads, row.body_tokens, self.head_dim))
-        ks.append(row.win_k.float())
-        vs.append(row.win_v.float())
-        return torch.cat(ks, 1), torch.cat(vs, 1)
+    def _tier_index(self, pages: np.ndarray, tokens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page ``[B, Lt]``, offset ``[B, Lt]``) of the tier tokens of every row, padded by repeats."""
+        p, pad = self.spec.page_size, self.state.pad
+        lt = max(int(tokens.max(initial=0)), 1)
+        pos = pad + np.minimum(np.arange(lt)[None, :], np.maximum(tokens[:, None] - 1, 0))
+        pg = np.take_along_axis(pages, pos // p, 1) if pages.shape[1] else np.zeros_like(pos)
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)  # noqa: E731
+        return t(pg), t(pos % p)
 
     # ---- attention -----------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, real: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -232,56 +144,141 @@ class HybridLayer(CacheLayerMixin):
 
         real: ``[B, q]`` bool, which of the q new positions are real tokens (left padding only),
         or None when all are. Returns ``[B, q, q_heads, D]`` in the query dtype (zeros at pads).
-        Chunks of ``prefill_chunk`` queries attend to the stored (quantized) cache of the earlier
-        chunks plus their own states at full precision, then are written.
         """
+        if self.static is not None:
+            return self._attend_static(query, scaling)
         k_new, v_new = self.pending
         self.pending = None
-        if not (torch.isfinite(k_new).all() and torch.isfinite(v_new).all()):
-            self.seen -= k_new.shape[-2]  # nothing is stored: the cache stays as it was
-            raise ValueError(f"layer {self.layer_idx}: the new key/value states contain NaN or Inf; nothing was stored")
         b, hq, q, d = query.shape
+        counts = self._counts(real, b, q)
+        steps = self.state.steps_for(self.layer_idx, q, counts)
+        if self.check_finite and not bool(torch.isfinite(k_new).all() & torch.isfinite(v_new).all()):
+            self.state.rollback()  # nothing is stored: the cache stays as it was
+            raise ValueError(f"layer {self.layer_idx}: the new key/value states contain NaN or Inf; nothing was stored")
+        self.pools.fit(self.state.tier_free.capacity, self.state.body_free.capacity)
         rot = self.rotation
-        qr, kr, vr = rot.queries(query), rot.keys(k_new), rot.values(v_new)
-        out = torch.zeros(b, hq, q, d, dtype=torch.float32, device=query.device)
-        counts = [q] * b if real is None else real.sum(-1).tolist()
-        if real is not None:
-            # left padding only: the real tokens of each row must be a suffix of the new positions
-            starts = torch.tensor([q - c for c in counts], device=real.device)
-            suffix = torch.arange(q, device=real.device)[None] >= starts[:, None]
-            if not torch.equal(suffix, real.bool()):
-                raise ValueError("rotkv supports left padding only: the attention mask has a hole or right padding")
-        for i, row in enumerate(self.rows):
-            for c0 in range(q - counts[i], q, self.spec.prefill_chunk):
-                c1 = min(c0 + self.spec.prefill_chunk, q)
-                kc, vc = kr[i, :, c0:c1], vr[i, :, c0:c1]
-                o = kernels.attend_decode(self, row, qr[i, :, c0:c1], kc, vc, scaling)  # CUDA decode; else None
-                if o is None:
-                    past_k, past_v = self.read(row)
-                    o = _sdpa(qr[i, :, c0:c1], torch.cat([past_k, kc], 1), torch.cat([past_v, vc], 1), scaling)
-                out[i, :, c0:c1] = o
-                self._append(row, kc, vc)
-        return rot.outputs(out).transpose(1, 2).to(query.dtype)
+        kr, vr = rot.keys(k_new).to(self.tier_dtype), rot.values(v_new).to(self.tier_dtype)
+        qr = rot.queries(query)
+        if len(steps) == 1 and steps[0].decode:
+            out = self._step(steps[0], qr, kr, vr, scaling)  # [B, Hq, 1, D]
+        else:
+            out = torch.zeros(b, hq, q, d, dtype=torch.float32, device=query.device)
+            for step in steps:
+                o = self._step(step, qr, kr, vr, scaling)
+                rows, j, pos = step.device_query_out(self.device)
+                out[rows, :, pos] = o[rows, :, j].float()
+        return rot.outputs(out.float()).transpose(1, 2).to(query.dtype)
+
+    def _attend_static(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """A decode step on fixed buffers (planned and loaded by ``rotkv.cache.graph``): no host
+        work that depends on the step, so it can be captured in a CUDA graph."""
+        from rotkv.kernels.decode import decode_attention
+
+        st = self.static
+        k_new, v_new = self.pending
+        self.pending = None
+        rot = self.rotation
+        self.pools.write_tier(st.slots, rot.keys(k_new)[:, :, 0].to(self.tier_dtype),
+                              rot.values(v_new)[:, :, 0].to(self.tier_dtype))
+        body = self.pools.body_tensors() if self.spec.quantized else None
+        o = decode_attention(rot.queries(query)[:, :, 0], body, st.body if body is not None else None, st.body_max,
+                             (self.pools.tier_k, self.pools.tier_v), st.tier, st.tier_max, sm_scale=scaling,
+                             cfg=kernels.decode_config(), tier_start=self.state.pad)
+        return rot.outputs(o.float()[:, :, None]).transpose(1, 2).to(query.dtype)
+
+    @staticmethod
+    def _counts(real: torch.Tensor | None, b: int, q: int) -> np.ndarray:
+        if real is None:
+            return np.full(b, q, dtype=np.int64)
+        real = real.bool().cpu()
+        counts = real.sum(-1)
+        suffix = torch.arange(q)[None] >= (q - counts)[:, None]
+        if not torch.equal(suffix, real):
+            raise ValueError("rotkv supports left padding only: the attention mask has a hole or right padding")
+        return counts.numpy().astype(np.int64)
+
+    def _step(self, step: Step, qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, scaling: float) -> torch.Tensor:
+        rows, pos, slots = step.device_write(self.device)
+        self.pools.write_tier(slots, kr[rows, :, pos], vr[rows, :, pos])
+        if step.decode and self._kernel_ok(qr):
+            o = self._attend_kernel(step, qr[:, :, 0], scaling)[:, :, None]
+        else:
+            o = self._attend_dense(step, qr, scaling)
+        if len(step.flush):
+            self.pools.flush(*step.device_flush(self.device))
+        return o
+
+    def _kernel_ok(self, q: torch.Tensor) -> bool:
+        if not kernels.enabled(q):
+            return False
+        if not self.spec.quantized:
+            return True
+        return all(isinstance(c, TokenCodec) and c.bits == 2 for c in (self.key_codec, self.value_codec))
+
+    def _attend_kernel(self, step: Step, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """One decode token of every row: the split-K kernel over the body and tier page tables."""
+        from rotkv.kernels.decode import decode_attention
+
+        t = step.device_tables(self.device, self.state)
+        body = self.pools.body_tensors() if self.spec.quantized and t.body_max > 0 else None
+        return decode_attention(q, body, t.body if body is not None else None, t.body_max,
+                                (self.pools.tier_k, self.pools.tier_v), t.tier, t.tier_max, sm_scale=scaling,
+                                cfg=kernels.decode_config(), tier_start=self.state.pad).float()
+
+    def _attend_dense(self, step: Step, qr: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Dense attention of the step's queries: body dequantized once, tier gathered, one SDPA."""
+        dev = self.device
+        # bf16 SDPA on the GPU (the tier's own precision), float32 elsewhere (the CPU reference)
+        cdt = torch.bfloat16 if (qr.is_cuda and self.tier_dtype != torch.float32) else torch.float32
+        pg, off = step.cached(("tier_index", dev), lambda: self._tier_index(step.tier_pages, step.tier_tokens))
+        tk, tv = self.pools.tier_dense(pg, off, cdt)  # [B, H, Lt, D]
+        nb = int(step.body_count.max(initial=0))
+        if self.spec.quantized and nb:
+            pages = step.cached(("body_pages", dev), lambda: torch.from_numpy(
+                np.ascontiguousarray(step.body_pages[:, :nb])).to(dev))
+            t = step.device_tables(dev, self.state) if self.pools.can_dequant_kernel else None
+            bk, bv = self.pools.body_dense(pages, cdt, table=t.body if t is not None else None)
+            k, v = torch.cat([bk, tk], 2), torch.cat([bv, tv], 2)
+        else:
+            nb = 0
+            k, v = tk, tv
+        mask = step.cached(("mask", dev, nb), lambda: _mask(step, self.spec.page_size, nb, tk.shape[2], dev))
+        qpos, _ = step.device_query(dev)
+        b, hq, _, d = qr.shape
+        qc = qr.gather(2, qpos[:, None, :, None].expand(-1, hq, -1, d)).to(cdt)
+        o = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=scaling, enable_gqa=hq != k.shape[1])
+        return o
 
     # ---- accounting ------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        tokens = sum(r.length for r in self.rows)
-        body_tokens = sum(r.body_tokens for r in self.rows)
+        st = self.state
+        tokens = int(st.lengths().sum()) if st.rows else 0
+        body_tokens = int(st.body_count.sum()) * self.spec.page_size if st.rows else 0
+        tier_tokens = int(st.tier_tokens.sum()) if st.rows else 0
+        pools = self.pools
         return {
             "tokens": tokens,
             "body_tokens": body_tokens,
-            "body_bytes": sum(r.body_bytes() for r in self.rows),
-            "tier_bytes": sum(r.tier_bytes() for r in self.rows),
-            "scratch_bytes": sum(r.scratch_bytes() for r in self.rows),
+            "body_bytes": body_tokens // self.spec.page_size * pools.body_page_bytes if pools else 0,
+            "tier_bytes": tier_tokens * 2 * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.tier_dtype).element_size(),
+            "scratch_bytes": pools.mirror_bytes() if pools else 0,
+            "pool_bytes": pools.nbytes() if pools else 0,
             "elements": 2 * tokens * self.kv_heads * self.head_dim,
             "body_elements": 2 * body_tokens * self.kv_heads * self.head_dim,
         }
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal attention of the last ``m`` positions: ``q [Hq, m, D]``, ``k, v [H, n + m, D]``."""
-    m, total = q.shape[1], k.shape[1]
-    allowed = torch.arange(total, device=q.device)[None] <= (total - m + torch.arange(m, device=q.device))[:, None]
-    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=allowed, scale=scaling,
-                                       enable_gqa=q.shape[0] != k.shape[0])
-    return o[0]
+def _mask(step: Step, page: int, body_pages: int, tier_len: int, device) -> torch.Tensor:
+    """``[B, 1, C, body_pages * page + tier_len]`` bool: which keys each query of the step may read."""
+    c = step.query_pos.shape[1]
+    body_len = body_pages * page
+    p_body = np.arange(body_len)[None, None, :] < step.body_count[:, None, None] * page
+    t = np.arange(tier_len)[None, None, :]
+    j = np.arange(c)[None, :, None]
+    p_tier = (t < step.tier_tokens[:, None, None]) & (t <= step.tier_before[:, None, None] + j)
+    body = np.broadcast_to(p_body, (len(step.tier_tokens), c, body_len))
+    m = np.concatenate([body, p_tier], 2)
+    # queries that are not real (ragged last chunks) read key 0 so that no row is empty (output unused)
+    dead = np.arange(c)[None, :] >= step.query_count[:, None]
+    m[:, :, 0] |= dead
+    return torch.from_numpy(m[:, None]).to(device)

@@ -1,4 +1,7 @@
-"""A paged pool for the quantized body and the bf16 tier, with a flashinfer-style page table.
+"""Stand-alone page pools and a page table, in the layout the kernels read (kernel tests, benchmarks).
+
+The cache itself keeps its pages in ``rotkv.cache.pools`` (one per layer) and its page lists in
+``rotkv.cache.plan`` (shared by the layers); both use the layout described here.
 
 Layout is HND per page (a page holds ``P`` tokens of every KV head, one head's tokens contiguous):
 
@@ -18,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from rotkv.kernels.reference import lengths_from_table  # noqa: F401  (re-exported: the table's vocabulary)
 
 
 class PagePool:
@@ -139,9 +144,3 @@ def page_table_tensors(lengths: list[int], pages: list[list[int]], page_size: in
         last.append(n - (used - 1) * page_size if used else 0)
     mk = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     return mk(indptr), mk(indices), mk(last)
-
-
-def lengths_from_table(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Token count of every request ``[B]`` (int64) from a page table."""
-    n = (kv_indptr[1:] - kv_indptr[:-1]).long()
-    return torch.where(n > 0, (n - 1) * page_size + kv_last_page_len.long(), torch.zeros_like(n))

@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from rotkv.cache.cache import RotkvCache, resolve_spec
-from rotkv.cache.layer import HybridLayer, RowStore
+from rotkv.cache.layer import HybridLayer
+from rotkv.cache.rowstore import RowStore, RowStoreLayer
 from rotkv.config import CacheSpec
 from rotkv.quant.progressive import (
     ProgressiveRows,
@@ -100,7 +101,7 @@ def _bytes(row: RowStore) -> int:
     return row.tier_bytes() + row.body_bytes()
 
 
-class ProgressiveLayer(HybridLayer):
+class ProgressiveLayer(RowStoreLayer):
     """A hybrid layer whose body shrinks to stay within its budget; see the module docstring."""
 
     def __init__(self, *args, final_bits: int, budget: int, **kwargs):
@@ -159,7 +160,7 @@ def _drop_view(row: RowStore, start: int, count: int) -> None:
         row.view_k, row.view_v = cut(row.view_k), cut(row.view_v)
 
 
-class EvictingLayer(HybridLayer):
+class EvictingLayer(RowStoreLayer):
     """Fixed width (or bf16) with a budget: drops the oldest tokens after the sink; see the module docstring."""
 
     def __init__(self, *args, budget: int, **kwargs):
@@ -217,7 +218,7 @@ class BudgetCache(RotkvCache):
             if isinstance(layer, HybridLayer):
                 self.layers[i] = self._budgeted(layer, widths[i], model.dtype)
 
-    def _budgeted(self, old: HybridLayer, final: int | None, model_dtype: torch.dtype) -> HybridLayer:
+    def _budgeted(self, old: HybridLayer, final: int | None, model_dtype: torch.dtype) -> RowStoreLayer:
         spec, d = self.spec, self.head_dim
         args = (spec, old.rotation_cpu, d, self.kv_heads, old.layer_idx)
         tier_size = torch.empty(0, dtype=old.tier_dtype).element_size()

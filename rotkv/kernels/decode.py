@@ -387,10 +387,11 @@ def _int2_part_v2(
 @triton.jit
 def _bf16_part(
     q_ptr, tk_ptr, tv_ptr, indptr_ptr, indices_ptr, last_ptr,
-    o_ptr, m_ptr, l_ptr, b, h, s, s_out, H, HQ, NS, qk_scale, tokens_per_split,
+    o_ptr, m_ptr, l_ptr, b, h, s, s_out, H, HQ, NS, qk_scale, tokens_per_split, tier_start,
     REP: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
     STATIC_STEPS: tl.constexpr, F16: tl.constexpr,
 ):
+    # positions below tier_start hold no token (the cache aligns the window to a page boundary)
     start, tok_lo, tok_hi = _split_range(indptr_ptr, last_ptr, b, s, P, tokens_per_split)
     offs_r = tl.arange(0, HPAD)
     rmask = offs_r < REP
@@ -405,7 +406,7 @@ def _bf16_part(
     hh = h.to(tl.int64)
     for it in range(0, _n_steps(tok_lo, tok_hi, BLOCK_N, STATIC_STEPS)):
         offs_n = tok_lo + it * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = offs_n < tok_hi
+        nmask = (offs_n < tok_hi) & (offs_n >= tier_start)
         page = tl.load(indices_ptr + start + offs_n // P, mask=nmask, other=0).to(tl.int64)
         row = (page * H + hh) * P + offs_n % P
         k = _mma(tl.load(tk_ptr + row[:, None] * D + offs_d[None, :], mask=nmask[:, None], other=0.0), F16)
@@ -425,7 +426,7 @@ def _split_kernel(
     q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
     tk_ptr, tv_ptr, tindptr_ptr, tindices_ptr, tlast_ptr,
     o_ptr, m_ptr, l_ptr, H, HQ, NS, n_int2_splits, s0, qk_scale, tokens_per_split, tier_tokens_per_split,
-    REP: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, PT: tl.constexpr,
+    tier_start, REP: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, PT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, QK_INT8: tl.constexpr, USE_ASM: tl.constexpr,
     HAS_INT2: tl.constexpr, HAS_TIER: tl.constexpr, STATIC_STEPS: tl.constexpr,
     TIER_STATIC_STEPS: tl.constexpr, F16: tl.constexpr, V2: tl.constexpr, RP: tl.constexpr, PB: tl.constexpr,
@@ -444,7 +445,7 @@ def _split_kernel(
     elif HAS_TIER:
         _bf16_part(q_ptr, tk_ptr, tv_ptr, tindptr_ptr, tindices_ptr, tlast_ptr,
                    o_ptr, m_ptr, l_ptr, b, h, s - n_int2_splits, s, H, HQ, NS, qk_scale, tier_tokens_per_split,
-                   REP, HPAD, D, PT, BLOCK_T, TIER_STATIC_STEPS, F16)
+                   tier_start, REP, HPAD, D, PT, BLOCK_T, TIER_STATIC_STEPS, F16)
 
 
 @triton.jit
@@ -566,13 +567,14 @@ def _use_cuda_body(cfg: DecodeConfig, q: torch.Tensor, body: tuple, rep: int) ->
 def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, max_len: int,
                      tier: tuple | None = None, tier_table: tuple | None = None, tier_max_len: int = 0,
                      sm_scale: float | None = None, cfg: DecodeConfig | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, tier_start: int = 0) -> torch.Tensor:
     """Attention of one decode token per request over an INT2 paged body and a bf16 paged tier.
 
     q ``[B, Hq, D]`` (rotated by R_K; any float dtype). body ``(k_codes, k_scale, k_lo, v_codes,
     v_scale, v_lo)`` as in :class:`~rotkv.cache.paged.Int2PagePool`; table ``(kv_indptr, kv_indices,
     kv_last_page_len)``; ``max_len``: the longest request's body length (host int, sizes the grid).
-    tier ``(k, v)`` ``[NPT, H, PT, D]`` with ``tier_table`` and ``tier_max_len`` likewise.
+    tier ``(k, v)`` ``[NPT, H, PT, D]`` with ``tier_table`` and ``tier_max_len`` likewise; tier
+    positions below ``tier_start`` are skipped (they hold no token).
     Returns ``[B, Hq, D]`` in q's dtype (or written into ``out``).
     """
     cfg = cfg or DecodeConfig()
@@ -638,7 +640,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
         if has_int2 or n_tier > 0:  # whatever the CUDA body kernel did not write
             _split_kernel[(b_sz * h, n_int2 + n_tier - s0)](
                 q, *bt, *tb, *tt, *ttb, o_part, m_part, l_part, h, hq, ns, n_int2, s0, sm_scale * LOG2E, per, tper,
-                REP=rep, HPAD=hpad, D=d, G=g, P=p, PT=pt, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
+                tier_start, REP=rep, HPAD=hpad, D=d, G=g, P=p, PT=pt, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
                 QK_INT8=cfg.qk_int8 and (d >= 128 or v2), USE_ASM=use_asm, HAS_INT2=has_int2, HAS_TIER=has_tier,
                 STATIC_STEPS=per // cfg.block_n if _interpreting() else 0,
                 TIER_STATIC_STEPS=tper // cfg.block_t if _interpreting() else 0, F16=_interpreting(),

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from rotkv.cache.paged import lengths_from_table
 from rotkv.quant.packing import unpack
 from rotkv.quant.quantizer import quantize
+
+
+def lengths_from_table(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Token count of every request ``[B]`` (int64) from a page table."""
+    n = (kv_indptr[1:] - kv_indptr[:-1]).long()
+    return torch.where(n > 0, (n - 1) * page_size + kv_last_page_len.long(), torch.zeros_like(n))
 
 
 def quant_write_reference(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
@@ -65,12 +70,14 @@ def dequant_pages(pool_k: tuple, pool_v: tuple, kv_indptr: torch.Tensor, kv_indi
 
 def decode_reference(q: torch.Tensor, pool_k: tuple | None, pool_v: tuple | None, table: tuple | None,
                      tier_k: torch.Tensor | None = None, tier_v: torch.Tensor | None = None,
-                     tier_table: tuple | None = None, sm_scale: float | None = None) -> torch.Tensor:
+                     tier_table: tuple | None = None, sm_scale: float | None = None,
+                     tier_start: int = 0) -> torch.Tensor:
     """One decode step in float32.
 
     q ``[B, Hq, D]`` (already rotated); pool_k/pool_v ``(codes, scale, lo)``; table
     ``(kv_indptr, kv_indices, kv_last_page_len)`` of the INT2 body; tier_k/tier_v
-    ``[NPT, H, PT, D]`` with tier_table likewise. Returns ``[B, Hq, D]`` float32.
+    ``[NPT, H, PT, D]`` with tier_table likewise (positions below ``tier_start`` hold no token).
+    Returns ``[B, Hq, D]`` float32.
     """
     b_sz, hq, d = q.shape
     sm_scale = d ** -0.5 if sm_scale is None else sm_scale
@@ -85,8 +92,8 @@ def decode_reference(q: torch.Tensor, pool_k: tuple | None, pool_v: tuple | None
             ks.append(body[b][0]), vs.append(body[b][1])
         if tier_table is not None:
             idx = tier_table[1][tier_table[0][b]:tier_table[0][b + 1]]
-            ks.append(_gather(tier_k, idx, tier_lens[b]).float())
-            vs.append(_gather(tier_v, idx, tier_lens[b]).float())
+            ks.append(_gather(tier_k, idx, tier_lens[b])[:, tier_start:].float())
+            vs.append(_gather(tier_v, idx, tier_lens[b])[:, tier_start:].float())
         k, v = torch.cat(ks, 1), torch.cat(vs, 1)  # [H, L, D]
         rep = hq // k.shape[0]
         k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)

@@ -1,0 +1,133 @@
+"""Decode steps of a model over a :class:`~rotkv.cache.RotkvCache` captured in one CUDA graph.
+
+How (gpt-fast's and the serving engines' recipe): the pools are sized up front for
+``max_len`` tokens per row (:meth:`StaticDecode.reserve`), so their addresses never change; each
+step's page tables and write slots are copied into fixed buffers sized for that capacity; the
+kernels' grids are sized by the capacity (rows shorter than it exit early). Per step, on the
+host: plan the step (``PageState.plan``), copy its tables into the buffers, replay the graph,
+then run the step's flush (pages leaving the window, every ``page_size`` steps) eagerly, outside
+the graph. Inside the graph nothing syncs with the host: the NaN check is off.
+
+Use it through :func:`rotkv.generation.generate_batch` (``cuda_graph=True``) or
+``rotkv generate --cuda-graph``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import torch
+
+from rotkv.cache.layer import HybridLayer
+from rotkv.cache.plan import Step
+
+
+class StaticDecode:
+    """Fixed device buffers that a captured decode step reads: write slots and page tables."""
+
+    def __init__(self, cache, rows: int, max_len: int):
+        st = cache.state
+        if st.rows != rows:
+            raise ValueError(f"the cache holds {st.rows} rows, not {rows}")
+        self.layers = [layer for layer in cache.layers if isinstance(layer, HybridLayer)]
+        if len(self.layers) != len(cache.layers):
+            raise ValueError("CUDA-graph decode needs every layer in rotkv's paged pools (no sliding-window "
+                             "or budgeted layers); run without cuda_graph")
+        dev = self.layers[0].device
+        p = st.page
+        self.body_pages = -(-max_len // p) if st.quantized else 0
+        self.tier_pages = (st.sink_pages + -(-(st.window + p) // p) + 1) if st.quantized else -(-(st.pad + max_len) // p)
+        # capacity: every row at max_len, plus what a prefill chunk held (already allocated)
+        st.tier_free.grow(max(st.tier_free.capacity, st.tier_free.used + rows * self.tier_pages))
+        st.body_free.grow(max(st.body_free.capacity, rows * self.body_pages + 1))
+        for layer in self.layers:
+            layer.pools.fit(st.tier_free.capacity, st.body_free.capacity)
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.slots = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.body = (torch.zeros(rows + 1, **i32), torch.zeros(max(1, rows * self.body_pages), **i32),
+                     torch.zeros(rows, **i32))
+        self.tier = (torch.zeros(rows + 1, **i32), torch.zeros(rows * self.tier_pages, **i32), torch.zeros(rows, **i32))
+        self.body_max = self.body_pages * p
+        self.tier_max = self.tier_pages * p
+        self.state, self.rows, self.max_len = st, rows, max_len
+
+    def load(self, step: Step) -> None:
+        """Copy a decode step's slots and tables into the buffers."""
+        if not step.decode:
+            raise ValueError("only decode steps (one new token per row) run in the CUDA graph")
+        if int(self.state.lengths().max()) > self.max_len:
+            raise ValueError(f"a row is longer than the graph's capacity of {self.max_len} tokens")
+        dev = self.slots.device
+        self.slots.copy_(torch.from_numpy(step.write_slots).to(dev, non_blocking=True))
+        t = step.device_tables(dev, self.state)
+        for dst, src in zip(self.body + self.tier, t.body + t.tier):
+            dst[: src.numel()].copy_(src)
+
+
+class GraphDecoder:
+    """One greedy decode step of ``model`` over ``cache``, replayed from a CUDA graph.
+
+    Build it after the prefill; :meth:`step` takes the last tokens ``[B]`` and their positions
+    ``[B]`` and returns the logits ``[B, vocab]`` of the next token.
+    """
+
+    def __init__(self, model, cache, max_len: int, cache_kwarg: str = "past_key_values"):
+        if not torch.cuda.is_available() or model.device.type != "cuda":
+            raise ValueError("cuda_graph needs the model on a CUDA device")
+        self.model, self.cache, self.kw = model, cache, cache_kwarg
+        rows = cache.state.rows
+        self.static = StaticDecode(cache, rows, max_len)
+        dev = model.device
+        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        self.takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
+        self.cache_position = torch.zeros(1, dtype=torch.long, device=dev)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+    def _forward(self) -> torch.Tensor:
+        extra = {"cache_position": self.cache_position} if self.takes_cache_position else {}
+        out = self.model(input_ids=self.ids, position_ids=self.pos, use_cache=True, **extra,
+                         **{self.kw: self.cache})
+        return out.logits[:, -1]
+
+    def _run_static(self, fn):
+        for layer in self.static.layers:
+            layer.static = self.static
+        try:
+            return fn()
+        finally:
+            for layer in self.static.layers:
+                layer.static = None
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        st = self.cache.state
+        step = st.plan(1, np.ones(st.rows, dtype=np.int64))[0]
+        self.static.load(step)
+        self.ids.copy_(tokens.view(-1, 1))
+        self.pos.copy_(positions.view(-1, 1))
+        self.cache_position.fill_(st.seen - 1)
+        if self.graph is None:
+            # the first step runs eagerly on a side stream (it compiles and warms every kernel) and
+            # is a real step; the graph is captured after it
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                logits = self._run_static(self._forward).clone()
+            torch.cuda.current_stream().wait_stream(s)
+            self._flush(step)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._run_static(self._forward)
+            return logits
+        self.graph.replay()
+        self._flush(step)
+        return self.logits
+
+    def _flush(self, step: Step) -> None:
+        if len(step.flush):
+            src, dst = step.device_flush(self.model.device)
+            for layer in self.static.layers:
+                layer.pools.flush(src, dst)

@@ -1,0 +1,356 @@
+"""The host-side page bookkeeping of a paged cache, and the plan of one forward call.
+
+Every layer of a cache stores the same tokens at the same places, so one :class:`PageState`
+(shared by all layers) holds, per row of the batch:
+
+- the **tier** pages (bf16 sink + recent window) and how many tokens they hold;
+- the **body** pages (quantized, always full: ``P`` tokens each);
+- two free lists, one per pool.
+
+Tier positions. The sink is laid out so that the window starts on a page boundary: sink token
+``j`` sits at tier position ``pad + j`` with ``pad = (-S) % P``, the window's first token at
+position ``pad + S`` (a multiple of ``P``). Positions ``[0, pad)`` are never read (the kernels
+and gathers start at ``pad``). So a window page that leaves for the body is always one whole
+tier page, and the tier of a row is a plain page list: ``kv_indptr``, ``kv_indices`` and
+``kv_last_page_len`` describe it as they describe the body.
+
+Once per forward call, :meth:`PageState.plan` turns the new tokens of every row (left padding:
+the real tokens are a suffix of the call's positions) into :class:`Step` s, one per prefill chunk
+(decode: one step). A step says where each new token is written, which pages the attention
+reads, and which window pages leave for the body after it (the *flush*). Layers then execute
+the steps on their own pools; nothing in a step depends on the layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+class FreeList:
+    """Page ids ``0 .. capacity-1`` not in use; a stack that hands out low ids first."""
+
+    def __init__(self, capacity: int = 0):
+        self.capacity = 0
+        self._stack = np.zeros(0, dtype=np.int64)
+        self._top = 0
+        self.grow(capacity)
+
+    def grow(self, capacity: int) -> None:
+        """Add ids up to ``capacity`` (the pools must then be at least that large)."""
+        if capacity <= self.capacity:
+            return
+        new = np.arange(capacity - 1, self.capacity - 1, -1, dtype=np.int64)  # high ids at the bottom
+        stack = np.empty(capacity, dtype=np.int64)
+        stack[: len(new)] = new
+        stack[len(new): len(new) + self._top] = self._stack[: self._top]
+        self._stack, self._top, self.capacity = stack, len(new) + self._top, capacity
+
+    def alloc(self, n: int) -> np.ndarray:
+        """``n`` page ids (grows the capacity by at least 25% when the stack runs out)."""
+        if n > self._top:
+            self.grow(max(self.capacity + n - self._top, (5 * self.capacity) // 4 + 16))
+        self._top -= n
+        return self._stack[self._top: self._top + n][::-1].copy()
+
+    def free(self, pages: np.ndarray) -> None:
+        pages = np.asarray(pages, dtype=np.int64)
+        if len(pages):
+            self._stack[self._top: self._top + len(pages)] = pages[::-1]
+            self._top += len(pages)
+
+    @property
+    def free_count(self) -> int:
+        return self._top
+
+    @property
+    def used(self) -> int:
+        return self.capacity - self._top
+
+
+@dataclass
+class Flush:
+    """Window pages that leave for the body: ``rows[i]``'s tier page ``src[i]`` becomes body page ``dst[i]``."""
+
+    rows: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+@dataclass
+class Step:
+    """One chunk of a forward call (a decode call is one step).
+
+    write: where the new tokens go, as flat arrays over the written tokens: batch row, position
+    in the call (``[0, q)``), and tier slot (``page * P + offset``).
+    query: ``[B, C]`` call positions of the chunk's queries per row and ``[B]`` how many are real.
+    Tables (int64, host): ``tier_pages [B, Tmax]`` with ``tier_tokens [B]`` (tokens, the pad not
+    counted) and ``body_pages [B, Nmax]`` with ``body_count [B]`` (full pages), as they are
+    when the chunk attends (its own tokens written, the flush not yet done). ``tier_before [B]``:
+    tier tokens before the chunk's own (the causal offset of its queries).
+    """
+
+    write_rows: np.ndarray
+    write_pos: np.ndarray
+    write_slots: np.ndarray
+    query_pos: np.ndarray
+    query_count: np.ndarray
+    tier_pages: np.ndarray
+    tier_tokens: np.ndarray
+    tier_before: np.ndarray
+    body_pages: np.ndarray
+    body_count: np.ndarray
+    flush: Flush
+    decode: bool  # one new real token per row
+
+    def __post_init__(self):
+        self._cache: dict = {}
+
+    def cached(self, key, make):
+        """A device tensor (or tuple) built once per step and shared by every layer."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def device_write(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(batch row, call position, tier slot) of every written token, int64 on ``device``."""
+        return self.cached(("write", device), lambda: tuple(
+            _dev(a, device) for a in (self.write_rows, self.write_pos, self.write_slots)))
+
+    def device_query(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, C]`` call positions of the step's queries and whether each is real."""
+        def make():
+            valid = np.arange(self.query_pos.shape[1])[None, :] < self.query_count[:, None]
+            return _dev(self.query_pos, device), _dev(valid, device)
+        return self.cached(("query", device), make)
+
+    def device_query_out(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(batch row, query index in the step, call position) of every real query of the step."""
+        def make():
+            rows, j = np.nonzero(np.arange(self.query_pos.shape[1])[None, :] < self.query_count[:, None])
+            return _dev(rows, device), _dev(j, device), _dev(self.query_pos[rows, j], device)
+        return self.cached(("query_out", device), make)
+
+    def device_flush(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tier pages, body pages) of the flush, int64 on ``device``."""
+        return self.cached(("flush", device), lambda: (_dev(self.flush.src, device), _dev(self.flush.dst, device)))
+
+    def device_tables(self, device, state: "PageState") -> "Tables":
+        """The page tables of the body and the tier (int32, flashinfer's vocabulary) on ``device``."""
+        return self.cached(("tables", device), lambda: state.tables(self, device))
+
+
+@dataclass
+class Tables:
+    """``body``/``tier``: ``(kv_indptr, kv_indices, kv_last_page_len)``; ``*_max``: the longest
+    row's token count (tier: in positions, the pad included), which sizes the kernel's grid."""
+
+    body: tuple
+    body_max: int
+    tier: tuple
+    tier_max: int
+
+
+def _dev(a: np.ndarray, device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+
+
+class PageState:
+    """Page lists, token counts and free lists of one batch, shared by every layer of a cache."""
+
+    def __init__(self, sink: int, window: int, page_size: int, quantized: bool, chunk: int):
+        self.sink, self.window, self.page, self.quantized, self.chunk = sink, window, page_size, quantized, chunk
+        self.pad = (-sink) % page_size
+        self.sink_pages = (self.pad + sink) // page_size
+        self.tier_free, self.body_free = FreeList(), FreeList()
+        self.reset(0)
+
+    def reset(self, rows: int) -> None:
+        self.rows = rows
+        self.tier_tokens = np.zeros(rows, dtype=np.int64)
+        self.body_count = np.zeros(rows, dtype=np.int64)
+        self.tier_pages = np.zeros((rows, 4), dtype=np.int64)
+        self.body_pages = np.zeros((rows, 4), dtype=np.int64)
+        self.tier_free, self.body_free = FreeList(self.tier_free.capacity), FreeList(self.body_free.capacity)
+        self.seen = 0  # positions the model has sent, pads included (transformers' sequence length)
+        self.plan_steps: list[Step] = []
+        self._attended: set = {None}  # layers that ran the current plan ({None}: no plan yet)
+        self._undo = None
+
+    def steps_for(self, layer: int, q: int, counts: np.ndarray) -> list[Step]:
+        """The current call's steps: planned by the first layer that attends, reused by the others."""
+        if layer in self._attended or None in self._attended:
+            self.plan(q, counts)
+            self._attended = set()
+        self._attended.add(layer)
+        return self.plan_steps
+
+    def tables(self, step: Step, device) -> Tables:
+        p = self.page
+        bc = step.body_count
+        body = page_table(step.body_pages, bc, np.where(bc > 0, p, 0), device)
+        used = self.tier_used_pages(step.tier_tokens)
+        tpos = np.where(step.tier_tokens > 0, self.pad + step.tier_tokens, 0)
+        tier = page_table(step.tier_pages, used, tpos - np.maximum(used - 1, 0) * p, device)
+        return Tables(body, int(bc.max(initial=0)) * p, tier, int(tpos.max(initial=0)))
+
+    # ---- per-row quantities -------------------------------------------------------------------
+    def tier_used_pages(self, tokens: np.ndarray | None = None) -> np.ndarray:
+        t = self.tier_tokens if tokens is None else tokens
+        return np.where(t > 0, -(-(self.pad + t) // self.page), 0)
+
+    def lengths(self) -> np.ndarray:
+        """Stored tokens of every row."""
+        return self.tier_tokens + self.body_count * self.page
+
+    def sink_tokens(self) -> np.ndarray:
+        return np.minimum(self.tier_tokens, self.sink)
+
+    # ---- growth of the host arrays --------------------------------------------------------------
+    @staticmethod
+    def _widen(a: np.ndarray, cols: int) -> np.ndarray:
+        if cols <= a.shape[1]:
+            return a
+        out = np.zeros((a.shape[0], max(cols, a.shape[1] * 5 // 4 + 4)), dtype=a.dtype)
+        out[:, : a.shape[1]] = a
+        return out
+
+    # ---- planning -------------------------------------------------------------------------------
+    def plan(self, q: int, counts: np.ndarray) -> list[Step]:
+        """Plan a forward call of ``q`` positions whose last ``counts[b]`` are real; commits the
+        page bookkeeping (undo with :meth:`rollback` if the call fails before it stores anything)."""
+        counts = np.asarray(counts, dtype=np.int64)
+        if len(counts) != self.rows:
+            raise ValueError(f"batch size changed from {self.rows} to {len(counts)} without reordering the cache")
+        self._undo_q = q
+        self._undo = (self.tier_tokens.copy(), self.body_count.copy(), self.tier_pages.copy(), self.body_pages.copy(),
+                      self.tier_free._stack.copy(), self.tier_free._top, self.tier_free.capacity,
+                      self.body_free._stack.copy(), self.body_free._top, self.body_free.capacity)
+        freed: list[np.ndarray] = []  # tier pages released during the call go back at its end
+        steps = []
+        c = self.chunk
+        n_steps = max(1, -(-int(counts.max(initial=0)) // c))
+        first = q - counts  # call position of each row's first real token
+        for k in range(n_steps):
+            n = np.clip(counts - k * c, 0, c)
+            steps.append(self._step(first + k * c, n, q, freed, decode=(q == 1 and bool((counts == 1).all()))))
+        for pages in freed:
+            self.tier_free.free(pages)
+        self.seen += q
+        self.plan_steps = steps
+        return steps
+
+    def rollback(self) -> None:
+        """Undo the last :meth:`plan` (nothing of the call is stored)."""
+        if self._undo is None:
+            return
+        (self.tier_tokens, self.body_count, self.tier_pages, self.body_pages, ts, tt, tc, bs, bt, bc) = self._undo
+        self.tier_free._stack, self.tier_free._top, self.tier_free.capacity = ts, tt, tc
+        self.body_free._stack, self.body_free._top, self.body_free.capacity = bs, bt, bc
+        self._undo, self._attended, self.plan_steps = None, {None}, []
+        self.seen -= self._undo_q
+
+    def _step(self, start: np.ndarray, n: np.ndarray, q: int, freed: list, decode: bool) -> Step:
+        p, pad = self.page, self.pad
+        before = self.tier_tokens.copy()
+        used = self.tier_used_pages()
+        after = before + n
+        need = self.tier_used_pages(after)
+        self.tier_pages = self._widen(self.tier_pages, int(need.max(initial=0)))
+        grow = need - used
+        total = int(grow.sum())
+        if total:
+            ids = self.tier_free.alloc(total)
+            rows = np.repeat(np.arange(self.rows), grow)
+            offs = np.arange(total) - np.repeat(np.cumsum(grow) - grow, grow)
+            self.tier_pages[rows, np.repeat(used, grow) + offs] = ids
+        # the new tokens' slots
+        rows = np.repeat(np.arange(self.rows), n)
+        j = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        tpos = pad + before[rows] + j
+        slots = self.tier_pages[rows, tpos // p] * p + tpos % p
+        self.tier_tokens = after
+        cmax = int(n.max(initial=0))
+        qpos = np.minimum(start[:, None] + np.arange(max(cmax, 1))[None, :], q - 1)  # past a row's end: unused
+        step = Step(rows, start[rows] + j, slots, qpos, n.copy(), self.tier_pages.copy(), after.copy(), before,
+                    self.body_pages.copy(), self.body_count.copy(), self._flush(freed), decode)
+        return step
+
+    def _flush(self, freed: list) -> Flush:
+        """Whole window pages beyond ``window + page - 1`` tokens leave for the body."""
+        empty = np.zeros(0, dtype=np.int64)
+        if not self.quantized:
+            return Flush(empty, empty, empty)
+        p = self.page
+        win = self.tier_tokens - np.minimum(self.tier_tokens, self.sink)
+        k = np.where(win >= self.window + p, (win - self.window) // p, 0)
+        total = int(k.sum())
+        if not total:
+            return Flush(empty, empty, empty)
+        rows = np.repeat(np.arange(self.rows), k)
+        offs = np.arange(total) - np.repeat(np.cumsum(k) - k, k)
+        src = self.tier_pages[rows, self.sink_pages + offs]
+        dst = self.body_free.alloc(total)
+        self.body_pages = self._widen(self.body_pages, int((self.body_count + k).max()))
+        self.body_pages[rows, np.repeat(self.body_count, k) + offs] = dst
+        self.body_count = self.body_count + k
+        # the rows' remaining tier pages move up by k places
+        width = self.tier_pages.shape[1]
+        col = np.arange(width)[None, :]
+        keep = col < self.sink_pages
+        srcc = np.where(keep, col, col + k[:, None])
+        self.tier_pages = np.take_along_axis(self.tier_pages, np.minimum(srcc, width - 1), 1)
+        self.tier_tokens = self.tier_tokens - k * p
+        freed.append(src)
+        return Flush(rows, src, dst)
+
+    # ---- batch edits (beam search, row removal) ---------------------------------------------------
+    def select_rows(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Keep rows ``index`` (in that order; a row may repeat). Returns the page copies the pools
+        must make, ``(tier_src, tier_dst, body_src, body_dst)``: a repeated row gets its own copies, so
+        rows never share pages. Pages of dropped rows go back to the free lists."""
+        index = np.asarray(index, dtype=np.int64)
+        if len(index) and (index.min() < 0 or index.max() >= self.rows):
+            raise ValueError(f"row index out of range for a batch of {self.rows}: {index.tolist()}")
+        seen = np.zeros(self.rows, dtype=bool)
+        tier_cp, body_cp = ([], []), ([], [])
+        tiers, bodies = self.tier_pages.copy(), self.body_pages.copy()
+        new_tier = np.zeros((len(index), tiers.shape[1]), dtype=np.int64)
+        new_body = np.zeros((len(index), bodies.shape[1]), dtype=np.int64)
+        used_t, used_b = self.tier_used_pages(), self.body_count
+        for out, i in enumerate(index):
+            nt, nb = int(used_t[i]), int(used_b[i])
+            if seen[i]:
+                t_new, b_new = self.tier_free.alloc(nt), self.body_free.alloc(nb)
+                tier_cp[0].append(tiers[i, :nt]), tier_cp[1].append(t_new)
+                body_cp[0].append(bodies[i, :nb]), body_cp[1].append(b_new)
+                new_tier[out, :nt], new_body[out, :nb] = t_new, b_new
+            else:
+                new_tier[out], new_body[out] = tiers[i], bodies[i]
+            seen[i] = True
+        for i in np.nonzero(~seen)[0]:
+            self.tier_free.free(tiers[i, : int(used_t[i])])
+            self.body_free.free(bodies[i, : int(used_b[i])])
+        self.tier_tokens, self.body_count = self.tier_tokens[index], self.body_count[index]
+        self.tier_pages, self.body_pages, self.rows = new_tier, new_body, len(index)
+        cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)  # noqa: E731
+        return cat(tier_cp[0]), cat(tier_cp[1]), cat(body_cp[0]), cat(body_cp[1])
+
+
+def page_table(pages: np.ndarray, counts: np.ndarray, last: np.ndarray, device) -> tuple[torch.Tensor, ...]:
+    """``kv_indptr [B+1]``, ``kv_indices``, ``kv_last_page_len [B]`` (int32 on ``device``) of the
+    first ``counts[b]`` pages of every row of ``pages [B, N]``."""
+    width = pages.shape[1]
+    mask = np.arange(width)[None, :] < counts[:, None]
+    indptr = np.zeros(len(counts) + 1, dtype=np.int32)
+    np.cumsum(counts, out=indptr[1:])
+    indices = pages[mask].astype(np.int32)
+    if not len(indices):
+        indices = np.zeros(1, dtype=np.int32)
+    mk = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device, non_blocking=True)  # noqa: E731
+    return mk(indptr), mk(indices), mk(last)

@@ -1,0 +1,144 @@
+"""The page pools of one layer: the cache's only storage.
+
+- tier: ``tier_k, tier_v [pages, kv_heads, P, D]`` in the tier dtype (sink and recent window);
+- body: the codec's parts with a leading page dimension, for keys and values. For the INT2 token
+  codec: ``codes [pages, H, P, D/4]`` uint8 (planar packed) and ``scale, lo [pages, H, P, D/G]``
+  fp16, the layout the kernels read (``rotkv.kernels``);
+- mirror (the CPU reference path only): the body pages dequantized to float32 when they are
+  written, so a read gathers pages instead of decoding them again. It is scratch memory of the
+  PyTorch reader, reported apart (``scratch_bytes``), not part of the format.
+
+Pools grow (by at least 25%, copying once) when the cache's free lists grow; they never shrink.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rotkv.cache.codecs import TokenCodec
+from rotkv.kernels import backend as kernels
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _grow(t: torch.Tensor, pages: int) -> torch.Tensor:
+    if t.shape[0] >= pages:
+        return t
+    out = torch.zeros(pages, *t.shape[1:], dtype=t.dtype, device=t.device)
+    out[: t.shape[0]] = t
+    return out
+
+
+class LayerPools:
+    def __init__(self, kv_heads: int, head_dim: int, page: int, tier_dtype: torch.dtype, device, key_codec,
+                 value_codec, mirror: bool):
+        self.kv_heads, self.head_dim, self.page, self.device = kv_heads, head_dim, page, device
+        self.codecs = (key_codec, value_codec)
+        shape = (0, kv_heads, page, head_dim)
+        self.tier_k = torch.zeros(shape, dtype=tier_dtype, device=device)
+        self.tier_v = torch.zeros(shape, dtype=tier_dtype, device=device)
+        self.body: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+        if key_codec is not None:
+            probe = torch.zeros(1, kv_heads, page, head_dim, device=device)
+            for parts, codec in zip(self.body, self.codecs):
+                for name, t in codec.encode(probe).items():
+                    parts[name] = torch.zeros(0, *t.shape[1:], dtype=t.dtype, device=device)
+        self.mirror = (torch.zeros(shape, device=device), torch.zeros(shape, device=device)) if mirror else None
+        self.body_page_bytes = sum(int(torch.tensor(t.shape[1:]).prod()) * t.element_size()
+                                   for parts in self.body for t in parts.values())
+        self.int2_tokens = all(isinstance(c, TokenCodec) and c.bits == 2 for c in self.codecs)
+        self.can_dequant_kernel = self.int2_tokens and kernels.enabled(self.tier_k)
+
+    # ---- capacity ------------------------------------------------------------------------------
+    def fit(self, tier_pages: int, body_pages: int) -> None:
+        """Make room for page ids below ``tier_pages`` and ``body_pages``."""
+        if self.tier_k.shape[0] < tier_pages:
+            self.tier_k, self.tier_v = _grow(self.tier_k, tier_pages), _grow(self.tier_v, tier_pages)
+        for parts in self.body:
+            for name, t in parts.items():
+                parts[name] = _grow(t, body_pages)
+        if self.mirror is not None:
+            self.mirror = tuple(_grow(t, body_pages) for t in self.mirror)
+
+    def nbytes(self) -> int:
+        """Bytes the pools hold (capacity, free pages included), the mirror not counted."""
+        return _nbytes(self.tier_k) * 2 + sum(_nbytes(t) for parts in self.body for t in parts.values())
+
+    def mirror_bytes(self) -> int:
+        return sum(_nbytes(t) for t in self.mirror) if self.mirror is not None else 0
+
+    # ---- tier ------------------------------------------------------------------------------------
+    def write_tier(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k, v [T, H, D]`` at tier ``slots [T]`` (page * P + offset)."""
+        page, off = slots // self.page, slots % self.page
+        self.tier_k[page, :, off] = k
+        self.tier_v[page, :, off] = v
+
+    def tier_dense(self, pg: torch.Tensor, off: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather ``[B, H, L, D]`` from (page, offset) indices ``[B, L]``."""
+        return tuple(t[pg, :, off].permute(0, 2, 1, 3).to(dtype) for t in (self.tier_k, self.tier_v))
+
+    # ---- body ------------------------------------------------------------------------------------
+    def body_tensors(self) -> tuple[torch.Tensor, ...]:
+        """``(k_codes, k_scale, k_lo, v_codes, v_scale, v_lo)``: the INT2 pool as the kernels read it."""
+        k, v = self.body
+        return k["codes"], k["scale"], k["lo"], v["codes"], v["scale"], v["lo"]
+
+    def body_dense(self, pages: torch.Tensor, dtype, table: tuple | None = None,
+                   use_mirror: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized ``[B, H, N * P, D]`` keys and values of the body pages ``pages [B, N]``
+        (trailing entries of short rows are read but masked by the caller): from the mirror, by
+        the Triton dequantizer over ``table``, or by the codec's decoder."""
+        b, n = pages.shape
+        h, p, d = self.kv_heads, self.page, self.head_dim
+        if n == 0 or self.codecs[0] is None:
+            empty = torch.zeros(b, h, 0, d, dtype=dtype, device=self.device)
+            return empty, empty
+        if self.mirror is not None and use_mirror:
+            return tuple(m[pages].permute(0, 2, 1, 3, 4).reshape(b, h, n * p, d).to(dtype) for m in self.mirror)
+        if table is not None:
+            from rotkv.kernels.dequant import dequant_dense
+
+            out = []
+            for parts in self.body:
+                o = torch.empty(b, h, n * p, d, dtype=dtype, device=self.device)
+                out.append(dequant_dense(parts["codes"], parts["scale"], parts["lo"], *table, n * p, o))
+            return tuple(out)
+        flat = pages.reshape(-1)
+        return tuple(codec.decode({k: t[flat] for k, t in parts.items()}).reshape(b, n, h, p, d)
+                     .permute(0, 2, 1, 3, 4).reshape(b, h, n * p, d).to(dtype)
+                     for parts, codec in zip(self.body, self.codecs))
+
+    def flush(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Quantize tier pages ``src`` into body pages ``dst`` (keys and values): on CUDA one call
+        of the fused write kernel each (INT2 token codec), else the codec's reference encoder."""
+        n, h, p, d = len(src), self.kv_heads, self.page, self.head_dim
+        for tier, parts, codec, i in zip((self.tier_k, self.tier_v), self.body, self.codecs, (0, 1)):
+            x = tier[src]  # [n, H, P, D]
+            if self.int2_tokens and kernels.enabled(x):
+                from rotkv.kernels.write import quant_write
+
+                slots = (dst[:, None] * p + torch.arange(p, device=dst.device)[None]).reshape(-1)
+                quant_write(x.transpose(1, 2).reshape(n * p, h, d), slots, parts["codes"], parts["scale"], parts["lo"],
+                            clip=codec.clip)
+            else:
+                enc = codec.encode(x.float())
+                for name, t in enc.items():
+                    parts[name][dst] = t
+                if self.mirror is not None:
+                    self.mirror[i][dst] = codec.decode(enc)
+
+    def copy_pages(self, tier_src, tier_dst, body_src, body_dst) -> None:
+        """Copy pages (a row repeated by beam search gets its own pages)."""
+        if len(tier_src):
+            self.tier_k[tier_dst] = self.tier_k[tier_src]
+            self.tier_v[tier_dst] = self.tier_v[tier_src]
+        if len(body_src):
+            for parts in self.body:
+                for t in parts.values():
+                    t[body_dst] = t[body_src]
+            if self.mirror is not None:
+                for t in self.mirror:
+                    t[body_dst] = t[body_src]
