@@ -60,7 +60,8 @@ class RotkvCache(Cache):
     per layer on the GPU; the CUDA-graph decode (``rotkv.cache.graph``) runs without it.
     """
 
-    def __new__(cls, model=None, spec: CacheSpec | str = "quarot-int2", artifact=None, **overrides):
+    def __new__(cls, model=None, spec: CacheSpec | str = "quarot-int2", artifact=None, check_finite: bool = True,
+                **overrides):
         # a spec with a memory budget (pmkvq, oscar-pmkvq, ...) needs budgeted layers: hand back a
         # BudgetCache (a subclass, so Python then runs its __init__ with the same arguments)
         if cls is RotkvCache and model is not None and resolve_spec(spec, **overrides).budget_tokens is not None:

@@ -237,17 +237,34 @@ class HybridLayer(CacheLayerMixin):
             pages = step.cached(("body_pages", dev), lambda: torch.from_numpy(
                 np.ascontiguousarray(step.body_pages[:, :nb])).to(dev))
             t = step.device_tables(dev, self.state) if self.pools.can_dequant_kernel else None
-            bk, bv = self.pools.body_dense(pages, cdt, table=t.body if t is not None else None)
-            k, v = torch.cat([bk, tk], 2), torch.cat([bv, tv], 2)
+            first = step.body_pages[0, 0]
+            run = int(first) if (len(step.body_count) == 1 and
+                                 (step.body_pages[0, :nb] == np.arange(first, first + nb)).all()) else None
+            bk, bv = self.pools.body_dense(pages, cdt, table=t.body if t is not None else None, run=run)
         else:
             nb = 0
-            k, v = tk, tv
+            bk = bv = None
+        b, hq, _, d = qr.shape
+        # a decode step whose rows all hold the same tokens needs no mask (the common, unpadded case):
+        # scores of the body and the tier apart, one softmax, no concatenated copy of K and V
+        uniform = step.decode and bool((step.tier_tokens == step.tier_tokens[0]).all()
+                                       and (step.body_count == step.body_count[0]).all())
+        if uniform:
+            h = tk.shape[1]
+            qh = qr[:, :, -1:].to(cdt).reshape(b, h, hq // h, d) * scaling
+            parts = [(bk, bv)] if bk is not None else []
+            parts.append((tk, tv))
+            s = torch.cat([qh @ k.transpose(-1, -2) for k, _ in parts], -1).softmax(-1)
+            o, i = 0, 0
+            for k, v in parts:
+                o = o + s[..., i:i + k.shape[2]] @ v
+                i += k.shape[2]
+            return o.reshape(b, hq, 1, d)
+        k, v = (torch.cat([bk, tk], 2), torch.cat([bv, tv], 2)) if bk is not None else (tk, tv)
         mask = step.cached(("mask", dev, nb), lambda: _mask(step, self.spec.page_size, nb, tk.shape[2], dev))
         qpos, _ = step.device_query(dev)
-        b, hq, _, d = qr.shape
         qc = qr.gather(2, qpos[:, None, :, None].expand(-1, hq, -1, d)).to(cdt)
-        o = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=scaling, enable_gqa=hq != k.shape[1])
-        return o
+        return F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=scaling, enable_gqa=hq != k.shape[1])
 
     # ---- accounting ------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:

@@ -45,7 +45,9 @@ class LayerPools:
             for parts, codec in zip(self.body, self.codecs):
                 for name, t in codec.encode(probe).items():
                     parts[name] = torch.zeros(0, *t.shape[1:], dtype=t.dtype, device=device)
-        self.mirror = (torch.zeros(shape, device=device), torch.zeros(shape, device=device)) if mirror else None
+        # the mirror is head-major, [H, pages, P, D]: gathering one row's pages gives [H, n * P, D] in place
+        mshape = (kv_heads, 0, page, head_dim)
+        self.mirror = (torch.zeros(mshape, device=device), torch.zeros(mshape, device=device)) if mirror else None
         self.body_page_bytes = sum(int(torch.tensor(t.shape[1:]).prod()) * t.element_size()
                                    for parts in self.body for t in parts.values())
         self.int2_tokens = all(isinstance(c, TokenCodec) and c.bits == 2 for c in self.codecs)
@@ -59,8 +61,8 @@ class LayerPools:
         for parts in self.body:
             for name, t in parts.items():
                 parts[name] = _grow(t, body_pages)
-        if self.mirror is not None:
-            self.mirror = tuple(_grow(t, body_pages) for t in self.mirror)
+        if self.mirror is not None and self.mirror[0].shape[1] < body_pages:
+            self.mirror = tuple(_grow(t.transpose(0, 1), body_pages).transpose(0, 1).contiguous() for t in self.mirror)
 
     def nbytes(self) -> int:
         """Bytes the pools hold (capacity, free pages included), the mirror not counted."""
@@ -87,17 +89,20 @@ class LayerPools:
         return k["codes"], k["scale"], k["lo"], v["codes"], v["scale"], v["lo"]
 
     def body_dense(self, pages: torch.Tensor, dtype, table: tuple | None = None,
-                   use_mirror: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                   use_mirror: bool = True, run: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized ``[B, H, N * P, D]`` keys and values of the body pages ``pages [B, N]``
         (trailing entries of short rows are read but masked by the caller): from the mirror, by
-        the Triton dequantizer over ``table``, or by the codec's decoder."""
+        the Triton dequantizer over ``table``, or by the codec's decoder. ``run``: the first page
+        when ``pages`` is one row of consecutive ids (read from the mirror as a view)."""
         b, n = pages.shape
         h, p, d = self.kv_heads, self.page, self.head_dim
         if n == 0 or self.codecs[0] is None:
             empty = torch.zeros(b, h, 0, d, dtype=dtype, device=self.device)
             return empty, empty
         if self.mirror is not None and use_mirror:
-            return tuple(m[pages].permute(0, 2, 1, 3, 4).reshape(b, h, n * p, d).to(dtype) for m in self.mirror)
+            if run is not None:  # one row whose pages are consecutive: a view, no copy
+                return tuple(m[:, run:run + n].reshape(1, h, n * p, d).to(dtype) for m in self.mirror)
+            return tuple(m[:, pages].transpose(0, 1).reshape(b, h, n * p, d).to(dtype) for m in self.mirror)
         if table is not None:
             from rotkv.kernels.dequant import dequant_dense
 
@@ -128,7 +133,7 @@ class LayerPools:
                 for name, t in enc.items():
                     parts[name][dst] = t
                 if self.mirror is not None:
-                    self.mirror[i][dst] = codec.decode(enc)
+                    self.mirror[i][:, dst] = codec.decode(enc).transpose(0, 1)
 
     def copy_pages(self, tier_src, tier_dst, body_src, body_dst) -> None:
         """Copy pages (a row repeated by beam search gets its own pages)."""
@@ -141,4 +146,4 @@ class LayerPools:
                     t[body_dst] = t[body_src]
             if self.mirror is not None:
                 for t in self.mirror:
-                    t[body_dst] = t[body_src]
+                    t[:, body_dst] = t[:, body_src]

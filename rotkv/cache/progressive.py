@@ -204,11 +204,11 @@ class BudgetCache(RotkvCache):
     """A RotkvCache whose full-attention layers have a byte budget (``spec.budget_tokens``):
     progressive layers when ``spec.start_bits`` is set, evicting layers otherwise."""
 
-    def __init__(self, model, spec: CacheSpec | str, artifact=None, **overrides):
+    def __init__(self, model, spec: CacheSpec | str, artifact=None, check_finite: bool = True, **overrides):
         spec = resolve_spec(spec, **overrides)
         if spec.budget_tokens is None:
             raise ValueError("a BudgetCache needs `budget_tokens` (the context each layer's budget must hold)")
-        super().__init__(model, spec, artifact)
+        super().__init__(model, spec, artifact, check_finite)
         if isinstance(artifact, str) and self.artifact is None:  # rotation-free presets read only `bits`
             artifact = load_artifact(artifact)
             validate_artifact(artifact, model)

@@ -14,6 +14,7 @@ SUBCOMMANDS = [
     "rotkv.cli.calibrate",
     "rotkv.cli.inspect",
     "rotkv.cli.eval",
+    "rotkv.cli.bench",
 ]
 
 

@@ -1,0 +1,197 @@
+"""End-to-end generation benchmark: a real model, B prompts of L tokens, prefill then greedy decode.
+
+Every method runs in the same process on the same prompts, each once to warm up (kernel builds,
+compilation) and once measured:
+
+- ``hf-dynamic``: transformers' DynamicCache, eager, through the same loop as rotkv
+  (:func:`rotkv.generation.generate_batch`);
+- ``hf-static-compile``: transformers' StaticCache through ``model.generate`` with
+  ``torch.compile(mode="reduce-overhead")`` (transformers' fastest bf16 decode; GPU only);
+- ``rotkv:<preset>`` eager and ``rotkv:<preset>+graph`` (the decode step in a CUDA graph).
+
+Rows: method, batch, context, prefill_s, step_ms (median decode step, the first excluded),
+tok_per_s (batch / step), peak_gb (peak allocated GPU memory over the run), cache_gb (GPU memory
+the cache holds once it is filled), kv_bytes and bits_per_element (the cache's own accounting),
+gpu, commit.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from rotkv.generation import BatchRun, generate_batch
+
+
+@dataclass
+class Row:
+    method: str
+    batch: int
+    context: int
+    new_tokens: int
+    prefill_s: float
+    step_ms: float
+    tok_per_s: float
+    peak_gb: float
+    cache_gb: float
+    kv_bytes: int
+    bits_per_element: float
+    gpu: str
+    commit: str
+    model: str
+    note: str = ""
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
+def prompts(vocab: int, batch: int, context: int, seed: int = 0) -> torch.Tensor:
+    """Random token ids (speed does not depend on the text)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 1, (batch, context), generator=g)
+
+
+def _hf_kv_bytes(cache) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _mem(dev) -> float:
+    return torch.cuda.memory_allocated(dev) / 1e9 if dev.type == "cuda" else 0.0
+
+
+def _clean(dev) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def run_method(model, method: str, ids: torch.Tensor, new_tokens: int, artifact: str | None = None,
+               overrides: dict | None = None) -> tuple[BatchRun, dict]:
+    """One measured run; returns the timings and the memory / size figures."""
+    from transformers import DynamicCache
+
+    from rotkv.cache import RotkvCache
+
+    dev = model.device
+    _clean(dev)
+    base = _mem(dev)
+    if method == "hf-static-compile":
+        run, cache = _static_compiled(model, ids, new_tokens)
+        kv = _hf_kv_bytes(cache)
+        bpe = 16.0
+    else:
+        if method == "hf-dynamic":
+            cache = DynamicCache(config=model.config)
+            graph = False
+        else:
+            preset, _, flag = method.removeprefix("rotkv:").partition("+")
+            cache = RotkvCache(model, preset, artifact, check_finite=False, **(overrides or {}))
+            graph = flag == "graph"
+        run = generate_batch(model, ids, cache, new_tokens, cuda_graph=graph)
+        if method == "hf-dynamic":
+            kv, bpe = _hf_kv_bytes(cache), 16.0
+        else:
+            st = cache.stats()
+            kv, bpe = int(st["kv_bytes"]), float(st["bits_per_element"])
+    held = _mem(dev) - base
+    peak = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else 0.0
+    del cache
+    _clean(dev)
+    return run, {"peak_gb": peak, "cache_gb": held, "kv_bytes": kv, "bits_per_element": bpe}
+
+
+def _static_compiled(model, ids: torch.Tensor, new_tokens: int):
+    """transformers' StaticCache decode compiled with reduce-overhead, timed per step."""
+    from transformers import LogitsProcessorList
+
+    from rotkv.generation import _StepClock
+
+    if model.device.type != "cuda":
+        raise ValueError("hf-static-compile needs a CUDA model")
+    try:
+        from transformers import CompileConfig
+
+        extra = {"compile_config": CompileConfig(mode="reduce-overhead", fullgraph=False)}
+    except ImportError:
+        extra = {}
+    clock = _StepClock()
+    ids = ids.to(model.device)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         do_sample=False, cache_implementation="static", logits_processor=LogitsProcessorList([clock]),
+                         return_dict_in_generate=True, pad_token_id=0, **extra)
+    times = clock.times
+    steps = [b - a for a, b in zip(times, times[1:])]
+    run = BatchRun(out.sequences[:, ids.shape[1]:], times[0] - t0 if times else 0.0, steps)
+    return run, getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+
+
+def bench(model, model_id: str, methods: list[str], batches: list[int], contexts: list[int], new_tokens: int = 32,
+          artifact: str | None = None, overrides: dict | None = None, progress=None) -> list[Row]:
+    """Every (batch, context) with every method; each measured after one warm-up run."""
+    from tqdm.auto import tqdm
+
+    dev = model.device
+    rows = []
+    vocab = model.config.vocab_size
+    cells = [(b, c, m) for b in batches for c in contexts for m in methods]
+    warmed: set = set()
+    for b, c, m in tqdm(cells, desc="bench", disable=progress is False):
+        ids = prompts(vocab, b, c)
+        note = ""
+        try:
+            if (m, b) not in warmed:
+                run_method(model, m, ids[:, : min(c, 1024)], 4, artifact, overrides)
+                warmed.add((m, b))
+            run, mem = run_method(model, m, ids, new_tokens, artifact, overrides)
+        except torch.cuda.OutOfMemoryError:
+            _clean(dev)
+            rows.append(Row(m, b, c, new_tokens, float("nan"), float("nan"), float("nan"), float("nan"), float("nan"),
+                            0, float("nan"), device_name(dev), commit(), model_id, "out of memory"))
+            continue
+        step = run.step_ms
+        rows.append(Row(m, b, c, new_tokens, round(run.prefill_s, 4), round(step, 3),
+                        round(1000 * b / step, 1) if step else 0.0, round(mem["peak_gb"], 3), round(mem["cache_gb"], 3),
+                        mem["kv_bytes"], round(mem["bits_per_element"], 3), device_name(dev), commit(), model_id, note))
+    return rows
+
+
+def write(rows: list[Row], path: str, meta: dict) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+
+def table(rows: list[Row]) -> str:
+    """A markdown table with each method's step and prefill as a ratio of hf-dynamic's."""
+    base = {(r.batch, r.context): r for r in rows if r.method == "hf-dynamic"}
+    out = ["| B x L | method | prefill s | step ms | tok/s | cache GB | peak GB | bits/elem | step vs hf-dynamic |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = base.get((r.batch, r.context))
+        ratio = f"{r.step_ms / b.step_ms:.3f}" if b and b.step_ms and r.step_ms == r.step_ms else "-"
+        out.append(f"| {r.batch} x {r.context} | {r.method} | {r.prefill_s} | {r.step_ms} | {r.tok_per_s} | "
+                   f"{r.cache_gb} | {r.peak_gb} | {r.bits_per_element} | {ratio} |")
+    return "\n".join(out)
+

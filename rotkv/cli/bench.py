@@ -1,0 +1,76 @@
+"""`rotkv bench`: end-to-end generation speed and memory of rotkv against transformers' caches."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from rotkv.cli.common import add_cache_args, add_model_args, cache_overrides
+
+DEFAULT_METHODS = ["hf-dynamic", "hf-static-compile", "rotkv:bf16", "rotkv:quarot-int2", "rotkv:quarot-int2+graph"]
+# random-weight models of real shapes (Llama architecture): name -> LlamaConfig fields
+RANDOM_SHAPES = {
+    "qwen3-8b": dict(num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=12288, vocab_size=151936, rope_theta=1e6,
+                     max_position_embeddings=131072),
+}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="end-to-end generation benchmark (prefill + greedy decode) against transformers' caches")
+    add_model_args(p)
+    add_cache_args(p, preset=False)
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="hf-dynamic, hf-static-compile, rotkv:<preset>, rotkv:<preset>+graph "
+                        f"(default: {' '.join(DEFAULT_METHODS)}; hf-static-compile and +graph need CUDA)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--context", type=int, nargs="+", default=[1024])
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--random", choices=sorted(RANDOM_SHAPES), default=None,
+                   help="a random-weight model of this real shape instead of --model")
+    p.add_argument("--layers", type=int, default=None, help="with --random: fewer layers than the real model")
+    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/generate-<UTC time>.json)")
+    p.set_defaults(func=run)
+
+
+def _random_model(name: str, layers: int | None, device: str):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = dict(RANDOM_SHAPES[name])
+    if layers:
+        fields["num_hidden_layers"] = layers
+    cfg = LlamaConfig(**fields)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16 if device == "cuda" else torch.float32).eval()
+    return model, f"random:{name}" + (f" ({layers} layers)" if layers else "")
+
+
+def run(args) -> int:
+    import torch
+
+    from rotkv import bench
+    from rotkv.hf.models import load_model
+
+    if args.new_tokens < 2:
+        raise ValueError(f"--new-tokens has to be >= 2 but got {args.new_tokens}")
+    for name in ("batch", "context"):
+        if min(getattr(args, name)) < 1:
+            raise ValueError(f"--{name} values have to be >= 1")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    methods = args.methods or [m for m in DEFAULT_METHODS if device == "cuda" or not
+                               (m == "hf-static-compile" or m.endswith("+graph"))]
+    if args.random:
+        model, model_id = _random_model(args.random, args.layers, device)
+    else:
+        loaded = load_model(args.model, device=device)
+        model, model_id = loaded.model, loaded.model_id
+    rows = bench.bench(model, model_id, methods, args.batch, args.context, args.new_tokens, args.artifact,
+                       cache_overrides(args))
+    out = args.out or os.path.join("benchmarks", "results", time.strftime("generate-%Y%m%d-%H%M.json", time.gmtime()))
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    bench.write(rows, out, {"torch": torch.__version__, "threads": torch.get_num_threads(), "methods": methods,
+                            "overrides": cache_overrides(args)})
+    print(bench.table(rows))
+    print(f"wrote {out}")
+    return 0
