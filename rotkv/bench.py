@@ -96,6 +96,8 @@ def run_method(model, method: str, ids: torch.Tensor, new_tokens: int, artifact:
     dev = model.device
     _clean(dev)
     base = _mem(dev)
+    if method.startswith("hf-") and model.config._attn_implementation != "sdpa":
+        model.set_attn_implementation("sdpa")  # a RotkvCache switched it to "rotkv" earlier
     if method == "hf-static-compile":
         run, cache = _static_compiled(model, ids, new_tokens)
         kv = _hf_kv_bytes(cache)
@@ -149,8 +151,10 @@ def _static_compiled(model, ids: torch.Tensor, new_tokens: int):
 
 
 def bench(model, model_id: str, methods: list[str], batches: list[int], contexts: list[int], new_tokens: int = 32,
-          artifact: str | None = None, overrides: dict | None = None, progress=None) -> list[Row]:
-    """Every (batch, context) with every method; each measured after one warm-up run."""
+          artifact: str | None = None, overrides: dict | None = None, progress=None, on_row=None) -> list[Row]:
+    """Every (batch, context) with every method; each measured after one warm-up run.
+    ``on_row(rows)`` is called after every cell (the CLI writes its JSON there, so a crash keeps
+    what was measured)."""
     from tqdm.auto import tqdm
 
     dev = model.device
@@ -166,15 +170,20 @@ def bench(model, model_id: str, methods: list[str], batches: list[int], contexts
                 run_method(model, m, ids[:, : min(c, 1024)], 4, artifact, overrides)
                 warmed.add((m, b))
             run, mem = run_method(model, m, ids, new_tokens, artifact, overrides)
-        except torch.cuda.OutOfMemoryError:
+        except Exception as e:  # noqa: BLE001 - one failing method must not lose the others' rows
             _clean(dev)
+            why = "out of memory" if isinstance(e, torch.cuda.OutOfMemoryError) else f"failed: {type(e).__name__}: {e}"
             rows.append(Row(m, b, c, new_tokens, float("nan"), float("nan"), float("nan"), float("nan"), float("nan"),
-                            0, float("nan"), device_name(dev), commit(), model_id, "out of memory"))
+                            0, float("nan"), device_name(dev), commit(), model_id, why[:300]))
+            if on_row:
+                on_row(rows)
             continue
         step = run.step_ms
         rows.append(Row(m, b, c, new_tokens, round(run.prefill_s, 4), round(step, 3),
                         round(1000 * b / step, 1) if step else 0.0, round(mem["peak_gb"], 3), round(mem["cache_gb"], 3),
                         mem["kv_bytes"], round(mem["bits_per_element"], 3), device_name(dev), commit(), model_id, note))
+        if on_row:
+            on_row(rows)
     return rows
 
 

@@ -65,12 +65,15 @@ def run(args) -> int:
     else:
         loaded = load_model(args.model, device=device)
         model, model_id = loaded.model, loaded.model_id
-    rows = bench.bench(model, model_id, methods, args.batch, args.context, args.new_tokens, args.artifact,
-                       cache_overrides(args))
     out = args.out or os.path.join("benchmarks", "results", time.strftime("generate-%Y%m%d-%H%M.json", time.gmtime()))
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    bench.write(rows, out, {"torch": torch.__version__, "threads": torch.get_num_threads(), "methods": methods,
-                            "overrides": cache_overrides(args)})
+    import transformers
+
+    meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+            "methods": methods, "overrides": cache_overrides(args), "prompts": "random token ids"}
+    rows = bench.bench(model, model_id, methods, args.batch, args.context, args.new_tokens, args.artifact,
+                       cache_overrides(args), on_row=lambda r: bench.write(r, out, meta))
+    bench.write(rows, out, meta)
     print(bench.table(rows))
     print(f"wrote {out}")
     return 0
