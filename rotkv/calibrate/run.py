@@ -80,7 +80,9 @@ class CalibConfig:
 
     @property
     def min_tokens(self) -> int:
-        return self.chunk_len * (1 + (self.n_heldout if self.needs_heldout else 0))
+        """One chunk for the statistics and the held-out chunks; without held-out chunks any number of
+        tokens is rounded up to whole chunks (:attr:`rounded_tokens`)."""
+        return self.chunk_len * (1 + self.n_heldout) if self.needs_heldout and self.n_heldout else 1
 
     @property
     def rounded_tokens(self) -> int:
