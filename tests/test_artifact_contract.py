@@ -7,31 +7,8 @@ import pytest
 import torch
 
 from rotkv.config import PRESETS, CacheSpec, get_preset
-from rotkv.rotations.artifact import (ArtifactMismatch, check_contract, load_artifact, model_meta, save_artifact,
-                                      validate_artifact)
-from rotkv.rotations.base import random_orthogonal
-from rotkv_testing import make_tiny_llama
-
-
-def write_artifact(model, path, method="oscar", bits=2, group_size=16, tensors=None, drop=(), **meta_extra):
-    """A hand-made artifact for the tiny Llama (2 layers, 2 KV heads, head_dim 16), contract fields given."""
-    t = {}
-    for l in range(2):
-        t[f"R_K.{l}"] = torch.stack([random_orthogonal(16, 10 * l + i) for i in range(2)])
-        t[f"R_V.{l}"] = torch.stack([random_orthogonal(16, 10 * l + i + 5) for i in range(2)])
-        t[f"k_mean.{l}"] = torch.randn(2, 16)
-    t["clip_k"], t["clip_v"] = torch.tensor([0.96, 0.94]), torch.tensor([0.92, 0.9])
-    t.update(tensors or {})
-    meta = model_meta(model, "tiny") | {"method": method, "bits": bits, "group_size": group_size} | meta_extra
-    for k in drop:
-        meta.pop(k)
-    if "format_version" in drop:  # a file from before versioning: save_artifact would refuse to write it
-        from safetensors.torch import save_file
-
-        save_file(t, str(path), metadata={k: str(v) for k, v in meta.items()})
-    else:
-        save_artifact(str(path), t, meta)
-    return str(path)
+from rotkv.rotations.artifact import ArtifactMismatch, check_contract, load_artifact, save_artifact, validate_artifact
+from rotkv_testing import make_tiny_llama, write_artifact
 
 
 @pytest.fixture(scope="module")
