@@ -58,6 +58,7 @@ def assert_user_error(rc, err, *needles):
     (["--prompt", "hi", "--window", "-4"], ["--window has to be >= 0"]),
     (["--prompt", "hi", "--group-size", "12"], ["--group-size (12)", "allowed: [1, 2, 4, 8, 16, 32, 64]"]),
     (["--prompt", "hi", "--max-new-tokens", "0"], ["--max-new-tokens"]),
+    (["--prompt", "hi", "--model", "/no/such/model"], ["model '/no/such/model' not found"]),
     (["--prompt", "hi", "--device", "tpu"], ["--device has to be cpu, cuda"]),
     (["--prompt", "hi", "--preset", "oscar-int2"], ["--artifact", "oscar-int2", "rotkv calibrate --method oscar"]),
 ])

@@ -3,7 +3,7 @@ or (``--refit-clip``) re-fit only the clip ratios of an existing artifact for ne
 
 from __future__ import annotations
 
-from rotkv.cli.errors import UsageError, check_device, check_out_path, warn
+from rotkv.cli.errors import UsageError, check_device, check_model, check_out_path, warn
 
 
 def register(sub) -> None:
@@ -44,6 +44,7 @@ def check_args(args):
     if (args.method is None) == (args.refit_clip is None):
         raise UsageError("give exactly one of --method (a new calibration) and --refit-clip ARTIFACT")
     check_device(args.device)
+    check_model(args.model)
     check_out_path(args.out)
     if args.sink is not None and args.sink < 0:
         raise UsageError(f"--sink has to be >= 0 but got {args.sink}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from rotkv.cli.common import add_model_args, cache_spec, early_artifact
-from rotkv.cli.errors import UsageError, check_device, warn
+from rotkv.cli.errors import UsageError, check_device, check_model, warn
 
 DEFAULT_PRESETS = ["bf16", "int4", "kivi-2", "naive-int2", "quarot-int2"]
 NEEDLE = "The secret code of the blue vault is {code}."
@@ -61,6 +61,7 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
     from rotkv.config import PRESETS
 
     check_device(args.device)
+    check_model(args.model)
     if not 0.0 <= args.depth <= 1.0:
         raise UsageError(f"--depth has to be in [0, 1] but got {args.depth}")
     if args.tokens < 200:

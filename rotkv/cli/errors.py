@@ -97,3 +97,10 @@ def read_text_file(path: str, flag: str) -> str:
         raise UsageError(f"{flag} {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
         raise UsageError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
+
+
+def check_model(model: str | None) -> None:
+    """The --model argument names a model that exists here (resolving it reads no weights)."""
+    from rotkv.hf.models import resolve_model_path
+
+    resolve_model_path(model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from rotkv.cli.common import add_cache_args, add_model_args, cache_overrides, cache_spec, early_artifact, early_group_check
-from rotkv.cli.errors import UsageError, check_device, read_text_file
+from rotkv.cli.errors import UsageError, check_device, check_model, read_text_file
 
 
 def register(sub) -> None:
@@ -33,6 +33,7 @@ def check_args(args) -> str:
     if args.sample and not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p has to be in (0, 1] but got {args.top_p}")
     check_device(args.device)
+    check_model(args.model)
     flag = "--prompt-file" if args.prompt_file else "--prompt"
     prompt = read_text_file(args.prompt_file, flag) if args.prompt_file else args.prompt
     if not prompt.strip():
