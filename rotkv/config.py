@@ -6,6 +6,7 @@ A bad value fails at construction with the field name and the allowed values.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 
 ROTATIONS = ("identity", "hadamard", "random", "artifact")
@@ -38,6 +39,11 @@ class CacheSpec:
         its final width (tiers included); with a fixed width, the oldest tokens after the sink are
         evicted to stay within it. None: no budget.
     shift, anchor: progressive only; see rotkv.quant.progressive.
+    method: the calibration method an artifact must come from (``oscar``, ``optr``, ...; an artifact
+        of ``oscar+pmkvq`` counts as ``oscar``); None accepts any. See
+        rotkv.rotations.artifact.check_contract.
+
+    Every field is type-checked: ``sink="16"`` fails naming `sink`, not deep inside the cache.
     """
 
     name: str = "custom"
@@ -59,8 +65,10 @@ class CacheSpec:
     budget_tokens: int | None = None
     shift: str = "equivalent"
     anchor: str = "final"
+    method: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.bits is not None and self.bits not in (2, 4, 8):
             raise ValueError(f"`bits` has to be one of [2, 4, 8] or None (no quantization) but got {self.bits}")
         if self.group_size is not None and self.group_size <= 0:
@@ -86,6 +94,22 @@ class CacheSpec:
         if self.codec == "kivi" and self.rotation != "identity":
             raise ValueError("the kivi codec runs without rotation: `rotation` has to be 'identity'")
         self._check_progressive()
+
+    def _check_types(self) -> None:
+        for f in dataclasses.fields(self):
+            v, kind = getattr(self, f.name), FIELD_TYPES[f.name]
+            if v is None and f.name in NULLABLE:
+                continue
+            if kind is float:
+                ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
+            elif kind is int:
+                ok = isinstance(v, numbers.Integral) and not isinstance(v, bool)
+            else:
+                ok = isinstance(v, kind)
+            if not ok:
+                what = {int: "an int", float: "a number", bool: "a bool", str: "a string"}[kind]
+                none = " or None" if f.name in NULLABLE else ""
+                raise TypeError(f"`{f.name}` has to be {what}{none} but got {v!r} ({type(v).__name__})")
 
     def _check_progressive(self) -> None:
         if self.budget_tokens is not None and self.budget_tokens < 1:
@@ -116,12 +140,26 @@ class CacheSpec:
         return self.rotation == "artifact"
 
     def replace(self, **changes) -> "CacheSpec":
-        """A copy with some fields changed (None values are ignored), validated again."""
-        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+        """A copy with some fields changed, validated again.
+
+        None means what the field's docstring says wherever a field can be None (``bits=None``: no
+        quantization; ``group_size=None``: head_dim; ``method=None``: any artifact, ...): it is *not*
+        ignored. For a field that cannot be None (``sink``, ``window``, ...) None means "not given" and
+        keeps the current value, so optional CLI arguments can be passed straight through.
+        """
+        unknown = sorted(set(changes) - set(FIELD_TYPES))
+        if unknown:
+            raise ValueError(f"unknown CacheSpec field(s) {unknown}; fields: {sorted(FIELD_TYPES)}")
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None or k in NULLABLE})
 
     def resolved_group(self, head_dim: int) -> int:
         return head_dim if self.group_size is None else min(self.group_size, head_dim)
 
+
+# the type of every field (checked at construction) and the fields for which None is a value
+FIELD_TYPES = {f.name: {"str": str, "int": int, "float": float, "bool": bool}[f.type.split(" |")[0]]
+               for f in dataclasses.fields(CacheSpec)}
+NULLABLE = frozenset(f.name for f in dataclasses.fields(CacheSpec) if "None" in f.type)
 
 PRESETS: dict[str, CacheSpec] = {
     "bf16": CacheSpec(name="bf16", bits=None, rotation="identity", rotate_values=False),
@@ -132,17 +170,17 @@ PRESETS: dict[str, CacheSpec] = {
         name="kivi-2", bits=2, group_size=32, sink=0, window=128, page_size=32, codec="kivi"
     ),
     "oscar-int2": CacheSpec(
-        name="oscar-int2", bits=2, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True
+        name="oscar-int2", bits=2, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="oscar"
     ),
     "optr-int2": CacheSpec(
-        name="optr-int2", bits=2, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True
+        name="optr-int2", bits=2, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="optr"
     ),
     # progressive precision: final widths from the artifact's `bits` (rotkv calibrate --method pmkvq),
     # else `bits` for every layer; each layer reaches its final width at budget_tokens
     "pmkvq": CacheSpec(name="pmkvq", bits=2, start_bits=16, budget_tokens=8192),
     "oscar-pmkvq": CacheSpec(
         name="oscar-pmkvq", bits=2, start_bits=16, budget_tokens=8192, rotation="artifact",
-        clip_k=0.96, clip_v=0.92, key_mean=True,
+        clip_k=0.96, clip_v=0.92, key_mean=True, method="oscar",
     ),
 }
 

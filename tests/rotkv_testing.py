@@ -1,6 +1,10 @@
 """Helpers shared by test modules (a uniquely named module: tests/kernels has its own conftest)."""
 
 import torch
+from safetensors.torch import save_file
+
+from rotkv.rotations.artifact import model_meta, save_artifact
+from rotkv.rotations.base import random_orthogonal
 
 
 def make_tiny_llama(seed: int = 0, layers: int = 2, kv_heads: int = 2, q_heads: int = 4, head_dim: int = 16):
@@ -12,3 +16,22 @@ def make_tiny_llama(seed: int = 0, layers: int = 2, kv_heads: int = 2, q_heads: 
                       head_dim=head_dim, intermediate_size=128, num_hidden_layers=layers, vocab_size=128,
                       max_position_embeddings=4096, pad_token_id=0)
     return LlamaForCausalLM(cfg).eval()
+
+
+def write_artifact(model, path, method="oscar", bits=2, group_size=16, tensors=None, drop=(), **meta_extra):
+    """A hand-made artifact for the tiny Llama (2 layers, 2 KV heads, head_dim 16), contract fields given."""
+    t = {}
+    for l in range(2):
+        t[f"R_K.{l}"] = torch.stack([random_orthogonal(16, 10 * l + i) for i in range(2)])
+        t[f"R_V.{l}"] = torch.stack([random_orthogonal(16, 10 * l + i + 5) for i in range(2)])
+        t[f"k_mean.{l}"] = torch.randn(2, 16)
+    t["clip_k"], t["clip_v"] = torch.tensor([0.96, 0.94]), torch.tensor([0.92, 0.9])
+    t.update(tensors or {})
+    meta = model_meta(model, "tiny") | {"method": method, "bits": bits, "group_size": group_size} | meta_extra
+    for k in drop:
+        meta.pop(k)
+    if "format_version" in drop:  # a file from before versioning: save_artifact would refuse to write it
+        save_file(t, str(path), metadata={k: str(v) for k, v in meta.items()})
+    else:
+        save_artifact(str(path), t, meta)
+    return str(path)

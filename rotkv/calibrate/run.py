@@ -60,6 +60,34 @@ class CalibConfig:
             raise ValueError(f"`granularity` has to be one of ['layer', 'kv-head'] but got {self.granularity!r}")
         if self.bits not in (2, 4, 8):
             raise ValueError(f"`bits` has to be one of [2, 4, 8] but got {self.bits}")
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(f"`group_size` has to be a positive divisor of head_dim or None but got {self.group_size}")
+        for name, low in (("sink", 0), ("steps", 1), ("chunk_len", 1), ("n_heldout", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"`{name}` has to be >= {low} but got {getattr(self, name)}")
+        if self.tokens < self.min_tokens:
+            held = self.n_heldout if self.needs_heldout else 0
+            why = (f"{held} held-out chunk(s) of {self.chunk_len} tokens for the "
+                   f"{'clip search' if self.search_clips else 'OptR early stopping'} and 1 for the statistics"
+                   if held else f"one chunk of {self.chunk_len} tokens")
+            raise ValueError(f"`tokens` has to be >= {self.min_tokens} for method {self.method!r} but got "
+                             f"{self.tokens}: calibration needs {why}")
+
+    @property
+    def needs_heldout(self) -> bool:
+        """Held-out chunks drive the clip search and OptR's early stopping."""
+        return self.search_clips or self.method == "optr"
+
+    @property
+    def min_tokens(self) -> int:
+        """One chunk for the statistics and the held-out chunks; without held-out chunks any number of
+        tokens is rounded up to whole chunks (:attr:`rounded_tokens`)."""
+        return self.chunk_len * (1 + self.n_heldout) if self.needs_heldout and self.n_heldout else 1
+
+    @property
+    def rounded_tokens(self) -> int:
+        """The tokens actually used: whole chunks of ``chunk_len``."""
+        return -(-self.tokens // self.chunk_len) * self.chunk_len
 
 
 def collect(model, chunks, sink: int, keep: set[int], keep_kv: bool, heldout: set[int] = frozenset(),

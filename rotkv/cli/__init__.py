@@ -1,10 +1,16 @@
-"""The `rotkv` command line. Each subcommand lives in its own module with a `register(subparsers)`."""
+"""The `rotkv` command line. Each subcommand lives in its own module with a `register(subparsers)`.
+
+Exit codes: 0 success, 2 a user error (one line naming the flag or field), 1 any other failure (one
+line, and the traceback with ``--debug`` or ``ROTKV_DEBUG=1``); see rotkv.cli.errors.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+from rotkv.cli.errors import debug_requested, report
 
 # One line per subcommand module; each defines register(subparsers) which adds its parser and
 # sets `func` (called with the parsed args, returning an exit code).
@@ -18,11 +24,21 @@ SUBCOMMANDS = [
 ]
 
 
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (with a pointer to --help), exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rotkv", description="Rotated INT2 KV cache for LLM inference")
+    p = Parser(prog="rotkv", description="Rotated INT2 KV cache for LLM inference")
+    p.add_argument("--debug", action="store_true", help="print the traceback of a failure (also: ROTKV_DEBUG=1)")
     sub = p.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(name).register(sub)
+    for child in sub.choices.values():  # `rotkv generate ... --debug` works as well as `rotkv --debug generate`
+        child.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
 
 
@@ -30,9 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
-        print(f"rotkv {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(f"rotkv {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # user errors: one line, exit 2; anything else: one line and the --debug hint, exit 1
+        return report(args.command, e, debug_requested(args))
 
 
 if __name__ == "__main__":

@@ -1,28 +1,37 @@
-"""`rotkv calibrate`: fit rotations, key means and clip ratios for a model and write an artifact."""
+"""`rotkv calibrate`: fit rotations, key means and clip ratios for a model and write an artifact,
+or (``--refit-clip``) re-fit only the clip ratios of an existing artifact for new bits / group size."""
 
 from __future__ import annotations
+
+from rotkv.cli.errors import UsageError, check_device, check_model, check_out_path, warn
 
 
 def register(sub) -> None:
     p = sub.add_parser("calibrate", help="calibrate rotations (hadamard, oscar, optr, pairwise) into a safetensors artifact")
     p.add_argument("--model", default=None, help="smollm2 (default), a .gguf file or a local HF model directory")
-    p.add_argument("--method", required=True, choices=["hadamard", "oscar", "optr", "pairwise", "pmkvq"],
-                   help="pmkvq: per-layer final widths for progressive precision (see --base-artifact)")
+    p.add_argument("--method", default=None, choices=["hadamard", "oscar", "optr", "pairwise", "pmkvq"],
+                   help="pmkvq: per-layer final widths for progressive precision (see --base-artifact); "
+                        "required unless --refit-clip")
+    p.add_argument("--refit-clip", default=None, metavar="ARTIFACT",
+                   help="keep this artifact's rotations and key means, re-fit only its clip ratios for --bits and "
+                        "--group-size (the deliberate override of the preset/artifact contract)")
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--data", nargs="+", default=None, help="text files (default: the built-in calibration corpus)")
     p.add_argument("--tokens", type=int, default=None,
-                   help="calibration tokens, held-out chunks included (default 16384; 2048 for pmkvq)")
-    p.add_argument("--bits", type=int, default=2, choices=[2, 4, 8])
+                   help="calibration tokens, held-out chunks included, in whole chunks of 512 (default 16384; "
+                        "2048 for pmkvq and --refit-clip; at least 1536 with the clip search)")
+    p.add_argument("--bits", type=int, default=2, choices=[2, 4, 8], help="default: 2")
     p.add_argument("--group-size", type=int, default=None, help="default: 64, or head_dim when smaller")
     p.add_argument("--granularity", choices=["layer", "kv-head"], default=None,
                    help="one rotation per layer or per KV head (default: layer; kv-head for optr)")
     p.add_argument("--cs", choices=["exact", "weighted", "diag"], default="exact", help="OSCAR's value covariance form")
     p.add_argument("--base", choices=["hadamard", "oscar"], default="oscar", help="OptR's starting rotation")
     p.add_argument("--no-key-mean", action="store_true", help="fit clips (and OptR) without key mean-centering")
-    p.add_argument("--sink", type=int, default=16, help="leading tokens left unquantized in the error objective")
+    p.add_argument("--sink", type=int, default=None,
+                   help="leading tokens left unquantized in the error objective (default 16; --refit-clip: the artifact's)")
     p.add_argument("--steps", type=int, default=80, help="OptR Adam steps per phase")
     p.add_argument("--no-clip-search", action="store_true", help="store clip ratios 1.0 (no clipping)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="default: cpu")
     pm = p.add_argument_group("pmkvq")
     pm.add_argument("--base-artifact", default=None, help="pmkvq: an artifact whose rotations the widths are fitted for")
     pm.add_argument("--budget-bpe", type=float, default=3.5, help="pmkvq: mean body bits per element the widths may use")
@@ -30,7 +39,68 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def check_args(args):
+    """Every check that needs no model (so a bad --out fails before, not after, the calibration)."""
+    if (args.method is None) == (args.refit_clip is None):
+        raise UsageError("give exactly one of --method (a new calibration) and --refit-clip ARTIFACT")
+    check_device(args.device)
+    check_model(args.model)
+    check_out_path(args.out)
+    if args.sink is not None and args.sink < 0:
+        raise UsageError(f"--sink has to be >= 0 but got {args.sink}")
+    if args.group_size is not None and args.group_size < 1:
+        raise UsageError(f"--group-size has to be a positive divisor of head_dim but got {args.group_size}")
+    if args.tokens is not None and args.tokens < 1:
+        raise UsageError(f"--tokens has to be >= 1 but got {args.tokens}")
+    for path in args.data or []:
+        from rotkv.cli.errors import read_text_file
+
+        read_text_file(path, "--data")
+    if args.refit_clip:
+        from rotkv.calibrate.refit import check_refittable
+        from rotkv.rotations.artifact import load_artifact
+
+        art = load_artifact(args.refit_clip)
+        check_refittable(art)
+        if args.group_size is not None:
+            _group_check(args.group_size, int(art.meta["head_dim"]))
+        return art
+    if args.method == "pmkvq":
+        if args.base_artifact:
+            from rotkv.rotations.artifact import load_artifact
+
+            load_artifact(args.base_artifact)
+        return None
+    from rotkv.calibrate.run import CalibConfig
+
+    try:
+        cfg = CalibConfig(method=args.method, tokens=args.tokens or 16384, bits=args.bits, group_size=args.group_size,
+                          granularity=args.granularity, cs=args.cs, base=args.base, key_mean=not args.no_key_mean,
+                          sink=16 if args.sink is None else args.sink, steps=args.steps,
+                          search_clips=not args.no_clip_search, files=args.data)
+    except ValueError as e:
+        msg = str(e).replace("`tokens`", "--tokens").replace("`steps`", "--steps")
+        if "--tokens" in msg and not args.no_clip_search:
+            msg += " (or pass --no-clip-search)"
+        raise UsageError(msg) from None
+    if cfg.rounded_tokens != cfg.tokens:
+        warn("calibrate", f"--tokens {cfg.tokens} is rounded up to {cfg.rounded_tokens} (whole chunks of {cfg.chunk_len})")
+    return cfg
+
+
+def _group_check(group: int, head_dim: int) -> None:
+    from rotkv.quant.quantizer import check_group
+
+    try:
+        check_group(min(group, head_dim), head_dim)
+    except ValueError as e:
+        raise UsageError(str(e).replace("`group_size`", "--group-size")) from None
+
+
 def run(args) -> int:
+    checked = check_args(args)
+    if args.refit_clip:
+        return refit(args, checked)
     if args.method == "pmkvq":
         import argparse
 
@@ -40,19 +110,32 @@ def run(args) -> int:
             model=args.model, out=args.out, base_artifact=args.base_artifact, rotation="identity",
             budget_bpe=args.budget_bpe, data=args.data, tokens=args.tokens or 2048, chunk_len=512,
             stretch=args.stretch, group_size=args.group_size or 64, clip_k=None, clip_v=None, device=args.device))
-    args.tokens = args.tokens or 16384
-    from rotkv.calibrate.run import CalibConfig, calibrate
+    from rotkv.calibrate.run import calibrate
     from rotkv.hf.models import load_model
     from rotkv.rotations.artifact import load_artifact, save_artifact
 
-    cfg = CalibConfig(method=args.method, tokens=args.tokens, bits=args.bits, group_size=args.group_size,
-                      granularity=args.granularity, cs=args.cs, base=args.base, key_mean=not args.no_key_mean,
-                      sink=args.sink, steps=args.steps, search_clips=not args.no_clip_search, files=args.data)
+    cfg = checked
     loaded = load_model(args.model, device=args.device)
     tensors, meta = calibrate(loaded, cfg)
     save_artifact(args.out, tensors, meta)
     t = cfg.timings
     print(f"wrote {args.out}: {args.method}, capture {t['capture_s']:.1f} s, fit {t['fit_s']:.1f} s, "
           f"total {t['total_s']:.1f} s ({meta['threads']} threads)")
+    print(load_artifact(args.out).summary())
+    return 0
+
+
+def refit(args, artifact) -> int:
+    """``--refit-clip``: the artifact's rotations and key means, clip ratios searched again."""
+    from rotkv.calibrate.refit import refit_clips
+    from rotkv.hf.models import load_model
+    from rotkv.rotations.artifact import load_artifact, save_artifact
+
+    loaded = load_model(args.model, device=args.device)
+    tensors, meta = refit_clips(loaded, artifact, args.bits, args.group_size, tokens=args.tokens or 2048,
+                                files=args.data, sink=args.sink)
+    save_artifact(args.out, tensors, meta)
+    print(f"wrote {args.out}: clip ratios of {args.refit_clip} re-fitted for bits {meta['bits']}, "
+          f"group_size {meta['group_size']} in {meta['refit_seconds']} s")
     print(load_artifact(args.out).summary())
     return 0

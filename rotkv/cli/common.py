@@ -1,10 +1,13 @@
-"""Arguments shared by several subcommands."""
+"""Arguments shared by several subcommands, and the checks of them that run before the model loads."""
 
 from __future__ import annotations
 
 import argparse
 
+from rotkv.cli.errors import UsageError, warn
 from rotkv.config import PRESETS
+
+FLAGS = {"sink": "--sink", "window": "--window", "group_size": "--group-size"}  # CacheSpec field -> flag
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -24,4 +27,64 @@ def add_cache_args(p: argparse.ArgumentParser, preset: bool = True) -> None:
 
 
 def cache_overrides(args) -> dict:
-    return {"sink": args.sink, "window": args.window, "group_size": args.group_size}
+    """The preset overrides given on the command line (flags left out keep the preset's values)."""
+    given = {"sink": args.sink, "window": getattr(args, "window", None), "group_size": getattr(args, "group_size", None)}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def with_flags(msg: str) -> str:
+    """A CacheSpec message with its field names (```sink```) written as the flags that set them."""
+    for field, flag in FLAGS.items():
+        msg = msg.replace(f"`{field}`", flag)
+    return msg
+
+
+def cache_spec(preset: str, overrides: dict):
+    """The preset with the command line's overrides; a bad value names its flag."""
+    from rotkv.config import get_preset
+
+    try:
+        return get_preset(preset, **overrides)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"--preset {preset}: {with_flags(str(e))}") from None
+
+
+def early_artifact(command: str, spec, path: str | None):
+    """Load and check ``--artifact`` against the preset before the model loads (the contract and the
+    file itself; the model fingerprint is checked when the cache is built). Returns the Artifact or None."""
+    from rotkv.rotations.artifact import check_contract, load_artifact
+
+    if path is None:
+        if spec.needs_artifact:
+            method = spec.method or "oscar"
+            raise UsageError(f"--artifact: preset {spec.name!r} needs a calibration artifact; make one with "
+                             f"`rotkv calibrate --method {method} --out {method}.safetensors`")
+        return None
+    if not spec.needs_artifact and spec.budget_tokens is None:
+        warn(command, f"--artifact {path} is not used by preset {spec.name!r} (rotation {spec.rotation!r})")
+        return None
+    art = load_artifact(path)
+    check_contract(art, spec)
+    return art
+
+
+def early_group_check(spec, model: str | None, artifact=None) -> None:
+    """Check the group size against head_dim before the model loads, when head_dim is cheap to know:
+    from the artifact, else from the model's config (read only when --group-size was given)."""
+    from rotkv.quant.quantizer import check_group
+
+    if not spec.quantized or spec.group_size is None:
+        return
+    if artifact is not None:
+        head_dim = int(artifact.meta["head_dim"])
+    else:
+        from rotkv.hf.models import peek_geometry
+
+        geometry = peek_geometry(model)
+        if geometry is None:
+            return  # checked when the cache is built
+        head_dim = geometry[2]
+    try:
+        check_group(spec.resolved_group(head_dim), head_dim)
+    except ValueError as e:
+        raise UsageError(with_flags(str(e))) from None

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from rotkv.cli.common import add_model_args
+from rotkv.cli.common import add_model_args, cache_spec, early_artifact
+from rotkv.cli.errors import UsageError, check_device, check_model, warn
 
 DEFAULT_PRESETS = ["bf16", "int4", "kivi-2", "naive-int2", "quarot-int2"]
 NEEDLE = "The secret code of the blue vault is {code}."
@@ -18,11 +19,11 @@ def register(sub) -> None:
     p.add_argument("--presets", default=",".join(DEFAULT_PRESETS), help="comma-separated presets to compare")
     p.add_argument("--artifact-dir", default=None,
                    help="folder with oscar.safetensors / optr.safetensors: adds oscar-int2 / optr-int2")
-    p.add_argument("--tokens", type=int, default=2500, help="approximate context length in tokens")
-    p.add_argument("--depth", type=float, default=0.4, help="where the fact sits in the context (0-1)")
-    p.add_argument("--code", default="4718293", help="the 7-digit fact to retrieve")
-    p.add_argument("--sink", type=int, default=None)
-    p.add_argument("--window", type=int, default=None)
+    p.add_argument("--tokens", type=int, default=2500, help="approximate context length in tokens (default 2500)")
+    p.add_argument("--depth", type=float, default=0.4, help="where the fact sits in the context, 0-1 (default 0.4)")
+    p.add_argument("--code", default="4718293", help="the 7-digit fact to retrieve (default 4718293)")
+    p.add_argument("--sink", type=int, default=None, help="bf16 sink tokens of every preset (default: the preset's)")
+    p.add_argument("--window", type=int, default=None, help="bf16 window tokens of every preset (default: the preset's)")
     p.set_defaults(func=run)
 
 
@@ -55,19 +56,51 @@ def build_prompt(tokenizer, tokens: int, depth: float, code: str):
     return ctx, torch.cat([ctx, rest], 1)
 
 
+def check_args(args) -> tuple[list[str], dict[str, str]]:
+    """(presets, artifact per preset), every check that needs no model; says which presets it skips."""
+    from rotkv.config import PRESETS
+
+    check_device(args.device)
+    check_model(args.model)
+    if not 0.0 <= args.depth <= 1.0:
+        raise UsageError(f"--depth has to be in [0, 1] but got {args.depth}")
+    if args.tokens < 200:
+        raise UsageError(f"--tokens has to be >= 200 but got {args.tokens}")
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    if not presets:
+        raise UsageError("--presets is empty")
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown:
+        raise UsageError(f"--presets: unknown preset(s) {unknown}; available: {sorted(PRESETS)}")
+    artifacts = {}
+    if args.artifact_dir:
+        if not os.path.isdir(args.artifact_dir):
+            raise UsageError(f"--artifact-dir {args.artifact_dir} is not a folder")
+        for method in ("oscar", "optr"):
+            path = os.path.join(args.artifact_dir, f"{method}.safetensors")
+            if os.path.exists(path):
+                if f"{method}-int2" not in presets:
+                    presets.append(f"{method}-int2")
+                artifacts[f"{method}-int2"] = path
+            elif f"{method}-int2" not in presets:
+                warn("demo", f"skipping {method}-int2: no {method}.safetensors in {args.artifact_dir} "
+                             f"(make one with `rotkv calibrate --method {method} --out {path}`)")
+    overrides = {k: v for k, v in (("sink", args.sink), ("window", args.window)) if v is not None}
+    for name in presets:
+        if PRESETS[name].needs_artifact and name not in artifacts:
+            want = f"{PRESETS[name].method or name}.safetensors"
+            raise UsageError(f"--presets {name} needs {want} in --artifact-dir "
+                             f"({args.artifact_dir or 'not given'}); make it with `rotkv calibrate`")
+        early_artifact("demo", cache_spec(name, overrides), artifacts.get(name))
+    return presets, artifacts
+
+
 def run(args) -> int:
+    presets, artifacts = check_args(args)
     from rotkv.cache import RotkvCache
     from rotkv.generation import generate
     from rotkv.hf.models import load_model
 
-    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
-    artifacts = {}
-    if args.artifact_dir:
-        for method in ("oscar", "optr"):
-            path = os.path.join(args.artifact_dir, f"{method}.safetensors")
-            if os.path.exists(path):
-                presets.append(f"{method}-int2")
-                artifacts[f"{method}-int2"] = path
     print(f"loading {args.model or 'SmolLM2-135M-Instruct'} ...", flush=True)
     loaded = load_model(args.model, device=args.device)
     ctx, ids = build_prompt(loaded.tokenizer, args.tokens, args.depth, args.code)
@@ -75,7 +108,8 @@ def run(args) -> int:
           f"question: {ids.shape[1] - ctx.shape[1]} tokens, prefilled after the context so it reads the stored cache\n")
     rows, reference = [], None
     for name in presets:
-        cache = RotkvCache(loaded.model, name, artifacts.get(name), sink=args.sink, window=args.window)
+        overrides = {k: v for k, v in (("sink", args.sink), ("window", args.window)) if v is not None}
+        cache = RotkvCache(loaded.model, name, artifacts.get(name), **overrides)
         g = generate(loaded.model, loaded.tokenizer, ids, cache, max_new_tokens=10, context=ctx)
         st = cache.stats()
         answer = g.text.strip().splitlines()[0] if g.text.strip() else ""

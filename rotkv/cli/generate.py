@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from rotkv.cli.common import add_cache_args, add_model_args, cache_overrides
+from rotkv.cli.common import add_cache_args, add_model_args, cache_overrides, cache_spec, early_artifact, early_group_check
+from rotkv.cli.errors import UsageError, check_device, check_model, read_text_file
 
 
 def register(sub) -> None:
@@ -23,20 +24,38 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def check_args(args) -> str:
+    """Every check that needs no model; returns the prompt text."""
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens has to be >= 1 but got {args.max_new_tokens}")
+    if args.sample and not args.temperature > 0:
+        raise UsageError(f"--temperature has to be > 0 but got {args.temperature}")
+    if args.sample and not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p has to be in (0, 1] but got {args.top_p}")
+    check_device(args.device)
+    check_model(args.model)
+    flag = "--prompt-file" if args.prompt_file else "--prompt"
+    prompt = read_text_file(args.prompt_file, flag) if args.prompt_file else args.prompt
+    if not prompt.strip():
+        raise UsageError(f"{flag} is empty: give some text to continue")
+    spec = cache_spec(args.preset, cache_overrides(args))
+    art = early_artifact("generate", spec, args.artifact)
+    if args.group_size is not None:
+        early_group_check(spec, args.model, art)
+    return prompt
+
+
 def run(args) -> int:
+    prompt = check_args(args)
     from rotkv.cache import RotkvCache
     from rotkv.generation import encode_prompt, generate
     from rotkv.hf.models import load_model
 
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens has to be >= 1 but got {args.max_new_tokens}")
-    prompt = args.prompt
-    if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            prompt = f.read()
     loaded = load_model(args.model, device=args.device)
     cache = RotkvCache(loaded.model, args.preset, args.artifact, **cache_overrides(args))
     ids = encode_prompt(loaded.tokenizer, prompt, chat=not args.no_chat)
+    if ids.shape[-1] == 0:
+        raise UsageError("--prompt encodes to 0 tokens")
     g = generate(loaded.model, loaded.tokenizer, ids, cache, args.max_new_tokens,
                  do_sample=args.sample, temperature=args.temperature, top_p=args.top_p)
     st = cache.stats()

@@ -140,3 +140,18 @@ def sliding_layers(model: torch.nn.Module) -> list[int | None]:
     types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
     window = getattr(text, "sliding_window", None)
     return [window if t == "sliding_attention" else None for t in types]
+
+
+def peek_geometry(model: str | None = None) -> tuple[int, int, int] | None:
+    """(num_layers, kv_heads, head_dim) from the model's config alone, without loading the weights
+    (a few seconds for a GGUF file instead of ~40); None when the config cannot be read that way."""
+    from transformers import AutoConfig
+
+    from rotkv.rotations.artifact import model_geometry
+
+    path, gguf, _ = resolve_model_path(model)
+    try:
+        kw = {"gguf_file": gguf} if gguf else {}
+        return model_geometry(AutoConfig.from_pretrained(path, local_files_only=True, **kw))
+    except Exception:  # an exotic config: the checks run after loading instead
+        return None

@@ -36,7 +36,7 @@ def check_group(group_size: int, head_dim: int) -> None:
     if group_size <= 0 or head_dim % group_size:
         raise ValueError(
             f"`group_size` ({group_size}) must be a positive divisor of head_dim ({head_dim}); "
-            f"allowed: {[g for g in (32, 64, 128, 256) if head_dim % g == 0 and g <= head_dim] or [head_dim]}"
+            f"allowed: {[g for g in range(1, head_dim + 1) if head_dim % g == 0]}"
         )
 
 

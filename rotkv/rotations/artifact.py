@@ -13,6 +13,15 @@ String metadata: ``format_version``, ``method``, ``model_id``, ``config_hash``,
 ``weights_fingerprint``, ``num_layers``, ``kv_heads``, ``head_dim``, ``bits``, ``group_size``,
 ``clip_k``, ``clip_v``, ``calib_tokens``, ``date``, ``values_folded`` ("0" or "1").
 Never pickle.
+
+Format versions: this rotkv writes and reads ``format_version`` 1. A file without the field
+predates versioning and loads as version 1 (same layout); a higher version is refused with "upgrade
+rotkv". Loading also refuses unreadable (truncated) files, shapes that do not fit the declared
+geometry, non-finite values and non-orthogonal rotations.
+
+The contract: ``method``, ``bits`` and ``group_size`` say what the rotations and clip ratios were
+fitted for; :func:`validate_artifact` with a CacheSpec refuses an artifact fitted for other settings
+(:func:`check_contract`).
 """
 
 from __future__ import annotations
@@ -29,8 +38,11 @@ from safetensors.torch import save_file
 
 from rotkv.rotations.base import LayerRotation
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "1"  # written by this rotkv; a file without one predates versioning and reads as 1
+FORMAT_VERSION_INT = int(FORMAT_VERSION)
 REQUIRED_META = ("format_version", "method", "num_layers", "kv_heads", "head_dim", "weights_fingerprint")
+CONTRACT_META = ("method", "bits", "group_size")  # what a preset checks (check_contract)
+ORTHO_TOL = 1e-3  # max |R^T R - I| of a sound rotation (fp32 calibrations reach ~1e-6)
 
 
 class ArtifactMismatch(ValueError):
@@ -143,23 +155,182 @@ def save_artifact(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, o
               metadata={k: str(v) for k, v in meta.items()})
 
 
-def load_artifact(path: str) -> Artifact:
+def _parse_version(path: str, meta: dict[str, str]) -> int:
+    """The artifact's format version; a file without one predates versioning and is version 1."""
+    raw = meta.setdefault("format_version", "1")
+    try:
+        version = int(raw)
+    except ValueError:
+        raise ArtifactMismatch(f"{path}: `format_version` has to be an integer but got {raw!r}") from None
+    if version > FORMAT_VERSION_INT:
+        raise ArtifactMismatch(f"{path} has format_version {version}, made by a newer rotkv; this rotkv reads "
+                               f"versions 1 to {FORMAT_VERSION_INT}: upgrade rotkv")
+    if version < 1:
+        raise ArtifactMismatch(f"{path} has format_version {version}; this rotkv reads versions 1 to {FORMAT_VERSION_INT}")
+    return version
+
+
+def check_structure(tensors: dict[str, torch.Tensor], meta: dict[str, str], where: str = "artifact") -> None:
+    """Refuse an artifact whose metadata or tensor shapes and dtypes do not fit its declared geometry.
+
+    This is what makes a malformed file fail at load, naming the tensor, instead of inside the cache.
+    """
+    geo = {}
+    for k in ("num_layers", "kv_heads", "head_dim"):
+        try:
+            geo[k] = int(meta[k])
+        except ValueError:
+            raise ArtifactMismatch(f"{where}: metadata `{k}` has to be an integer but got {meta[k]!r}") from None
+        if not 1 <= geo[k] <= 1 << 16:
+            raise ArtifactMismatch(f"{where}: metadata `{k}` has to be in [1, 65536] but got {geo[k]}")
+    for k in ("bits", "group_size"):
+        if k in meta and not meta[k].strip().isdigit():
+            raise ArtifactMismatch(f"{where}: metadata `{k}` has to be an integer but got {meta[k]!r}")
+    layers, h, d = geo["num_layers"], geo["kv_heads"], geo["head_dim"]
+    per_layer = {"R_K": None, "R_V": None, "k_mean": None}
+    for name, t in tensors.items():
+        prefix, _, idx = name.partition(".")
+        if prefix in per_layer:
+            if not idx.isdigit() or int(idx) >= layers:
+                raise ArtifactMismatch(f"{where}: tensor {name!r} names no layer of {layers}")
+            want = [(h, d)] if prefix == "k_mean" else [(h, d, d), (1, d, d)]
+            if tuple(t.shape) not in want:
+                raise ArtifactMismatch(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, expected "
+                                       + " or ".join(str(w) for w in want))
+            per_layer[prefix] = (per_layer[prefix] or set()) | {int(idx)}
+        elif name in ("clip_k", "clip_v", "bits") and tuple(t.shape) != (layers,):
+            raise ArtifactMismatch(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, expected ({layers},)")
+        if prefix in per_layer or name in ("clip_k", "clip_v"):
+            if not t.dtype.is_floating_point:
+                raise ArtifactMismatch(f"{where}: tensor {name!r} has dtype {t.dtype}, expected a floating point dtype")
+        elif name == "bits" and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+            raise ArtifactMismatch(f"{where}: tensor 'bits' has dtype {t.dtype}, expected an integer dtype")
+    for prefix, present in per_layer.items():
+        if present is not None and len(present) != layers:
+            missing = sorted(set(range(layers)) - present)
+            raise ArtifactMismatch(f"{where}: {prefix} is given for some layers but missing for layers {missing[:8]}")
+
+
+def value_problems(artifact: "Artifact", tol: float = ORTHO_TOL) -> list[str]:
+    """What is wrong with the artifact's values: non-finite entries, rotations that are not orthogonal
+    (``max |R^T R - I| > tol``), clip ratios outside (0, 1], widths outside [2, 4, 8]. Empty when sound."""
+    problems = []
+    for name, t in sorted(artifact.tensors.items()):
+        if t.dtype.is_floating_point and not torch.isfinite(t).all():
+            problems.append(f"{name} has {int((~torch.isfinite(t)).sum())} non-finite value(s)")
+    err = orthogonality_error(artifact)
+    bad = {k: e for k, e in err.items() if not e <= tol}  # NaN counts as bad
+    if bad:
+        worst = max(bad, key=lambda k: bad[k] if bad[k] == bad[k] else float("inf"))
+        problems.append(f"{len(bad)} rotation(s) are not orthogonal, worst {worst}: max |R^T R - I| = {bad[worst]:.2e} > {tol:g}")
+    for name in ("clip_k", "clip_v"):
+        t = artifact.tensors.get(name)
+        if t is not None and not ((t > 0) & (t <= 1)).all():
+            problems.append(f"{name} has ratios outside (0, 1]: {t.tolist()}")
+    b = artifact.tensors.get("bits")
+    if b is not None and not all(int(x) in (2, 4, 8) for x in b.tolist()):
+        problems.append(f"bits has widths outside [2, 4, 8]: {b.tolist()}")
+    return problems
+
+
+def orthogonality_error(artifact: "Artifact") -> dict[str, float]:
+    """``max |R^T R - I|`` of every rotation tensor (``R_K.l``, ``R_V.l``)."""
+    out = {}
+    for name, t in artifact.tensors.items():
+        if name.startswith(("R_K.", "R_V.")):
+            m = t.double()
+            eye = torch.eye(m.shape[-1], dtype=torch.float64)
+            out[name] = (m.transpose(-1, -2) @ m - eye).abs().max().item()
+    return out
+
+
+def load_artifact(path: str, check: bool = True) -> Artifact:
+    """Read an artifact; refuse (ArtifactMismatch, a ValueError) anything that is not a sound one.
+
+    A file that cannot be read (truncated, not safetensors), lacks rotkv metadata, has a format
+    version this rotkv does not read, or whose tensors do not fit its geometry is refused, naming the
+    reason. With ``check`` (the default), so are non-finite values and non-orthogonal rotations
+    (:func:`value_problems`); ``rotkv inspect --check`` loads with check=False to report them all.
+    """
     if not os.path.exists(path):
         raise FileNotFoundError(f"artifact file not found: {path}")
-    with safe_open(path, framework="pt") as f:
-        meta = dict(f.metadata() or {})
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    missing = [k for k in REQUIRED_META if k not in meta]
+    if os.path.isdir(path):
+        raise ArtifactMismatch(f"artifact {path} is a directory, not a .safetensors file")
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (OSError, MemoryError) as e:
+        raise ArtifactMismatch(f"cannot read artifact {path}: {e}") from e
+    except Exception as e:  # safetensors_rust.SafetensorError (truncated or not safetensors), ...
+        raise ArtifactMismatch(f"cannot read artifact {path}: {type(e).__name__}: {e} "
+                               "(truncated, or not a safetensors file)") from e
+    missing = [k for k in REQUIRED_META if k not in meta and k != "format_version"]
     if missing:
         raise ArtifactMismatch(f"{path} is not a rotkv artifact: metadata is missing {missing}")
-    if meta["format_version"] != FORMAT_VERSION:
-        raise ArtifactMismatch(f"{path} has format_version {meta['format_version']}, this rotkv reads {FORMAT_VERSION}")
+    _parse_version(path, meta)
+    check_structure(tensors, meta, where=f"artifact {path}")
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    return Artifact(tensors, meta, path, nbytes)
+    art = Artifact(tensors, meta, path, nbytes)
+    if check and (problems := value_problems(art)):
+        raise ArtifactMismatch(f"artifact {path} is unsound: " + "; ".join(problems))
+    return art
 
 
-def validate_artifact(artifact: Artifact, model) -> None:
-    """Refuse an artifact made for another model, naming every field that differs."""
+def base_method(artifact: Artifact) -> str:
+    """The calibration method the rotations come from: ``oscar+pmkvq`` -> ``oscar``."""
+    return artifact.meta.get("method", "").split("+")[0]
+
+
+def contract_diffs(artifact: Artifact, spec) -> list[str]:
+    """The contract fields (method, bits, group_size) in which ``artifact`` differs from ``spec``.
+
+    - method: only when ``spec.method`` is set (None accepts any), compared to :func:`base_method`;
+    - bits: what the clip ratios were fitted for; not compared for an unquantized spec, nor for a
+      progressive spec (``start_bits``) reading per-layer widths from the artifact's ``bits`` tensor;
+    - group_size: compared to ``spec.resolved_group(head_dim)``; not for an unquantized spec.
+
+    A field the artifact does not record (hand-made files) is not compared.
+    """
+    diffs = []
+    if spec.method is not None and base_method(artifact) != spec.method:
+        diffs.append(f"method: artifact {artifact.meta.get('method')!r} vs preset {spec.method!r}")
+    if spec.quantized:
+        progressive_widths = spec.start_bits is not None and "bits" in artifact.tensors
+        if "bits" in artifact.meta and not progressive_widths and int(artifact.meta["bits"]) != spec.bits:
+            diffs.append(f"bits: artifact {artifact.meta['bits']} vs preset {spec.bits}")
+        want = spec.resolved_group(int(artifact.meta["head_dim"]))
+        if "group_size" in artifact.meta and int(artifact.meta["group_size"]) != want:
+            diffs.append(f"group_size: artifact {artifact.meta['group_size']} vs preset {want}")
+    return diffs
+
+
+def check_contract(artifact: Artifact, spec) -> None:
+    """Refuse an artifact calibrated for other settings than ``spec`` (rotkv.config.CacheSpec).
+
+    Clip ratios fitted for 4 bits at G = 32 are wrong at 2 bits and G = 64, and OptR rotations are not
+    OSCAR's. The deliberate overrides: re-fit the clip ratios for the new settings
+    (``rotkv calibrate --refit-clip``), or pass a spec with ``method=None`` to take any method.
+    """
+    diffs = contract_diffs(artifact, spec)
+    if not diffs:
+        return
+    hint = []
+    if any(not d.startswith("method") for d in diffs):
+        g = spec.resolved_group(int(artifact.meta["head_dim"]))
+        hint.append(f"re-fit its clip ratios with `rotkv calibrate --refit-clip {artifact.path or 'ARTIFACT'} "
+                    f"--bits {spec.bits} --group-size {g} --out NEW.safetensors`")
+    if diffs[0].startswith("method"):
+        hint.append(f"calibrate one with `rotkv calibrate --method {spec.method}`")
+    raise ArtifactMismatch(
+        f"artifact {artifact.path} does not match preset {spec.name!r}: " + "; ".join(diffs) + ". "
+        + "; or ".join(hint).capitalize() + "."
+    )
+
+
+def validate_artifact(artifact: Artifact, model, spec=None) -> None:
+    """Refuse an artifact made for another model, naming every field that differs; with ``spec``
+    (a CacheSpec), also one calibrated for other settings (:func:`check_contract`)."""
     layers, kv_heads, head_dim = model_geometry(model.config)
     want = {"num_layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
     diffs = [f"{k}: artifact {artifact.meta[k]} vs model {v}" for k, v in want.items() if int(artifact.meta[k]) != v]
@@ -173,3 +344,5 @@ def validate_artifact(artifact: Artifact, model) -> None:
             f"artifact {artifact.path} was made for another model ({made_for}): " + "; ".join(diffs)
             + ". Calibrate one for this model with `rotkv calibrate`."
         )
+    if spec is not None:
+        check_contract(artifact, spec)
