@@ -125,3 +125,14 @@ def test_beam_search_copies_pages(tiny_llama):
     st = cache.state
     pages = [p for r in range(st.rows) for p in st.body_pages[r, :st.body_count[r]]]
     assert len(pages) == len(set(pages))
+
+
+def test_a_long_prefill_needs_one_chunk_of_tier_pages():
+    """Pages that leave the window are reused by the next chunk of the same call: the tier pool
+    holds sink + window + one chunk per row, not the whole prompt."""
+    st = PageState(sink=16, window=64, page_size=16, quantized=True, chunk=128)
+    st.reset(4)
+    st.plan(4096, np.full(4, 4096))
+    per_row = 1 + (64 + 16 + 128) // 16 + 2
+    assert st.tier_free.capacity <= 4 * per_row * 5 // 4 + 16
+    assert st.body_count.tolist() == [(4096 - 16 - 64) // 16] * 4

@@ -33,7 +33,7 @@ def layer_rotations(model, spec: CacheSpec, artifact: Artifact | str | None) -> 
                 f"`rotkv calibrate --method {method} --out {method}.safetensors` and pass --artifact {method}.safetensors"
             )
         artifact = load_artifact(artifact) if isinstance(artifact, str) else artifact
-        validate_artifact(artifact, model)
+        validate_artifact(artifact, model, spec)
         rots = [artifact.layer_rotation(i) for i in range(layers)]
         if not spec.key_mean:
             rots = [LayerRotation(r.R_K, r.R_V, None, r.clip_k, r.clip_v) for r in rots]

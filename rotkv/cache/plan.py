@@ -181,6 +181,7 @@ class PageState:
         self.plan_steps: list[Step] = []
         self._attended: set = {None}  # layers that ran the current plan ({None}: no plan yet)
         self._undo = None
+        self.broken = False
 
     def steps_for(self, layer: int, q: int, counts: np.ndarray) -> list[Step]:
         """The current call's steps: planned by the first layer that attends, reused by the others."""
@@ -224,6 +225,9 @@ class PageState:
     def plan(self, q: int, counts: np.ndarray) -> list[Step]:
         """Plan a forward call of ``q`` positions whose last ``counts[b]`` are real; commits the
         page bookkeeping (undo with :meth:`rollback` if the call fails before it stores anything)."""
+        if self.broken:
+            raise RuntimeError("a previous call failed after some layers had stored its tokens; reset the cache "
+                               "(cache.reset()) before using it again")
         counts = np.asarray(counts, dtype=np.int64)
         if len(counts) != self.rows:
             raise ValueError(f"batch size changed from {self.rows} to {len(counts)} without reordering the cache")
@@ -231,7 +235,7 @@ class PageState:
         self._undo = (self.tier_tokens.copy(), self.body_count.copy(), self.tier_pages.copy(), self.body_pages.copy(),
                       self.tier_free._stack.copy(), self.tier_free._top, self.tier_free.capacity,
                       self.body_free._stack.copy(), self.body_free._top, self.body_free.capacity)
-        freed: list[np.ndarray] = []  # tier pages released during the call go back at its end
+        freed: list[np.ndarray] = []  # tier pages released by a step's flush, reusable by the next step
         steps = []
         c = self.chunk
         n_steps = max(1, -(-int(counts.max(initial=0)) // c))
@@ -239,16 +243,18 @@ class PageState:
         for k in range(n_steps):
             n = np.clip(counts - k * c, 0, c)
             steps.append(self._step(first + k * c, n, q, freed, decode=(q == 1 and bool((counts == 1).all()))))
-        for pages in freed:
-            self.tier_free.free(pages)
         self.seen += q
         self.plan_steps = steps
         return steps
 
     def rollback(self) -> None:
-        """Undo the last :meth:`plan` (nothing of the call is stored)."""
+        """Undo the last :meth:`plan`. Exact when no layer has run the plan yet (the first layer
+        refuses its states); otherwise earlier layers may have written reused pages, and the
+        cache refuses further calls until it is reset."""
         if self._undo is None:
             return
+        if len(self._attended) > 1:
+            self.broken = True
         (self.tier_tokens, self.body_count, self.tier_pages, self.body_pages, ts, tt, tc, bs, bt, bc) = self._undo
         self.tier_free._stack, self.tier_free._top, self.tier_free.capacity = ts, tt, tc
         self.body_free._stack, self.body_free._top, self.body_free.capacity = bs, bt, bc
@@ -306,6 +312,9 @@ class PageState:
         srcc = np.where(keep, col, col + k[:, None])
         self.tier_pages = np.take_along_axis(self.tier_pages, np.minimum(srcc, width - 1), 1)
         self.tier_tokens = self.tier_tokens - k * p
+        # a flushed page is free for the next step's tokens: every layer runs a step's flush (which
+        # reads the page) before the next step's write, so a long prefill needs only one chunk of tier
+        self.tier_free.free(src)
         freed.append(src)
         return Flush(rows, src, dst)
 
