@@ -38,8 +38,8 @@ class StaticDecode:
         p = st.page
         self.body_pages = -(-max_len // p) if st.quantized else 0
         self.tier_pages = (st.sink_pages + -(-(st.window + p) // p) + 1) if st.quantized else -(-(st.pad + max_len) // p)
-        # capacity: every row at max_len, plus what a prefill chunk held (already allocated)
-        st.tier_free.grow(max(st.tier_free.capacity, st.tier_free.used + rows * self.tier_pages))
+        # capacity: every row at max_len (a prefill chunk may have left more tier pages than that)
+        st.tier_free.grow(max(st.tier_free.capacity, rows * self.tier_pages))
         st.body_free.grow(max(st.body_free.capacity, rows * self.body_pages + 1))
         for layer in self.layers:
             layer.pools.fit(st.tier_free.capacity, st.body_free.capacity)
