@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers.cache_utils import CacheLayerMixin
 
 from rotkv.cache.codecs import TokenCodec
@@ -262,6 +263,8 @@ class HybridLayer(CacheLayerMixin):
             return o.reshape(b, hq, 1, d)
         k, v = (torch.cat([bk, tk], 2), torch.cat([bv, tv], 2)) if bk is not None else (tk, tv)
         mask = step.cached(("mask", dev, nb), lambda: _mask(step, self.spec.page_size, nb, tk.shape[2], dev))
+        if mask is None:  # rows alike, queries = the last keys: lower-right causal, no mask tensor
+            mask = causal_lower_right(step.query_pos.shape[1], k.shape[2])
         qpos, _ = step.device_query(dev)
         qc = qr.gather(2, qpos[:, None, :, None].expand(-1, hq, -1, d)).to(cdt)
         return F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=scaling, enable_gqa=hq != k.shape[1])
@@ -285,17 +288,25 @@ class HybridLayer(CacheLayerMixin):
         }
 
 
-def _mask(step: Step, page: int, body_pages: int, tier_len: int, device) -> torch.Tensor:
-    """``[B, 1, C, body_pages * page + tier_len]`` bool: which keys each query of the step may read."""
+def _mask(step: Step, page: int, body_pages: int, tier_len: int, device) -> torch.Tensor | None:
+    """``[B, 1, C, body_pages * page + tier_len]`` bool: which keys each query of the step may read,
+    built on the device; None when every row holds the same tokens and every query is real (then
+    the step's queries are the last keys of every row: lower-right causal)."""
     c = step.query_pos.shape[1]
+    alike = all((a == a[0]).all() for a in (step.body_count, step.tier_tokens, step.tier_before))
+    if alike and (step.query_count == c).all() and step.tier_tokens[0] == step.tier_before[0] + c \
+            and step.body_count[0] == body_pages and step.tier_tokens[0] == tier_len:
+        return None
+    small = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
     body_len = body_pages * page
-    p_body = np.arange(body_len)[None, None, :] < step.body_count[:, None, None] * page
-    t = np.arange(tier_len)[None, None, :]
-    j = np.arange(c)[None, :, None]
-    p_tier = (t < step.tier_tokens[:, None, None]) & (t <= step.tier_before[:, None, None] + j)
-    body = np.broadcast_to(p_body, (len(step.tier_tokens), c, body_len))
-    m = np.concatenate([body, p_tier], 2)
+    keys = torch.arange(body_len + tier_len, device=device)
+    j = torch.arange(c, device=device)
+    in_body = keys < body_len
+    t = keys - body_len  # tier index of a tier key
+    body_ok = in_body[None, None, :] & (keys[None, None, :] < small(step.body_count)[:, None, None] * page)
+    tier_ok = (~in_body[None, None, :] & (t[None, None, :] < small(step.tier_tokens)[:, None, None])
+               & (t[None, None, :] <= small(step.tier_before)[:, None, None] + j[None, :, None]))
+    m = body_ok | tier_ok
     # queries that are not real (ragged last chunks) read key 0 so that no row is empty (output unused)
-    dead = np.arange(c)[None, :] >= step.query_count[:, None]
-    m[:, :, 0] |= dead
-    return torch.from_numpy(m[:, None]).to(device)
+    m[:, :, 0] |= j[None, :] >= small(step.query_count)[:, None]
+    return m[:, None]
