@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -48,6 +49,9 @@ class Row:
 
 
 def commit() -> str:
+    """The checkout's commit; ``ROTKV_COMMIT`` overrides it (the device copy's .git can be stale)."""
+    if os.environ.get("ROTKV_COMMIT"):
+        return os.environ["ROTKV_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()

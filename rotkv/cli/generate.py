@@ -21,6 +21,8 @@ def register(sub) -> None:
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and the measured sizes")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="capture the decode step in a CUDA graph and replay it (greedy; needs CUDA; see rotkv.cache.graph)")
     p.set_defaults(func=run)
 
 
@@ -33,6 +35,10 @@ def check_args(args) -> str:
     if args.sample and not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p has to be in (0, 1] but got {args.top_p}")
     check_device(args.device)
+    if args.cuda_graph and args.sample:
+        raise UsageError("--cuda-graph decodes greedily: drop --sample")
+    if args.cuda_graph and (args.device == "cpu" or not _cuda()):
+        raise UsageError("--cuda-graph needs a CUDA device")
     check_model(args.model)
     flag = "--prompt-file" if args.prompt_file else "--prompt"
     prompt = read_text_file(args.prompt_file, flag) if args.prompt_file else args.prompt
@@ -56,8 +62,11 @@ def run(args) -> int:
     ids = encode_prompt(loaded.tokenizer, prompt, chat=not args.no_chat)
     if ids.shape[-1] == 0:
         raise UsageError("--prompt encodes to 0 tokens")
-    g = generate(loaded.model, loaded.tokenizer, ids, cache, args.max_new_tokens,
-                 do_sample=args.sample, temperature=args.temperature, top_p=args.top_p)
+    if args.cuda_graph:
+        g = _generate_graph(loaded, ids, cache, args.max_new_tokens)
+    else:
+        g = generate(loaded.model, loaded.tokenizer, ids, cache, args.max_new_tokens,
+                     do_sample=args.sample, temperature=args.temperature, top_p=args.top_p)
     st = cache.stats()
     if args.json:
         print(json.dumps({
@@ -72,3 +81,23 @@ def run(args) -> int:
     else:
         print(g.text)
     return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _generate_graph(loaded, ids, cache, max_new_tokens: int):
+    """Greedy generation with the decode step replayed from a CUDA graph; stops at the EOS token."""
+    from rotkv.generation import Generated, generate_batch
+
+    run = generate_batch(loaded.model, ids, cache, max_new_tokens, cuda_graph=True)
+    new = run.tokens[0].tolist()
+    eos = loaded.tokenizer.eos_token_id
+    if eos in new:
+        new = new[: new.index(eos)]
+    rate = 1000 / run.step_ms if run.step_ms else 0.0
+    text = loaded.tokenizer.decode(new, skip_special_tokens=True)
+    return Generated(text, new, ids.shape[1], run.prefill_s, rate)
