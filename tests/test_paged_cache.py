@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st_h
 
 from rotkv.cache import RotkvCache
 from rotkv.cache.codecs import make_codecs
@@ -136,3 +138,61 @@ def test_a_long_prefill_needs_one_chunk_of_tier_pages():
     per_row = 1 + (64 + 16 + 128) // 16 + 2
     assert st.tier_free.capacity <= 4 * per_row * 5 // 4 + 16
     assert st.body_count.tolist() == [(4096 - 16 - 64) // 16] * 4
+
+
+def _select(layer, index):
+    """What RotkvCache does for its layers: one page-list edit, then the page copies."""
+    copies = layer.state.select_rows(np.asarray(index))
+    layer.pools.fit(layer.state.tier_free.capacity, layer.state.body_free.capacity)
+    layer.pools.copy_pages(*(torch.as_tensor(c) for c in copies))
+
+
+def _check_pages(st):
+    """Every used page belongs to exactly one row; every other page is on the free list."""
+    tier = [p for r in range(st.rows) for p in st.tier_pages[r, :st.tier_used_pages()[r]]]
+    body = [p for r in range(st.rows) for p in st.body_pages[r, :st.body_count[r]]]
+    assert len(tier) == len(set(tier)) == st.tier_free.used
+    assert len(body) == len(set(body)) == st.body_free.used
+    free = set(st.tier_free._stack[:st.tier_free._top].tolist())
+    assert not free & set(tier) and len(free) == st.tier_free.free_count
+
+
+@settings(max_examples=25, deadline=None)
+@given(st_h.lists(st_h.tuples(st_h.sampled_from(["prefill", "decode", "select", "reset"]),
+                              st_h.integers(0, 10**6)), min_size=1, max_size=12))
+def test_churn_keeps_pages_and_contents_consistent(ops):
+    """Random calls, ragged prefills, row removal and duplication, resets: the paged layer keeps
+    what the per-row layer keeps, and no page is lost or shared."""
+    paged, ref = pair(sink=5, window=6, page=4, chunk=9)
+    rows = 2
+    for op, seed in ops:
+        g = torch.Generator().manual_seed(seed)
+        if op == "reset":
+            paged.reset(), ref.reset()
+            continue
+        if op == "select":
+            if not paged.is_initialized or paged.state.rows == 0:
+                continue
+            n = paged.state.rows
+            index = torch.randint(0, n, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
+            _select(paged, index)
+            ref.reorder_cache(torch.tensor(index))
+            rows = len(index)
+        else:
+            b = paged.state.rows if paged.is_initialized and paged.state.rows else rows
+            q = 1 if op == "decode" else int(torch.randint(1, 30, (1,), generator=g))
+            k, v, x = (torch.randn(b, H, q, D, generator=g) for _ in range(3))
+            real = None
+            if op == "prefill":
+                real = torch.ones(b, q, dtype=torch.bool)
+                for i in range(b):
+                    real[i, : int(torch.randint(0, q, (1,), generator=g))] = False
+            outs = []
+            for layer in (paged, ref):
+                layer.update(k, v)
+                outs.append(layer.attend(x.repeat(1, 2, 1, 1), real, 0.3))
+            assert torch.allclose(outs[0], outs[1], atol=1e-5)
+        if paged.is_initialized:
+            _check_pages(paged.state)
+            for r in range(paged.state.rows):
+                assert torch.allclose(paged.read(r)[0], ref.read(ref.rows[r])[0], atol=1e-6)
