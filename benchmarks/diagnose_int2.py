@@ -240,9 +240,13 @@ def main() -> None:
     ap.add_argument("--sink", type=int, default=16)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--exp", nargs="+", default=["base", "kv", "chunk", "layers", "tokens"],
-                    choices=["base", "kv", "chunk", "layers", "heads", "tokens", "lever"])
+                    choices=["base", "kv", "chunk", "layers", "layer-groups", "heads", "tokens", "lever"])
+    ap.add_argument("--layers", type=int, nargs="*", default=None, help="layers `layers` tries (default: all)")
+    ap.add_argument("--layer-group", type=int, default=5, help="consecutive layers per group for `layer-groups`")
+    ap.add_argument("--token-by", nargs="+", default=["dec", "pre", "norm", "random"],
+                    choices=["dec", "pre", "norm", "random"], help="rankings `tokens` tries")
     ap.add_argument("--head-layers", type=int, nargs="*", default=[], help="layers whose KV heads `heads` tries")
-    ap.add_argument("--topk", type=int, nargs="+", default=[8, 32], help="tokens per layer and KV head for `tokens`")
+    ap.add_argument("--topk", type=int, nargs="+", default=[16], help="tokens per layer and KV head for `tokens`")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="docs/results/diagnosis/diagnosis.json")
     args = ap.parse_args()
@@ -287,40 +291,43 @@ def main() -> None:
     kv_heads = model.config.num_key_value_heads
     if "base" in args.exp:
         plan += [("bf16", "bf16", args.chunk, {}, None), ("int4", "int4", args.chunk, {}, None)]
-    stats = None
     for p in args.presets:
-        if "base" in args.exp or True:  # every delta is taken against the preset itself
-            plan.append((f"{p}", p, args.chunk, {}, None))
+        plan.append((f"{p}", p, args.chunk, {}, None))  # every delta is taken against the preset itself
         if "kv" in args.exp:
             plan.append((f"{p}/K-only", p, args.chunk, {"bf16": {("*", "v")}}, None))
             plan.append((f"{p}/V-only", p, args.chunk, {"bf16": {("*", "k")}}, None))
         if "chunk" in args.exp:
             plan.append((f"{p}/chunk={L}", p, L, {}, None))
         if "layers" in args.exp:
-            for i in range(layers_n):
+            for i in (range(layers_n) if args.layers is None else args.layers):
                 plan.append((f"{p}/bf16-layer{i}", p, args.chunk, {"bf16": {(i, "k"), (i, "v")}}, None))
+        if "layer-groups" in args.exp:
+            for a in range(0, layers_n, args.layer_group):
+                group = range(a, min(a + args.layer_group, layers_n))
+                bf = {(i, part) for i in group for part in "kv"}
+                plan.append((f"{p}/bf16-layers{group[0]}-{group[-1]}", p, args.chunk, {"bf16": bf}, None))
         if "heads" in args.exp:
             for i in args.head_layers:
                 for h in range(kv_heads):
                     sel = {i: {h: torch.arange(0, L + N + 4096)}}
                     plan.append((f"{p}/bf16-layer{i}-head{h}", p, args.chunk, {"keep": sel}, None))
         if "tokens" in args.exp:
-            if stats is None or True:
-                means = None
-                if p in artifacts:
-                    art = load_artifact(artifacts[p])
-                    means = [art.layer_rotation(i).k_mean for i in range(layers_n)]
-                pstats = token_stats(ctx, means)
-                results.setdefault("token_stats", {})[p] = summarize_stats(pstats, tok, ids, starts, args)
-                save()
+            means = None  # token statistics of the plain model, keys centred with this preset's means
+            if p in artifacts:
+                art = load_artifact(artifacts[p])
+                means = [art.layer_rotation(i).k_mean for i in range(layers_n)]
+            pstats = token_stats(ctx, means)
+            results.setdefault("token_stats", {})[p] = summarize_stats(pstats, tok, ids, starts, args)
+            save()
             lo, hi = args.sink, L - args.window  # tokens in the body when decoding starts
             for k in args.topk:
-                for by in ("dec", "pre", "norm", "random"):
+                for by in args.token_by:
                     fn = (lambda w, by=by, k=k, ps=pstats: select(ps[w], by, k, lo, hi, seed=w))
                     plan.append((f"{p}/keep-top{k}-{by}", p, args.chunk, {"keep_parts": "kv"}, fn))
-            k = max(args.topk)
-            fn = (lambda w, k=k, ps=pstats: select(ps[w], "dec", k, lo, hi, seed=w))
-            plan.append((f"{p}/keep-top{k}-dec-Konly", p, args.chunk, {"keep_parts": "k"}, fn))
+            if "dec" in args.token_by:
+                k = max(args.topk)
+                fn = (lambda w, k=k, ps=pstats: select(ps[w], "dec", k, lo, hi, seed=w))
+                plan.append((f"{p}/keep-top{k}-dec-Konly", p, args.chunk, {"keep_parts": "k"}, fn))
         if "lever" in args.exp:
             plan.append((f"{p}/lever-Kg32-Vg64", p, args.chunk, {"codec": {"key": (2, 32, None), "value": (2, 64, None)}}, None))
             plan.append((f"{p}/lever-Kg32-Vg32", p, args.chunk, {"codec": {"key": (2, 32, None), "value": (2, 32, None)}}, None))
