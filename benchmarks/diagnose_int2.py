@@ -177,7 +177,8 @@ def token_stats(ctx, artifact_means: list[torch.Tensor] | None) -> list[dict]:
     One plain fp32 forward over the window with rotkv's capture attention (eager softmax): decode mass
     is the attention the N-1 scored decode queries give each of the first L tokens (summed over the
     query heads of a KV head, averaged over queries); prefill mass is the mean attention a token gets
-    from the prefill queries that see it; key norm is ``||k - mu||`` (the stored key's norm: the
+    from the prefill queries that see it; last mass is the attention the last ``window`` prefill queries
+    (those of the recent window when decoding starts) give it, averaged over them; key norm is ``||k - mu||`` (the stored key's norm: the
     rotation is orthogonal; mu the artifact's key mean, or 0).
     """
     from rotkv.calibrate.capture import capturing
@@ -187,7 +188,7 @@ def token_stats(ctx, artifact_means: list[torch.Tensor] | None) -> list[dict]:
     out = []
     for start, _ in ctx["refs"]:
         ids = ctx["ids"][:, start:start + L + N - 1]
-        st: dict = {"dec": {}, "pre": {}, "norm": {}}
+        st: dict = {"dec": {}, "pre": {}, "last": {}, "norm": {}}
 
         def rec(layer, q, k, v, o, probs):
             hq, h = probs.shape[1], k.shape[1]
@@ -195,10 +196,12 @@ def token_stats(ctx, artifact_means: list[torch.Tensor] | None) -> list[dict]:
             dec = p[:, L:, :L].mean(1).reshape(h, hq // h, L).sum(1)
             seen = torch.arange(L, 0, -1, dtype=torch.float32)  # queries 0..L-1 that see token j: L - j
             pre = p[:, :L, :L].sum(1).reshape(h, hq // h, L).sum(1) / seen
+            last = p[:, L - ctx["window"]:L, :L].mean(1).reshape(h, hq // h, L).sum(1)
             kk = k[0, :, :L].float()
             if artifact_means is not None and artifact_means[layer] is not None:
                 kk = kk - artifact_means[layer][:, None, :]
-            st["dec"][layer], st["pre"][layer], st["norm"][layer] = dec, pre, kk.norm(dim=-1)
+            st["dec"][layer], st["pre"][layer], st["last"][layer] = dec, pre, last
+            st["norm"][layer] = kk.norm(dim=-1)
 
         with capturing(ctx["model"], rec):
             forward(ctx["model"], ids, None)
@@ -244,7 +247,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="*", default=None, help="layers `layers` tries (default: all)")
     ap.add_argument("--layer-group", type=int, default=5, help="consecutive layers per group for `layer-groups`")
     ap.add_argument("--token-by", nargs="+", default=["dec", "pre", "norm", "random"],
-                    choices=["dec", "pre", "norm", "random"], help="rankings `tokens` tries")
+                    choices=["dec", "pre", "last", "norm", "random"],
+                    help="rankings `tokens` tries: decode mass (oracle), mean prefill mass, mass from the last "
+                         "--window prefill queries, key norm, random")
     ap.add_argument("--head-layers", type=int, nargs="*", default=[], help="layers whose KV heads `heads` tries")
     ap.add_argument("--topk", type=int, nargs="+", default=[16], help="tokens per layer and KV head for `tokens`")
     ap.add_argument("--threads", type=int, default=1)
