@@ -18,7 +18,8 @@ leaving the recent window) for wrappers:
 
 Experiments (``--exp``): ``base`` (the preset; plus bf16 and int4 for scale), ``kv`` (K-only and
 V-only quantization, the other kept bf16), ``layers`` (one layer's K+V back in bf16 at a time),
-``heads`` (one KV head of the ``--head-layers`` layers back in bf16), ``chunk`` (prefill in one
+``heads`` (KV head h of the ``--head-layers`` layers back in bf16, one run per h; measured
+bits then count the dense codes too), ``chunk`` (prefill in one
 L-token chunk instead of ``--chunk``), ``tokens`` (top-k body tokens per layer and KV head kept
 bf16, ranked by decode attention mass, prefill attention mass, key norm, or at random), ``lever``
 (K/V group sizes at equal measured bits). Results go to ``--out`` (JSON, written after every run,
@@ -250,7 +251,8 @@ def main() -> None:
                     choices=["dec", "pre", "last", "norm", "random"],
                     help="rankings `tokens` tries: decode mass (oracle), mean prefill mass, mass from the last "
                          "--window prefill queries, key norm, random")
-    ap.add_argument("--head-layers", type=int, nargs="*", default=[], help="layers whose KV heads `heads` tries")
+    ap.add_argument("--head-layers", type=int, nargs="*", default=[],
+                    help="`heads` keeps KV head h of these layers (default: all) in bf16, one run per h")
     ap.add_argument("--topk", type=int, nargs="+", default=[16], help="tokens per layer and KV head for `tokens`")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="docs/results/diagnosis/diagnosis.json")
@@ -311,11 +313,12 @@ def main() -> None:
                 group = range(a, min(a + args.layer_group, layers_n))
                 bf = {(i, part) for i in group for part in "kv"}
                 plan.append((f"{p}/bf16-layers{group[0]}-{group[-1]}", p, args.chunk, {"bf16": bf}, None))
-        if "heads" in args.exp:
-            for i in args.head_layers:
-                for h in range(kv_heads):
-                    sel = {i: {h: torch.arange(0, L + N + 4096)}}
-                    plan.append((f"{p}/bf16-layer{i}-head{h}", p, args.chunk, {"keep": sel}, None))
+        if "heads" in args.exp:  # KV head h of the --head-layers (default: all) kept bf16 beside the dense codes
+            hl = args.head_layers or list(range(layers_n))
+            name = f"layers{hl[0]}-{hl[-1]}" if hl == list(range(hl[0], hl[-1] + 1)) else "layers" + ",".join(map(str, hl))
+            for h in range(kv_heads):
+                sel = {i: {h: torch.arange(0, L + N + 4096)} for i in hl}
+                plan.append((f"{p}/bf16-{name}-head{h}", p, args.chunk, {"keep": sel}, None))
         if "tokens" in args.exp:
             means = None  # token statistics of the plain model, keys centred with this preset's means
             if p in artifacts:
