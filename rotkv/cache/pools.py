@@ -13,6 +13,8 @@ Pools grow (by at least 25%, copying once) when the cache's free lists grow; the
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from rotkv.cache.codecs import TokenCodec
@@ -43,7 +45,8 @@ class LayerPools:
         if key_codec is not None:
             probe = torch.zeros(1, kv_heads, page, head_dim, device=device)
             for parts, codec in zip(self.body, self.codecs):
-                for name, t in codec.encode(probe).items():
+                # a shallow copy encodes the probe: a stateful codec (a position counter) is not advanced
+                for name, t in copy.copy(codec).encode(probe).items():
                     parts[name] = torch.zeros(0, *t.shape[1:], dtype=t.dtype, device=device)
         # the mirror is head-major, [H, pages, P, D]: gathering one row's pages gives [H, n * P, D] in place
         mshape = (kv_heads, 0, page, head_dim)
