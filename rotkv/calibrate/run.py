@@ -113,7 +113,7 @@ class _Switch:
         if self.rec.chunk in self.heldout:
             if self.rec.chunk in self.rec.keep:
                 from rotkv.calibrate.stats import Sample
-                self.rec.layers[layer].samples[self.rec.chunk] = Sample(q[0].float().clone(), k[0].float().clone(), v[0].float().clone())
+                self.rec.layers[layer].samples[self.rec.chunk] = Sample(*(t[0].float().cpu().clone() for t in (q, k, v)))
             return
         self.rec(layer, q, k, v, out, probs)
 

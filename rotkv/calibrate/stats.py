@@ -61,7 +61,8 @@ class StatsRecorder:
 
     def __call__(self, layer, q, k, v, out, probs) -> None:
         st = self.layers[layer]
-        q, k, v, out, probs = q[0].float(), k[0].float(), v[0].float(), out[0], probs[0]
+        # statistics are float64 on the CPU, whatever device the model runs on
+        q, k, v, out, probs = (t[0].float().cpu() for t in (q, k, v, out, probs))
         h, hq = k.shape[0], q.shape[0]
         r = hq // h
         t, d = q.shape[1], q.shape[2]
