@@ -1,6 +1,7 @@
 """On the real default model (SmolLM2-135M-Instruct, loaded once per session)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -95,3 +96,21 @@ def test_cli_bad_input_is_one_clear_line(capsys):
 
     rc = main(["generate", "--preset", "oscar-int2", "--prompt", "x", "--model", "/no/such/model"])
     assert rc == 2 and "not found" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_converted_copy_loads_the_same_model(tmp_path, monkeypatch):
+    """The GGUF file is converted once; the safetensors copy gives the same logits, tokens and chat template."""
+    from rotkv.hf.models import converted_dir, load_model, resolve_model_path
+
+    monkeypatch.setenv("ROTKV_CACHE_DIR", str(tmp_path))
+    first = load_model()  # converts the GGUF file and writes the copy
+    path, gguf, _ = resolve_model_path(None)
+    assert os.path.exists(os.path.join(converted_dir(path, gguf), "model.safetensors"))
+    second = load_model()  # reads the copy
+    msg = [{"role": "user", "content": "Name three colors."}]
+    ids = first.tokenizer.apply_chat_template(msg, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids2 = second.tokenizer.apply_chat_template(msg, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    assert torch.equal(ids, ids2) and second.model_id == first.model_id
+    with torch.no_grad():
+        assert torch.equal(first.model(ids).logits, second.model(ids).logits)

@@ -5,8 +5,11 @@ Also the structural checks that say whether rotkv can serve a model.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import shutil
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -77,19 +80,63 @@ def resolve_model_path(model: str | None) -> tuple[str, str | None, str]:
     )
 
 
+def converted_dir(path: str, gguf: str) -> str:
+    """Where the converted copy of a GGUF file lives: ``$ROTKV_CACHE_DIR`` (default
+    ``~/.cache/rotkv``) ``/models/<name>-<sha256 of the file, 16 hex>``."""
+    h = hashlib.sha256()
+    with open(os.path.join(path, gguf), "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    root = os.environ.get("ROTKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "rotkv")
+    return os.path.join(root, "models", f"{gguf.removesuffix('.gguf')}-{h.hexdigest()[:16]}")
+
+
+def _save_converted(m, tok, out: str) -> None:
+    """Save the dequantized float32 model and its tokenizer (atomically; a failure only warns)."""
+    tmp = f"{out}.tmp-{os.getpid()}"
+    try:
+        from safetensors.torch import save_model
+
+        os.makedirs(tmp, exist_ok=True)
+        # a GGUF-loaded model refuses save_pretrained (its quantizer): write its weights (tied ones
+        # once) and a config without the quantization entry
+        save_model(m, os.path.join(tmp, "model.safetensors"))
+        cfg = m.config.to_dict()
+        cfg.pop("quantization_config", None)
+        type(m.config).from_dict(cfg).save_pretrained(tmp)
+        if getattr(m, "generation_config", None) is not None:
+            m.generation_config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)
+    except (OSError, ValueError, RuntimeError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        warnings.warn(f"rotkv: could not cache the converted model in {out} ({e}); it is converted again next time",
+                      stacklevel=3)
+
+
 def load_model(model: str | None = None, device: str | None = None, dtype: torch.dtype | None = None) -> Loaded:
     """Load a causal LM and its tokenizer from local files only.
 
     device defaults to CUDA when present; dtype to bfloat16 on CUDA and float32 on the CPU.
+    A GGUF file is converted once (about 40 s on a small CPU, mostly the tokenizer): the float32
+    conversion is kept as safetensors under :func:`converted_dir`, keyed by the file's hash, and
+    later loads read that copy. ``ROTKV_NO_MODEL_CACHE=1`` turns the copy off.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, gguf, model_id = resolve_model_path(model)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+    use_copy = gguf is not None and os.environ.get("ROTKV_NO_MODEL_CACHE", "0") in ("", "0")
+    copy_dir = converted_dir(path, gguf) if use_copy else None
+    if copy_dir is not None and os.path.exists(os.path.join(copy_dir, "config.json")):
+        path, gguf = copy_dir, None
     kw = {"gguf_file": gguf} if gguf else {}
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **kw)
-    m = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **kw).to(device).eval()
+    m = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **kw)
+    if gguf is not None and copy_dir is not None and dtype == torch.float32:
+        _save_converted(m, tok, copy_dir)
+    m = m.to(device).eval()
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     check_supported(m)
