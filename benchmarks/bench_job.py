@@ -93,7 +93,6 @@ def sync(dev) -> float:
 
 @torch.no_grad()
 def run_wave(model, preset: str, rows: int, context: int, new_tokens: int, chunk: int, overrides: dict):
-    from rotkv.generation import generate_batch  # noqa: F401  (same loop shape as rotkv bench)
     from rotkv.hf.compat import cache_kwarg
 
     dev = model.device

@@ -168,7 +168,6 @@ def bench(model, model_id: str, methods: list[str], batches: list[int], contexts
     warmed: set = set()
     for b, c, m in tqdm(cells, desc="bench", disable=progress is False):
         ids = prompts(vocab, b, c)
-        note = ""
         try:
             if (m, b) not in warmed:
                 run_method(model, m, ids[:, : min(c, 1024)], 4, artifact, overrides)
@@ -185,7 +184,7 @@ def bench(model, model_id: str, methods: list[str], batches: list[int], contexts
         step = run.step_ms
         rows.append(Row(m, b, c, new_tokens, round(run.prefill_s, 4), round(step, 3),
                         round(1000 * b / step, 1) if step else 0.0, round(mem["peak_gb"], 3), round(mem["cache_gb"], 3),
-                        mem["kv_bytes"], round(mem["bits_per_element"], 3), device_name(dev), commit(), model_id, note))
+                        mem["kv_bytes"], round(mem["bits_per_element"], 3), device_name(dev), commit(), model_id))
         if on_row:
             on_row(rows)
     return rows

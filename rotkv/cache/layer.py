@@ -27,8 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers.cache_utils import CacheLayerMixin
 
-from rotkv.cache.codecs import TokenCodec
-from rotkv.cache.plan import PageState, Step, page_table
+from rotkv.cache.plan import PageState, Step
 from rotkv.cache.pools import LayerPools
 from rotkv.config import CacheSpec
 from rotkv.kernels import backend as kernels
@@ -210,11 +209,7 @@ class HybridLayer(CacheLayerMixin):
         return o
 
     def _kernel_ok(self, q: torch.Tensor) -> bool:
-        if not kernels.enabled(q):
-            return False
-        if not self.spec.quantized:
-            return True
-        return all(isinstance(c, TokenCodec) and c.bits == 2 for c in (self.key_codec, self.value_codec))
+        return kernels.enabled(q) and (not self.spec.quantized or self.pools.int2_tokens)
 
     def _attend_kernel(self, step: Step, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """One decode token of every row: the split-K kernel over the body and tier page tables."""
@@ -238,9 +233,7 @@ class HybridLayer(CacheLayerMixin):
             pages = step.cached(("body_pages", dev), lambda: torch.from_numpy(
                 np.ascontiguousarray(step.body_pages[:, :nb])).to(dev))
             t = step.device_tables(dev, self.state) if self.pools.can_dequant_kernel else None
-            first = step.body_pages[0, 0]
-            run = int(first) if (len(step.body_count) == 1 and
-                                 (step.body_pages[0, :nb] == np.arange(first, first + nb)).all()) else None
+            run = step.cached("run", lambda: _consecutive_run(step.body_pages, nb))
             bk, bv = self.pools.body_dense(pages, cdt, table=t.body if t is not None else None, run=run)
         else:
             nb = 0
@@ -248,8 +241,8 @@ class HybridLayer(CacheLayerMixin):
         b, hq, _, d = qr.shape
         # a decode step whose rows all hold the same tokens needs no mask (the common, unpadded case):
         # scores of the body and the tier apart, one softmax, no concatenated copy of K and V
-        uniform = step.decode and bool((step.tier_tokens == step.tier_tokens[0]).all()
-                                       and (step.body_count == step.body_count[0]).all())
+        uniform = step.cached("uniform", lambda: step.decode and bool(
+            (step.tier_tokens == step.tier_tokens[0]).all() and (step.body_count == step.body_count[0]).all()))
         if uniform:
             h = tk.shape[1]
             qh = qr[:, :, -1:].to(cdt).reshape(b, h, hq // h, d) * scaling
@@ -265,7 +258,7 @@ class HybridLayer(CacheLayerMixin):
         mask = step.cached(("mask", dev, nb), lambda: _mask(step, self.spec.page_size, nb, tk.shape[2], dev))
         if mask is None:  # rows alike, queries = the last keys: lower-right causal, no mask tensor
             mask = causal_lower_right(step.query_pos.shape[1], k.shape[2])
-        qpos, _ = step.device_query(dev)
+        qpos = step.device_query(dev)
         qc = qr.gather(2, qpos[:, None, :, None].expand(-1, hq, -1, d)).to(cdt)
         return F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=scaling, enable_gqa=hq != k.shape[1])
 
@@ -286,6 +279,14 @@ class HybridLayer(CacheLayerMixin):
             "elements": 2 * tokens * self.kv_heads * self.head_dim,
             "body_elements": 2 * body_tokens * self.kv_heads * self.head_dim,
         }
+
+
+def _consecutive_run(pages: np.ndarray, n: int) -> int | None:
+    """The first page id when the batch is one row whose ``n`` body pages are consecutive, else None."""
+    if pages.shape[0] != 1:
+        return None
+    first = int(pages[0, 0])
+    return first if (pages[0, :n] == np.arange(first, first + n)).all() else None
 
 
 def _mask(step: Step, page: int, body_pages: int, tier_len: int, device) -> torch.Tensor | None:

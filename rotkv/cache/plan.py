@@ -122,12 +122,9 @@ class Step:
         return self.cached(("write", device), lambda: tuple(
             _dev(a, device) for a in (self.write_rows, self.write_pos, self.write_slots)))
 
-    def device_query(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B, C]`` call positions of the step's queries and whether each is real."""
-        def make():
-            valid = np.arange(self.query_pos.shape[1])[None, :] < self.query_count[:, None]
-            return _dev(self.query_pos, device), _dev(valid, device)
-        return self.cached(("query", device), make)
+    def device_query(self, device) -> torch.Tensor:
+        """``[B, C]`` call positions of the step's queries (past a row's real queries: unused)."""
+        return self.cached(("query", device), lambda: _dev(self.query_pos, device))
 
     def device_query_out(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(batch row, query index in the step, call position) of every real query of the step."""
@@ -235,14 +232,13 @@ class PageState:
         self._undo = (self.tier_tokens.copy(), self.body_count.copy(), self.tier_pages.copy(), self.body_pages.copy(),
                       self.tier_free._stack.copy(), self.tier_free._top, self.tier_free.capacity,
                       self.body_free._stack.copy(), self.body_free._top, self.body_free.capacity)
-        freed: list[np.ndarray] = []  # tier pages released by a step's flush, reusable by the next step
         steps = []
         c = self.chunk
         n_steps = max(1, -(-int(counts.max(initial=0)) // c))
         first = q - counts  # call position of each row's first real token
         for k in range(n_steps):
             n = np.clip(counts - k * c, 0, c)
-            steps.append(self._step(first + k * c, n, q, freed, decode=(q == 1 and bool((counts == 1).all()))))
+            steps.append(self._step(first + k * c, n, q, decode=(q == 1 and bool((counts == 1).all()))))
         self.seen += q
         self.plan_steps = steps
         return steps
@@ -261,7 +257,7 @@ class PageState:
         self._undo, self._attended, self.plan_steps = None, {None}, []
         self.seen -= self._undo_q
 
-    def _step(self, start: np.ndarray, n: np.ndarray, q: int, freed: list, decode: bool) -> Step:
+    def _step(self, start: np.ndarray, n: np.ndarray, q: int, decode: bool) -> Step:
         p, pad = self.page, self.pad
         before = self.tier_tokens.copy()
         used = self.tier_used_pages()
@@ -284,10 +280,10 @@ class PageState:
         cmax = int(n.max(initial=0))
         qpos = np.minimum(start[:, None] + np.arange(max(cmax, 1))[None, :], q - 1)  # past a row's end: unused
         step = Step(rows, start[rows] + j, slots, qpos, n.copy(), self.tier_pages.copy(), after.copy(), before,
-                    self.body_pages.copy(), self.body_count.copy(), self._flush(freed), decode)
+                    self.body_pages.copy(), self.body_count.copy(), self._flush(), decode)
         return step
 
-    def _flush(self, freed: list) -> Flush:
+    def _flush(self) -> Flush:
         """Whole window pages beyond ``window + page - 1`` tokens leave for the body."""
         empty = np.zeros(0, dtype=np.int64)
         if not self.quantized:
@@ -315,7 +311,6 @@ class PageState:
         # a flushed page is free for the next step's tokens: every layer runs a step's flush (which
         # reads the page) before the next step's write, so a long prefill needs only one chunk of tier
         self.tier_free.free(src)
-        freed.append(src)
         return Flush(rows, src, dst)
 
     # ---- batch edits (beam search, row removal) ---------------------------------------------------
