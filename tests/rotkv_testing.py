@@ -35,3 +35,27 @@ def write_artifact(model, path, method="oscar", bits=2, group_size=16, tensors=N
     else:
         save_artifact(str(path), t, meta)
     return str(path)
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer over printable ASCII (ids = code points, < 128), built in memory:
+    tiny models get a real tokenizer without any download."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "\n": 10}
+    vocab.update({chr(i): i for i in range(32, 127)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+
+
+def save_tiny_llama_dir(path, seed: int = 0, **kw) -> str:
+    """The tiny random Llama (vocab 128) and :func:`char_tokenizer` saved as a local Hugging Face directory."""
+    model = make_tiny_llama(seed, **kw)
+    model.config.bos_token_id, model.config.eos_token_id = 1, 2
+    model.save_pretrained(str(path))
+    char_tokenizer().save_pretrained(str(path))
+    return str(path)
