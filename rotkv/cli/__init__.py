@@ -21,6 +21,7 @@ SUBCOMMANDS = [
     "rotkv.cli.inspect",
     "rotkv.cli.eval",
     "rotkv.cli.bench",
+    "rotkv.cli.export",
 ]
 
 
