@@ -22,9 +22,40 @@ from rotkv.quant.packing import pack, unpack
 SUPPORTED_BITS = (2, 4, 8)
 
 
-def meta_dtype(bits: int) -> torch.dtype:
-    """fp16 metadata for 2 and 4 bits; fp32 for 8 (fp16 ``lo`` alone moves INT8 values by many steps)."""
+META_DTYPES = {"float16": torch.float16, "float8": torch.float8_e4m3fn, "float32": torch.float32}
+
+
+def meta_dtype(bits: int, meta: str | None = None) -> torch.dtype:
+    """The metadata dtype: ``meta`` by name, else fp16 for 2 and 4 bits and fp32 for 8 (fp16 ``lo``
+    alone moves INT8 values by many steps). ``float8`` is e4m3: 8 bits each for scale and lo."""
+    if meta is not None:
+        if meta not in META_DTYPES:
+            raise ValueError(f"`meta` has to be one of {list(META_DTYPES)} but got {meta!r}")
+        return META_DTYPES[meta]
     return torch.float16 if bits <= 4 else torch.float32
+
+
+def _step(t: torch.Tensor, up: bool) -> torch.Tensor:
+    """The next representable value of ``t``'s dtype towards +inf (``up``) or -inf."""
+    if t.dtype != torch.float8_e4m3fn:
+        return torch.nextafter(t, torch.full_like(t, float("inf") if up else float("-inf")))
+    b = t.view(torch.uint8).to(torch.int16)
+    neg, mag = b >= 128, b & 127
+    # away from zero on the side we move to, towards zero on the other; +-0 steps to the smallest subnormal
+    away = (neg & ~torch.tensor(up)) | (~neg & torch.tensor(up))
+    mag2 = torch.where(away, mag + 1, mag - 1)
+    sign = torch.where(mag == 0, torch.full_like(b, 0 if up else 128), b & 128)
+    mag2 = torch.where(mag == 0, torch.ones_like(mag), mag2)
+    return (sign | mag2).to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def _round_dir(x: torch.Tensor, dt: torch.dtype, up: bool) -> torch.Tensor:
+    """``x`` (float32) in ``dt``, rounded towards +inf (``up``) or -inf."""
+    y = x.to(dt)
+    wrong = y.float() < x if up else y.float() > x
+    if wrong.any():
+        y = torch.where(wrong, _step(y, up), y)
+    return y
 
 
 def check_bits(bits: int) -> None:
@@ -56,20 +87,13 @@ def clip_rows(x: torch.Tensor, ratio: float) -> torch.Tensor:
     return torch.minimum(torch.maximum(x, -t), t)
 
 
-def _round_meta(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _round_meta(lo: torch.Tensor, hi: torch.Tensor, bits: int, meta: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Round lo down and scale up to the metadata dtype; returns (scale, lo) in that dtype."""
-    dt = meta_dtype(bits)
+    dt = meta_dtype(bits, meta)
     levels = (1 << bits) - 1
-    lo_s = lo.to(dt)
-    below = lo_s.float() > lo
-    if below.any():
-        lo_s = torch.where(below, torch.nextafter(lo_s, torch.full_like(lo_s, float("-inf"))), lo_s)
-    scale = (hi - lo_s.float()) / levels
-    scale_s = scale.to(dt)
-    under = scale_s.float() < scale
-    if under.any():
-        scale_s = torch.where(under, torch.nextafter(scale_s, torch.full_like(scale_s, float("inf"))), scale_s)
-    if not (torch.isfinite(lo_s).all() and torch.isfinite(scale_s).all()):
+    lo_s = _round_dir(lo, dt, up=False)
+    scale_s = _round_dir((hi - lo_s.float()) / levels, dt, up=True)
+    if not (torch.isfinite(lo_s.float()).all() and torch.isfinite(scale_s.float()).all()):
         raise ValueError(
             f"values exceed the range of the {dt} quantization metadata (|x| up to "
             f"{max(lo.abs().max().item(), hi.abs().max().item()):.3g}); use bits=8 (fp32 metadata)"
@@ -92,8 +116,9 @@ class QuantizedRows:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.lo))
 
 
-def quantize(x: torch.Tensor, bits: int, group_size: int, clip: float = 1.0) -> QuantizedRows:
-    """Quantize rows ``x [..., D]`` per group of ``group_size`` dims; see the module docstring."""
+def quantize(x: torch.Tensor, bits: int, group_size: int, clip: float = 1.0, meta: str | None = None) -> QuantizedRows:
+    """Quantize rows ``x [..., D]`` per group of ``group_size`` dims; see the module docstring.
+    ``meta``: the metadata dtype by name (``float16``, ``float8``, ``float32``); None: by ``bits``."""
     check_bits(bits)
     d = x.shape[-1]
     check_group(group_size, d)
@@ -102,7 +127,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, clip: float = 1.0) -> 
     xf = clip_rows(x.float(), clip)
     g = xf.reshape(*xf.shape[:-1], d // group_size, group_size)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    scale, lo_s = _round_meta(lo, hi, bits)
+    scale, lo_s = _round_meta(lo, hi, bits, meta)
     sf, lf = scale.float().unsqueeze(-1), lo_s.float().unsqueeze(-1)
     safe = torch.where(sf > 0, sf, torch.ones_like(sf))  # constant group: every code is 0, x_hat = lo
     codes = torch.round((g - lf) / safe).clamp_(0, (1 << bits) - 1).to(torch.uint8)
@@ -118,12 +143,12 @@ def dequantize(q: QuantizedRows, dtype: torch.dtype = torch.float32) -> torch.Te
     return x.reshape(codes.shape).to(dtype)
 
 
-def fake_quantize(x: torch.Tensor, bits: int, group_size: int, clip: float = 1.0) -> torch.Tensor:
+def fake_quantize(x: torch.Tensor, bits: int, group_size: int, clip: float = 1.0, meta: str | None = None) -> torch.Tensor:
     """Quantize then dequantize, in ``x``'s dtype (for calibration and error studies)."""
-    return dequantize(quantize(x, bits, group_size, clip), x.dtype)
+    return dequantize(quantize(x, bits, group_size, clip, meta), x.dtype)
 
 
-def body_bits_per_element(bits: int, group_size: int) -> float:
+def body_bits_per_element(bits: int, group_size: int, meta: str | None = None) -> float:
     """Nominal bits per element of the quantized body: codes plus scale and lo per group."""
-    meta_bits = 2 * torch.finfo(meta_dtype(bits)).bits
+    meta_bits = 2 * torch.finfo(meta_dtype(bits, meta)).bits
     return bits + meta_bits / group_size
