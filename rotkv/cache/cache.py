@@ -16,7 +16,8 @@ from rotkv.hf.attention import install
 from rotkv.hf.models import check_supported, mean_centering_blocker, sliding_layers
 from rotkv.quant.quantizer import check_group
 from rotkv.rotations.artifact import Artifact, load_artifact, model_geometry, validate_artifact
-from rotkv.rotations.base import LayerRotation, build_rotations
+from rotkv.rotations.base import LayerRotation
+from rotkv.rotations.registry import build_rotations
 
 
 def resolve_spec(spec: CacheSpec | str, **overrides) -> CacheSpec:
