@@ -1,7 +1,7 @@
 """`--device` of `rotkv eval` and `rotkv calibrate`: a device this machine lacks is a one-line user
 error before the model loads; `auto` picks CUDA when present; the evaluation loads the float32 model on
-the chosen device and keeps GPU results apart from CPU ones. Runs on the CPU (CUDA itself is checked
-with the commands in docs/evaluation.md)."""
+the chosen device and keeps GPU results apart from CPU ones. Runs on the CPU; CUDA itself needs a GPU
+machine (`rotkv eval --device cuda ...`)."""
 
 import pytest
 import torch

@@ -135,7 +135,9 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="smollm2 (default), a .gguf file or a local HF model directory")
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--base-artifact", default=None, help="an artifact whose rotations the widths are fitted for")
-    p.add_argument("--rotation", default="identity", choices=["identity", "hadamard"],
+    from rotkv.rotations.registry import data_free
+
+    p.add_argument("--rotation", default="identity", choices=data_free(),
                    help="rotation the sensitivities assume when there is no base artifact")
     p.add_argument("--budget-bpe", type=float, default=3.5,
                    help="mean body bits per element (codes and metadata) the widths may use; 2-bit costs 2.5 at G=64")
