@@ -20,7 +20,7 @@ from triton.testing import do_bench
 
 from benchmarks.bench_decode import git_commit
 from rotkv.kernels.write import quant_write
-from rotkv.rotations.base import random_orthogonal
+from rotkv.rotations.identity import random_orthogonal
 
 
 def main(argv=None) -> int:

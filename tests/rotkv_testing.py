@@ -4,7 +4,7 @@ import torch
 from safetensors.torch import save_file
 
 from rotkv.rotations.artifact import model_meta, save_artifact
-from rotkv.rotations.base import random_orthogonal
+from rotkv.rotations.identity import random_orthogonal
 
 
 def make_tiny_llama(seed: int = 0, layers: int = 2, kv_heads: int = 2, q_heads: int = 4, head_dim: int = 16):

@@ -11,6 +11,7 @@ import torch
 from rotkv.calibrate.run import CalibConfig, calibrate
 from rotkv.hf.models import Loaded
 from rotkv.rotations.artifact import ArtifactMismatch, load_artifact, save_artifact, validate_artifact
+from rotkv.rotations import registry
 from rotkv.rotations.folding import fold_artifact_values
 from rotkv_testing import make_tiny_llama
 
@@ -36,7 +37,7 @@ def _cal(tiny, method, **kw):
     return calibrate(tiny, cfg)
 
 
-@pytest.mark.parametrize("method", ["hadamard", "oscar", "optr", "pairwise"])
+@pytest.mark.parametrize("method", registry.rotation_fits())
 def test_every_method_writes_a_valid_artifact(tiny, tmp_path, method):
     tensors, meta = _cal(tiny, method)
     path = str(tmp_path / f"{method}.safetensors")
@@ -53,7 +54,7 @@ def test_every_method_writes_a_valid_artifact(tiny, tmp_path, method):
         assert 0.8 < r.clip_k <= 1.0 and 0.8 < r.clip_v <= 1.0
     want = {"layer": 1, "kv-head": 2}[art.meta["granularity"]]
     assert art.tensors["R_K.0"].shape[0] == want
-    assert art.meta["granularity"] == ("kv-head" if method == "optr" else "layer")
+    assert art.meta["granularity"] == registry.get(method).granularity
     if method == "pairwise":
         assert art.tensors["pair_angles_k.0"].shape == (1, 8)
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rotkv.config import PRESETS, CacheSpec, get_preset
+from rotkv.rotations import registry
 from rotkv.rotations.artifact import ArtifactMismatch, check_contract, load_artifact, save_artifact, validate_artifact
 from rotkv_testing import make_tiny_llama, write_artifact
 
@@ -22,7 +23,8 @@ def test_oscar_and_optr_presets_differ_in_method():
     assert PRESETS["oscar-int2"] != PRESETS["optr-int2"]
 
 
-@pytest.mark.parametrize("preset,method", [("oscar-int2", "optr"), ("optr-int2", "oscar"), ("oscar-pmkvq", "optr")])
+@pytest.mark.parametrize("preset,method", [(p, m) for p, spec in PRESETS.items() if spec.method
+                                           for m in registry.rotation_fits() if m != spec.method])
 def test_each_preset_refuses_the_other_methods_artifact(model, tmp_path, preset, method):
     art = load_artifact(write_artifact(model, tmp_path / "a.safetensors", method=method))
     want = PRESETS[preset].method

@@ -5,13 +5,16 @@ import math
 import pytest
 import torch
 
-from rotkv.calibrate import clip, optr, oscar, pairwise
+from rotkv.calibrate import clip
 from rotkv.calibrate.capture import capturing
 from rotkv.calibrate.error import causal_attention, output_error
 from rotkv.calibrate.run import collect
 from rotkv.calibrate.stats import Sample, weighted_cs
 from rotkv.quant.quantizer import fake_quantize
-from rotkv.rotations.base import LayerRotation, hadamard_matrix, random_orthogonal
+from rotkv.rotations import optr, oscar, pairwise
+from rotkv.rotations.base import LayerRotation
+from rotkv.rotations.hadamard import hadamard_matrix
+from rotkv.rotations.identity import random_orthogonal
 
 
 def _spd(d, seed):

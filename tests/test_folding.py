@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from rotkv.calibrate.capture import capturing
-from rotkv.calibrate.pairwise import block_hadamard, pair_matrix
 from rotkv.hf.models import attention_modules
-from rotkv.rotations.base import random_orthogonal
 from rotkv.rotations.folding import fold_pairwise, fold_values, foldable_pairs
+from rotkv.rotations.identity import random_orthogonal
+from rotkv.rotations.pairwise import block_hadamard, pair_matrix
 
 
 def _tiny(kind: str, bias: bool = True, seed: int = 0):

@@ -14,7 +14,7 @@ from rotkv.cache.rowstore import RowStoreLayer
 from rotkv.config import CacheSpec
 from rotkv.generation import generate_batch
 from rotkv.hf.compat import cache_kwarg
-from rotkv.rotations.base import build_rotations
+from rotkv.rotations.registry import build_rotations
 
 H, D = 2, 16
 

@@ -124,7 +124,7 @@ def test_presets_and_validation():
 
 def test_artifact_widths_and_rotations_compose(tiny_llama, tmp_path):
     from rotkv.rotations.artifact import model_meta, save_artifact
-    from rotkv.rotations.base import random_orthogonal
+    from rotkv.rotations.identity import random_orthogonal
 
     t = {}
     for l in range(2):

@@ -14,7 +14,9 @@ from rotkv.calibrate.pmkvq import (
     width_cost,
 )
 from rotkv.rotations.artifact import load_artifact, save_artifact
-from rotkv.rotations.base import LayerRotation, build_rotations, random_orthogonal
+from rotkv.rotations.base import LayerRotation
+from rotkv.rotations.identity import random_orthogonal
+from rotkv.rotations.registry import build_rotations
 
 
 def test_allocation_gives_wider_bits_to_sensitive_layers():

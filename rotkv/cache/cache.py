@@ -16,7 +16,8 @@ from rotkv.hf.attention import install
 from rotkv.hf.models import check_supported, mean_centering_blocker, sliding_layers
 from rotkv.quant.quantizer import check_group
 from rotkv.rotations.artifact import Artifact, load_artifact, model_geometry, validate_artifact
-from rotkv.rotations.base import LayerRotation, build_rotations
+from rotkv.rotations.base import LayerRotation
+from rotkv.rotations.registry import build_rotations
 
 
 def resolve_spec(spec: CacheSpec | str, **overrides) -> CacheSpec:
@@ -27,7 +28,7 @@ def layer_rotations(model, spec: CacheSpec, artifact: Artifact | str | None) -> 
     layers, kv_heads, head_dim = model_geometry(model.config)
     if spec.needs_artifact:
         if artifact is None:
-            method = spec.name.split("-")[0] if spec.name != "custom" else "oscar"
+            method = spec.method or (spec.name.split("-")[0] if spec.name != "custom" else "oscar")
             raise ValueError(
                 f"preset {spec.name!r} needs a calibration artifact (rotations, key means, clip ratios); make one with "
                 f"`rotkv calibrate --method {method} --out {method}.safetensors` and pass --artifact {method}.safetensors"

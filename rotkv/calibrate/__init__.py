@@ -1,5 +1,6 @@
-"""Calibration: capture post-RoPE statistics, fit OSCAR / OptR / pairwise rotations, key means, clips."""
+"""Calibration: capture post-RoPE statistics, fit the registered methods' rotations (rotkv.rotations.registry),
+key means, clips."""
 
-from rotkv.calibrate.run import METHODS, CalibConfig, calibrate
+from rotkv.calibrate.run import CalibConfig, calibrate
 
-__all__ = ["METHODS", "CalibConfig", "calibrate"]
+__all__ = ["CalibConfig", "calibrate"]

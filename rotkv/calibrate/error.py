@@ -19,7 +19,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling:
     r = q.shape[0] // k.shape[0]
     s = (q @ k.repeat_interleave(r, 0).transpose(-1, -2)) * scaling
     t = q.shape[1]
-    mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
     p = torch.softmax(s.masked_fill(mask, float("-inf")), -1)
     return p @ v.repeat_interleave(r, 0)
 

@@ -1,4 +1,7 @@
-"""PM-KVQ allocation (METHODS section 4): per-layer final widths in {2, 4, 8} under a memory budget.
+"""PM-KVQ calibration (METHODS section 4): the driver behind ``rotkv calibrate --method pmkvq``.
+
+The sensitivity and the allocation are the method's own (rotkv.rotations.pmkvq); this module runs the
+model to get what they need:
 
 1. Sensitivity. Calibration text runs with positional interpolation, ``position_ids =
    arange(0, s*T, s)`` (s = 4), so short samples reach long-range RoPE phases. The LM loss is
@@ -23,10 +26,9 @@ import time
 import numpy as np
 import torch
 
-from rotkv.quant.quantizer import body_bits_per_element, fake_quantize
 from rotkv.rotations.base import LayerRotation
+from rotkv.rotations.pmkvq import WIDTHS, allocate, layer_sensitivity, width_cost  # noqa: F401 (re-exported)
 
-WIDTHS = (2, 4, 8)
 GRAD_ATTN = "rotkv_pmkvq_grad"
 
 _captured: list[dict | None] = [None]
@@ -59,25 +61,6 @@ def capturing_kv_grads(model):
     finally:
         _captured[0] = None
         model.set_attn_implementation(old)
-
-
-def _stored_basis(rot: LayerRotation, k, v, gk, gv):
-    """(K', V', G'_K, G'_V) in the basis the cache quantizes; all ``[H, T, D]`` float32."""
-    kr, vr = rot.keys(k), rot.values(v)
-    gkr = gk if rot.R_K is None else gk @ rot.R_K  # dL/dK' = dL/dK R (K = K' R^T + mu)
-    gvr = gv if rot.R_V is None else gv @ rot.R_V
-    return kr, vr, gkr, gvr
-
-
-def layer_sensitivity(rot: LayerRotation, k, v, gk, gv, group: int, clip_k: float, clip_v: float) -> list[float]:
-    """``s[b]`` for b in WIDTHS from one layer's ``k, v, gk, gv [H, T, D]``."""
-    kr, vr, gkr, gvr = _stored_basis(rot, k, v, gk, gv)
-    out = []
-    for b in WIDTHS:
-        ek = kr - fake_quantize(kr, b, group, clip_k)
-        ev = vr - fake_quantize(vr, b, group, clip_v)
-        out.append(float((gkr * ek).abs().sum() + (gvr * ev).abs().sum()))
-    return out
 
 
 def kv_with_grads(model, ids: torch.Tensor, stretch: int = 4) -> dict:
@@ -118,31 +101,6 @@ def sensitivities(model, chunks: list[torch.Tensor], rotations: list[LayerRotati
     return sens
 
 
-def width_cost(group: int) -> np.ndarray:
-    """Body bits per element at each width (codes plus lo/scale as the fixed quantizer stores them)."""
-    return np.array([body_bits_per_element(b, group) for b in WIDTHS])
-
-
-def allocate(sens: np.ndarray, budget_bpe: float, group: int) -> np.ndarray:
-    """Final widths ``[L]`` minimizing summed sensitivity with mean body bits per element <= budget_bpe."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-
-    n_layers, n_w = sens.shape
-    cost = width_cost(group)
-    if budget_bpe < cost.min() - 1e-9:
-        raise ValueError(f"`budget_bpe` {budget_bpe} is below the cheapest width's {cost.min()} bits per element")
-    # scale the objective: raw sensitivities span many decades
-    c = (sens / max(sens.max(), 1e-30)).reshape(-1)
-    one_each = np.kron(np.eye(n_layers), np.ones(n_w))
-    total = np.tile(cost, n_layers)[None]
-    res = milp(c, integrality=np.ones_like(c), bounds=Bounds(0, 1),
-               constraints=[LinearConstraint(one_each, 1, 1), LinearConstraint(total, -np.inf, n_layers * budget_bpe + 1e-9)])
-    if not res.success:
-        raise RuntimeError(f"milp failed: {res.message}")
-    x = np.round(res.x).reshape(n_layers, n_w)
-    return np.array(WIDTHS)[x.argmax(1)]
-
-
 def calibrate_pmkvq(loaded, rotations: list[LayerRotation], budget_bpe: float, group: int, tokens: int = 4096,
                     chunk_len: int = 512, clip_k: float = 1.0, clip_v: float = 1.0, stretch: int = 4,
                     files: list[str] | None = None, log=print) -> tuple[np.ndarray, np.ndarray]:
@@ -177,7 +135,9 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="smollm2 (default), a .gguf file or a local HF model directory")
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--base-artifact", default=None, help="an artifact whose rotations the widths are fitted for")
-    p.add_argument("--rotation", default="identity", choices=["identity", "hadamard"],
+    from rotkv.rotations.registry import data_free
+
+    p.add_argument("--rotation", default="identity", choices=data_free(),
                    help="rotation the sensitivities assume when there is no base artifact")
     p.add_argument("--budget-bpe", type=float, default=3.5,
                    help="mean body bits per element (codes and metadata) the widths may use; 2-bit costs 2.5 at G=64")
@@ -194,7 +154,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from rotkv.hf.models import load_model
     from rotkv.rotations.artifact import load_artifact, model_geometry, save_artifact, validate_artifact
-    from rotkv.rotations.base import build_rotations
+    from rotkv.rotations.registry import build_rotations
 
     loaded = load_model(args.model, device=args.device)
     layers, kv_heads, head_dim = model_geometry(loaded.model.config)

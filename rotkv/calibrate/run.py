@@ -1,5 +1,6 @@
-"""The calibration driver: capture statistics, fit rotations (hadamard, oscar, optr, pairwise), key
-means and clip ratios, and return the artifact tensors and metadata.
+"""The calibration driver: capture statistics, fit the rotations of a registered method
+(rotkv.rotations.registry: hadamard, oscar, optr, pairwise, ...), key means and clip ratios, and return
+the artifact tensors and metadata.
 
 Statistics come from all chunks but the last ``n_heldout``; those (calibration text, never evaluation
 text) drive clip search and OptR's early stopping. OptR trains on the first ``n_train`` chunks.
@@ -13,15 +14,15 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from rotkv.calibrate import clip, optr, oscar, pairwise
+from rotkv.calibrate import clip
 from rotkv.calibrate.capture import capturing
 from rotkv.calibrate.corpus import token_chunks
-from rotkv.calibrate.stats import StatsRecorder, weighted_cs
+from rotkv.calibrate.stats import StatsRecorder
 from rotkv.hf.models import attention_modules, mean_centering_blocker
+from rotkv.rotations import registry
 from rotkv.rotations.artifact import model_geometry, model_meta
-from rotkv.rotations.base import LayerRotation, hadamard_matrix
+from rotkv.rotations.base import LayerRotation
 
-METHODS = ("hadamard", "oscar", "optr", "pairwise")
 CS_FORMS = ("exact", "weighted", "diag")
 
 
@@ -31,7 +32,7 @@ class CalibConfig:
     tokens: int = 16384
     bits: int = 2
     group_size: int | None = None  # None: min(64, head_dim)
-    granularity: str | None = None  # None: layer for oscar/hadamard/pairwise, kv-head for optr
+    granularity: str | None = None  # None: the method's default (registry: layer; kv-head for optr)
     cs: str = "exact"
     base: str = "oscar"
     key_mean: bool = True  # clips (and OptR) are fitted with the key mean subtracted
@@ -48,14 +49,14 @@ class CalibConfig:
     timings: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"`method` has to be one of {list(METHODS)} but got {self.method!r}")
+        if self.method not in registry.rotation_fits():
+            raise ValueError(f"`method` has to be one of {registry.rotation_fits()} but got {self.method!r}")
         if self.cs not in CS_FORMS:
             raise ValueError(f"`cs` has to be one of {list(CS_FORMS)} but got {self.cs!r}")
-        if self.base not in ("hadamard", "oscar"):
-            raise ValueError(f"`base` has to be one of ['hadamard', 'oscar'] but got {self.base!r}")
+        if self.base not in registry.bases():
+            raise ValueError(f"`base` has to be one of {registry.bases()} but got {self.base!r}")
         if self.granularity is None:
-            self.granularity = "kv-head" if self.method == "optr" else "layer"
+            self.granularity = self.spec.granularity
         if self.granularity not in ("layer", "kv-head"):
             raise ValueError(f"`granularity` has to be one of ['layer', 'kv-head'] but got {self.granularity!r}")
         if self.bits not in (2, 4, 8):
@@ -74,9 +75,19 @@ class CalibConfig:
                              f"{self.tokens}: calibration needs {why}")
 
     @property
+    def spec(self) -> registry.Method:
+        """The registered method."""
+        return registry.get(self.method)
+
+    @property
+    def refines(self) -> bool:
+        """The method trains the rotations of ``base`` (OptR)."""
+        return self.spec.refine is not None
+
+    @property
     def needs_heldout(self) -> bool:
         """Held-out chunks drive the clip search and OptR's early stopping."""
-        return self.search_clips or self.method == "optr"
+        return self.search_clips or self.refines
 
     @property
     def min_tokens(self) -> int:
@@ -118,28 +129,12 @@ class _Switch:
         self.rec(layer, q, k, v, out, probs)
 
 
-def value_cov(st, cs: str) -> torch.Tensor:
-    if cs == "exact":
-        return st.cs
-    if cs == "weighted":
-        return weighted_cs(st)
-    return st.cdiag
-
-
 def base_rotations(st, cfg: CalibConfig, method: str, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(R_K, R_V ``[H, D, D]``, extra tensors) of one layer for a data-driven or fixed method."""
-    h = st.cq.shape[0]
-    if method == "hadamard":
-        r = hadamard_matrix(head_dim).expand(h, head_dim, head_dim).contiguous()
-        return r, r, {}
-    if method == "oscar":
-        return (oscar.oscar_rotation(oscar.pooled(st.cq, cfg.granularity)),
-                oscar.oscar_rotation(oscar.pooled(value_cov(st, cfg.cs), cfg.granularity)), {})
-    if method == "pairwise":
-        ak = pairwise.pair_angles(oscar.pooled(st.ck, cfg.granularity))
-        av = pairwise.pair_angles(oscar.pooled(st.cv, cfg.granularity))
-        return pairwise.pair_matrix(ak), pairwise.pair_matrix(av), {"pair_angles_k": ak, "pair_angles_v": av}
-    raise ValueError(method)
+    """(R_K, R_V ``[H, D, D]``, extra tensors) of one layer: the registered method's fit."""
+    fit = registry.get(method).fn("fit")
+    if fit is None:
+        raise ValueError(f"method {method!r} has no fit from statistics")
+    return fit(st, registry.FitOptions(head_dim, cfg.granularity, cfg.cs))
 
 
 def calibrate(loaded, cfg: CalibConfig) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -154,8 +149,8 @@ def calibrate(loaded, cfg: CalibConfig) -> tuple[dict[str, torch.Tensor], dict[s
     n = len(chunks)
     n_held = min(cfg.n_heldout, max(n - 1, 0))
     heldout = set(range(n - n_held, n))
-    train = set(range(min(cfg.n_train, n - n_held))) if cfg.method == "optr" else set()
-    rec = collect(model, chunks, cfg.sink, keep=heldout | train, keep_kv=cfg.cs == "weighted" and cfg.method in ("oscar", "optr"),
+    train = set(range(min(cfg.n_train, n - n_held))) if cfg.refines else set()
+    rec = collect(model, chunks, cfg.sink, keep=heldout | train, keep_kv=cfg.cs == "weighted" and cfg.spec.uses_cs,
                   heldout=heldout, progress=cfg.progress)
     cfg.timings["capture_s"] = time.perf_counter() - t0
     attn = attention_modules(model)
@@ -164,7 +159,7 @@ def calibrate(loaded, cfg: CalibConfig) -> tuple[dict[str, torch.Tensor], dict[s
     t1 = time.perf_counter()
     for l in tqdm(range(layers), desc=f"fit {cfg.method}", disable=not cfg.progress):
         st = rec.layers[l]
-        base = cfg.base if cfg.method == "optr" else cfg.method
+        base = cfg.base if cfg.refines else cfg.method
         r_k, r_v, extra = base_rotations(st, cfg, base, head_dim)
         mu = st.k_mean if cfg.key_mean else None
         w_o = attn[l].o_proj.weight.detach().float().cpu()
@@ -173,14 +168,14 @@ def calibrate(loaded, cfg: CalibConfig) -> tuple[dict[str, torch.Tensor], dict[s
         ck = cv = 1.0
         if cfg.search_clips and held:
             ck, cv = clip.search_layer(held, LayerRotation(r_k, r_v, mu), w_o, cfg.bits, group, cfg.sink, scaling, cfg.clip_grid)
-        if cfg.method == "optr":
+        if cfg.refines:
             tr = [st.samples[i] for i in sorted(train)]
-            r_k, r_v, info = optr.optimize_layer(tr, held, r_k, r_v, mu, w_o, cfg.bits, group, ck, cv, cfg.sink, scaling,
+            r_k, r_v, info = cfg.spec.fn("refine")(tr, held, r_k, r_v, mu, w_o, cfg.bits, group, ck, cv, cfg.sink, scaling,
                                                  steps=cfg.steps, lr=cfg.lr)
             infos.append(info)
             if cfg.search_clips:
                 ck, cv = clip.search_layer(held, LayerRotation(r_k, r_v, mu), w_o, cfg.bits, group, cfg.sink, scaling, cfg.clip_grid)
-        same = lambda r: r[:1] if cfg.granularity == "layer" and cfg.method != "optr" else r  # noqa: E731
+        same = lambda r: r[:1] if cfg.granularity == "layer" and not cfg.refines else r  # noqa: E731
         tensors[f"R_K.{l}"], tensors[f"R_V.{l}"] = same(r_k).clone(), same(r_v).clone()  # never shared storage
         tensors[f"k_mean.{l}"] = st.k_mean
         for name, t in extra.items():
@@ -194,7 +189,7 @@ def calibrate(loaded, cfg: CalibConfig) -> tuple[dict[str, torch.Tensor], dict[s
     meta = model_meta(model, loaded.model_id)
     meta.update({
         "method": cfg.method, "bits": cfg.bits, "group_size": group, "granularity": cfg.granularity,
-        "cs": cfg.cs if cfg.method in ("oscar", "optr") else "", "base": cfg.base if cfg.method == "optr" else "",
+        "cs": cfg.cs if cfg.spec.uses_cs else "", "base": cfg.base if cfg.refines else "",
         "key_mean_fitted": int(cfg.key_mean), "sink": cfg.sink, "values_folded": "0",
         "clip_k": ",".join(f"{c:g}" for c in clips_k), "clip_v": ",".join(f"{c:g}" for c in clips_v),
         "calib_tokens": sum(c.shape[1] for i, c in enumerate(chunks) if i not in heldout),

@@ -42,6 +42,17 @@ class LayerStats:
     def k_mean(self) -> torch.Tensor:
         return (self.key_sum / max(self.n_k, 1)).float()
 
+    def value_cov(self, form: str) -> torch.Tensor:
+        """OSCAR's value covariance ``[H, D, D]`` in one of the forms (``exact``: ``C_S``; ``weighted``:
+        :func:`weighted_cs`; ``diag``: ``C_diag``)."""
+        if form == "exact":
+            return self.cs
+        if form == "weighted":
+            return weighted_cs(self)
+        if form == "diag":
+            return self.cdiag
+        raise ValueError(f"`cs` has to be one of ['exact', 'weighted', 'diag'] but got {form!r}")
+
 
 def _gram(x: torch.Tensor) -> torch.Tensor:
     """``x [H, N, D]`` -> ``[H, D, D]`` float64 sum of outer products."""

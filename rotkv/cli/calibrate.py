@@ -3,14 +3,17 @@ or (``--refit-clip``) re-fit only the clip ratios of an existing artifact for ne
 
 from __future__ import annotations
 
-from rotkv.cli.errors import UsageError, check_device, check_model, check_out_path, warn
+from rotkv.cli.errors import UsageError, check_model, check_out_path, resolve_device, warn
+from rotkv.rotations import registry
 
 
 def register(sub) -> None:
-    p = sub.add_parser("calibrate", help="calibrate rotations (hadamard, oscar, optr, pairwise) into a safetensors artifact")
+    widths = [m for m in registry.calibrated() if registry.get(m).widths]
+    p = sub.add_parser("calibrate", help=f"calibrate rotations ({', '.join(registry.rotation_fits())}) "
+                                         "into a safetensors artifact")
     p.add_argument("--model", default=None, help="smollm2 (default), a .gguf file or a local HF model directory")
-    p.add_argument("--method", default=None, choices=["hadamard", "oscar", "optr", "pairwise", "pmkvq"],
-                   help="pmkvq: per-layer final widths for progressive precision (see --base-artifact); "
+    p.add_argument("--method", default=None, choices=registry.calibrated(),
+                   help=f"{'/'.join(widths)}: per-layer final widths for progressive precision (see --base-artifact); "
                         "required unless --refit-clip")
     p.add_argument("--refit-clip", default=None, metavar="ARTIFACT",
                    help="keep this artifact's rotations and key means, re-fit only its clip ratios for --bits and "
@@ -22,16 +25,17 @@ def register(sub) -> None:
                         "2048 for pmkvq and --refit-clip; at least 1536 with the clip search)")
     p.add_argument("--bits", type=int, default=2, choices=[2, 4, 8], help="default: 2")
     p.add_argument("--group-size", type=int, default=None, help="default: 64, or head_dim when smaller")
+    kv_head = [m for m in registry.calibrated() if registry.get(m).granularity == "kv-head"]
     p.add_argument("--granularity", choices=["layer", "kv-head"], default=None,
-                   help="one rotation per layer or per KV head (default: layer; kv-head for optr)")
+                   help=f"one rotation per layer or per KV head (default: layer; kv-head for {', '.join(kv_head)})")
     p.add_argument("--cs", choices=["exact", "weighted", "diag"], default="exact", help="OSCAR's value covariance form")
-    p.add_argument("--base", choices=["hadamard", "oscar"], default="oscar", help="OptR's starting rotation")
+    p.add_argument("--base", choices=registry.bases(), default="oscar", help="OptR's starting rotation")
     p.add_argument("--no-key-mean", action="store_true", help="fit clips (and OptR) without key mean-centering")
     p.add_argument("--sink", type=int, default=None,
                    help="leading tokens left unquantized in the error objective (default 16; --refit-clip: the artifact's)")
     p.add_argument("--steps", type=int, default=80, help="OptR Adam steps per phase")
     p.add_argument("--no-clip-search", action="store_true", help="store clip ratios 1.0 (no clipping)")
-    p.add_argument("--device", default="cpu", help="default: cpu")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, or auto (cuda when available)")
     pm = p.add_argument_group("pmkvq")
     pm.add_argument("--base-artifact", default=None, help="pmkvq: an artifact whose rotations the widths are fitted for")
     pm.add_argument("--budget-bpe", type=float, default=3.5, help="pmkvq: mean body bits per element the widths may use")
@@ -43,7 +47,7 @@ def check_args(args):
     """Every check that needs no model (so a bad --out fails before, not after, the calibration)."""
     if (args.method is None) == (args.refit_clip is None):
         raise UsageError("give exactly one of --method (a new calibration) and --refit-clip ARTIFACT")
-    check_device(args.device)
+    args.device = resolve_device(args.device)
     check_model(args.model)
     check_out_path(args.out)
     if args.sink is not None and args.sink < 0:
@@ -65,7 +69,7 @@ def check_args(args):
         if args.group_size is not None:
             _group_check(args.group_size, int(art.meta["head_dim"]))
         return art
-    if args.method == "pmkvq":
+    if registry.get(args.method).widths:
         if args.base_artifact:
             from rotkv.rotations.artifact import load_artifact
 
@@ -101,7 +105,7 @@ def run(args) -> int:
     checked = check_args(args)
     if args.refit_clip:
         return refit(args, checked)
-    if args.method == "pmkvq":
+    if registry.get(args.method).widths:
         import argparse
 
         from rotkv.calibrate import pmkvq

@@ -76,14 +76,20 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
     if args.artifact_dir:
         if not os.path.isdir(args.artifact_dir):
             raise UsageError(f"--artifact-dir {args.artifact_dir} is not a folder")
-        for method in ("oscar", "optr"):
-            path = os.path.join(args.artifact_dir, f"{method}.safetensors")
+        from rotkv.rotations import registry
+
+        # every calibrated preset of fixed width (oscar-int2, optr-int2, ...) whose artifact is in the folder
+        for preset, spec in PRESETS.items():
+            if not spec.needs_artifact or spec.start_bits is not None or spec.method not in registry.METHODS:
+                continue
+            method = spec.method
+            path = os.path.join(args.artifact_dir, registry.get(method).artifact)
             if os.path.exists(path):
-                if f"{method}-int2" not in presets:
-                    presets.append(f"{method}-int2")
-                artifacts[f"{method}-int2"] = path
-            elif f"{method}-int2" not in presets:
-                warn("demo", f"skipping {method}-int2: no {method}.safetensors in {args.artifact_dir} "
+                if preset not in presets:
+                    presets.append(preset)
+                artifacts[preset] = path
+            elif preset not in presets:
+                warn("demo", f"skipping {preset}: no {os.path.basename(path)} in {args.artifact_dir} "
                              f"(make one with `rotkv calibrate --method {method} --out {path}`)")
     overrides = {k: v for k, v in (("sink", args.sink), ("window", args.window)) if v is not None}
     for name in presets:

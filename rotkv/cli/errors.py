@@ -67,6 +67,20 @@ def check_device(device: str | None, flag: str = "--device") -> None:
         raise UsageError(f"{flag} has to be cpu, cuda or cuda:N but got {device!r}")
 
 
+def resolve_device(device: str | None, flag: str = "--device") -> str | None:
+    """``auto`` -> ``cuda`` when CUDA is available, else ``cpu``; any other value is checked
+    (:func:`check_device`) and returned as given. Runs before the model loads."""
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        check_device(device, flag)
+    except UsageError as e:
+        raise UsageError(str(e).replace("cpu, cuda or cuda:N", "cpu, cuda, cuda:N or auto")) from None
+    return device
+
+
 def check_out_path(path: str, flag: str = "--out") -> None:
     """An output file that can be written: not a directory, no file where a parent folder must be,
     and the nearest existing parent folder writable. Folders that do not exist yet are created later."""

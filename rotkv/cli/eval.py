@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
+from rotkv.cli.errors import resolve_device
+from rotkv.config import PRESETS
+
 
 def _list(s: str | None) -> list[str] | None:
     return None if s is None else [x.strip() for x in s.split(",") if x.strip()]
@@ -32,7 +35,8 @@ def register(sub) -> None:
     p = sub.add_parser("eval", help="evaluate methods and peers: nll / attn-error / niah, report and plots")
     p.add_argument("--model", default=None, help="smollm2 (default), a .gguf file or a local HF model directory")
     p.add_argument("--methods", default=None, help="comma-separated rotkv presets and peers "
-                   "(hf-quanto-int4, hf-quanto-int2, hf-hqq-int2, turboquant-int3); default: the profile's")
+                   f"(presets: {', '.join(PRESETS)}; peers: those of rotkv.eval.peers, e.g. hf-quanto-int4); "
+                   "default: the profile's")
     p.add_argument("--tasks", default=None, help="comma-separated: nll, attn-error, niah (default: all)")
     p.add_argument("--lengths", nargs="+", default=None,
                    help="context lengths: '2048,8192' for every task or per task: 'nll=2K,8K niah=1K,2K,3K'")
@@ -51,11 +55,15 @@ def register(sub) -> None:
     p.add_argument("--windows", type=int, default=None, help="nll windows at 2K (fewer at longer contexts)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens teacher-forced after each nll context")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a busy machine)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default), cuda, cuda:N, or auto (cuda when available); the model runs in float32 "
+                        "there, as the KL reference and under every cache")
     p.add_argument("--report-only", action="store_true", help="rebuild results.json, report and plots from the cache")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    device = resolve_device(args.device)  # a bad device is a one-line error before anything loads
     from rotkv.eval.config import TASKS, make_config
     from rotkv.eval.report import write_report
 
@@ -66,7 +74,7 @@ def run(args) -> int:
         artifact_dir=args.artifact_dir, sink=args.sink, window=args.window,
         niah_variants=_list(args.variants),
         niah_depths=[float(x) for x in _list(args.depths)] if args.depths else None, niah_samples=args.samples,
-        nll_windows=args.windows, new_tokens=args.new_tokens, threads=args.threads,
+        nll_windows=args.windows, new_tokens=args.new_tokens, threads=args.threads, device=device,
     )
     if args.report_only:
         from rotkv.eval.run import rebuild

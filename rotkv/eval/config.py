@@ -7,14 +7,12 @@ import glob
 import os
 from dataclasses import dataclass, field
 
-from rotkv.config import PRESETS
+from rotkv.eval.methods import known_methods, main_methods
 from rotkv.eval.niah import VARIANTS
-from rotkv.eval.peers import PEERS
 
 TASKS = ("nll", "attn-error", "niah")
+DEVICES = ("cpu", "cuda")
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
-MAIN_METHODS = ["bf16", "int4", "naive-int2", "quarot-int2", "kivi-2", "oscar-int2", "optr-int2",
-                "hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int2", "turboquant-int3"]
 
 
 def builtin_eval_texts() -> list[str]:
@@ -32,6 +30,7 @@ class EvalConfig:
     niah_multi_depths: the depths of the needles of one multikey / multivalue haystack;
     niah_variant_lengths: lengths of some variants when they differ from ``lengths["niah"]``.
     sink, window: override every rotkv preset (None keeps the presets' own values).
+    device: where the model (float32, also the KL reference) and the caches run: cpu, cuda or cuda:N.
     """
 
     profile: str = "smoke"
@@ -56,9 +55,10 @@ class EvalConfig:
     max_answer_tokens: int = 12
     seed: int = 0
     threads: int | None = None
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
-        known = list(PRESETS) + list(PEERS)
+        known = known_methods()
         for m in self.methods:
             if m not in known:
                 raise ValueError(f"`methods` has to be a list from {known} but got {m!r}")
@@ -79,6 +79,8 @@ class EvalConfig:
                 raise FileNotFoundError(f"text file {f} not found")
         if not self.texts:
             raise ValueError("no evaluation text: pass --text FILE (rotkv/data has no eval_*.txt)")
+        if self.device.split(":")[0] not in DEVICES:
+            raise ValueError(f"`device` has to be cpu, cuda or cuda:N but got {self.device!r}")
         for name in ("chunk", "nll_windows", "new_tokens", "attn_queries", "niah_samples", "max_answer_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` has to be >= 1 but got {getattr(self, name)}")
@@ -98,7 +100,7 @@ PROFILES: dict[str, dict] = {
     "smoke": {},
     # The committed run (docs/results): every method, SmolLM2's lengths, sized for a shared 2-core CPU.
     "full": dict(
-        methods=MAIN_METHODS,
+        methods=main_methods,  # called when the config is made: every preset and peer known then
         lengths={"nll": [2048, 8192], "attn-error": [1024], "niah": [1024, 2048, 3072]},
         sink=16, window=64, chunk=512, nll_windows=2, new_tokens=32, attn_queries=64,
         niah_depths=[0.5], niah_multi_depths=[0.1, 0.5, 0.9], niah_samples=1, max_answer_tokens=12,
@@ -111,6 +113,6 @@ def make_config(profile: str = "smoke", **overrides) -> EvalConfig:
     """A profile with overrides (None values are ignored)."""
     if profile not in PROFILES:
         raise ValueError(f"`profile` has to be one of {list(PROFILES)} but got {profile!r}")
-    kw = dict(PROFILES[profile])
+    kw = {k: v() if callable(v) else v for k, v in PROFILES[profile].items()}
     kw.update({k: v for k, v in overrides.items() if v is not None})
     return EvalConfig(profile=profile, **kw)

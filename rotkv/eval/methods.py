@@ -2,7 +2,8 @@
 
 A :class:`Method` builds a fresh cache for a model and measures what that cache holds. rotkv presets take
 the run's ``--sink``/``--window`` overrides (so methods compare at equal measured bits) and, for
-presets with a calibrated rotation, the artifact ``<artifact_dir>/<method without bit suffix>.safetensors``.
+presets with a calibrated rotation, the artifact of the preset's calibration method,
+``<artifact_dir>/<method>.safetensors`` (rotkv.rotations.registry: ``oscar-int2`` reads ``oscar.safetensors``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 from rotkv.config import PRESETS
 from rotkv.eval import peers
+from rotkv.rotations import registry
 from rotkv.rotations.artifact import model_geometry
 
 NOMINAL_BITS = {"bf16": 16.0}
@@ -31,7 +33,10 @@ class Method:
             return peers.make_peer(self.name, model)
         from rotkv.cache import RotkvCache
 
-        return RotkvCache(model, self.name, self.artifact, **self.overrides)
+        # the finiteness check costs a host sync per layer and call: off on a GPU, where it would dominate
+        # a decode step of a small model (a NaN still shows in the scores)
+        check = next(model.parameters()).device.type == "cpu"
+        return RotkvCache(model, self.name, self.artifact, check_finite=check, **self.overrides)
 
     def measure(self, cache, model) -> dict:
         """Resident bytes of ``cache`` as it is now, and its element count (2 * tokens * kv_heads * D * layers)."""
@@ -56,15 +61,29 @@ def nominal_bits(name: str) -> float:
 
 
 def artifact_name(method: str) -> str:
-    """``oscar-int2`` -> ``oscar`` (the artifact file is named after the method without its bit suffix)."""
+    """The calibration method whose artifact a preset reads: ``oscar-int2`` -> ``oscar`` (its ``method``
+    field); a preset without one falls back to its name without the bit suffix."""
+    spec = PRESETS.get(method)
+    if spec is not None and spec.method is not None:
+        return spec.method
     return method.rsplit("-", 1)[0] if "-" in method else method
 
 
+def artifact_file(method: str) -> str:
+    """The file name of that artifact (registry.Method.artifact for a registered method)."""
+    name = artifact_name(method)
+    return registry.get(name).artifact if name in registry.METHODS else f"{name}.safetensors"
+
+
 def known_methods() -> list[str]:
-    return list(PRESETS) + list(PEERS_ORDER)
+    """Every method an evaluation can name: the rotkv presets, then the peers."""
+    return list(PRESETS) + list(peers.PEERS)
 
 
-PEERS_ORDER = tuple(peers.PEERS)
+def main_methods() -> list[str]:
+    """The methods of the full profile: every preset of fixed width (progressive presets are compared in
+    their own benchmark, benchmarks/pmkvq_equal_memory.py), then every peer."""
+    return [name for name, spec in PRESETS.items() if spec.start_bits is None] + list(peers.PEERS)
 
 
 def resolve(name: str, sink: int | None, window: int | None, artifact_dir: str | None,
@@ -79,8 +98,8 @@ def resolve(name: str, sink: int | None, window: int | None, artifact_dir: str |
     m = Method(name, "rotkv", nominal_bits(name), overrides)
     if PRESETS[name].needs_artifact:
         if artifact_dir is None:
-            return None, f"needs a calibration artifact: pass --artifact-dir (holding {artifact_name(name)}.safetensors)"
-        path = os.path.join(artifact_dir, f"{artifact_name(name)}.safetensors")
+            return None, f"needs a calibration artifact: pass --artifact-dir (holding {artifact_file(name)})"
+        path = os.path.join(artifact_dir, artifact_file(name))
         if not os.path.exists(path):
             if calibrate is None:
                 return None, f"artifact {path} is missing"

@@ -38,11 +38,13 @@ def score_window(model, method, ids: torch.Tensor, length: int, new_tokens: int,
                  ref: torch.Tensor) -> tuple[dict[str, list[float]], dict]:
     """Per-token nll / kl / top1 of one window through a fresh cache of ``method``, and its measured bytes."""
     cache = method.build(model)
+    ids = ids.to(model.device)  # once, not one host-to-device copy per decoded token
     logps = [prefill(model, cache, ids[:, :length], chunk)]
-    for t in range(new_tokens - 1):
+    for t in range(new_tokens - 1):  # no host sync inside the loop: the scores stay on the device
         logps.append(forward(model, ids[:, length + t: length + t + 1], cache)[-1])
     lp = torch.stack(logps)  # [N, vocab]
-    target = ids[0, length: length + new_tokens].to(lp.device)
+    ref = ref.to(lp.device)
+    target = ids[0, length: length + new_tokens]
     nll = -lp.gather(-1, target[:, None])[:, 0]
     kl = (ref.exp() * (ref - lp)).sum(-1).clamp_min(0)
     top1 = (lp.argmax(-1) == ref.argmax(-1)).float()

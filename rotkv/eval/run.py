@@ -69,6 +69,8 @@ def unit_settings(cfg: EvalConfig, unit: tuple, text_sha: str, hay_sha: str) -> 
     task, variant, length = unit
     s = {"model": cfg.model, "task": task, "variant": variant, "length": length, "sink": cfg.sink, "window": cfg.window,
          "chunk": cfg.chunk, "seed": cfg.seed}
+    if cfg.device != "cpu":  # GPU results (kernels, not the CPU references) are cached apart; CPU caches stay valid
+        s["device"] = cfg.device.split(":")[0]
     if task == "nll":
         s.update(windows=cfg.windows_at(length), new_tokens=cfg.new_tokens, texts=text_sha)
     elif task == "attn-error":
@@ -201,7 +203,8 @@ def evaluate(cfg: EvalConfig, out_dir: str, loaded=None, log=print) -> list[dict
         torch.set_num_threads(cfg.threads)
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.time()
-    loaded = loaded or load_model(cfg.model, device="cpu")
+    # float32 on every device: the plain model is the KL reference, and the cached runs use the same object
+    loaded = loaded or load_model(cfg.model, device=cfg.device, dtype=torch.float32)
     model, tok = loaded.model, loaded.tokenizer
     methods, unavailable = [], {}
     for name in cfg.methods:
@@ -264,9 +267,9 @@ def _reference(model, tok, cfg, unit, ids_all, essay_ids, out_dir, settings):
         for i, s in enumerate(starts):
             path = os.path.join(out_dir, "cache", "_reference", f"nll-{length}-{s}-{_fingerprint_plain(settings)}.pt")
             if os.path.exists(path):
-                ref = torch.load(path)
-            else:
-                ref = nll.reference(model, ids_all[:, s:s + length + cfg.new_tokens], length, cfg.new_tokens)
+                ref = torch.load(path, map_location="cpu")
+            else:  # kept on the CPU (portable cache files); score_window moves it to the model's device
+                ref = nll.reference(model, ids_all[:, s:s + length + cfg.new_tokens], length, cfg.new_tokens).cpu()
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 torch.save(ref, path + f".{os.getpid()}.tmp")
                 os.replace(path + f".{os.getpid()}.tmp", path)

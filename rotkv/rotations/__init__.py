@@ -1,5 +1,24 @@
-"""Rotations of post-RoPE keys and values: identity, Hadamard, random, and calibrated artifacts."""
+"""Rotations of post-RoPE keys and values: one file per method, one registry (rotkv.rotations.registry).
 
-from rotkv.rotations.base import LayerRotation, build_rotations, hadamard_matrix, random_orthogonal
+The names below are imported on first use, so ``from rotkv.rotations import registry`` (the command
+line's method lists) does not import torch.
+"""
 
-__all__ = ["LayerRotation", "build_rotations", "hadamard_matrix", "random_orthogonal"]
+_HOMES = {
+    "LayerRotation": "rotkv.rotations.base",
+    "hadamard_matrix": "rotkv.rotations.hadamard",
+    "random_orthogonal": "rotkv.rotations.identity",
+    "build_rotations": "rotkv.rotations.registry",
+    "METHODS": "rotkv.rotations.registry",
+    "Method": "rotkv.rotations.registry",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'rotkv.rotations' has no attribute {name!r}")

@@ -68,38 +68,12 @@ def _per_group(x: torch.Tensor, mats: torch.Tensor) -> torch.Tensor:
     return (x @ mats[None, :, None]).reshape(b, hq, t, d)
 
 
-def hadamard_matrix(n: int) -> torch.Tensor:
-    """The normalized Sylvester Hadamard matrix of size n (a power of two), float32."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(
-            f"a Hadamard rotation needs head_dim to be a power of two, got {n}; "
-            "use rotation='random' or a calibrated artifact instead"
-        )
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / n**0.5
+def pooled(cov: torch.Tensor, granularity: str) -> torch.Tensor:
+    """``[H, D, D]`` -> the same per KV head (``kv-head``) or their sum broadcast to every head (``layer``).
 
-
-def random_orthogonal(n: int, seed: int) -> torch.Tensor:
-    """A Haar-random orthogonal matrix (QR of a Gaussian with sign fix), reproducible by seed."""
-    g = torch.Generator().manual_seed(seed)
-    q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
-    return (q * torch.sign(torch.diagonal(r))).float()
-
-
-def build_rotations(kind: str, num_layers: int, kv_heads: int, head_dim: int, seed: int = 0, rotate_values: bool = True) -> list[LayerRotation]:
-    """Data-free rotations for every layer: identity, hadamard or random."""
-    if kind == "identity":
-        return [LayerRotation() for _ in range(num_layers)]
-    out = []
-    for layer in range(num_layers):
-        if kind == "hadamard":
-            r = hadamard_matrix(head_dim)
-        elif kind == "random":
-            r = random_orthogonal(head_dim, seed * 100003 + layer)
-        else:
-            raise ValueError(f"`rotation` has to be one of ['identity', 'hadamard', 'random'] here but got {kind!r}")
-        r = r.expand(kv_heads, head_dim, head_dim).contiguous()
-        out.append(LayerRotation(R_K=r, R_V=r if rotate_values else None))
-    return out
+    How a fit from calibration statistics shares one rotation across a layer's KV heads."""
+    if granularity == "kv-head":
+        return cov
+    if granularity == "layer":
+        return cov.sum(0, keepdim=True).expand_as(cov)
+    raise ValueError(f"`granularity` has to be one of ['layer', 'kv-head'] but got {granularity!r}")

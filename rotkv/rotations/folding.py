@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from rotkv.calibrate.pairwise import pair_matrix
+from rotkv.rotations.pairwise import pair_matrix
 from rotkv.hf.models import attention_modules
 
 

@@ -14,7 +14,7 @@ from rotkv.cache.codecs import TokenCodec, make_codecs  # noqa: E402
 from rotkv.cache.layer import HybridLayer  # noqa: E402
 from rotkv.config import CacheSpec  # noqa: E402
 from rotkv.kernels import backend  # noqa: E402
-from rotkv.rotations.base import build_rotations  # noqa: E402
+from rotkv.rotations.registry import build_rotations  # noqa: E402
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -17,7 +17,7 @@ from rotkv.kernels.dequant import dequant_dense  # noqa: E402
 from rotkv.kernels.reference import decode_reference, dequant_rows, quant_write_reference  # noqa: E402
 from rotkv.kernels.write import clip_rank, quant_write  # noqa: E402
 from rotkv.quant.packing import unpack  # noqa: E402
-from rotkv.rotations.base import random_orthogonal  # noqa: E402
+from rotkv.rotations.identity import random_orthogonal  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from rotkv.rotations.base import hadamard_matrix
+from rotkv.rotations.base import pooled
+from rotkv.rotations.hadamard import hadamard_matrix
 
 
 def bitrev(i: int, nbits: int) -> int:
@@ -41,10 +42,8 @@ def oscar_rotation(cov: torch.Tensor) -> torch.Tensor:
     return torch.stack(out).reshape(cov.shape).float()
 
 
-def pooled(cov: torch.Tensor, granularity: str) -> torch.Tensor:
-    """``[H, D, D]`` -> the same per KV head (``kv-head``) or their sum broadcast to every head (``layer``)."""
-    if granularity == "kv-head":
-        return cov
-    if granularity == "layer":
-        return cov.sum(0, keepdim=True).expand_as(cov)
-    raise ValueError(f"`granularity` has to be one of ['layer', 'kv-head'] but got {granularity!r}")
+def fit(st, opts) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(R_K, R_V ``[H, D, D]``, no extra tensors) of one layer from its statistics ``st``
+    (rotkv.calibrate.stats.LayerStats: ``C_Q`` for keys, the ``opts.cs`` form of ``C_S`` for values)."""
+    return (oscar_rotation(pooled(st.cq, opts.granularity)),
+            oscar_rotation(pooled(st.value_cov(opts.cs), opts.granularity)), {})

@@ -50,12 +50,12 @@ def make_problem(sample, mu, w_o: torch.Tensor, scaling: float, sink: int = 16, 
     (the loss over all T queries costs T/M times more and early queries see mostly the sink)."""
     h, t, d = sample.k.shape
     r = sample.q.shape[0] // h
-    pos = torch.linspace(min(sink, t - 1), t - 1, min(n_queries, t)).round().long().unique()
+    pos = torch.linspace(min(sink, t - 1), t - 1, min(n_queries, t), device=sample.k.device).round().long().unique()
     q = sample.q.reshape(h, r, t, d)[:, :, pos]
     k = sample.k - (0 if mu is None else mu[:, None])
     w = w_o.reshape(w_o.shape[0], h, r, d).permute(1, 2, 0, 3)  # [H, r, hidden, D]
     gram = torch.einsum("gahd,gbhe->gabde", w, w).contiguous()
-    mask = torch.arange(t)[None, :] > pos[:, None]
+    mask = torch.arange(t, device=pos.device)[None, :] > pos[:, None]
     logp = _logp(q, k, scaling, mask)
     y = _sq_out(logp.exp() @ sample.v[:, None], gram)
     return HeadProblem(q, k, sample.v, gram, mask, logp, y)
@@ -80,7 +80,7 @@ def expm_skew(a: torch.Tensor) -> torch.Tensor:
     norm = s.detach().abs().sum(-2).amax().item()  # 1-norm bound
     k = max(0, int(torch.tensor(norm / 0.25).log2().ceil().item())) if norm > 0.25 else 0
     s = s / (2**k)
-    eye = torch.eye(s.shape[-1], dtype=s.dtype).expand_as(s)
+    eye = torch.eye(s.shape[-1], dtype=s.dtype, device=s.device).expand_as(s)
     term, out = eye, eye
     for i in range(1, 10):  # ||s|| <= 1/4: the 10th term is below 1e-12
         term = term @ s / i

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from rotkv.rotations.base import hadamard_matrix
+from rotkv.rotations.base import pooled
+from rotkv.rotations.hadamard import hadamard_matrix
 
 
 def pair_angles(cov: torch.Tensor) -> torch.Tensor:
@@ -45,3 +46,11 @@ def block_hadamard(d: int, block: int) -> torch.Tensor:
     if block < 1 or d % block:
         raise ValueError(f"`block` has to divide head_dim ({d}) but got {block}")
     return torch.block_diag(*[hadamard_matrix(block)] * (d // block))
+
+
+def fit(st, opts) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(R_K, R_V ``[H, D, D]``, the angles) of one layer: pair angles from the plain second moments
+    ``C_K`` and ``C_V``; the angles go into the artifact as ``pair_angles_k`` / ``pair_angles_v``."""
+    ak = pair_angles(pooled(st.ck, opts.granularity))
+    av = pair_angles(pooled(st.cv, opts.granularity))
+    return pair_matrix(ak), pair_matrix(av), {"pair_angles_k": ak, "pair_angles_v": av}
