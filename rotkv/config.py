@@ -9,6 +9,7 @@ import dataclasses
 import numbers
 from dataclasses import dataclass
 
+META_NAMES = ("float16", "float8", "float32")
 ROTATIONS = ("identity", "hadamard", "random", "artifact")
 CODECS = ("token", "kivi")
 TIER_DTYPES = ("bfloat16", "float16", "float32", "model")
@@ -39,6 +40,12 @@ class CacheSpec:
         its final width (tiers included); with a fixed width, the oldest tokens after the sink are
         evicted to stay within it. None: no budget.
     shift, anchor: progressive only; see rotkv.quant.progressive.
+    k_bits: per-layer key widths that differ from ``bits``, as ``"LAYERS:BITS"`` items joined by ``,``
+        (``"15-24:4"``: the keys of layers 15 to 24 at 4 bits; values keep ``bits``). Key layers at a
+        width other than ``bits`` are not clipped (clip ratios are fitted for ``bits``). None: every
+        layer at ``bits``. Counted in the measured bits like everything else.
+    meta: dtype of each group's scale and lo: ``float16``, ``float8`` (e4m3, rounded towards
+        covering the group) or ``float32``; None: fp16 for 2 and 4 bits, fp32 for 8.
     method: the calibration method an artifact must come from (``oscar``, ``optr``, ...; an artifact
         of ``oscar+pmkvq`` counts as ``oscar``); None accepts any. See
         rotkv.rotations.artifact.check_contract.
@@ -66,6 +73,8 @@ class CacheSpec:
     shift: str = "equivalent"
     anchor: str = "final"
     method: str | None = None
+    k_bits: str | None = None
+    meta: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -93,7 +102,20 @@ class CacheSpec:
             raise ValueError(f"the kivi codec packs a page's tokens: `page_size` has to be a multiple of {8 // self.bits}")
         if self.codec == "kivi" and self.rotation != "identity":
             raise ValueError("the kivi codec runs without rotation: `rotation` has to be 'identity'")
+        if self.k_bits is not None:
+            if self.bits is None or self.codec != "token" or self.start_bits is not None:
+                raise ValueError("`k_bits` needs a fixed-width token codec (`bits` set, `codec`='token', no `start_bits`)")
+            parse_layer_bits(self.k_bits)
+        if self.meta is not None:
+            if self.meta not in META_NAMES:
+                raise ValueError(f"`meta` has to be one of {list(META_NAMES)} or None but got {self.meta!r}")
+            if self.codec != "token" or self.start_bits is not None:
+                raise ValueError("`meta` needs a fixed-width token codec (`codec`='token', no `start_bits`)")
         self._check_progressive()
+
+    def key_bits(self, layer: int) -> int | None:
+        """The key width of ``layer``: its ``k_bits`` entry, else ``bits``."""
+        return parse_layer_bits(self.k_bits).get(layer, self.bits) if self.k_bits else self.bits
 
     def _check_types(self) -> None:
         for f in dataclasses.fields(self):
@@ -154,6 +176,23 @@ class CacheSpec:
 
     def resolved_group(self, head_dim: int) -> int:
         return head_dim if self.group_size is None else min(self.group_size, head_dim)
+
+
+def parse_layer_bits(text: str) -> dict[int, int]:
+    """``"15-24:4,3:8"`` -> ``{15: 4, ..., 24: 4, 3: 8}``; a bad item raises naming `k_bits`."""
+    out: dict[int, int] = {}
+    for item in text.split(","):
+        layers, sep, bits = item.strip().partition(":")
+        a, _, b = layers.partition("-")
+        try:
+            lo, hi, width = int(a), int(b or a), int(bits)
+        except ValueError:
+            lo = hi = width = -1
+        if not sep or lo < 0 or hi < lo or width not in (2, 4, 8):
+            raise ValueError(f"`k_bits` items are LAYER[-LAYER]:BITS with BITS in [2, 4, 8] (e.g. '15-24:4') "
+                             f"but got {item.strip()!r}")
+        out.update({i: width for i in range(lo, hi + 1)})
+    return out
 
 
 # the type of every field (checked at construction) and the fields for which None is a value

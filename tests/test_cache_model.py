@@ -163,3 +163,30 @@ def test_local_hf_directory_loads(tmp_path, smollm2):
     assert resolve_model_path(f"{d}/{f}")[1] == f  # a .gguf path
     with pytest.raises(FileNotFoundError, match="not found"):
         resolve_model_path(str(tmp_path / "missing"))
+
+
+def test_per_layer_key_bits_and_float8_metadata_are_what_is_stored(tiny_llama):
+    ids = torch.randint(1, 128, (1, 100))
+    base = dict(sink=4, window=8, page_size=4, group_size=16)
+    measured = {}
+    for name, extra in {"int2": {}, "k4": {"k_bits": "1:4"}, "fp8": {"meta": "float8"}}.items():
+        cache = RotkvCache(tiny_llama, "naive-int2", **base, **extra)
+        with torch.no_grad():
+            logits_through(tiny_llama, ids, cache)
+        measured[name] = cache.stats()["body_bits_per_element"]
+        if name == "k4":
+            assert [layer.key_codec.bits for layer in cache.layers] == [2, 4]
+            assert [layer.value_codec.bits for layer in cache.layers] == [2, 2]
+            assert cache.layers[1].key_codec.clip == 1.0  # fitted clips are for `bits`: not used at 4 bits
+    layers = len(tiny_llama.model.layers)
+    assert measured["int2"] == pytest.approx(2 + 32 / 16)
+    # one layer's keys (a quarter of the body at 2 layers) move from 2 + 2 to 4 + 2 bits per element
+    assert measured["k4"] == pytest.approx(2 + 32 / 16 + 2 / (2 * layers))
+    assert measured["fp8"] == pytest.approx(2 + 16 / 16)
+
+
+@pytest.mark.parametrize("extra,match", [({"k_bits": "0-9:4"}, "has 2 layers"), ({"k_bits": "1"}, "k_bits"),
+                                         ({"meta": "e4m3"}, "meta")])
+def test_bad_key_bits_and_meta_name_the_field(tiny_llama, extra, match):
+    with pytest.raises(ValueError, match=match):
+        RotkvCache(tiny_llama, "naive-int2", **extra)

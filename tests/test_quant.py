@@ -99,3 +99,30 @@ def test_nominal_body_bits():
     assert body_bits_per_element(2, 64) == 2.5
     assert body_bits_per_element(2, 128) == 2.25
     assert body_bits_per_element(8, 64) == 9.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.sampled_from([2, 4]), scale=st.floats(1e-2, 1e2), offset=st.floats(-50, 50),
+       seed=st.integers(0, 2**31 - 1))
+def test_float8_metadata_covers_the_group(bits, scale, offset, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 64, generator=g) * scale + offset
+    q = quantize(x, bits, 64, 1.0, meta="float8")
+    assert q.scale.dtype == torch.float8_e4m3fn and q.lo.dtype == torch.float8_e4m3fn
+    lo, step = q.lo.float(), q.scale.float()
+    assert (lo <= x.amin(-1, keepdim=True)).all()  # lo rounded down ...
+    assert (lo + step * ((1 << bits) - 1) >= x.amax(-1, keepdim=True) - 1e-5 * x.abs().amax()).all()  # scale up
+    assert ((dequantize(q) - x).abs() <= step / 2 + 1e-5 * (x.abs() + lo.abs() + step)).all()
+    assert body_bits_per_element(bits, 64, "float8") == bits + 16 / 64
+
+
+def test_float8_metadata_costs_little_against_float16():
+    x = torch.randn(2000, 64, generator=torch.Generator().manual_seed(0))
+    e16 = (dequantize(quantize(x, 2, 64)) - x).pow(2).mean()
+    e8 = (dequantize(quantize(x, 2, 64, meta="float8")) - x).pow(2).mean()
+    assert e16 < e8 < 1.25 * e16  # a coarser grid (scale rounded up to 3 mantissa bits), not a broken one
+
+
+def test_unknown_metadata_dtype_is_refused():
+    with pytest.raises(ValueError, match="meta"):
+        quantize(torch.randn(2, 64), 2, 64, meta="fp8")

@@ -10,7 +10,7 @@ import numpy as np
 
 from rotkv.cache.layer import HybridLayer
 from rotkv.cache.plan import PageState
-from rotkv.config import CacheSpec, get_preset
+from rotkv.config import CacheSpec, get_preset, parse_layer_bits
 from rotkv.hf import compat
 from rotkv.hf.attention import install
 from rotkv.hf.models import check_supported, mean_centering_blocker, sliding_layers
@@ -79,6 +79,10 @@ class RotkvCache(Cache):
         self.head_dim, self.kv_heads = head_dim, kv_heads
         if self.spec.quantized:
             check_group(self.spec.resolved_group(head_dim), head_dim)
+        if self.spec.k_bits:
+            bad = sorted(i for i in parse_layer_bits(self.spec.k_bits) if i >= num_layers)
+            if bad:
+                raise ValueError(f"`k_bits` names layers {bad} but the model has {num_layers} layers (0-{num_layers - 1})")
         if self.spec.key_mean:
             why = mean_centering_blocker(model)
             if why:
@@ -96,7 +100,8 @@ class RotkvCache(Cache):
             if self.spec.quantized:
                 r = rotations[i]
                 codecs = make_codecs(self.spec.codec, self.spec.bits, self.spec.resolved_group(head_dim),
-                                     r.clip_k or self.spec.clip_k, r.clip_v or self.spec.clip_v)
+                                     r.clip_k or self.spec.clip_k, r.clip_v or self.spec.clip_v,
+                                     self.spec.key_bits(i), self.spec.meta)
             layers.append(HybridLayer(self.spec, rotations[i], head_dim, kv_heads, i, codecs, model.dtype,
                                       state=self.state, check_finite=check_finite))
         super().__init__(layers=layers)

@@ -16,15 +16,21 @@ from rotkv.quant.quantizer import QuantizedRows, check_group, dequantize, quanti
 class TokenCodec:
     """Per-token groups: each token's head vector is clipped, then quantized in groups of G dims."""
 
-    def __init__(self, bits: int, group_size: int, clip: float = 1.0):
-        self.bits, self.group_size, self.clip = bits, group_size, clip
+    def __init__(self, bits: int, group_size: int, clip: float = 1.0, meta: str | None = None):
+        self.bits, self.group_size, self.clip, self.meta = bits, group_size, clip, meta
+
+    @property
+    def default_meta(self) -> bool:
+        """The metadata dtype the kernels read (fp16 at 2 and 4 bits)."""
+        return self.meta is None or self.meta == "float16" and self.bits <= 4
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         check_group(self.group_size, x.shape[-1])
-        fast = kernels.token_encode(x, self.bits, self.group_size, self.clip)  # CUDA: Triton, same bytes
-        if fast is not None:
-            return fast
-        q = quantize(x, self.bits, self.group_size, self.clip)
+        if self.default_meta:
+            fast = kernels.token_encode(x, self.bits, self.group_size, self.clip)  # CUDA: Triton, same bytes
+            if fast is not None:
+                return fast
+        q = quantize(x, self.bits, self.group_size, self.clip, self.meta)
         return {"codes": q.codes, "scale": q.scale, "lo": q.lo}
 
     def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -48,10 +54,14 @@ class ChannelCodec:
         return dequantize(q).transpose(-1, -2)
 
 
-def make_codecs(codec: str, bits: int, group_size: int, clip_k: float, clip_v: float):
-    """(key codec, value codec) for a CacheSpec codec name."""
+def make_codecs(codec: str, bits: int, group_size: int, clip_k: float, clip_v: float, key_bits: int | None = None,
+                meta: str | None = None):
+    """(key codec, value codec) for a CacheSpec codec name. ``key_bits``: the keys' own width (a
+    per-layer ``k_bits`` entry); keys at a width other than ``bits`` are not clipped."""
     if codec == "token":
-        return TokenCodec(bits, group_size, clip_k), TokenCodec(bits, group_size, clip_v)
+        kb = bits if key_bits is None else key_bits
+        return (TokenCodec(kb, group_size, clip_k if kb == bits else 1.0, meta),
+                TokenCodec(bits, group_size, clip_v, meta))
     if codec == "kivi":
         return ChannelCodec(bits), TokenCodec(bits, group_size, 1.0)
     raise ValueError(f"`codec` has to be one of ['token', 'kivi'] but got {codec!r}")

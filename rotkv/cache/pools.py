@@ -53,7 +53,7 @@ class LayerPools:
         self.mirror = (torch.zeros(mshape, device=device), torch.zeros(mshape, device=device)) if mirror else None
         self.body_page_bytes = sum(int(torch.tensor(t.shape[1:]).prod()) * t.element_size()
                                    for parts in self.body for t in parts.values())
-        self.int2_tokens = all(isinstance(c, TokenCodec) and c.bits == 2 for c in self.codecs)
+        self.int2_tokens = all(isinstance(c, TokenCodec) and c.bits == 2 and c.default_meta for c in self.codecs)
         self.can_dequant_kernel = self.int2_tokens and kernels.enabled(self.tier_k)
 
     # ---- capacity ------------------------------------------------------------------------------
