@@ -41,11 +41,12 @@ class CacheSpec:
         evicted to stay within it. None: no budget.
     shift, anchor: progressive only; see rotkv.quant.progressive.
     k_bits: per-layer key widths that differ from ``bits``, as ``"LAYERS:BITS"`` items joined by ``,``
-        (``"15-24:4"``: the keys of layers 15 to 24 at 4 bits; values keep ``bits``). Key layers at a
+        (``"15-24:4"``: the keys of layers 15 to 24 at 4 bits; values keep ``bits``), or ``"artifact"``:
+        the artifact's ``k_bits`` tensor (``python -m rotkv.calibrate.keybits``). Key layers at a
         width other than ``bits`` are not clipped (clip ratios are fitted for ``bits``). None: every
         layer at ``bits``. Counted in the measured bits like everything else.
-    meta: dtype of each group's scale and lo: ``float16``, ``float8`` (e4m3, rounded towards
-        covering the group) or ``float32``; None: fp16 for 2 and 4 bits, fp32 for 8.
+    meta_k, meta_v: dtype of each key / value group's scale and lo: ``float16``, ``float8`` (e4m3,
+        rounded towards covering the group) or ``float32``; None: fp16 for 2 and 4 bits, fp32 for 8.
     method: the calibration method an artifact must come from (``oscar``, ``optr``, ...; an artifact
         of ``oscar+pmkvq`` counts as ``oscar``); None accepts any. See
         rotkv.rotations.artifact.check_contract.
@@ -74,7 +75,8 @@ class CacheSpec:
     anchor: str = "final"
     method: str | None = None
     k_bits: str | None = None
-    meta: str | None = None
+    meta_k: str | None = None
+    meta_v: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -105,16 +107,25 @@ class CacheSpec:
         if self.k_bits is not None:
             if self.bits is None or self.codec != "token" or self.start_bits is not None:
                 raise ValueError("`k_bits` needs a fixed-width token codec (`bits` set, `codec`='token', no `start_bits`)")
-            parse_layer_bits(self.k_bits)
-        if self.meta is not None:
-            if self.meta not in META_NAMES:
-                raise ValueError(f"`meta` has to be one of {list(META_NAMES)} or None but got {self.meta!r}")
+            if self.k_bits == "artifact":
+                if self.rotation != "artifact":
+                    raise ValueError("`k_bits`='artifact' reads the widths from a calibrated artifact: needs `rotation`='artifact'")
+            else:
+                parse_layer_bits(self.k_bits)
+        for field in ("meta_k", "meta_v"):
+            v = getattr(self, field)
+            if v is None:
+                continue
+            if v not in META_NAMES:
+                raise ValueError(f"`{field}` has to be one of {list(META_NAMES)} or None but got {v!r}")
             if self.codec != "token" or self.start_bits is not None:
-                raise ValueError("`meta` needs a fixed-width token codec (`codec`='token', no `start_bits`)")
+                raise ValueError(f"`{field}` needs a fixed-width token codec (`codec`='token', no `start_bits`)")
         self._check_progressive()
 
-    def key_bits(self, layer: int) -> int | None:
-        """The key width of ``layer``: its ``k_bits`` entry, else ``bits``."""
+    def key_bits(self, layer: int, artifact_bits: list[int] | None = None) -> int | None:
+        """The key width of ``layer``: its ``k_bits`` entry (or the artifact's, for ``k_bits="artifact"``), else ``bits``."""
+        if self.k_bits == "artifact":
+            return artifact_bits[layer]
         return parse_layer_bits(self.k_bits).get(layer, self.bits) if self.k_bits else self.bits
 
     def _check_types(self) -> None:
@@ -213,6 +224,13 @@ PRESETS: dict[str, CacheSpec] = {
     ),
     "optr-int2": CacheSpec(
         name="optr-int2", bits=2, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="optr"
+    ),
+    # the recommended INT2 preset (docs/results/accuracy.md): OSCAR, with the keys of the most sensitive
+    # layers at 4 bits (the artifact's `k_bits`, python -m rotkv.calibrate.keybits), fp8 value metadata
+    # and a 32-token window to pay for them: ~3.1 measured bits per element at 2K tokens
+    "oscar-mix": CacheSpec(
+        name="oscar-mix", bits=2, window=32, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True,
+        method="oscar", k_bits="artifact", meta_v="float8",
     ),
     # progressive precision: final widths from the artifact's `bits` (rotkv calibrate --method pmkvq),
     # else `bits` for every layer; each layer reaches its final width at budget_tokens

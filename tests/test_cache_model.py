@@ -169,7 +169,7 @@ def test_per_layer_key_bits_and_float8_metadata_are_what_is_stored(tiny_llama):
     ids = torch.randint(1, 128, (1, 100))
     base = dict(sink=4, window=8, page_size=4, group_size=16)
     measured = {}
-    for name, extra in {"int2": {}, "k4": {"k_bits": "1:4"}, "fp8": {"meta": "float8"}}.items():
+    for name, extra in {"int2": {}, "k4": {"k_bits": "1:4"}, "fp8": {"meta_k": "float8", "meta_v": "float8"}}.items():
         cache = RotkvCache(tiny_llama, "naive-int2", **base, **extra)
         with torch.no_grad():
             logits_through(tiny_llama, ids, cache)
@@ -186,7 +186,29 @@ def test_per_layer_key_bits_and_float8_metadata_are_what_is_stored(tiny_llama):
 
 
 @pytest.mark.parametrize("extra,match", [({"k_bits": "0-9:4"}, "has 2 layers"), ({"k_bits": "1"}, "k_bits"),
-                                         ({"meta": "e4m3"}, "meta")])
+                                         ({"meta_v": "e4m3"}, "meta_v")])
 def test_bad_key_bits_and_meta_name_the_field(tiny_llama, extra, match):
     with pytest.raises(ValueError, match=match):
         RotkvCache(tiny_llama, "naive-int2", **extra)
+
+
+def test_key_widths_from_the_artifact(tiny_llama, tmp_path):
+    from rotkv.calibrate.keybits import with_key_bits
+    from rotkv.rotations.artifact import load_artifact
+
+    import numpy as np
+
+    path = tmp_path / "a.safetensors"
+    write_random_artifact(tiny_llama, path)
+    art = load_artifact(str(path))
+    tensors, meta = with_key_bits(art, np.array([0.01, 0.05]), 1)
+    assert tensors["k_bits"].tolist() == [2, 4]  # the larger gain gets 4 bits
+    save_artifact(str(tmp_path / "b.safetensors"), tensors, meta)
+    cache = RotkvCache(tiny_llama, get_preset("quarot-int2", rotation="artifact", k_bits="artifact", meta_v="float8"),
+                       str(tmp_path / "b.safetensors"), sink=4, window=8, page_size=4, group_size=16)
+    assert [layer.key_codec.bits for layer in cache.layers] == [2, 4]
+    assert [layer.value_codec.meta for layer in cache.layers] == ["float8", "float8"]
+    with pytest.raises(ValueError, match="k_bits"):  # an artifact without widths
+        RotkvCache(tiny_llama, get_preset("quarot-int2", rotation="artifact", k_bits="artifact"), str(path))
+    with pytest.raises(ValueError, match="rotation"):
+        get_preset("quarot-int2", k_bits="artifact")

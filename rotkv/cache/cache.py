@@ -79,7 +79,7 @@ class RotkvCache(Cache):
         self.head_dim, self.kv_heads = head_dim, kv_heads
         if self.spec.quantized:
             check_group(self.spec.resolved_group(head_dim), head_dim)
-        if self.spec.k_bits:
+        if self.spec.k_bits and self.spec.k_bits != "artifact":
             bad = sorted(i for i in parse_layer_bits(self.spec.k_bits) if i >= num_layers)
             if bad:
                 raise ValueError(f"`k_bits` names layers {bad} but the model has {num_layers} layers (0-{num_layers - 1})")
@@ -88,6 +88,12 @@ class RotkvCache(Cache):
             if why:
                 raise ValueError(f"key mean-centering is not exact on this model ({why}); use a preset without key_mean")
         rotations, self.artifact = layer_rotations(model, self.spec, artifact)
+        artifact_bits = None
+        if self.spec.k_bits == "artifact":
+            if self.artifact is None or "k_bits" not in self.artifact.tensors:
+                raise ValueError("`k_bits`='artifact' needs an artifact with per-layer key widths (`k_bits`); make one with "
+                                 "`python -m rotkv.calibrate.keybits --base-artifact A --layers N --out B`")
+            artifact_bits = [int(b) for b in self.artifact.tensors["k_bits"].tolist()]
         windows = sliding_layers(model)
         sp = self.spec
         self.state = PageState(sp.sink, sp.window, sp.page_size, sp.quantized, sp.prefill_chunk)
@@ -101,7 +107,7 @@ class RotkvCache(Cache):
                 r = rotations[i]
                 codecs = make_codecs(self.spec.codec, self.spec.bits, self.spec.resolved_group(head_dim),
                                      r.clip_k or self.spec.clip_k, r.clip_v or self.spec.clip_v,
-                                     self.spec.key_bits(i), self.spec.meta)
+                                     self.spec.key_bits(i, artifact_bits), self.spec.meta_k, self.spec.meta_v)
             layers.append(HybridLayer(self.spec, rotations[i], head_dim, kv_heads, i, codecs, model.dtype,
                                       state=self.state, check_finite=check_finite))
         super().__init__(layers=layers)

@@ -55,13 +55,13 @@ class ChannelCodec:
 
 
 def make_codecs(codec: str, bits: int, group_size: int, clip_k: float, clip_v: float, key_bits: int | None = None,
-                meta: str | None = None):
+                meta_k: str | None = None, meta_v: str | None = None):
     """(key codec, value codec) for a CacheSpec codec name. ``key_bits``: the keys' own width (a
     per-layer ``k_bits`` entry); keys at a width other than ``bits`` are not clipped."""
     if codec == "token":
         kb = bits if key_bits is None else key_bits
-        return (TokenCodec(kb, group_size, clip_k if kb == bits else 1.0, meta),
-                TokenCodec(bits, group_size, clip_v, meta))
+        return (TokenCodec(kb, group_size, clip_k if kb == bits else 1.0, meta_k),
+                TokenCodec(bits, group_size, clip_v, meta_v))
     if codec == "kivi":
         return ChannelCodec(bits), TokenCodec(bits, group_size, 1.0)
     raise ValueError(f"`codec` has to be one of ['token', 'kivi'] but got {codec!r}")

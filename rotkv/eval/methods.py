@@ -99,6 +99,14 @@ def resolve(name: str, sink: int | None, window: int | None, artifact_dir: str |
     if PRESETS[name].needs_artifact:
         if artifact_dir is None:
             return None, f"needs a calibration artifact: pass --artifact-dir (holding {artifact_file(name)})"
+        if PRESETS[name].k_bits == "artifact":  # its own artifact: the base rotation plus per-layer key widths
+            path = os.path.join(artifact_dir, f"{name}.safetensors")
+            if not os.path.exists(path):
+                base = os.path.join(artifact_dir, artifact_file(name))
+                return None, (f"artifact {path} is missing: make it with `python -m rotkv.calibrate.keybits "
+                              f"--base-artifact {base} --layers 10 --out {path}`")
+            m.artifact = path
+            return m, None
         path = os.path.join(artifact_dir, artifact_file(name))
         if not os.path.exists(path):
             if calibrate is None:

@@ -198,13 +198,13 @@ def check_structure(tensors: dict[str, torch.Tensor], meta: dict[str, str], wher
                 raise ArtifactMismatch(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, expected "
                                        + " or ".join(str(w) for w in want))
             per_layer[prefix] = (per_layer[prefix] or set()) | {int(idx)}
-        elif name in ("clip_k", "clip_v", "bits") and tuple(t.shape) != (layers,):
+        elif name in ("clip_k", "clip_v", "bits", "k_bits", "k_gain") and tuple(t.shape) != (layers,):
             raise ArtifactMismatch(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, expected ({layers},)")
-        if prefix in per_layer or name in ("clip_k", "clip_v"):
+        if prefix in per_layer or name in ("clip_k", "clip_v", "k_gain"):
             if not t.dtype.is_floating_point:
                 raise ArtifactMismatch(f"{where}: tensor {name!r} has dtype {t.dtype}, expected a floating point dtype")
-        elif name == "bits" and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
-            raise ArtifactMismatch(f"{where}: tensor 'bits' has dtype {t.dtype}, expected an integer dtype")
+        elif name in ("bits", "k_bits") and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+            raise ArtifactMismatch(f"{where}: tensor {name!r} has dtype {t.dtype}, expected an integer dtype")
     for prefix, present in per_layer.items():
         if present is not None and len(present) != layers:
             missing = sorted(set(range(layers)) - present)
@@ -227,9 +227,10 @@ def value_problems(artifact: "Artifact", tol: float = ORTHO_TOL) -> list[str]:
         t = artifact.tensors.get(name)
         if t is not None and not ((t > 0) & (t <= 1)).all():
             problems.append(f"{name} has ratios outside (0, 1]: {t.tolist()}")
-    b = artifact.tensors.get("bits")
-    if b is not None and not all(int(x) in (2, 4, 8) for x in b.tolist()):
-        problems.append(f"bits has widths outside [2, 4, 8]: {b.tolist()}")
+    for name in ("bits", "k_bits"):
+        b = artifact.tensors.get(name)
+        if b is not None and not all(int(x) in (2, 4, 8) for x in b.tolist()):
+            problems.append(f"{name} has widths outside [2, 4, 8]: {b.tolist()}")
     return problems
 
 
