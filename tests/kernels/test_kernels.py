@@ -83,6 +83,18 @@ def test_quant_write_int4_matches_reference(d, g, clip, rotate, t, device):
     _check_write(d, g, clip, rotate, t, device, bits=4)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("d,g,clip,rotate,t", WRITE_CASES[:2] + WRITE_CASES_CUDA[:1])
+def test_quant_write_topk_clip_matches_reference(d, g, clip, rotate, t, bits, device, monkeypatch):
+    # clip_mode="topk": the threshold from tl.topk instead of r max-count-remove rounds, same bytes
+    if device == "cpu" and d != 64:
+        pytest.skip("the interpreter's topk is slow: one head_dim on a CPU machine")
+    import rotkv.kernels.write as write_mod
+
+    monkeypatch.setitem(globals(), "quant_write", lambda *a, **k: write_mod.quant_write(*a, clip_mode="topk", **k))
+    _check_write(d, g, clip, rotate, t, device, bits=bits)
+
+
 @cuda_only
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("d,g,clip,rotate,t", WRITE_CASES_CUDA)
