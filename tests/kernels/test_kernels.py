@@ -56,7 +56,12 @@ def _check_write(d, g, clip, rotate, t, device, seed=0, bits=2):
     slots = torch.randperm(np_ * p, generator=torch.Generator().manual_seed(seed))[:t].to(device)
     got, want = _pool_bufs(np_, h, p, d, g, device, bits), _pool_bufs(np_, h, p, d, g, device, bits)
     quant_write(x, slots, *got, rot=rot, mean=mean, clip=clip)
-    quant_write_reference(x, slots, *want, rot=rot, mean=mean, clip=clip, group_size=g)
+    # the reference runs on the CPU: PyTorch's CUDA division by a Python scalar multiplies by the
+    # reciprocal, so the quantizer's fp32 scale can differ by an ulp on a GPU (then its fp16 one too)
+    want_cpu = tuple(t.cpu() for t in want)
+    quant_write_reference(x.cpu(), slots.cpu(), *want_cpu, rot=None if rot is None else rot.cpu(),
+                          mean=None if mean is None else mean.cpu(), clip=clip, group_size=g)
+    want = tuple(t.to(device) for t in want_cpu)
     # untouched slots keep their poison, written ones equal the reference
     untouched = torch.ones(np_ * p, dtype=torch.bool, device=device)
     untouched[slots] = False
