@@ -55,10 +55,12 @@ class LayerPools:
         self.body_page_bytes = sum(int(torch.tensor(t.shape[1:]).prod()) * t.element_size()
                                    for parts in self.body for t in parts.values())
         # the kernels read token codecs of 2 or 4 bits, chosen apart for keys and values, with one
-        # group size (the quarters of a head vector must lie inside groups: G >= D/4)
+        # group size; an INT4 K or V runs the Triton kernel, whose head quarters must lie inside
+        # groups (G >= D/4); INT2 with smaller groups is the CUDA kernel's (as before)
         self.kernel_tokens = (all(isinstance(c, TokenCodec) and c.bits in (2, 4) for c in self.codecs)
                               and key_codec.group_size == value_codec.group_size
-                              and 4 * key_codec.group_size >= head_dim)
+                              and (4 * key_codec.group_size >= head_dim
+                                   or key_codec.bits == value_codec.bits == 2))
         self.can_dequant_kernel = self.kernel_tokens and kernels.enabled(self.tier_k)
 
     # ---- capacity ------------------------------------------------------------------------------
