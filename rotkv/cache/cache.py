@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from rotkv.cache.codecs import make_codecs
+from rotkv.cache.codecs import TokenCodec, make_codecs
 import numpy as np
 
 from rotkv.cache.layer import HybridLayer
@@ -59,10 +59,14 @@ class RotkvCache(Cache):
 
     check_finite: refuse NaN/Inf keys and values (nothing is stored). It costs one device sync
     per layer on the GPU; the CUDA-graph decode (``rotkv.cache.graph``) runs without it.
+    layer_bits: per-layer ``(key bits, value bits)`` of the token codec (each 2 or 4 for the GPU
+    kernels; 8 runs the reference path), one pair per model layer; None: ``spec.bits`` everywhere.
+    decode_score: the decode kernels' score variant ("auto", "bf16", "int8"; see
+    ``rotkv.kernels.decode.DecodeConfig.score``); None: ``ROTKV_DECODE_SCORE`` or "auto".
     """
 
     def __new__(cls, model=None, spec: CacheSpec | str = "quarot-int2", artifact=None, check_finite: bool = True,
-                **overrides):
+                layer_bits=None, decode_score: str | None = None, **overrides):
         # a spec with a memory budget (pmkvq, oscar-pmkvq, ...) needs budgeted layers: hand back a
         # BudgetCache (a subclass, so Python then runs its __init__ with the same arguments)
         if cls is RotkvCache and model is not None and resolve_spec(spec, **overrides).budget_tokens is not None:
@@ -72,7 +76,7 @@ class RotkvCache(Cache):
         return super().__new__(cls)
 
     def __init__(self, model, spec: CacheSpec | str = "quarot-int2", artifact: Artifact | str | None = None,
-                 check_finite: bool = True, **overrides):
+                 check_finite: bool = True, layer_bits=None, decode_score: str | None = None, **overrides):
         check_supported(model)
         self.spec = resolve_spec(spec, **overrides)
         num_layers, kv_heads, head_dim = model_geometry(model.config)
@@ -97,6 +101,13 @@ class RotkvCache(Cache):
         windows = sliding_layers(model)
         sp = self.spec
         self.state = PageState(sp.sink, sp.window, sp.page_size, sp.quantized, sp.prefill_chunk)
+        if layer_bits is not None:
+            if len(layer_bits) != num_layers or self.spec.codec != "token" or not self.spec.quantized:
+                raise ValueError(f"layer_bits needs one (key bits, value bits) pair per layer ({num_layers}) and a "
+                                 f"quantized token-codec spec")
+            for kb, vb in layer_bits:
+                if kb not in (2, 4, 8) or vb not in (2, 4, 8):
+                    raise ValueError(f"layer_bits entries must be in (2, 4, 8), got {(kb, vb)}")
         layers = []
         for i in range(num_layers):
             if windows[i] is not None:
@@ -108,8 +119,13 @@ class RotkvCache(Cache):
                 codecs = make_codecs(self.spec.codec, self.spec.bits, self.spec.resolved_group(head_dim),
                                      r.clip_k or self.spec.clip_k, r.clip_v or self.spec.clip_v,
                                      self.spec.key_bits(i, artifact_bits), self.spec.meta_k, self.spec.meta_v)
+                if layer_bits is not None:
+                    kc, vc = codecs
+                    codecs = (TokenCodec(layer_bits[i][0], kc.group_size, kc.clip, kc.meta),
+                              TokenCodec(layer_bits[i][1], vc.group_size, vc.clip, vc.meta))
             layers.append(HybridLayer(self.spec, rotations[i], head_dim, kv_heads, i, codecs, model.dtype,
                                       state=self.state, check_finite=check_finite))
+            layers[-1].decode_score = decode_score
         super().__init__(layers=layers)
         self.rotation_bytes = sum(r.nbytes for r in rotations)
         install(model)

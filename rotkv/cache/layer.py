@@ -62,6 +62,7 @@ class HybridLayer(CacheLayerMixin):
         self.pools: LayerPools | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.static = None  # a rotkv.cache.graph.StaticDecode while a CUDA-graph decode step runs
+        self.decode_score: str | None = None  # the decode kernels' score variant (None: ROTKV_DECODE_SCORE / auto)
 
     def __repr__(self) -> str:
         return f"HybridLayer({self.layer_idx}, {self.spec.name}, rows={self.state.rows}, seen={self.state.seen})"
@@ -183,7 +184,7 @@ class HybridLayer(CacheLayerMixin):
         body = self.pools.body_tensors() if self.spec.quantized else None
         o = decode_attention(rot.queries(query)[:, :, 0], body, st.body if body is not None else None, st.body_max,
                              (self.pools.tier_k, self.pools.tier_v), st.tier, st.tier_max, sm_scale=scaling,
-                             cfg=kernels.decode_config(), tier_start=self.state.pad)
+                             cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad)
         return rot.outputs(o.float()[:, :, None]).transpose(1, 2).to(query.dtype)
 
     @staticmethod
@@ -209,7 +210,7 @@ class HybridLayer(CacheLayerMixin):
         return o
 
     def _kernel_ok(self, q: torch.Tensor) -> bool:
-        return kernels.enabled(q) and (not self.spec.quantized or self.pools.int2_tokens)
+        return kernels.enabled(q) and (not self.spec.quantized or self.pools.kernel_tokens)
 
     def _attend_kernel(self, step: Step, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """One decode token of every row: the split-K kernel over the body and tier page tables."""
@@ -219,7 +220,7 @@ class HybridLayer(CacheLayerMixin):
         body = self.pools.body_tensors() if self.spec.quantized and t.body_max > 0 else None
         return decode_attention(q, body, t.body if body is not None else None, t.body_max,
                                 (self.pools.tier_k, self.pools.tier_v), t.tier, t.tier_max, sm_scale=scaling,
-                                cfg=kernels.decode_config(), tier_start=self.state.pad).float()
+                                cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad).float()
 
     def _attend_dense(self, step: Step, qr: torch.Tensor, scaling: float) -> torch.Tensor:
         """Dense attention of the step's queries: body dequantized once, tier gathered, one SDPA."""

@@ -48,20 +48,25 @@ class PagePool:
 
 
 class Int2PagePool(PagePool):
-    """Packed INT2 keys and values with fp16 scale and lo per group of ``group_size`` dims."""
+    """Packed INT2 (or INT4: ``k_bits`` / ``v_bits``) keys and values with fp16 scale and lo per
+    group of ``group_size`` dims."""
 
     def __init__(self, num_pages: int, kv_heads: int, head_dim: int, page_size: int = 16,
-                 group_size: int = 64, device: str | torch.device = "cpu"):
+                 group_size: int = 64, device: str | torch.device = "cpu", k_bits: int = 2, v_bits: int = 2):
         super().__init__(num_pages, page_size)
         if head_dim % 4 or head_dim % group_size:
             raise ValueError(f"`group_size` ({group_size}) must divide head_dim ({head_dim}), a multiple of 4")
+        if k_bits not in (2, 4) or v_bits not in (2, 4):
+            raise ValueError(f"k_bits and v_bits must be 2 or 4, got {k_bits}, {v_bits}")
         self.kv_heads, self.head_dim, self.group_size = kv_heads, head_dim, group_size
+        self.k_bits, self.v_bits = k_bits, v_bits
         ng = head_dim // group_size
 
         def buf(width: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(num_pages, kv_heads, page_size, width, dtype=dtype, device=device)
 
-        self.k_codes, self.v_codes = buf(head_dim // 4, torch.uint8), buf(head_dim // 4, torch.uint8)
+        self.k_codes = buf(head_dim * k_bits // 8, torch.uint8)
+        self.v_codes = buf(head_dim * v_bits // 8, torch.uint8)
         self.k_scale, self.k_lo = buf(ng, torch.float16), buf(ng, torch.float16)
         self.v_scale, self.v_lo = buf(ng, torch.float16), buf(ng, torch.float16)
 
@@ -75,7 +80,7 @@ class Int2PagePool(PagePool):
     def nbytes_per_token(self) -> int:
         """Resident bytes of one token, all KV heads, K and V, metadata included."""
         d, ng = self.head_dim, self.head_dim // self.group_size
-        return 2 * self.kv_heads * (d // 4 + 2 * 2 * ng)
+        return self.kv_heads * (d * (self.k_bits + self.v_bits) // 8 + 2 * 2 * 2 * ng)
 
 
 class Bf16PagePool(PagePool):

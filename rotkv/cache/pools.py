@@ -1,9 +1,10 @@
 """The page pools of one layer: the cache's only storage.
 
 - tier: ``tier_k, tier_v [pages, kv_heads, P, D]`` in the tier dtype (sink and recent window);
-- body: the codec's parts with a leading page dimension, for keys and values. For the INT2 token
-  codec: ``codes [pages, H, P, D/4]`` uint8 (planar packed) and ``scale, lo [pages, H, P, D/G]``
-  fp16, the layout the kernels read (``rotkv.kernels``);
+- body: the codec's parts with a leading page dimension, for keys and values. For the token
+  codec at 2 or 4 bits (keys and values each): ``codes [pages, H, P, D*bits/8]`` uint8 (planar
+  packed) and ``scale, lo [pages, H, P, D/G]`` fp16, the layout the kernels read
+  (``rotkv.kernels``);
 - mirror (the CPU reference path only): the body pages dequantized to float32 when they are
   written, so a read gathers pages instead of decoding them again. It is scratch memory of the
   PyTorch reader, reported apart (``scratch_bytes``), not part of the format.
@@ -53,8 +54,14 @@ class LayerPools:
         self.mirror = (torch.zeros(mshape, device=device), torch.zeros(mshape, device=device)) if mirror else None
         self.body_page_bytes = sum(int(torch.tensor(t.shape[1:]).prod()) * t.element_size()
                                    for parts in self.body for t in parts.values())
-        self.int2_tokens = all(isinstance(c, TokenCodec) and c.bits == 2 and c.default_meta for c in self.codecs)
-        self.can_dequant_kernel = self.int2_tokens and kernels.enabled(self.tier_k)
+        # the kernels read token codecs of 2 or 4 bits with fp16 metadata, chosen apart for keys and
+        # values, with one group size; an INT4 K or V runs the Triton kernel, whose head quarters must
+        # lie inside groups (G >= D/4); INT2 with smaller groups is the CUDA kernel's (as before)
+        self.kernel_tokens = (all(isinstance(c, TokenCodec) and c.bits in (2, 4) and c.default_meta for c in self.codecs)
+                              and key_codec.group_size == value_codec.group_size
+                              and (4 * key_codec.group_size >= head_dim
+                                   or key_codec.bits == value_codec.bits == 2))
+        self.can_dequant_kernel = self.kernel_tokens and kernels.enabled(self.tier_k)
 
     # ---- capacity ------------------------------------------------------------------------------
     def fit(self, tier_pages: int, body_pages: int) -> None:
@@ -87,7 +94,7 @@ class LayerPools:
 
     # ---- body ------------------------------------------------------------------------------------
     def body_tensors(self) -> tuple[torch.Tensor, ...]:
-        """``(k_codes, k_scale, k_lo, v_codes, v_scale, v_lo)``: the INT2 pool as the kernels read it."""
+        """``(k_codes, k_scale, k_lo, v_codes, v_scale, v_lo)``: the INT2/INT4 pool as the kernels read it."""
         k, v = self.body
         return k["codes"], k["scale"], k["lo"], v["codes"], v["scale"], v["lo"]
 
@@ -121,11 +128,11 @@ class LayerPools:
 
     def flush(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Quantize tier pages ``src`` into body pages ``dst`` (keys and values): on CUDA one call
-        of the fused write kernel each (INT2 token codec), else the codec's reference encoder."""
+        of the fused write kernel each (INT2/INT4 token codec), else the codec's reference encoder."""
         n, h, p, d = len(src), self.kv_heads, self.page, self.head_dim
         for tier, parts, codec, i in zip((self.tier_k, self.tier_v), self.body, self.codecs, (0, 1)):
             x = tier[src]  # [n, H, P, D]
-            if self.int2_tokens and kernels.enabled(x):
+            if self.kernel_tokens and kernels.enabled(x):
                 from rotkv.kernels.write import quant_write
 
                 slots = (dst[:, None] * p + torch.arange(p, device=dst.device)[None]).reshape(-1)

@@ -28,13 +28,14 @@ def enabled(t: torch.Tensor) -> bool:
 
 
 def token_encode(x: torch.Tensor, bits: int, group_size: int, clip: float) -> dict[str, torch.Tensor] | None:
-    """``x [nb, H, P, D]`` float -> {codes [nb, H, P, D/4], scale, lo [nb, H, P, D/G]} or None."""
-    if not enabled(x) or bits != 2 or x.dim() != 4 or x.shape[-1] % group_size:
+    """``x [nb, H, P, D]`` float -> {codes [nb, H, P, D*bits/8], scale, lo [nb, H, P, D/G]} or None
+    (bits 2 or 4)."""
+    if not enabled(x) or bits not in (2, 4) or x.dim() != 4 or x.shape[-1] % group_size:
         return None
     from rotkv.kernels.write import quant_write
 
     nb, h, p, d = x.shape
-    codes = torch.empty(nb, h, p, d // 4, dtype=torch.uint8, device=x.device)
+    codes = torch.empty(nb, h, p, d * bits // 8, dtype=torch.uint8, device=x.device)
     scale = torch.empty(nb, h, p, d // group_size, dtype=torch.float16, device=x.device)
     lo = torch.empty_like(scale)
     rows = x.float().transpose(1, 2).reshape(nb * p, h, d)  # token-major [nb*P, H, D]
@@ -43,16 +44,20 @@ def token_encode(x: torch.Tensor, bits: int, group_size: int, clip: float) -> di
     return {"codes": codes, "scale": scale, "lo": lo}
 
 
-def decode_config():
-    """DecodeConfig for the cache's decode steps; ``ROTKV_DECODE_BACKEND`` = auto | cuda | triton."""
-    return _decode_config_for(os.environ.get("ROTKV_DECODE_BACKEND", "auto"))
+def decode_config(score: str | None = None):
+    """DecodeConfig for the cache's decode steps; ``ROTKV_DECODE_BACKEND`` = auto | cuda | triton;
+    ``score`` (else ``ROTKV_DECODE_SCORE``) = auto | bf16 | int8."""
+    return _decode_config_for(os.environ.get("ROTKV_DECODE_BACKEND", "auto"),
+                              score or os.environ.get("ROTKV_DECODE_SCORE", "auto"))
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_config_for(backend: str):
-    # one config per backend: decode steps (every layer, every token) do not rebuild and revalidate it
+def _decode_config_for(backend: str, score: str = "auto"):
+    # one config per (backend, score): decode steps (every layer, every token) do not rebuild and revalidate it
     from rotkv.kernels.decode import DecodeConfig
 
     if backend not in ("auto", "cuda", "triton"):
         raise ValueError(f"ROTKV_DECODE_BACKEND must be auto, cuda or triton, got {backend!r}")
-    return DecodeConfig(backend=backend)
+    if score not in ("auto", "bf16", "int8"):
+        raise ValueError(f"the decode score must be auto, bf16 or int8, got {score!r}")
+    return DecodeConfig(backend=backend, score=score)

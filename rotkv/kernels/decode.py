@@ -1,5 +1,8 @@
 """Split-K decode attention over INT2 pages plus a bf16 tier, merged by log-sum-exp (Triton).
 
+K and V may each be INT4 instead (``K_BITS``, ``V_BITS``; the v1 body kernel, see
+``_quarter_bf16``); the CUDA kernel (``cuda_decode``) serves INT2 K and V with int8 scores.
+
 Launch 1, grid ``(B * H_kv, n_int2_splits + n_tier_splits)``: a program takes one KV head of
 one request and all ``n_rep`` query heads that read it (rows padded to ``HPAD >= 16`` for
 ``tl.dot``), and a contiguous token range: either of the INT2 body or of the bf16 tier. It
@@ -45,47 +48,84 @@ def _mma(x, F16: tl.constexpr):
 
 
 @triton.jit
-def _plane_bf16(byte, PLANE: tl.constexpr, USE_ASM: tl.constexpr, F16: tl.constexpr):
-    """uint8 tile -> bf16 ``128 + code`` of 2-bit field ``PLANE``."""
+def _field_bf16(byte, SHIFT: tl.constexpr, MASK: tl.constexpr, USE_ASM: tl.constexpr, F16: tl.constexpr):
+    """uint8 tile -> bf16 ``128 + code`` of the bit field ``(byte >> SHIFT) & MASK`` (MASK 3 or 15)."""
     if USE_ASM:
         return tl.inline_asm_elementwise(
             asm=f"""{{
             .reg .b32 t, m;
-            shr.b32 t, $2, {2 * PLANE};
-            and.b32 t, t, 0x03030303;
+            shr.b32 t, $2, {SHIFT};
+            and.b32 t, t, {MASK * 0x01010101};
             mov.b32 m, 0x43434343;
             prmt.b32 $0, t, m, 0x5140;
             prmt.b32 $1, t, m, 0x7362;
             }}""",
             constraints="=r,=r,r", args=[byte], dtype=tl.bfloat16, is_pure=True, pack=4)
     else:
-        return _mma(((byte >> (2 * PLANE)) & 3).to(tl.float32) + 128.0, F16)
+        return _mma(((byte >> SHIFT) & MASK).to(tl.float32) + 128.0, F16)
+
+
+@triton.jit
+def _field_i8(byte, SHIFT: tl.constexpr, MASK: tl.constexpr, USE_ASM: tl.constexpr):
+    """uint8 tile -> int8 code ``(byte >> SHIFT) & MASK``."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            asm=f"""{{
+            .reg .b32 t;
+            shr.b32 t, $1, {SHIFT};
+            and.b32 $0, t, {MASK * 0x01010101};
+            }}""",
+            constraints="=r,r", args=[byte], dtype=tl.int8, is_pure=True, pack=4)
+    else:
+        return ((byte >> SHIFT) & MASK).to(tl.int8)
+
+
+@triton.jit
+def _plane_bf16(byte, PLANE: tl.constexpr, USE_ASM: tl.constexpr, F16: tl.constexpr):
+    """uint8 tile -> bf16 ``128 + code`` of 2-bit field ``PLANE``."""
+    return _field_bf16(byte, 2 * PLANE, 3, USE_ASM, F16)
 
 
 @triton.jit
 def _plane_i8(byte, PLANE: tl.constexpr, USE_ASM: tl.constexpr):
     """uint8 tile -> int8 code of 2-bit field ``PLANE``."""
-    if USE_ASM:
-        return tl.inline_asm_elementwise(
-            asm=f"""{{
-            .reg .b32 t;
-            shr.b32 t, $1, {2 * PLANE};
-            and.b32 $0, t, 0x03030303;
-            }}""",
-            constraints="=r,r", args=[byte], dtype=tl.int8, is_pure=True, pack=4)
-    else:
-        return ((byte >> (2 * PLANE)) & 3).to(tl.int8)
+    return _field_i8(byte, 2 * PLANE, 3, USE_ASM)
 
 
 @triton.jit
-def _score_plane(q_bf, q_i8, codes, PLANE: tl.constexpr, QK_INT8: tl.constexpr, USE_ASM: tl.constexpr,
-                 F16: tl.constexpr):
+def _quarter_bf16(ca, cb, I: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr, F16: tl.constexpr):
+    """Codes of dims ``[I*D/4, (I+1)*D/4)`` as bf16 ``128 + c`` from the row's byte tiles ``ca``
+    (bytes ``[0, D/4)``) and ``cb`` (INT4: bytes ``[D/4, D/2)``). INT2: field ``I`` of ``ca``;
+    INT4 (byte ``j`` holds dims ``j`` and ``j + D/2``): the low (I < 2) or high nibble of ``ca``
+    (I even) or ``cb`` (I odd)."""
+    if BITS == 2:
+        return _field_bf16(ca, 2 * I, 3, USE_ASM, F16)
+    elif I % 2 == 0:
+        return _field_bf16(ca, 4 * (I // 2), 15, USE_ASM, F16)
+    else:
+        return _field_bf16(cb, 4 * (I // 2), 15, USE_ASM, F16)
+
+
+@triton.jit
+def _quarter_i8(ca, cb, I: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
+    """As :func:`_quarter_bf16`, int8 ``c``."""
+    if BITS == 2:
+        return _field_i8(ca, 2 * I, 3, USE_ASM)
+    elif I % 2 == 0:
+        return _field_i8(ca, 4 * (I // 2), 15, USE_ASM)
+    else:
+        return _field_i8(cb, 4 * (I // 2), 15, USE_ASM)
+
+
+@triton.jit
+def _score_plane(q_bf, q_i8, ca, cb, PLANE: tl.constexpr, BITS: tl.constexpr, QK_INT8: tl.constexpr,
+                 USE_ASM: tl.constexpr, F16: tl.constexpr):
     """``q_i . c_i`` for every (row, token): fp32 ``[HPAD, BLOCK_N]`` (bf16 path: of ``128 + c``)."""
     if QK_INT8:
-        c = _plane_i8(codes, PLANE, USE_ASM)
+        c = _quarter_i8(ca, cb, PLANE, BITS, USE_ASM)
         return tl.dot(q_i8, tl.trans(c), out_dtype=tl.int32).to(tl.float32)
     else:
-        c = _plane_bf16(codes, PLANE, USE_ASM, F16)
+        c = _quarter_bf16(ca, cb, PLANE, BITS, USE_ASM, F16)
         return tl.dot(q_bf, tl.trans(c))
 
 
@@ -131,9 +171,13 @@ def _int2_part(
     o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
     REP: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
     BLOCK_N: tl.constexpr, QK_INT8: tl.constexpr, USE_ASM: tl.constexpr, STATIC_STEPS: tl.constexpr,
-    F16: tl.constexpr,
+    F16: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
 ):
+    # K_BITS, V_BITS in {2, 4}: a code row is D * bits / 8 bytes; quarter i of the dims is one bit
+    # field of the first (INT2) or of the first or second D/4 bytes (INT4), see _quarter_bf16
     Q4: tl.constexpr = D // 4
+    KROW: tl.constexpr = D * K_BITS // 8
+    VROW: tl.constexpr = D * V_BITS // 8
     NG: tl.constexpr = D // G
     PPG: tl.constexpr = G // Q4  # planes per group
     start, tok_lo, tok_hi = _split_range(indptr_ptr, last_ptr, b, s, P, tokens_per_split)
@@ -180,13 +224,23 @@ def _int2_part(
         nmask = offs_n < tok_hi
         page = tl.load(indices_ptr + start + offs_n // P, mask=nmask, other=0).to(tl.int64)
         row = (page * H + hh) * P + offs_n % P  # int64 row of the [NP * H * P, ...] views
-        kc = tl.load(kc_ptr + row[:, None] * Q4 + offs_c[None, :], mask=nmask[:, None], other=0)
-        vc = tl.load(vc_ptr + row[:, None] * Q4 + offs_c[None, :], mask=nmask[:, None], other=0)
+        kp = kc_ptr + row[:, None] * KROW + offs_c[None, :]
+        vp = vc_ptr + row[:, None] * VROW + offs_c[None, :]
+        kc = tl.load(kp, mask=nmask[:, None], other=0)
+        vc = tl.load(vp, mask=nmask[:, None], other=0)
+        if K_BITS == 4:
+            kc2 = tl.load(kp + Q4, mask=nmask[:, None], other=0)
+        else:
+            kc2 = kc
+        if V_BITS == 4:
+            vc2 = tl.load(vp + Q4, mask=nmask[:, None], other=0)
+        else:
+            vc2 = vc
         # ---- scores [HPAD, BLOCK_N]
-        d0 = _score_plane(q0, i0, kc, 0, QK_INT8, USE_ASM, F16)
-        d1 = _score_plane(q1, i1, kc, 1, QK_INT8, USE_ASM, F16)
-        d2 = _score_plane(q2, i2, kc, 2, QK_INT8, USE_ASM, F16)
-        d3 = _score_plane(q3, i3, kc, 3, QK_INT8, USE_ASM, F16)
+        d0 = _score_plane(q0, i0, kc, kc2, 0, K_BITS, QK_INT8, USE_ASM, F16)
+        d1 = _score_plane(q1, i1, kc, kc2, 1, K_BITS, QK_INT8, USE_ASM, F16)
+        d2 = _score_plane(q2, i2, kc, kc2, 2, K_BITS, QK_INT8, USE_ASM, F16)
+        d3 = _score_plane(q3, i3, kc, kc2, 3, K_BITS, QK_INT8, USE_ASM, F16)
         if QK_INT8:
             off = 0.0
         else:
@@ -235,10 +289,10 @@ def _int2_part(
             vs3 = _load_meta(vs_ptr, row, 3, NG, nmask)
             ps3 = _mma(p * vs3[None, :], F16)
             cr3 = tl.sum(p * _load_meta(vl_ptr, row, 3, NG, nmask)[None, :] - 128.0 * ps3.to(tl.float32), axis=1)
-        a0 = tl.dot(ps0, _plane_bf16(vc, 0, USE_ASM, F16), a0 * alpha[:, None]) + cr0[:, None]
-        a1 = tl.dot(ps1, _plane_bf16(vc, 1, USE_ASM, F16), a1 * alpha[:, None]) + cr1[:, None]
-        a2 = tl.dot(ps2, _plane_bf16(vc, 2, USE_ASM, F16), a2 * alpha[:, None]) + cr2[:, None]
-        a3 = tl.dot(ps3, _plane_bf16(vc, 3, USE_ASM, F16), a3 * alpha[:, None]) + cr3[:, None]
+        a0 = tl.dot(ps0, _quarter_bf16(vc, vc2, 0, V_BITS, USE_ASM, F16), a0 * alpha[:, None]) + cr0[:, None]
+        a1 = tl.dot(ps1, _quarter_bf16(vc, vc2, 1, V_BITS, USE_ASM, F16), a1 * alpha[:, None]) + cr1[:, None]
+        a2 = tl.dot(ps2, _quarter_bf16(vc, vc2, 2, V_BITS, USE_ASM, F16), a2 * alpha[:, None]) + cr2[:, None]
+        a3 = tl.dot(ps3, _quarter_bf16(vc, vc2, 3, V_BITS, USE_ASM, F16), a3 * alpha[:, None]) + cr3[:, None]
     # ---- partials
     prow = (qrow * NS + s)
     tl.store(m_ptr + prow, m_i, mask=rmask)
@@ -430,6 +484,7 @@ def _split_kernel(
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, QK_INT8: tl.constexpr, USE_ASM: tl.constexpr,
     HAS_INT2: tl.constexpr, HAS_TIER: tl.constexpr, STATIC_STEPS: tl.constexpr,
     TIER_STATIC_STEPS: tl.constexpr, F16: tl.constexpr, V2: tl.constexpr, RP: tl.constexpr, PB: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr,
 ):
     pid, s = tl.program_id(0), tl.program_id(1) + s0  # s0 > 0: the body's splits were written elsewhere
     b, h = pid // H, pid % H
@@ -441,7 +496,7 @@ def _split_kernel(
         else:
             _int2_part(q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
                        o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
-                       REP, HPAD, D, G, P, BLOCK_N, QK_INT8, USE_ASM, STATIC_STEPS, F16)
+                       REP, HPAD, D, G, P, BLOCK_N, QK_INT8, USE_ASM, STATIC_STEPS, F16, K_BITS, V_BITS)
     elif HAS_TIER:
         _bf16_part(q_ptr, tk_ptr, tv_ptr, tindptr_ptr, tindices_ptr, tlast_ptr,
                    o_ptr, m_ptr, l_ptr, b, h, s - n_int2_splits, s, H, HQ, NS, qk_scale, tier_tokens_per_split,
@@ -502,10 +557,17 @@ class DecodeConfig:
     small_work: int = 65536
     cuda_target_warps: int = 2048  # CUDA kernel: split so that B * H_kv * splits reaches about this
     cuda_min_split_tokens: int = 64
+    # scores of the quantized body: "int8" (query quantized to int8 per head: the CUDA kernel, and
+    # the Triton kernels where qk_int8 applies), "bf16" (query kept bf16, codes as bf16; Triton
+    # only), or "auto": bf16 at head_dim <= 64 unless backend == "cuda" (top-1 agreement on
+    # SmolLM2, D 64: 0.984 with bf16 scores against 0.938 with the int8 query; docs/kernels.md)
+    score: str = "auto"
 
     def __post_init__(self):
         if self.backend not in ("auto", "cuda", "triton"):
             raise ValueError(f"backend must be 'auto', 'cuda' or 'triton', got {self.backend!r}")
+        if self.score not in ("auto", "bf16", "int8"):
+            raise ValueError(f"score must be 'auto', 'bf16' or 'int8', got {self.score!r}")
         if not 1 <= self.cuda_tiles <= 8:
             raise ValueError(f"cuda_tiles must be in 1..8, got {self.cuda_tiles}")
         if self.cuda_min_blocks is not None and not 1 <= self.cuda_min_blocks <= 8:
@@ -538,10 +600,37 @@ def _min_blocks(cfg: DecodeConfig, d: int, ng: int) -> int:
     return 3 if d <= 128 else 2
 
 
-def _use_cuda_body(cfg: DecodeConfig, q: torch.Tensor, body: tuple, rep: int) -> bool:
+def resolve_score(cfg: DecodeConfig, head_dim: int) -> str:
+    """The score variant a call runs: ``cfg.score``, or for "auto" bf16 at head_dim <= 64 (unless
+    the CUDA backend, int8 only, is asked for) and int8 above."""
+    if cfg.score != "auto":
+        return cfg.score
+    return "bf16" if head_dim <= 64 and cfg.backend != "cuda" else "int8"
+
+
+def body_bits(body: tuple, head_dim: int) -> tuple[int, int]:
+    """(K bits, V bits) of a body ``(k_codes, .., v_codes, ..)``: 2 or 4, from the code rows' bytes."""
+    bits = tuple(body[i].shape[-1] * 8 // head_dim for i in (0, 3))
+    for b, i in zip(bits, (0, 3)):
+        if b not in (2, 4) or body[i].shape[-1] * 8 != b * head_dim:
+            raise ValueError(f"code rows of {body[i].shape[-1]} bytes are neither INT2 nor INT4 at head_dim {head_dim}")
+    if body[1].shape[-1] != body[4].shape[-1]:
+        raise ValueError(f"K and V must share the group size (got {body[1].shape[-1]} and {body[4].shape[-1]} groups)")
+    return bits
+
+
+def _use_cuda_body(cfg: DecodeConfig, q: torch.Tensor, body: tuple, rep: int, bits: tuple = (2, 2),
+                   score: str = "int8") -> bool:
     if cfg.backend == "triton" or _interpreting() or not q.is_cuda:
         if cfg.backend == "cuda" and not q.is_cuda:
             raise ValueError("backend='cuda' needs CUDA tensors")
+        return False
+    # the CUDA kernel reads INT2 K and V with int8 scores; anything else is the Triton kernel's
+    # (expected, not a fallback: no warning)
+    if bits != (2, 2) or score != "int8":
+        if cfg.backend == "cuda":
+            raise ValueError(f"the CUDA decode kernel reads INT2 K and V with int8 scores, got bits {bits}, "
+                             f"score {score!r}")
         return False
     from rotkv.kernels import cuda_decode
 
@@ -571,7 +660,8 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
     """Attention of one decode token per request over an INT2 paged body and a bf16 paged tier.
 
     q ``[B, Hq, D]`` (rotated by R_K; any float dtype). body ``(k_codes, k_scale, k_lo, v_codes,
-    v_scale, v_lo)`` as in :class:`~rotkv.cache.paged.Int2PagePool`; table ``(kv_indptr, kv_indices,
+    v_scale, v_lo)`` as in :class:`~rotkv.cache.paged.Int2PagePool`, K and V each INT2 (codes
+    ``[.., D/4]``) or INT4 (``[.., D/2]``, same planar packing, same group size); table ``(kv_indptr, kv_indices,
     kv_last_page_len)``; ``max_len``: the longest request's body length (host int, sizes the grid).
     tier ``(k, v)`` ``[NPT, H, PT, D]`` with ``tier_table`` and ``tier_max_len`` likewise; tier
     positions below ``tier_start`` are skipped (they hold no token).
@@ -579,6 +669,8 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
     """
     cfg = cfg or DecodeConfig()
     b_sz, hq, d = q.shape
+    bits = body_bits(body, d) if body is not None else (2, 2)
+    score = resolve_score(cfg, d)
     if (cfg.backend == "auto" and body is not None and q.is_cuda
             and b_sz * body[0].shape[1] * max_len < cfg.small_work):
         cfg = dataclasses.replace(cfg, backend="triton", v2=True, block_n=128, num_warps=4)
@@ -593,7 +685,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
     use_asm = (not _interpreting()) if cfg.use_asm is None else cfg.use_asm
     has_int2 = body is not None and max_len > 0
     has_tier = tier is not None and tier_max_len > 0
-    use_cuda = has_int2 and _use_cuda_body(cfg, q, body, rep)
+    use_cuda = has_int2 and _use_cuda_body(cfg, q, body, rep, bits, score)
     if has_int2:
         g = d // body[1].shape[-1]
         p = body[0].shape[2]
@@ -615,7 +707,8 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
     else:
         pt, tper, n_tier = 16, cfg.block_t, 0
     ns = max(1, n_int2 + n_tier)
-    v2 = cfg.v2 and p & (p - 1) == 0  # v2 reads a page in power-of-2 chunks
+    # v2 reads a page in power-of-2 chunks, INT2 only; INT4 K or V runs v1
+    v2 = cfg.v2 and p & (p - 1) == 0 and bits == (2, 2)
     dev = q.device
     # every program writes all of its rows, so the partials need no initialization
     o_part = torch.empty(b_sz, hq, ns, d, dtype=torch.float32, device=dev)
@@ -641,10 +734,10 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
             _split_kernel[(b_sz * h, n_int2 + n_tier - s0)](
                 q, *bt, *tb, *tt, *ttb, o_part, m_part, l_part, h, hq, ns, n_int2, s0, sm_scale * LOG2E, per, tper,
                 tier_start, REP=rep, HPAD=hpad, D=d, G=g, P=p, PT=pt, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
-                QK_INT8=cfg.qk_int8 and (d >= 128 or v2), USE_ASM=use_asm, HAS_INT2=has_int2, HAS_TIER=has_tier,
+                QK_INT8=score == "int8" and cfg.qk_int8 and (d >= 128 or v2), USE_ASM=use_asm, HAS_INT2=has_int2, HAS_TIER=has_tier,
                 STATIC_STEPS=per // cfg.block_n if _interpreting() else 0,
                 TIER_STATIC_STEPS=tper // cfg.block_t if _interpreting() else 0, F16=_interpreting(),
-                V2=v2, RP=max(4, triton.next_power_of_2(rep)), PB=min(p, cfg.block_n),
+                V2=v2, RP=max(4, triton.next_power_of_2(rep)), PB=min(p, cfg.block_n), K_BITS=bits[0], V_BITS=bits[1],
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
     if out is None:

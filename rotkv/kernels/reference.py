@@ -4,7 +4,7 @@
   scatter codes and metadata into an :class:`~rotkv.cache.paged.Int2PagePool`'s tensors.
 - :func:`decode_reference`: gather each request's pages, dequantize in float32, attend together
   with the bf16 tier (one softmax over both), GQA by ``kv_head = q_head // n_rep``.
-- :func:`dequant_pages`: the unfused baseline's first half (INT2 pages -> dense K/V).
+- :func:`dequant_pages`: the unfused baseline's first half (INT2/INT4 pages -> dense K/V).
 """
 
 from __future__ import annotations
@@ -26,14 +26,15 @@ def quant_write_reference(x: torch.Tensor, slots: torch.Tensor, codes: torch.Ten
                           clip: float = 1.0, group_size: int = 64) -> None:
     """Quantize ``x [T, H, D]`` (rotated as ``(x - mean[h]) @ rot[h]``) into the pool at ``slots [T]``.
 
-    codes ``[NP, H, P, D/4]`` uint8, scale/lo ``[NP, H, P, D/G]`` fp16 are written in place.
+    codes ``[NP, H, P, D*bits/8]`` uint8 (bits 2 or 4, read off its width), scale/lo
+    ``[NP, H, P, D/G]`` fp16 are written in place.
     """
     y = x.float()
     if mean is not None:
         y = y - mean.float()[None]
     if rot is not None:
         y = torch.einsum("thd,hde->the", y, rot.float())
-    q = quantize(y, 2, group_size, clip)
+    q = quantize(y, codes.shape[-1] * 8 // x.shape[-1], group_size, clip)
     p = codes.shape[2]
     page, off = slots.long() // p, slots.long() % p
     codes[page, :, off] = q.codes
@@ -47,23 +48,26 @@ def _gather(pages: torch.Tensor, indices: torch.Tensor, n: int) -> torch.Tensor:
     return g.permute(1, 0, 2, 3).reshape(g.shape[1], -1, g.shape[3])[:, :n]
 
 
-def dequant_rows(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """codes ``[.., D/4]``, scale/lo ``[.., D/G]`` -> float32 ``[.., D]``."""
-    c = unpack(codes, 2).float()
+def dequant_rows(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int = 2) -> torch.Tensor:
+    """codes ``[.., D*bits/8]``, scale/lo ``[.., D/G]`` -> float32 ``[.., D]``."""
+    c = unpack(codes, bits).float()
     d, ng = c.shape[-1], scale.shape[-1]
     c = c.reshape(*c.shape[:-1], ng, d // ng) * scale.float()[..., None] + lo.float()[..., None]
     return c.reshape(*c.shape[:-2], d)
 
 
 def dequant_pages(pool_k: tuple, pool_v: tuple, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                  kv_last_page_len: torch.Tensor, dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Dense ``(K [H, L_b, D], V [H, L_b, D])`` per request from ``(codes, scale, lo)`` pool tensors."""
+                  kv_last_page_len: torch.Tensor, dtype: torch.dtype = torch.float32,
+                  bits: tuple[int, int] = (2, 2)) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Dense ``(K [H, L_b, D], V [H, L_b, D])`` per request from ``(codes, scale, lo)`` pool tensors
+    (``bits``: the widths of K and V)."""
     p = pool_k[0].shape[2]
     lens = lengths_from_table(kv_indptr, kv_last_page_len, p).tolist()
     out = []
     for b, n in enumerate(lens):
         idx = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
-        kv = [dequant_rows(*[_gather(t, idx, n) for t in pool]).to(dtype) for pool in (pool_k, pool_v)]
+        kv = [dequant_rows(*[_gather(t, idx, n) for t in pool], bits=nb).to(dtype)
+              for pool, nb in zip((pool_k, pool_v), bits)]
         out.append((kv[0], kv[1]))
     return out
 
@@ -74,14 +78,18 @@ def decode_reference(q: torch.Tensor, pool_k: tuple | None, pool_v: tuple | None
                      tier_start: int = 0) -> torch.Tensor:
     """One decode step in float32.
 
-    q ``[B, Hq, D]`` (already rotated); pool_k/pool_v ``(codes, scale, lo)``; table
+    q ``[B, Hq, D]`` (already rotated); pool_k/pool_v ``(codes, scale, lo)`` (INT2 or INT4 each); table
     ``(kv_indptr, kv_indices, kv_last_page_len)`` of the INT2 body; tier_k/tier_v
     ``[NPT, H, PT, D]`` with tier_table likewise (positions below ``tier_start`` hold no token).
     Returns ``[B, Hq, D]`` float32.
     """
     b_sz, hq, d = q.shape
     sm_scale = d ** -0.5 if sm_scale is None else sm_scale
-    body = dequant_pages(pool_k, pool_v, *table) if table is not None else [None] * b_sz
+    if table is not None:  # the widths of K and V (2 or 4 bits) from the codes' row bytes
+        bits = (pool_k[0].shape[-1] * 8 // d, pool_v[0].shape[-1] * 8 // d)
+        body = dequant_pages(pool_k, pool_v, *table, bits=bits)
+    else:
+        body = [None] * b_sz
     if tier_table is not None:
         pt = tier_k.shape[2]
         tier_lens = lengths_from_table(tier_table[0], tier_table[2], pt).tolist()

@@ -23,8 +23,8 @@ CUDA = torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
-def _pool_bufs(np_, h, p, d, g, device):
-    return (torch.full((np_, h, p, d // 4), 0xAB, dtype=torch.uint8, device=device),
+def _pool_bufs(np_, h, p, d, g, device, bits=2):
+    return (torch.full((np_, h, p, d * bits // 8), 0xAB, dtype=torch.uint8, device=device),
             torch.full((np_, h, p, d // g), 7.0, dtype=torch.float16, device=device),
             torch.full((np_, h, p, d // g), 7.0, dtype=torch.float16, device=device))
 
@@ -47,21 +47,26 @@ WRITE_CASES = [  # (head_dim, group, clip, rotate, tokens)
 WRITE_CASES_CUDA = [(128, 64, 0.96, True, 4097), (128, 32, 0.92, False, 1000), (256, 256, 0.96, True, 300)]
 
 
-def _check_write(d, g, clip, rotate, t, device, seed=0):
+def _check_write(d, g, clip, rotate, t, device, seed=0, bits=2):
     h, p = 2, 16
     np_ = -(-t // p) + 2
     x = _rows(t, h, d, device, seed)
     rot = torch.stack([random_orthogonal(d, seed + i) for i in range(h)]).to(device) if rotate else None
     mean = (torch.randn(h, d, generator=torch.Generator().manual_seed(seed)) * 0.5).to(device) if rotate else None
     slots = torch.randperm(np_ * p, generator=torch.Generator().manual_seed(seed))[:t].to(device)
-    got, want = _pool_bufs(np_, h, p, d, g, device), _pool_bufs(np_, h, p, d, g, device)
+    got, want = _pool_bufs(np_, h, p, d, g, device, bits), _pool_bufs(np_, h, p, d, g, device, bits)
     quant_write(x, slots, *got, rot=rot, mean=mean, clip=clip)
-    quant_write_reference(x, slots, *want, rot=rot, mean=mean, clip=clip, group_size=g)
+    # the reference runs on the CPU: PyTorch's CUDA division by a Python scalar multiplies by the
+    # reciprocal, so the quantizer's fp32 scale can differ by an ulp on a GPU (then its fp16 one too)
+    want_cpu = tuple(t.cpu() for t in want)
+    quant_write_reference(x.cpu(), slots.cpu(), *want_cpu, rot=None if rot is None else rot.cpu(),
+                          mean=None if mean is None else mean.cpu(), clip=clip, group_size=g)
+    want = tuple(t.to(device) for t in want_cpu)
     # untouched slots keep their poison, written ones equal the reference
     untouched = torch.ones(np_ * p, dtype=torch.bool, device=device)
     untouched[slots] = False
     assert (got[0].permute(0, 2, 1, 3).reshape(np_ * p, -1)[untouched] == 0xAB).all()
-    codes_mismatch = (unpack(got[0], 2) != unpack(want[0], 2)).float().mean().item()
+    codes_mismatch = (unpack(got[0], bits) != unpack(want[0], bits)).float().mean().item()
     if rotate and device != "cpu":
         # the kernel rotates in 3xTF32, the reference in fp32: codes may differ at rounding ties
         assert codes_mismatch < 1e-3
@@ -78,10 +83,36 @@ def test_quant_write_matches_reference(d, g, clip, rotate, t, device):
     _check_write(d, g, clip, rotate, t, device)
 
 
+@pytest.mark.parametrize("d,g,clip,rotate,t", WRITE_CASES[:2] + WRITE_CASES[3:])
+def test_quant_write_int4_matches_reference(d, g, clip, rotate, t, device):
+    _check_write(d, g, clip, rotate, t, device, bits=4)
+
+
+def test_quant_write_tf32_rotation_close_to_reference(device, monkeypatch):
+    # rot_precision="tf32" (one pass, faster): codes may move near rounding boundaries; on a CPU
+    # machine the interpreter's dot is fp32, so the CUDA run is the real check (not run on a GPU yet)
+    import rotkv.kernels.write as write_mod
+
+    monkeypatch.setitem(globals(), "quant_write",
+                        lambda *a, **k: write_mod.quant_write(*a, rot_precision="tf32", **k))
+    x = torch.randn(64, 2, 128, generator=torch.Generator().manual_seed(0)).to(device)
+    rot = torch.stack([random_orthogonal(128, i) for i in range(2)]).to(device)
+    slots = torch.arange(64, device=device)
+    got, want = _pool_bufs(6, 2, 16, 128, 64, device), _pool_bufs(6, 2, 16, 128, 64, device)
+    quant_write(x, slots, *got, rot=rot, clip=0.96)
+    want = tuple(t.cpu() for t in want)
+    quant_write_reference(x.cpu(), slots.cpu(), *want, rot=rot.cpu(), clip=0.96, group_size=64)
+    mism = (unpack(got[0], 2).cpu() != unpack(want[0], 2)).float().mean().item()
+    assert mism < 2e-2, mism
+    with pytest.raises(ValueError, match="rot_precision"):
+        write_mod.quant_write(x, slots, *got, rot=rot, rot_precision="bf16")
+
+
 @cuda_only
+@pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("d,g,clip,rotate,t", WRITE_CASES_CUDA)
-def test_quant_write_matches_reference_cuda(d, g, clip, rotate, t):
-    _check_write(d, g, clip, rotate, t, "cuda", seed=1)
+def test_quant_write_matches_reference_cuda(d, g, clip, rotate, t, bits):
+    _check_write(d, g, clip, rotate, t, "cuda", seed=1, bits=bits)
 
 
 def test_clip_rank():
@@ -92,11 +123,11 @@ def test_clip_rank():
         clip_rank(0.0, 64)
 
 
-def _build(lens, tier_lens, h, d, g, p, pt, device, seed=0):
-    """Random K/V quantized into a shuffled INT2 pool, and a bf16 tier; returns kernel inputs."""
+def _build(lens, tier_lens, h, d, g, p, pt, device, seed=0, bits=(2, 2)):
+    """Random K/V quantized into a shuffled INT2/INT4 pool, and a bf16 tier; returns kernel inputs."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    pool = Int2PagePool(sum(-(-n // p) for n in lens) + 3, h, d, p, g, device=device)
+    pool = Int2PagePool(sum(-(-n // p) for n in lens) + 3, h, d, p, g, device=device, k_bits=bits[0], v_bits=bits[1])
     pool._free = rng.sample(pool._free, len(pool._free))  # pages out of order
     tpool = Bf16PagePool(sum(-(-n // pt) for n in tier_lens) + 3, h, d, pt, device=device)
     tab, ttab = PageTable(pool), PageTable(tpool)
@@ -128,10 +159,11 @@ DECODE_CASES_CUDA = [
 ]
 
 
-def _check_decode(lens, tier_lens, h, rep, d, g, p, int8, device, cfg=None, seed=0, v2=False):
-    body, table, tier, ttable, ml, tml = _build(lens, tier_lens, h, d, g, p, 16, device, seed)
+def _check_decode(lens, tier_lens, h, rep, d, g, p, int8, device, cfg=None, seed=0, v2=False, bits=(2, 2)):
+    body, table, tier, ttable, ml, tml = _build(lens, tier_lens, h, d, g, p, 16, device, seed, bits)
     q = torch.randn(len(lens), h * rep, d, generator=torch.Generator().manual_seed(seed + 1)).to(device, torch.bfloat16)
-    cfg = cfg or DecodeConfig(qk_int8=int8, block_n=32, block_t=16, target_programs=8, min_split_tokens=32, v2=v2)
+    cfg = cfg or DecodeConfig(qk_int8=int8, block_n=32, block_t=16, target_programs=8, min_split_tokens=32, v2=v2,
+                              score="int8" if int8 else "bf16")
     out = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg)
     ref = decode_reference(q.float(), body[:3], body[3:], table, tier[0], tier[1], ttable)
     err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -146,6 +178,43 @@ def test_decode_matches_reference(lens, tier_lens, h, rep, d, g, p, int8, v2, de
     _check_decode(lens, tier_lens, h, rep, d, g, p, int8, device, v2=v2)
 
 
+MIXED_BITS = [(2, 2), (4, 2), (4, 4), (2, 4)]
+DECODE_CASES_BITS = [  # one small case per head_dim; int8 only where the Triton v1 kernel uses it (D >= 128)
+    ([37, 70], [5, 20], 2, 3, 64, 32, 16, False),
+    ([45, 0], [3, 9], 1, 4, 128, 64, 16, True),
+]
+
+
+@pytest.mark.parametrize("bits", MIXED_BITS)
+@pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p,int8", DECODE_CASES_BITS)
+def test_decode_mixed_bits_matches_reference(lens, tier_lens, h, rep, d, g, p, int8, bits, device):
+    # v2=True is asked for: INT4 K or V must run v1 instead (v2 reads INT2 only)
+    _check_decode(lens, tier_lens, h, rep, d, g, p, int8, device, bits=bits, v2=True)
+
+
+@pytest.mark.parametrize("bits", [(4, 2), (2, 4)])
+def test_dequant_dense_int4_matches_reference(bits, device):
+    body, table, *_ = _build([37, 20], [0, 0], 2, 64, 32, 16, 16, device, bits=bits)
+    lens = lengths_from_table(table[0], table[2], 16).tolist()
+    for part, nbits in ((body[:3], bits[0]), (body[3:], bits[1])):
+        out = torch.full((2, 2, 37, 64), float("nan"), device=device)
+        dequant_dense(*part, *table, 37, out, block=16)
+        for b, n in enumerate(lens):
+            idx = table[1][table[0][b]:table[0][b + 1]].long()
+            rows = [t[idx].permute(1, 0, 2, 3).reshape(2, -1, t.shape[-1])[:, :n] for t in part]
+            assert torch.equal(out[b, :, :n], dequant_rows(*rows, bits=nbits))
+
+
+@cuda_only
+@pytest.mark.parametrize("bits", MIXED_BITS[1:])
+@pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p,int8", DECODE_CASES_CUDA)
+@pytest.mark.parametrize("block_n,asm,warps", [(64, True, 1), (32, True, 4), (64, False, 1)])
+def test_decode_mixed_bits_matches_reference_cuda(lens, tier_lens, h, rep, d, g, p, int8, bits, block_n, asm, warps):
+    cfg = DecodeConfig(qk_int8=int8, block_n=block_n, use_asm=asm, target_programs=256, num_warps=warps,
+                       score="int8" if int8 else "bf16")  # backend auto: INT4 runs Triton v1, no warning
+    _check_decode(lens, tier_lens, h, rep, d, g, p, int8, "cuda", cfg=cfg, seed=4, bits=bits)
+
+
 @cuda_only
 @pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p,int8", DECODE_CASES_CUDA)
 @pytest.mark.parametrize("block_n,asm,warps,v2", [
@@ -155,7 +224,7 @@ def test_decode_matches_reference(lens, tier_lens, h, rep, d, g, p, int8, v2, de
     pytest.param(64, True, 4, True, id="v2-n64-w4"), pytest.param(32, False, 2, True, id="v2-n32-w2-noasm")])
 def test_decode_matches_reference_cuda(lens, tier_lens, h, rep, d, g, p, int8, block_n, asm, warps, v2):
     cfg = DecodeConfig(qk_int8=int8, block_n=block_n, use_asm=asm, target_programs=256, num_warps=warps, v2=v2,
-                       backend="triton")
+                       backend="triton", score="int8" if int8 else "bf16")
     _check_decode(lens, tier_lens, h, rep, d, g, p, int8, "cuda", cfg=cfg, seed=3)
 
 
@@ -176,7 +245,7 @@ CUDA_KERNEL_CASES = [  # the CUDA body kernel needs P % 16 == 0 and G % 32 == 0
 @pytest.mark.parametrize("tiles,min_blocks,target", [(2, 1, 256), (4, 4, 64), (2, None, 4096)])
 def test_decode_cuda_kernel_matches_reference(lens, tier_lens, h, rep, d, g, p, tiles, min_blocks, target):
     cfg = DecodeConfig(backend="cuda", cuda_tiles=tiles, cuda_min_blocks=min_blocks, cuda_target_warps=target,
-                       cuda_min_split_tokens=64)
+                       cuda_min_split_tokens=64, score="int8")
     _check_decode(lens, tier_lens, h, rep, d, g, p, True, "cuda", cfg=cfg, seed=5)
 
 
@@ -190,7 +259,9 @@ def test_decode_cuda_kernel_refuses_what_it_cannot_run():
 
     decode_mod._CUDA_WARNED.clear()  # the warning is given once per reason and process
     with pytest.warns(UserWarning, match="page size"):  # auto: falls back to Triton
-        decode_attention(q, body, table, ml, tier, ttable, tml, cfg=DecodeConfig(backend="auto", small_work=0))
+        # score="int8": at head_dim 64 "auto" scores in bf16, which only the Triton kernel does (no CUDA attempt)
+        decode_attention(q, body, table, ml, tier, ttable, tml,
+                         cfg=DecodeConfig(backend="auto", small_work=0, score="int8"))
 
 
 def test_decode_tier_only_and_body_only(device):
