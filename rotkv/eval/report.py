@@ -228,8 +228,10 @@ def write_readme_section(out_dir: str, records: list[dict], prov: dict, paths: l
     rel = os.path.relpath(out_dir, os.getcwd())
     heat = next((p for p in paths if os.path.basename(p) == "niah_heatmaps.png"), None)
     cfg = prov.get("config", {})
+    dev = str(cfg.get("device") or "cpu")
+    where = "a CPU" if dev == "cpu" else f"a GPU ({prov.get('gpu') or dev})"
     L = ["## Results", "",
-         f"SmolLM2-135M-Instruct on a CPU, every method through its own cache: the context is prefilled in chunks of "
+         f"SmolLM2-135M-Instruct on {where}, every method through its own cache: the context is prefilled in chunks of "
          f"{cfg.get('chunk')} tokens that read the quantized cache of the earlier ones, and whatever is scored (the next "
          f"tokens, the question) reads the stored cache. rotkv presets keep a bf16 sink of {cfg.get('sink')} and window of "
          f"{cfg.get('window')} tokens; peers run with their own defaults. Every score has the measured bits per element "
@@ -238,7 +240,7 @@ def write_readme_section(out_dir: str, records: list[dict], prov: dict, paths: l
     L += main_table(records) + [""]
     if heat:
         L += [f"![NIAH heatmaps]({rel}/{os.path.basename(heat)})", ""]
-    L += ["Reproduce: `rotkv eval --profile full --out DIR --artifact-dir ARTIFACTS` "
+    L += [f"Reproduce: `rotkv eval --profile full{'' if dev == 'cpu' else ' --device ' + dev} --out DIR --artifact-dir ARTIFACTS` "
           f"(this run: [{rel}/run_full.sh]({rel}/run_full.sh)).", ""]
     p = os.path.join(out_dir, "README_section.md")
     with open(p, "w") as f:
