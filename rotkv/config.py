@@ -242,6 +242,12 @@ PRESETS: dict[str, CacheSpec] = {
 }
 
 
+def artifact_file(preset: str, method_file: str) -> str:
+    """The artifact file name a preset reads from an artifact folder: its own ``<preset>.safetensors`` when it
+    takes per-layer key widths from the artifact (``k_bits="artifact"``), else its method's (``method_file``)."""
+    return f"{preset}.safetensors" if PRESETS[preset].k_bits == "artifact" else method_file
+
+
 def get_preset(name: str, **overrides) -> CacheSpec:
     """A preset by name, with optional field overrides (``sink=16, window=64, group_size=32``)."""
     if name not in PRESETS:

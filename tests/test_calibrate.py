@@ -168,3 +168,29 @@ def _cs_of(model, ids):
 
 def _keys_of(model, ids):
     return _capture_one(model, ids)[1][0]
+
+
+def test_key_widths_are_chosen_by_measured_gain(tiny_llama, tmp_path):
+    """keybits: one cache run per layer on calibration text; the layers with the largest KL drop get 4 bits."""
+    import numpy as np
+
+    from rotkv.calibrate.keybits import layer_gains, with_key_bits
+    from rotkv.rotations.artifact import load_artifact
+    from test_cache_model import write_random_artifact
+
+    class Loaded:  # the tiny model with a character tokenizer over the built-in calibration text
+        model = tiny_llama
+        tokenizer = staticmethod(lambda text, return_tensors=None: type("T", (), {
+            "input_ids": torch.tensor([[1 + ord(c) % 120 for c in text[:4000]]])})())
+
+    path = tmp_path / "a.safetensors"
+    write_random_artifact(tiny_llama, path)
+    art = load_artifact(str(path))
+    spec = "quarot-int2"
+    from rotkv.config import get_preset
+
+    gains, base = layer_gains(Loaded, art, get_preset(spec, rotation="artifact", group_size=16), length=96, new=8,
+                              windows=2, chunk=32, sink=4, window=8, progress=False)
+    assert gains.shape == (2,) and np.isfinite(gains).all() and base > 0
+    tensors, _ = with_key_bits(art, gains, 1)
+    assert tensors["k_bits"].tolist()[int(np.argmax(gains))] == 4 and sorted(tensors["k_bits"].tolist()) == [2, 4]

@@ -52,9 +52,11 @@ def layer_gains(loaded, artifact, preset: str = "oscar-int2", length: int = 1024
     """(gain ``[L]``: mean KL of the preset minus mean KL with layer l's keys at 4 bits, the preset's mean KL)."""
     from rotkv.cache import RotkvCache
     from rotkv.calibrate.corpus import token_chunks
+    from rotkv.hf.models import sliding_layers
 
     model, tok = loaded.model, loaded.tokenizer
     n_layers = model.config.num_hidden_layers
+    cached = [i for i, w in enumerate(sliding_layers(model)) if w is None]  # sliding layers stay the model's own
     span = length + new
     need = -(-span // 512) * 512
     chunks = token_chunks(tok, files, windows * need, 512)
@@ -63,7 +65,7 @@ def layer_gains(loaded, artifact, preset: str = "oscar-int2", length: int = 1024
         raise ValueError(f"the calibration text has {stream.shape[1]} tokens, fewer than {windows} windows of {span}")
     starts = [w * (stream.shape[1] - span) // max(windows - 1, 1) for w in range(windows)]
     kw = dict(sink=sink, window=window, prefill_chunk=chunk)
-    runs = [None] + list(range(n_layers))
+    runs = [None] + cached
     kl = {r: [] for r in runs}
     bar = tqdm(total=len(runs) * windows, desc="key widths", disable=not progress)
     for s in starts:
@@ -76,7 +78,7 @@ def layer_gains(loaded, artifact, preset: str = "oscar-int2", length: int = 1024
             bar.update()
     bar.close()
     base = torch.cat(kl[None]).mean().item()
-    gains = np.array([base - torch.cat(kl[i]).mean().item() for i in range(n_layers)])
+    gains = np.array([base - torch.cat(kl[i]).mean().item() if i in kl else float("-inf") for i in range(n_layers)])
     return gains, base
 
 
@@ -85,7 +87,8 @@ def with_key_bits(artifact, gains: np.ndarray, layers: int, **info) -> tuple[dic
     order = np.argsort(-gains)
     bits = np.full(len(gains), 2, dtype=np.int32)
     bits[order[:layers]] = 4
-    tensors = dict(artifact.tensors) | {"k_bits": torch.tensor(bits), "k_gain": torch.tensor(gains, dtype=torch.float32)}
+    gain = torch.tensor(np.where(np.isfinite(gains), gains, 0.0), dtype=torch.float32)  # sliding layers: 0
+    tensors = dict(artifact.tensors) | {"k_bits": torch.tensor(bits), "k_gain": gain}
     meta = dict(artifact.meta) | {f"keybits_{k}": str(v) for k, v in info.items()}
     return tensors, meta
 
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
                                   new_tokens=args.new_tokens, windows=args.windows, base_kl=f"{base:.5f}",
                                   seconds=f"{time.time() - t0:.0f}")
     save_artifact(args.out, tensors, meta)
-    order = np.argsort(-gains).tolist()
+    order = [i for i in np.argsort(-gains).tolist() if np.isfinite(gains[i])]
     print(f"{args.preset} KL {base:.4f} on calibration text; gains by layer (best first): "
           + ", ".join(f"{i}:{gains[i]:+.4f}" for i in order))
     print(f"wrote {args.out}: 4-bit keys in layers {sorted(order[:args.layers])}")

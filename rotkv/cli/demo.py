@@ -6,6 +6,7 @@ import os
 
 from rotkv.cli.common import add_model_args, cache_spec, early_artifact
 from rotkv.cli.errors import UsageError, check_device, check_model, warn
+from rotkv.config import artifact_file
 
 DEFAULT_PRESETS = ["bf16", "int4", "kivi-2", "naive-int2", "quarot-int2"]
 NEEDLE = "The secret code of the blue vault is {code}."
@@ -83,14 +84,15 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
             if not spec.needs_artifact or spec.start_bits is not None or spec.method not in registry.METHODS:
                 continue
             method = spec.method
-            path = os.path.join(args.artifact_dir, registry.get(method).artifact)
+            path = os.path.join(args.artifact_dir, artifact_file(preset, registry.get(method).artifact))
             if os.path.exists(path):
                 if preset not in presets:
                     presets.append(preset)
                 artifacts[preset] = path
             elif preset not in presets:
-                warn("demo", f"skipping {preset}: no {os.path.basename(path)} in {args.artifact_dir} "
-                             f"(make one with `rotkv calibrate --method {method} --out {path}`)")
+                how = (f"python -m rotkv.calibrate.keybits --base-artifact {os.path.join(args.artifact_dir, registry.get(method).artifact)} "
+                       f"--layers 10 --out {path}" if spec.k_bits == "artifact" else f"rotkv calibrate --method {method} --out {path}")
+                warn("demo", f"skipping {preset}: no {os.path.basename(path)} in {args.artifact_dir} (make one with `{how}`)")
     overrides = {k: v for k, v in (("sink", args.sink), ("window", args.window)) if v is not None}
     for name in presets:
         if PRESETS[name].needs_artifact and name not in artifacts:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from rotkv.config import PRESETS
+from rotkv.config import PRESETS, artifact_file as config_artifact_file
 from rotkv.eval import peers
 from rotkv.rotations import registry
 from rotkv.rotations.artifact import model_geometry
@@ -100,7 +100,7 @@ def resolve(name: str, sink: int | None, window: int | None, artifact_dir: str |
         if artifact_dir is None:
             return None, f"needs a calibration artifact: pass --artifact-dir (holding {artifact_file(name)})"
         if PRESETS[name].k_bits == "artifact":  # its own artifact: the base rotation plus per-layer key widths
-            path = os.path.join(artifact_dir, f"{name}.safetensors")
+            path = os.path.join(artifact_dir, config_artifact_file(name, artifact_file(name)))
             if not os.path.exists(path):
                 base = os.path.join(artifact_dir, artifact_file(name))
                 return None, (f"artifact {path} is missing: make it with `python -m rotkv.calibrate.keybits "
