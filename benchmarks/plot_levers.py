@@ -81,9 +81,22 @@ def main():
     for r in rs:
         base = "baseline" in r["lever"]
         ax.errorbar(r["bits"], r["kl"], yerr=r["ci"], fmt="o", color="C3" if base else "C0", ms=4, alpha=0.8, capsize=2)
-    best = [r for r in rs if "4-bit keys in layers 15-24" in r["lever"] and "window 32" in r["lever"]]
-    for r in best:
-        ax.annotate("oscar-mix recipe", (r["bits"], r["kl"]), textcoords="offset points", xytext=(5, -12), fontsize=8)
+    tags = {"4-bit keys in layers 4,7,14,15,18,20,21,23,24,26, fp8 scale/lo for V, window 32": "oscar-mix (calibrated layers)",
+            "all keys at 4 bits": "all keys 4-bit", "keys unclipped": "keys unclipped",
+            "keys: eigen-split 32@4 (directions@bits; the rest dropped)": "key subspace 32@4",
+            "top-16 tokens by last-prefill attention in bf16 (dense-and-sparse)": "top-16 tokens bf16",
+            "fp8 scale/lo for K and V": "fp8 metadata K+V", "4-bit keys in layers 15-24": "4-bit keys L15-24",
+            "keys in groups of 32": "K groups of 32"}
+    for r in rs:
+        if r["lever"] in tags:
+            ax.annotate(tags[r["lever"]], (r["bits"], r["kl"]), textcoords="offset points", xytext=(5, 3), fontsize=7)
+    front, best = [], float("inf")
+    for r in rs:
+        if r["kl"] < best:
+            best = r["kl"]
+            front.append(r)
+    ax.plot([r["bits"] for r in front], [r["kl"] for r in front], color="C2", lw=1, alpha=0.6, label="Pareto front")
+    ax.legend(loc="upper right", fontsize=8)
     ax.axvline(3.1, color="grey", ls=":", lw=1)
     ax.set_yscale("log")
     ax.set_xlabel("measured bits per element at 2K tokens")
