@@ -36,6 +36,7 @@ LABELS = {
     "meta8": "fp8 scale/lo for K and V",
     "Vmeta8": "fp8 scale/lo for V",
     "K4@0-29": "all keys at 4 bits",
+    "Kchan": "keys per channel over each page (KIVI's grouping) after OSCAR's rotation",
 }
 
 
@@ -60,9 +61,10 @@ def rows():
         for key, r in json.load(open(path))["runs"].items():
             name, _, rest = key.partition("/")
             win = 32 if rest.endswith("w32") else 64
+            page = rest.split("p")[-1] if rest.rsplit("w", 1)[-1].count("p") else None
             if "K4clip@" in name:
                 name = name.replace("K4clip@", "K4@") + " (clipped at the 2-bit ratio)"
-            out.append({"lever": label(name) + ("" if win == 64 else ", window 32"), "kl": r["kl"], "ci": r["kl_ci95"],
+            out.append({"lever": label(name) + ("" if win == 64 else ", window 32") + (f", pages of {page}" if page else ""), "kl": r["kl"], "ci": r["kl_ci95"],
                         "top1": r["top1"], "bits": r["bpe"], "src": os.path.basename(path)})
     diag = json.load(open("docs/results/diagnosis/main.json"))["runs"]
     for key, text in DIAG.items():
