@@ -76,6 +76,12 @@ def test_artifact_names_and_missing_artifact(tmp_path):
     assert m is None and why == "no oscar"
     m, why = resolve("quarot-int2", 16, 64, None)
     assert why is None and m.overrides == {"sink": 16, "window": 64} and m.bpe_nominal == 2.0
+    # a preset with per-layer key widths reads its own artifact, and says how to make it
+    m, why = resolve("oscar-mix", 16, 32, str(tmp_path), calibrate=lambda method, path: "not called")
+    assert m is None and "rotkv.calibrate.keybits" in why and "oscar-mix.safetensors" in why
+    (tmp_path / "oscar-mix.safetensors").write_bytes(b"")
+    m, why = resolve("oscar-mix", 16, 32, str(tmp_path))
+    assert why is None and m.artifact == str(tmp_path / "oscar-mix.safetensors")
 
 
 def test_missing_peer_is_reported_with_install_hint(monkeypatch):

@@ -13,7 +13,7 @@ import torch
 from rotkv.cli import main
 from rotkv.integrations.oscar_export import K_FILE, V_FILE, export_oscar
 from rotkv.rotations.artifact import load_artifact
-from rotkv.rotations.base import random_orthogonal
+from rotkv.rotations.identity import random_orthogonal
 from rotkv_testing import write_artifact
 
 
