@@ -44,7 +44,7 @@ def layer_range(text: str) -> set[int]:
 
 def apply_levers(cache, levers: list[str], bases, clip: float):
     """Levers (joined by ``,``-free tokens): ``K=<split>`` (SplitCodec), ``K4@a-b`` (keys of layers a..b at
-    4 bits, unclipped), ``meta8`` (fp8 e4m3 scale and lo for K and V), ``Kmeta8``/``Vmeta8`` (one side only), ``Kc1``/``Vc1`` (keys / values unclipped), ``Kopt``/``Vopt`` (per-row MSE-optimal clip count), ``Kchan`` (keys per channel over each page, KIVI's
+    4 bits, unclipped), ``K3@a-b`` (3 bits, bit-sliced; clip from $K3_CLIP, default none), ``meta8`` (fp8 e4m3 scale and lo for K and V), ``Kmeta8``/``Vmeta8`` (one side only), ``Kc1``/``Vc1`` (keys / values unclipped), ``Kopt``/``Vopt`` (per-row MSE-optimal clip count), ``Kchan`` (keys per channel over each page, KIVI's
     grouping, after the rotation; use with ``--page-size 64`` for 2.5 bits)."""
     for layer in cache.layers:
         if not isinstance(layer, HybridLayer):
@@ -56,6 +56,8 @@ def apply_levers(cache, levers: list[str], bases, clip: float):
                 layer.key_codec = SplitCodec(bases[i], parse(lever[2:]), clip)
             elif lever.startswith("K4@") and i in layer_range(lever[3:].replace(".", ",")):
                 layer.key_codec = MetaCodec(4, kc.group_size, 1.0, getattr(kc, "meta", None))  # 4 bits: no clip
+            elif lever.startswith("K3@") and i in layer_range(lever[3:].replace(".", ",")):
+                layer.key_codec = MetaCodec(3, kc.group_size, K3_CLIP, getattr(kc, "meta", None))
             elif lever in ("meta8", "Kmeta8"):
                 layer.key_codec = MetaCodec(kc.bits, kc.group_size, kc.clip, "float8")
             elif lever == "Kchan":  # KIVI's key grouping (per channel over a page) after the preset's rotation
@@ -100,6 +102,9 @@ class OptClipCodec:
 
     def decode(self, parts):
         return dequantize(QuantizedRows(parts["codes"], parts["scale"], parts["lo"], self.bits, self.group_size))
+
+
+K3_CLIP = float(os.environ.get("K3_CLIP", "1.0"))  # the clip of 3-bit keys (the artifact's ratios are for 2 bits)
 
 
 class MetaCodec:

@@ -40,7 +40,7 @@ LABELS = {
 }
 
 
-def label(name: str) -> str:
+def label(name: str, k3_clip: str = "unclipped") -> str:
     if name in LABELS:
         return LABELS[name]
     if name.startswith("K="):
@@ -50,6 +50,8 @@ def label(name: str) -> str:
     for p in name.split("+"):
         if p.startswith("K4@"):
             parts.append(f"4-bit keys in layers {p[3:].replace('.', ',')}")
+        elif p.startswith("K3@"):
+            parts.append(f"3-bit keys ({k3_clip}) in layers {p[3:].replace('.', ',')}")
         else:
             parts.append(LABELS.get(p, p))
     return ", ".join(parts)
@@ -64,7 +66,8 @@ def rows():
             page = rest.split("p")[-1] if rest.rsplit("w", 1)[-1].count("p") else None
             if "K4clip@" in name:
                 name = name.replace("K4clip@", "K4@") + " (clipped at the 2-bit ratio)"
-            out.append({"lever": label(name) + ("" if win == 64 else ", window 32") + (f", pages of {page}" if page else ""), "kl": r["kl"], "ci": r["kl_ci95"],
+            k3 = "clip 0.96" if os.path.basename(path).startswith("e2e_k3c") else "unclipped"  # K3_CLIP of the run
+            out.append({"lever": label(name, k3) + ("" if win == 64 else ", window 32") + (f", pages of {page}" if page else ""), "kl": r["kl"], "ci": r["kl_ci95"],
                         "top1": r["top1"], "bits": r["bpe"], "src": os.path.basename(path)})
     diag = json.load(open("docs/results/diagnosis/main.json"))["runs"]
     for key, text in DIAG.items():

@@ -10,6 +10,7 @@ import numbers
 from dataclasses import dataclass
 
 META_NAMES = ("float16", "float8", "float32")
+KEY_WIDTHS = (2, 3, 4, 8)  # per-layer key widths (`k_bits`); 3 bits is bit-sliced (rotkv.quant.packing)
 ROTATIONS = ("identity", "hadamard", "random", "artifact")
 CODECS = ("token", "kivi")
 TIER_DTYPES = ("bfloat16", "float16", "float32", "model")
@@ -199,8 +200,8 @@ def parse_layer_bits(text: str) -> dict[int, int]:
             lo, hi, width = int(a), int(b or a), int(bits)
         except ValueError:
             lo = hi = width = -1
-        if not sep or lo < 0 or hi < lo or width not in (2, 4, 8):
-            raise ValueError(f"`k_bits` items are LAYER[-LAYER]:BITS with BITS in [2, 4, 8] (e.g. '15-24:4') "
+        if not sep or lo < 0 or hi < lo or width not in KEY_WIDTHS:
+            raise ValueError(f"`k_bits` items are LAYER[-LAYER]:BITS with BITS in {list(KEY_WIDTHS)} (e.g. '15-24:4') "
                              f"but got {item.strip()!r}")
         out.update({i: width for i in range(lo, hi + 1)})
     return out

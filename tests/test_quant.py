@@ -12,8 +12,8 @@ from rotkv.quant.quantizer import (
 )
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
-@pytest.mark.parametrize("n", [4, 32, 64, 256])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("n", [8, 32, 64, 256])
 def test_pack_unpack_bit_exact(bits, n):
     g = torch.Generator().manual_seed(bits * 1000 + n)
     codes = torch.randint(0, 1 << bits, (3, 7, n), generator=g, dtype=torch.uint8)
@@ -29,9 +29,17 @@ def test_planar_layout_int2():
     assert pack(codes, 2)[0, 5].item() == 1 | (2 << 2) | (3 << 4) | (1 << 6)
 
 
+def test_int3_is_bit_sliced_over_the_int2_layout():
+    codes = torch.randint(0, 8, (2, 64), dtype=torch.uint8)
+    packed = pack(codes, 3)
+    assert packed.shape[-1] == 24  # 3 * 64 / 8
+    assert torch.equal(packed[:, :16], pack(codes & 3, 2))  # the low bits: an INT2 row
+    assert torch.equal(unpack(packed[:, 16:], 1), codes >> 2)  # then the high bit, one per code
+
+
 def test_pack_rejects_bad_input():
     with pytest.raises(ValueError, match="bits"):
-        pack(torch.zeros(1, 8, dtype=torch.uint8), 3)
+        pack(torch.zeros(1, 8, dtype=torch.uint8), 5)
     with pytest.raises(ValueError, match="multiple"):
         pack(torch.zeros(1, 6, dtype=torch.uint8), 2)
 
@@ -45,7 +53,7 @@ def test_clip_index_is_zero_based():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    bits=st.sampled_from([2, 4, 8]),
+    bits=st.sampled_from([2, 3, 4, 8]),
     group=st.sampled_from([32, 64]),
     rows=st.integers(1, 6),
     scale=st.floats(1e-3, 1e3),
@@ -85,7 +93,7 @@ def test_rejects_non_finite_and_bad_group():
     with pytest.raises(ValueError, match="group_size"):
         quantize(torch.randn(2, 64), 2, 48)
     with pytest.raises(ValueError, match="bits"):
-        quantize(torch.randn(2, 64), 3, 64)
+        quantize(torch.randn(2, 64), 5, 64)
 
 
 def test_fp16_metadata_overflow_is_refused():

@@ -19,7 +19,7 @@ import torch
 
 from rotkv.quant.packing import pack, unpack
 
-SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 8)
 
 
 META_DTYPES = {"float16": torch.float16, "float8": torch.float8_e4m3fn, "float32": torch.float32}

@@ -227,10 +227,10 @@ def value_problems(artifact: "Artifact", tol: float = ORTHO_TOL) -> list[str]:
         t = artifact.tensors.get(name)
         if t is not None and not ((t > 0) & (t <= 1)).all():
             problems.append(f"{name} has ratios outside (0, 1]: {t.tolist()}")
-    for name in ("bits", "k_bits"):
+    for name, ok in (("bits", (2, 4, 8)), ("k_bits", (2, 3, 4, 8))):
         b = artifact.tensors.get(name)
-        if b is not None and not all(int(x) in (2, 4, 8) for x in b.tolist()):
-            problems.append(f"{name} has widths outside [2, 4, 8]: {b.tolist()}")
+        if b is not None and not all(int(x) in ok for x in b.tolist()):
+            problems.append(f"{name} has widths outside {list(ok)}: {b.tolist()}")
     return problems
 
 
