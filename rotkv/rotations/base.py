@@ -41,11 +41,11 @@ class LayerRotation:
         k = k.float()
         if self.k_mean is not None:
             k = k - self.k_mean.unsqueeze(-2)
-        return k if self.R_K is None else k @ self.R_K
+        return k if self.R_K is None else _per_head(k, self.R_K)
 
     def values(self, v: torch.Tensor) -> torch.Tensor:
         v = v.float()
-        return v if self.R_V is None else v @ self.R_V
+        return v if self.R_V is None else _per_head(v, self.R_V)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """``[B, q_heads, T, D]`` -> ``q R_K(g)`` with ``g = h // n_rep``, float32."""
@@ -61,11 +61,17 @@ class LayerRotation:
         return _per_group(o, self.R_V.transpose(-1, -2))
 
 
+def _per_head(x: torch.Tensor, mats: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, T, D]`` times ``mats [H, D, D]`` per head. An einsum, i.e. one bmm over the heads:
+    ``x @ mats`` broadcasts the matrices over the batch, and on CUDA that copies them once per row
+    (measured: 67 MB and 37 us per call at 32 rows x 32 heads, 4 calls per layer and step)."""
+    return torch.einsum("bhtd,hde->bhte", x, mats)
+
+
 def _per_group(x: torch.Tensor, mats: torch.Tensor) -> torch.Tensor:
     b, hq, t, d = x.shape
     h = mats.shape[0]
-    x = x.reshape(b, h, hq // h, t, d)
-    return (x @ mats[None, :, None]).reshape(b, hq, t, d)
+    return _per_head(x.reshape(b, h, hq // h * t, d), mats).reshape(b, hq, t, d)
 
 
 def pooled(cov: torch.Tensor, granularity: str) -> torch.Tensor:
