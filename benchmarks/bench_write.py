@@ -14,6 +14,7 @@ import argparse
 import datetime
 import itertools
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -34,7 +35,12 @@ def main(argv=None) -> int:
     ap.add_argument("--block-t", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--bits", type=int, nargs="+", default=[2])
-    ap.add_argument("--rot-precision", nargs="+", default=["tf32x3"], help="tf32x3 | tf32")
+    ap.add_argument("--rot-precision", nargs="+", default=["tf32x3"], help="Triton: tf32x3 | tf32")
+    ap.add_argument("--backend", nargs="+", default=["triton", "cuda"])
+    ap.add_argument("--cuda-warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--cuda-switches", nargs="+", default=[""],
+                    help="CUDA build switches per run, e.g. REDUX=0,FASTDIV=1 (rotkv/kernels/cuda/quant_write.cu)")
+    ap.add_argument("--cuda-precision", nargs="+", default=["bf16x2", "bf16"], help="bf16x2 | bf16")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dev, gpu, commit = "cuda", torch.cuda.get_device_name(), git_commit()
@@ -55,40 +61,55 @@ def main(argv=None) -> int:
         mean = torch.randn(h, d, device=dev, generator=gen) * 0.3
         np_ = -(-t // p)
         slots = torch.arange(t, device=dev)
-        for bits, bt, nw, rp in itertools.product(args.bits, args.block_t, args.num_warps, args.rot_precision):
+        configs = []  # (backend, block_t, warps, rot_precision)
+        if "triton" in args.backend:
+            configs += [("triton", bt, nw, rp) for bt, nw, rp in
+                        itertools.product(args.block_t, args.num_warps, args.rot_precision)]
+        if "cuda" in args.backend:
+            configs += [("cuda", sw, nw, rp) for sw, nw, rp in
+                        itertools.product(args.cuda_switches, args.cuda_warps, args.cuda_precision)]
+        for bits, (backend, bt, nw, rp) in itertools.product(args.bits, configs):
+            switches = ""
+            if backend == "cuda":  # bt holds the build switches here (ROTKV_WRITE_<NAME>=<0|1>, comma-separated)
+                switches, bt = bt, 0
+                for item in filter(None, switches.split(",")):
+                    name, _, val = item.partition("=")
+                    os.environ[f"ROTKV_WRITE_{name}"] = val
             pool = [(torch.empty(np_, h, p, d * bits // 8, dtype=torch.uint8, device=dev),
                      torch.empty(np_, h, p, d // g, dtype=torch.float16, device=dev),
                      torch.empty(np_, h, p, d // g, dtype=torch.float16, device=dev)) for _ in range(2)]
             nbytes = 2 * t * h * d * 2 + 2 * t * h * (d * bits // 8 + 2 * 2 * (d // g))
-            if True:
-                variants = [("rotkv_write", True, True), ("rotkv_write_norot", False, True),
-                            ("rotkv_write_noclip", True, False)]
-                for impl, rotate, clip in variants:
-                    if rp != "tf32x3" and not rotate:
-                        continue  # the precision only matters to the rotation
-                    def step():
-                        quant_write(k, slots, *pool[0], rot=rot if rotate else None, mean=mean if rotate else None,
-                                    clip=0.96 if clip else 1.0, block_t=bt, num_warps=nw, rot_precision=rp)
-                        quant_write(v, slots, *pool[1], clip=0.92 if clip else 1.0, block_t=bt, num_warps=nw,
-                                    rot_precision=rp)
-                    try:
-                        ms = do_bench(step, warmup=25, rep=100, return_mode="median")
-                    except Exception as e:
-                        print(f"# block_t={bt} warps={nw} failed: {type(e).__name__}: {str(e)[:300]}")
-                        continue
-                    r = dict(impl=impl, bits=bits, rot_precision=rp, tokens=t, kv_heads=h, head_dim=d,
-                             group_size=g, page_size=p, block_t=bt, num_warps=nw, bytes=nbytes, ms=ms,
-                             tb_per_s=nbytes / ms / 1e9, copy_tb_per_s=copy_tbs,
-                             fraction_of_copy=nbytes / ms / 1e9 / copy_tbs, gpu=gpu, commit=commit)
-                    rows.append(r)
-                    print(json.dumps(r), flush=True)
+            variants = [("rotkv_write", True, True), ("rotkv_write_norot", False, True),
+                        ("rotkv_write_noclip", True, False), ("rotkv_write_norot_noclip", False, False)]
+            for impl, rotate, clip in variants:
+                if rp not in ("tf32x3", "bf16x2") and not rotate:
+                    continue  # the precision only matters to the rotation
+                kw = dict(num_warps=nw, rot_precision=rp, backend=backend)
+                if backend == "triton":
+                    kw["block_t"] = bt
+
+                def step():
+                    quant_write(k, slots, *pool[0], rot=rot if rotate else None, mean=mean if rotate else None,
+                                clip=0.96 if clip else 1.0, **kw)
+                    quant_write(v, slots, *pool[1], clip=0.92 if clip else 1.0, **kw)
+                try:
+                    ms = do_bench(step, warmup=25, rep=100, return_mode="median")
+                except Exception as e:
+                    print(f"# {backend} block_t={bt} warps={nw} {rp} failed: {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                r = dict(impl=impl, backend=backend, switches=switches, bits=bits, rot_precision=rp, tokens=t, kv_heads=h, head_dim=d,
+                         group_size=g, page_size=p, block_t=bt, num_warps=nw, bytes=nbytes, ms=ms,
+                         tb_per_s=nbytes / ms / 1e9, copy_tb_per_s=copy_tbs,
+                         fraction_of_copy=nbytes / ms / 1e9 / copy_tbs, gpu=gpu, commit=commit)
+                rows.append(r)
+                print(json.dumps(r), flush=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
     out = Path(args.out or Path(__file__).parent / "results" / f"write-{stamp}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1))
-    print(f"\n{'impl':<18} {'b':>1} {'rot':<6} {'D':>4} {'bt':>3} {'w':>2} {'ms':>8} {'TB/s':>6} {'copy':>5}")
+    print(f"\n{'impl':<24} {'backend':<6} {'switches':<18} {'b':>1} {'rot':<6} {'D':>4} {'bt':>3} {'w':>2} {'ms':>8} {'TB/s':>6} {'copy':>5}")
     for r in rows:
-        print(f"{r['impl']:<18} {r['bits']:>1} {r['rot_precision']:<6} {r['head_dim']:>4} "
+        print(f"{r['impl']:<24} {r['backend']:<6} {r['switches']:<18} {r['bits']:>1} {r['rot_precision']:<6} {r['head_dim']:>4} "
               f"{r['block_t']:>3} {r['num_warps']:>2} {r['ms']:8.4f} {r['tb_per_s']:6.2f} {r['fraction_of_copy']:5.2f}")
     print(f"wrote {out}")
     return 0

@@ -11,44 +11,16 @@ Triton body kernel instead.
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
 
+from rotkv.kernels import nvcc as nvcc_build
+
 SOURCE = Path(__file__).parent / "cuda" / "int2_decode.cu"
-_LOCK = threading.Lock()
-_LIBS: dict[str, ctypes.CDLL] = {}
-_FAILED: dict[str, str] = {}
-
-
-@functools.lru_cache(maxsize=None)
-def _source() -> bytes:
-    return SOURCE.read_bytes()
-
-
-@functools.lru_cache(maxsize=None)
-def _nvcc() -> str | None:
-    """ROTKV_NVCC, else nvcc on PATH, else $CUDA_HOME/bin/nvcc (looked up once per process)."""
-    for cand in (os.environ.get("ROTKV_NVCC"), shutil.which("nvcc"),
-                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
-        if cand and os.path.exists(cand):
-            return cand
-    return None
-
-
-def _arch(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"{major}{minor}"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ROTKV_CACHE_DIR", Path.home() / ".cache" / "rotkv"))
+_nvcc = nvcc_build.nvcc_path
+_arch = nvcc_build.arch
+cache_dir = nvcc_build.cache_dir
 
 
 def build(device: torch.device | None = None, variant: tuple = (128, 2, 2, 4)) -> ctypes.CDLL:
@@ -57,50 +29,25 @@ def build(device: torch.device | None = None, variant: tuple = (128, 2, 2, 4)) -
     variant = (head_dim, groups per head, tiles per softmax step, min blocks per SM).
     """
     device = device or torch.device("cuda", torch.cuda.current_device())
-    arch = _arch(device)
-    src = _source()  # read once: build() runs on every decode call that may use the kernel
-    tag = "-".join(str(v) for v in variant)
-    key = hashlib.sha256(src + arch.encode() + tag.encode()).hexdigest()[:16]
-    with _LOCK:
-        if key in _LIBS:
-            return _LIBS[key]
-        if key in _FAILED:
-            raise RuntimeError(_FAILED[key])
-        nvcc = _nvcc()
-        if nvcc is None:
-            _FAILED[key] = "nvcc not found (set ROTKV_NVCC or CUDA_HOME)"
-            raise RuntimeError(_FAILED[key])
-        try:
-            lib = _compile_and_load(nvcc, arch, tag, key, variant)
-        except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, bad library, ...
-            _FAILED[key] = f"building the CUDA kernel failed: {type(e).__name__}: {e}"
-            raise RuntimeError(_FAILED[key]) from e
-        except RuntimeError as e:
-            _FAILED[key] = str(e)
-            raise
-        _LIBS[key] = lib
-        return lib
+    macros = {f"ROTKV_{n}": v for n, v in zip(("D", "NG", "TILES", "MINB"), variant)}
+    return nvcc_build.load(SOURCE, "int2_decode", macros, device, True, _setup)
 
 
 def _compile_and_load(nvcc: str, arch: str, tag: str, key: str, variant: tuple) -> ctypes.CDLL:
-    """nvcc the source into the cache (atomically: a temp file renamed) unless it is there; load it."""
-    out = cache_dir() / f"int2_decode-{tag}-{key}-sm{arch}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        macros = [f"-DROTKV_{n}={v}" for n, v in zip(("D", "NG", "TILES", "MINB"), variant)]
-        cmd = [nvcc, "-O3", "-std=c++17", "-use_fast_math", "-shared", "-Xcompiler", "-fPIC", *macros,
-               f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(tmp), str(SOURCE)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stderr[-2000:]}")
-        os.replace(tmp, out)
+    """nvcc the source into the cache unless it is there (rotkv.kernels.nvcc); load it (uncached in
+    the process: build() is the entry point, this is the loader's own path for the tests)."""
+    macros = {f"ROTKV_{n}": v for n, v in zip(("D", "NG", "TILES", "MINB"), variant)}
+    out = nvcc_build.compile_library(nvcc, SOURCE, "int2_decode", macros, arch, key, fast_math=True)
     lib = ctypes.CDLL(str(out))
+    _setup(lib)
+    return lib
+
+
+def _setup(lib: ctypes.CDLL) -> None:
     fn = lib.rotkv_int2_decode
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_int] * 4 + [ctypes.c_void_p] * 13 + [ctypes.c_int] * 7
                    + [ctypes.c_float, ctypes.c_void_p])
-    return lib
 
 
 def supported(q: torch.Tensor, body: tuple, rep: int) -> str | None:

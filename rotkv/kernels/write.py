@@ -1,5 +1,8 @@
 """Fused quantize-on-write (Triton): ``(x - mu) R`` -> clip -> per-group INT2/INT4 -> planar pack -> pool.
 
+:func:`quant_write` runs the CUDA kernel of ``rotkv.kernels.cuda_write`` instead where that one
+covers the call (the default backend, "auto").
+
 One program takes ``BLOCK_T`` tokens of one KV head and does everything in registers:
 the rotation is a ``tl.dot`` in 3xTF32 (near-fp32; the reference rotates in fp32), the
 clipping threshold is the ``r``-th largest ``|x|`` of the row found by ``r`` max-and-remove
@@ -12,6 +15,8 @@ Bytes: reads ``T*H*D`` inputs, writes ``T*H*(D*bits/8 + 4*D/G)``.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -121,18 +126,55 @@ def _quant_write_kernel(
     tl.store(lo_ptr + mptr, lo16, mask=tmask[:, None])
 
 
+TRITON_PRECISIONS = ("tf32x3", "tf32")
+CUDA_PRECISIONS = ("bf16x2", "bf16")
+BACKENDS = ("auto", "cuda", "triton")
+
+
 def quant_write(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
                 rot: torch.Tensor | None = None, mean: torch.Tensor | None = None, clip: float = 1.0,
-                block_t: int = 32, num_warps: int = 4, rot_precision: str = "tf32x3") -> None:
+                block_t: int = 32, num_warps: int | None = None, rot_precision: str | None = None,
+                backend: str | None = None) -> None:
     """Quantize ``x [T, H, D]`` into pool tensors at ``slots [T]``; see the module docstring.
 
     codes ``[NP, H, P, D/4]`` (INT2) or ``[NP, H, P, D/2]`` (INT4) uint8, scale/lo ``[NP, H, P, D/G]`` fp16; rot ``[H, D, D]``,
-    mean ``[H, D]`` (any float dtype; used in fp32). rot_precision: "tf32x3" (near-fp32, the
-    default) or "tf32" (one pass, 24% faster on the H200 with rotation and clipping, but codes
-    may then differ from the fp32 reference near rounding boundaries; docs/kernels.md).
+    mean ``[H, D]`` (any float dtype; used in fp32).
+
+    backend: "auto" (default, or ``ROTKV_WRITE_BACKEND``): the CUDA kernel
+    (``rotkv.kernels.cuda_write``) for a rotating or clipping write where it covers the call (where
+    it measured faster on the H200), else this Triton kernel; "cuda" raises where it does not cover
+    the call. num_warps: None picks the measured best (Triton 4; CUDA 4 with "bf16x2", 8 with
+    "bf16" where the shared memory allows). rot_precision (None: near-fp32 on either backend):
+    "tf32x3" or "tf32" (one pass, faster, codes may differ from the fp32 reference near rounding
+    boundaries) on Triton; "bf16x2" (R as two bf16 parts, near fp32) or "bf16" (one bf16 MMA) on
+    CUDA. docs/kernels.md has the measurements.
     """
-    if rot_precision not in ("tf32x3", "tf32"):
-        raise ValueError(f"rot_precision must be tf32x3 or tf32, got {rot_precision!r}")
+    from rotkv.kernels import cuda_write
+
+    backend = backend or os.environ.get("ROTKV_WRITE_BACKEND", "auto")
+    if backend not in BACKENDS:
+        raise ValueError(f"the write backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if rot_precision is not None and rot_precision not in TRITON_PRECISIONS + CUDA_PRECISIONS:
+        raise ValueError(f"rot_precision must be one of {list(TRITON_PRECISIONS + CUDA_PRECISIONS)}, got {rot_precision!r}")
+    if backend == "triton" and rot_precision in CUDA_PRECISIONS:
+        raise ValueError(f"rot_precision={rot_precision!r} is a CUDA option; the Triton kernel takes {list(TRITON_PRECISIONS)}")
+    # the plain unclipped write is Triton's (0.13 against 0.19 ms at 32K tokens x 8 heads on the H200)
+    wanted = (backend == "cuda" or rot_precision in CUDA_PRECISIONS
+              or (backend == "auto" and (rot is not None or clip < 1.0)))
+    if wanted and rot_precision not in TRITON_PRECISIONS:
+        prec = rot_precision or "bf16x2"
+        warps = num_warps or cuda_write.default_warps(x.shape[-1], prec, rot is not None)
+        why = cuda_write.supported(x, codes, scale, rot is not None, prec, warps)
+        if why is None:
+            cuda_write.launch(x, slots, codes, scale, lo, rot, mean, clip_rank(clip, x.shape[-1]), prec, warps)
+            return
+        if backend == "cuda" or rot_precision in CUDA_PRECISIONS:
+            what = "backend='cuda'" if backend == "cuda" else f"rot_precision={rot_precision!r}"
+            raise ValueError(f"{what} needs the CUDA write kernel, which does not cover this call: {why}")
+    elif backend == "cuda":
+        raise ValueError(f"rot_precision={rot_precision!r} is a Triton option; the CUDA kernel takes {list(CUDA_PRECISIONS)}")
+    rot_precision = rot_precision or "tf32x3"
+    num_warps = num_warps or 4
     t, h, d = x.shape
     if t == 0:
         return

@@ -46,3 +46,20 @@ def test_build_and_load_the_library(tmp_path, monkeypatch):
     # a second call loads the cached library without compiling (no temp file left either)
     cuda_decode._compile_and_load(NVCC, "90", "64-1-2-4", "test", (64, 1, 2, 4))
     assert not list(tmp_path.glob("*.tmp"))
+
+
+# (head_dim, group, bits, rotation split, warps): the write kernel's variants the dispatcher builds
+WRITE_VARIANTS = [(64, 64, 2, 2, 4), (64, 32, 4, 1, 8), (128, 64, 2, 2, 4), (128, 128, 4, 1, 8), (256, 64, 2, 1, 8)]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("d,g,bits,split,warps", WRITE_VARIANTS)
+def test_cuda_write_kernel_compiles_without_spills(d, g, bits, split, warps, tmp_path):
+    from rotkv.kernels.cuda_write import SOURCE as WRITE_SOURCE
+
+    macros = [f"-DROTKV_D={d}", f"-DROTKV_G={g}", f"-DROTKV_BITS={bits}", f"-DROTKV_SPLIT={split}", f"-DROTKV_NW={warps}"]
+    res = subprocess.run([NVCC, "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90", "-Xptxas", "-v", "-cubin",
+                          *macros, "-o", str(tmp_path / "w.cubin"), str(WRITE_SOURCE)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr)]
+    assert len(spills) == 4 and max(spills) == 0, res.stderr[-2000:]  # three plain dtypes + the rotating kernel
