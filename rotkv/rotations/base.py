@@ -62,10 +62,10 @@ class LayerRotation:
 
 
 def _per_head(x: torch.Tensor, mats: torch.Tensor) -> torch.Tensor:
-    """``x [B, H, T, D]`` times ``mats [H, D, D]`` per head. An einsum, i.e. one bmm over the heads:
+    """``x [..., H, T, D]`` times ``mats [H, D, D]`` per head. An einsum, i.e. one bmm over the heads:
     ``x @ mats`` broadcasts the matrices over the batch, and on CUDA that copies them once per row
     (measured: 67 MB and 37 us per call at 32 rows x 32 heads, 4 calls per layer and step)."""
-    return torch.einsum("bhtd,hde->bhte", x, mats)
+    return torch.einsum("...htd,hde->...hte", x, mats)
 
 
 def _per_group(x: torch.Tensor, mats: torch.Tensor) -> torch.Tensor:
