@@ -237,6 +237,12 @@ def test_demo_says_which_presets_it_skips(no_model, capsys, tmp_path, tiny):
     assert rc == 1 and "ModelLoaded" in err
 
 
+def test_demo_without_artifacts_names_the_calibrated_presets(no_model, capsys):
+    rc, _, err = run_cli(capsys, "demo", "--presets", "bf16")
+    assert "not running the calibrated presets" in err and "oscar-mix" in err and "oscar-int2" in err
+    assert rc == 1 and "ModelLoaded" in err
+
+
 @pytest.mark.parametrize("argv,needles", [
     (["--presets", "bf16,nope"], ["--presets", "'nope'"]),
     (["--presets", "optr-int2"], ["--presets optr-int2 needs optr.safetensors"]),

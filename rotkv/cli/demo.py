@@ -100,6 +100,12 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
             raise UsageError(f"--presets {name} needs {want} in --artifact-dir "
                              f"({args.artifact_dir or 'not given'}); make it with `rotkv calibrate`")
         early_artifact("demo", cache_spec(name, overrides), artifacts.get(name))
+    if not args.artifact_dir:  # said once every check has passed (a user error stays one line)
+        calibrated = sorted(p for p, spec in PRESETS.items()
+                            if spec.needs_artifact and spec.start_bits is None and p not in presets)
+        if calibrated:
+            warn("demo", f"not running the calibrated presets {', '.join(calibrated)}: they need artifacts; "
+                         "make them with `rotkv calibrate` (docs/calibration.md) and pass --artifact-dir")
     return presets, artifacts
 
 
