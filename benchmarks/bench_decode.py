@@ -41,6 +41,12 @@ CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is
     # CUDA body kernel (rotkv/kernels/cuda/int2_decode.cu): target warps
     "cuda-s0-w4k": DecodeConfig(backend="cuda", cuda_target_warps=4096),
     "cuda-s0-w1k": DecodeConfig(backend="cuda", cuda_target_warps=1024),
+    # the merge as its own launch (before the fused merge of issue 12's second round)
+    "cuda-unfused": DecodeConfig(backend="cuda", cuda_fuse=False),
+    # register prefetch of the next step: 16-token steps at 4 blocks/SM, 32-token steps at 3
+    "cuda-pf-t1": DecodeConfig(backend="cuda", cuda_prefetch=True, cuda_tiles=1),
+    "cuda-pf-t2-mb3": DecodeConfig(backend="cuda", cuda_prefetch=True, cuda_tiles=2, cuda_min_blocks=3),
+    "cuda-t1": DecodeConfig(backend="cuda", cuda_tiles=1),
     # Triton body kernels: v1 (rows = query heads padded to 16, int8 scores), v2 (rows = plane x head)
     "i8dot-n64-w1": DecodeConfig(block_n=64, num_warps=1, qk_int8=True, v2=False, backend="triton"),
     "v2-n128-w4": DecodeConfig(block_n=128, num_warps=4, v2=True, backend="triton"),

@@ -23,20 +23,24 @@ _arch = nvcc_build.arch
 cache_dir = nvcc_build.cache_dir
 
 
-def build(device: torch.device | None = None, variant: tuple = (128, 2, 2, 4)) -> ctypes.CDLL:
+VARIANT_MACROS = ("D", "NG", "TILES", "MINB", "PREFETCH")
+
+
+def build(device: torch.device | None = None, variant: tuple = (128, 2, 2, 4, 0)) -> ctypes.CDLL:
     """Compile (once per source, architecture and variant) and load one kernel instantiation.
 
-    variant = (head_dim, groups per head, tiles per softmax step, min blocks per SM).
+    variant = (head_dim, groups per head, tiles per softmax step, min blocks per SM, prefetch 0/1);
+    a 4-tuple means no prefetch.
     """
     device = device or torch.device("cuda", torch.cuda.current_device())
-    macros = {f"ROTKV_{n}": v for n, v in zip(("D", "NG", "TILES", "MINB"), variant)}
+    macros = {f"ROTKV_{n}": int(v) for n, v in zip(VARIANT_MACROS, (*variant, 0)[:5])}
     return nvcc_build.load(SOURCE, "int2_decode", macros, device, True, _setup)
 
 
 def _compile_and_load(nvcc: str, arch: str, tag: str, key: str, variant: tuple) -> ctypes.CDLL:
     """nvcc the source into the cache unless it is there (rotkv.kernels.nvcc); load it (uncached in
     the process: build() is the entry point, this is the loader's own path for the tests)."""
-    macros = {f"ROTKV_{n}": v for n, v in zip(("D", "NG", "TILES", "MINB"), variant)}
+    macros = {f"ROTKV_{n}": int(v) for n, v in zip(VARIANT_MACROS, (*variant, 0)[:5])}
     out = nvcc_build.compile_library(nvcc, SOURCE, "int2_decode", macros, arch, key, fast_math=True)
     lib = ctypes.CDLL(str(out))
     _setup(lib)
@@ -47,7 +51,28 @@ def _setup(lib: ctypes.CDLL) -> None:
     fn = lib.rotkv_int2_decode
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_int] * 4 + [ctypes.c_void_p] * 13 + [ctypes.c_int] * 7
-                   + [ctypes.c_float, ctypes.c_void_p])
+                   + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p])
+
+
+MERGE_MAX_SLOTS = 512  # as in the source: the fused final merge keeps a weight per slot in shared memory
+OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_COUNTERS: dict = {}
+_KEEP: list = []  # counter buffers replaced by larger ones stay alive (a captured CUDA graph may hold them)
+
+
+def counters(device: torch.device, n: int) -> torch.Tensor:
+    """Arrival counters of the fused merge, one per (request, KV head): zero between calls (the
+    kernel's last block resets its own), one buffer per (device, stream) so that calls on two streams
+    never share one."""
+    stream = torch.cuda.current_stream(device)
+    key = (device.index, stream.cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _KEEP.append(buf)
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
 
 
 def supported(q: torch.Tensor, body: tuple, rep: int) -> str | None:
@@ -79,19 +104,36 @@ def supported(q: torch.Tensor, body: tuple, rep: int) -> str | None:
 
 def body_partials(q: torch.Tensor, body: tuple, table: tuple, o_part: torch.Tensor, m_part: torch.Tensor,
                   l_part: torch.Tensor, n_splits: int, tokens_per_split: int, qk_scale: float,
-                  tiles: int = 2, min_blocks: int = 4) -> None:
+                  tiles: int = 2, min_blocks: int = 4, fuse: bool = False,
+                  out: torch.Tensor | None = None, prefetch: bool = False) -> None:
     """Write partials ``[:, :, :n_splits]`` of ``o/m/l_part`` for the INT2 body.
 
     q ``[B, Hq, D]`` bf16 contiguous; ``tokens_per_split`` a multiple of ``16 * tiles``.
+    ``prefetch``: the kernel variant that loads the next step while computing this one.
+    ``fuse``: ``n_splits`` is a multiple of 4 and the 4 splits of a block are merged into partial
+    ``s // 4`` (so the body fills ``[:n_splits // 4]``); with ``out`` (``[B, Hq, D]`` contiguous,
+    float32/bf16/fp16) the last block of each (request, KV head) also merges every partial slot, the
+    ones past the body's included (written by an earlier launch: the tier), into ``out``.
     """
     b_sz, hq, d = q.shape
     h, p, ng = body[0].shape[1], body[0].shape[2], body[1].shape[-1]
-    lib = build(q.device, (d, ng, tiles, min_blocks))
+    lib = build(q.device, (d, ng, tiles, min_blocks, int(prefetch)))
     indptr, indices, last = (t.to(torch.int32).contiguous() for t in table)
     stream = torch.cuda.current_stream(q.device).cuda_stream
+    if fuse and n_splits % 4:
+        raise ValueError(f"fuse needs n_splits % 4 == 0, got {n_splits}")
+    if out is not None:
+        if not fuse or out.dtype not in OUT_KINDS or not out.is_contiguous() or out.shape != q.shape:
+            raise ValueError("out needs fuse=True and a contiguous [B, Hq, D] float32/bf16/fp16 tensor")
+        if o_part.shape[2] > MERGE_MAX_SLOTS:
+            raise ValueError(f"the fused merge takes at most {MERGE_MAX_SLOTS} partial slots, got {o_part.shape[2]}")
+    cnt = counters(q.device, b_sz * h) if out is not None else None
     rc = lib.rotkv_int2_decode(d, ng, tiles, min_blocks, q.data_ptr(), *(t.data_ptr() for t in body),
                                indptr.data_ptr(), indices.data_ptr(), last.data_ptr(),
                                o_part.data_ptr(), m_part.data_ptr(), l_part.data_ptr(),
-                               b_sz, h, hq, p, o_part.shape[2], n_splits, tokens_per_split, qk_scale, stream)
+                               b_sz, h, hq, p, o_part.shape[2], n_splits, tokens_per_split, qk_scale,
+                               int(fuse), cnt.data_ptr() if cnt is not None else None,
+                               out.data_ptr() if out is not None else None,
+                               OUT_KINDS[out.dtype] if out is not None else 0, stream)
     if rc != 0:
         raise RuntimeError(f"rotkv_int2_decode failed with code {rc}")

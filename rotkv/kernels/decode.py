@@ -557,6 +557,12 @@ class DecodeConfig:
     small_work: int = 65536
     cuda_target_warps: int = 2048  # CUDA kernel: split so that B * H_kv * splits reaches about this
     cuda_min_split_tokens: int = 64
+    # CUDA kernel: the 4 warps of a block (4 splits of one request and KV head) merge their partials
+    # in shared memory, and the last block of each (request, KV head) merges all of them and the
+    # tier's (launched first) into the output: no merge launch, 4x fewer partials
+    cuda_fuse: bool = True
+    # CUDA kernel: two register buffers, the next step's loads issued before this step's math
+    cuda_prefetch: bool = False
     # scores of the quantized body: "int8" (query quantized to int8 per head: the CUDA kernel, and
     # the Triton kernels where qk_int8 applies), "bf16" (query kept bf16, codes as bf16; Triton
     # only), or "auto": bf16 at head_dim <= 64 unless backend == "cuda" (top-1 agreement on
@@ -638,7 +644,7 @@ def _use_cuda_body(cfg: DecodeConfig, q: torch.Tensor, body: tuple, rep: int, bi
     if why is None:
         try:
             cuda_decode.build(q.device, (q.shape[-1], body[1].shape[-1], cfg.cuda_tiles,
-                                         _min_blocks(cfg, q.shape[-1], body[1].shape[-1])))
+                                         _min_blocks(cfg, q.shape[-1], body[1].shape[-1]), int(cfg.cuda_prefetch)))
         except RuntimeError as e:
             why = str(e)
     if why is not None:
@@ -694,6 +700,8 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
         if use_cuda:
             per, n_int2 = _splits(max_len, b_sz * h, 16 * cfg.cuda_tiles, cfg.cuda_target_warps,
                                   cfg.cuda_min_split_tokens)
+            if cfg.cuda_fuse:  # whole blocks of 4 splits (trailing ones may be empty)
+                n_int2 = -(-n_int2 // 4) * 4
         else:
             per, n_int2 = _splits(max_len, b_sz * h, cfg.block_n, cfg.target_programs, cfg.min_split_tokens)
     else:
@@ -706,7 +714,9 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
                                64 if has_int2 else cfg.min_split_tokens)
     else:
         pt, tper, n_tier = 16, cfg.block_t, 0
-    ns = max(1, n_int2 + n_tier)
+    fuse = use_cuda and cfg.cuda_fuse
+    body_slots = n_int2 // 4 if fuse else n_int2  # partial slots the body fills
+    ns = max(1, body_slots + n_tier)
     # v2 reads a page in power-of-2 chunks, INT2 only; INT4 K or V runs v1
     v2 = cfg.v2 and p & (p - 1) == 0 and bits == (2, 2)
     dev = q.device
@@ -714,34 +724,41 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
     o_part = torch.empty(b_sz, hq, ns, d, dtype=torch.float32, device=dev)
     m_part = torch.empty(b_sz, hq, ns, dtype=torch.float32, device=dev)
     l_part = torch.empty(b_sz, hq, ns, dtype=torch.float32, device=dev)
+    if out is None:
+        out = torch.empty(b_sz, hq, d, dtype=q.dtype, device=dev)
     if n_int2 + n_tier == 0:
         m_part.fill_(float("-inf")), l_part.zero_(), o_part.zero_()
     else:
         dummy = q
-        bt = body if has_int2 else (dummy,) * 6
-        tb = table if has_int2 else (dummy,) * 3
+        bt = body if has_int2 and not use_cuda else (dummy,) * 6
+        tb = table if has_int2 and not use_cuda else (dummy,) * 3
         tt = tier if has_tier else (dummy,) * 2
         ttb = tier_table if has_tier else (dummy,) * 3
-        s0 = 0
-        if use_cuda:
-            from rotkv.kernels.cuda_decode import body_partials
-
-            qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
-            body_partials(qb, body, table, o_part, m_part, l_part, n_int2, per, sm_scale * LOG2E,
-                          tiles=cfg.cuda_tiles, min_blocks=_min_blocks(cfg, d, body[1].shape[-1]))
-            s0, has_int2 = n_int2, False
-        if has_int2 or n_tier > 0:  # whatever the CUDA body kernel did not write
-            _split_kernel[(b_sz * h, n_int2 + n_tier - s0)](
-                q, *bt, *tb, *tt, *ttb, o_part, m_part, l_part, h, hq, ns, n_int2, s0, sm_scale * LOG2E, per, tper,
+        # with the CUDA body kernel the tier runs first (its own launch, partial slots after the
+        # body's), so that the fused kernel's last block per (request, KV head) can merge it too
+        s0 = body_slots if use_cuda else 0
+        if not use_cuda or n_tier > 0:
+            _split_kernel[(b_sz * h, body_slots + n_tier - s0)](
+                q, *bt, *tb, *tt, *ttb, o_part, m_part, l_part, h, hq, ns, body_slots, s0, sm_scale * LOG2E, per, tper,
                 tier_start, REP=rep, HPAD=hpad, D=d, G=g, P=p, PT=pt, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
-                QK_INT8=score == "int8" and cfg.qk_int8 and (d >= 128 or v2), USE_ASM=use_asm, HAS_INT2=has_int2, HAS_TIER=has_tier,
+                QK_INT8=score == "int8" and cfg.qk_int8 and (d >= 128 or v2), USE_ASM=use_asm,
+                HAS_INT2=has_int2 and not use_cuda, HAS_TIER=has_tier,
                 STATIC_STEPS=per // cfg.block_n if _interpreting() else 0,
                 TIER_STATIC_STEPS=tper // cfg.block_t if _interpreting() else 0, F16=_interpreting(),
                 V2=v2, RP=max(4, triton.next_power_of_2(rep)), PB=min(p, cfg.block_n), K_BITS=bits[0], V_BITS=bits[1],
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
-    if out is None:
-        out = torch.empty(b_sz, hq, d, dtype=q.dtype, device=dev)
+        if use_cuda:
+            from rotkv.kernels.cuda_decode import MERGE_MAX_SLOTS, OUT_KINDS, body_partials
+
+            qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
+            merge_here = (fuse and ns <= MERGE_MAX_SLOTS and out.dtype in OUT_KINDS and out.is_contiguous()
+                          and out.shape == q.shape)
+            body_partials(qb, body, table, o_part, m_part, l_part, n_int2, per, sm_scale * LOG2E,
+                          tiles=cfg.cuda_tiles, min_blocks=_min_blocks(cfg, d, body[1].shape[-1]),
+                          fuse=fuse, out=out if merge_here else None, prefetch=cfg.cuda_prefetch)
+            if merge_here:
+                return out
     chunk = min(64, triton.next_power_of_2(ns))  # splits merged per step (B = 1, 128K has ~260)
     db = d if b_sz * hq >= 1024 or _interpreting() else 32  # small batches: more programs for many splits
     _merge_kernel[(b_sz * hq, d // db)](o_part, m_part, l_part, out, ns, D=d, DB=db, CHUNK=chunk,

@@ -42,7 +42,7 @@ def test_build_and_load_the_library(tmp_path, monkeypatch):
     monkeypatch.setenv("ROTKV_CACHE_DIR", str(tmp_path))
     lib = cuda_decode._compile_and_load(NVCC, "90", "64-1-2-4", "test", (64, 1, 2, 4))
     assert lib.rotkv_int2_decode.restype is not None
-    assert len(list(tmp_path.glob("int2_decode-64-1-2-4-test-sm90.so"))) == 1
+    assert len(list(tmp_path.glob("int2_decode-64-1-2-4-0-test-sm90.so"))) == 1
     # a second call loads the cached library without compiling (no temp file left either)
     cuda_decode._compile_and_load(NVCC, "90", "64-1-2-4", "test", (64, 1, 2, 4))
     assert not list(tmp_path.glob("*.tmp"))
@@ -63,3 +63,23 @@ def test_cuda_write_kernel_compiles_without_spills(d, g, bits, split, warps, tmp
     assert res.returncode == 0, res.stderr[-2000:]
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr)]
     assert len(spills) == 4 and max(spills) == 0, res.stderr[-2000:]  # three plain dtypes + the rotating kernel
+
+
+# (head_dim, groups, tiles, min blocks, prefetch): the decode kernel's default builds and the
+# prefetch variants bench_decode.py measures
+DECODE_VARIANTS = [(64, 1, 2, 4, 0), (128, 2, 2, 4, 0), (128, 4, 2, 3, 0), (256, 4, 2, 2, 0),
+                   (128, 2, 1, 4, 1), (128, 2, 2, 3, 1)]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("variant", DECODE_VARIANTS)
+def test_cuda_decode_kernel_compiles_without_spills(variant, tmp_path):
+    from rotkv.kernels.cuda_decode import SOURCE as DECODE_SOURCE, VARIANT_MACROS
+
+    macros = [f"-DROTKV_{n}={v}" for n, v in zip(VARIANT_MACROS, variant)]
+    res = subprocess.run([NVCC, "-O3", "-std=c++17", "-use_fast_math", "-gencode=arch=compute_90,code=sm_90",
+                          "-Xptxas", "-v", "-cubin", *macros, "-o", str(tmp_path / "d.cubin"), str(DECODE_SOURCE)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr)]
+    assert spills and max(spills) == 0, res.stderr[-2000:]

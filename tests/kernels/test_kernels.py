@@ -285,11 +285,64 @@ CUDA_KERNEL_CASES = [  # the CUDA body kernel needs P % 16 == 0 and G % 32 == 0
 
 @cuda_only
 @pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p", CUDA_KERNEL_CASES)
-@pytest.mark.parametrize("tiles,min_blocks,target", [(2, 1, 256), (4, 4, 64), (2, None, 4096)])
-def test_decode_cuda_kernel_matches_reference(lens, tier_lens, h, rep, d, g, p, tiles, min_blocks, target):
+@pytest.mark.parametrize("tiles,min_blocks,target,fuse,prefetch", [
+    (2, 1, 256, True, False), (4, 4, 64, True, False), (2, None, 4096, True, False), (2, None, 2048, False, False),
+    (1, None, 2048, True, True), (2, 2, 256, True, True)])
+def test_decode_cuda_kernel_matches_reference(lens, tier_lens, h, rep, d, g, p, tiles, min_blocks, target, fuse,
+                                              prefetch):
     cfg = DecodeConfig(backend="cuda", cuda_tiles=tiles, cuda_min_blocks=min_blocks, cuda_target_warps=target,
-                       cuda_min_split_tokens=64, score="int8")
+                       cuda_min_split_tokens=64, score="int8", cuda_fuse=fuse, cuda_prefetch=prefetch)
     _check_decode(lens, tier_lens, h, rep, d, g, p, True, "cuda", cfg=cfg, seed=5)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_decode_cuda_fused_merge_matches_unfused_and_survives_graph_replays(dtype):
+    """The in-kernel merge (block pre-merge + last block per (request, KV head)) against the Triton
+    merge, for each output dtype; then captured in a CUDA graph and replayed: each replay must give
+    the same output (the arrival counters reset themselves), also after the inputs change."""
+    body, table, tier, ttable, ml, tml = _build([3000, 77, 0, 1200], [64, 320, 5, 0], 2, 64, 64, 16, 16, "cuda", seed=7)
+    q = torch.randn(4, 6, 64, generator=torch.Generator().manual_seed(8)).to("cuda", dtype)
+    fused = DecodeConfig(backend="cuda", score="int8", cuda_target_warps=512)
+    unfused = DecodeConfig(backend="cuda", score="int8", cuda_target_warps=512, cuda_fuse=False)
+    run = lambda cfg: decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg)  # noqa: E731
+    a, b = run(fused), run(unfused)
+    assert a.dtype == dtype
+    tol = 1e-2 if dtype == torch.float32 else 2e-2
+    assert ((a.float() - b.float()).norm() / b.float().norm()).item() < tol
+    ref = decode_reference(q.float(), body[:3], body[3:], table, tier[0], tier[1], ttable)
+    assert ((a.float() - ref).norm() / ref.norm()).item() < 2e-2
+    out = torch.empty_like(q)
+    decode_attention(q, body, table, ml, tier, ttable, tml, cfg=fused, out=out)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, body, table, ml, tier, ttable, tml, cfg=fused, out=out)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, a)
+    q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(q))
+    graph.replay()
+    want = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=unfused)
+    assert ((out.float() - want.float()).norm() / want.float().norm()).item() < tol
+
+
+@cuda_only
+def test_decode_cuda_fused_merge_falls_back_past_512_slots():
+    """More partial slots than the fused merge holds: the kernel pre-merges blocks and the Triton
+    merge runs (same result as the unfused path)."""
+    body, table, tier, ttable, ml, tml = _build([70000], [16], 1, 64, 64, 16, 16, "cuda", seed=2)
+    q = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(3)).to("cuda", torch.bfloat16)
+    cfg = DecodeConfig(backend="cuda", score="int8", cuda_target_warps=8192, cuda_min_split_tokens=32)
+    from rotkv.kernels import decode as decode_mod
+
+    per, n = decode_mod._splits(ml, 1, 32, 8192, 32)
+    assert -(-n // 4) > 512  # the case this test is about
+    out = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg)
+    ref = decode_reference(q.float(), body[:3], body[3:], table, tier[0], tier[1], ttable)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
 
 
 @cuda_only

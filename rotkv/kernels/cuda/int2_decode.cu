@@ -32,6 +32,10 @@
 
 #define DEVI __device__ __forceinline__
 
+#ifndef ROTKV_PREFETCH  // 1: the next step's loads are issued before this step's math
+#define ROTKV_PREFETCH 0
+#endif
+
 namespace {
 
 struct Params {
@@ -50,6 +54,14 @@ struct Params {
   float* l;
   int H, HQ, rep, P, NS, n_splits, tokens_per_split, n_work;
   float qk_scale;
+  // fused mode (fuse != 0, n_splits % 4 == 0): the 4 warps of a block (4 consecutive splits of one
+  // (request, KV head)) merge their partials in shared memory into slot s / 4; with counters set, the
+  // last block of each (request, KV head) merges all NS slots (its own, the other blocks' and the
+  // tier's, written by an earlier launch) into out and resets its counter for the next call
+  int fuse;
+  int* counters;   // [B * H] int32, zero between calls (or null: partials only)
+  void* out;       // [B, HQ, D]
+  int out_kind;    // 0 float32, 1 bfloat16, 2 float16
 };
 
 DEVI uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
@@ -167,6 +179,24 @@ template <> struct VMap<256> {  // words g and g+8; m-tile (i, c, bp)
   static DEVI constexpr int dim_base(int mt) { return 64 * (mt >> 2) + 32 * ((mt >> 1) & 1); }
 };
 
+constexpr int MERGE_MAX_SLOTS = 512;  // fused final merge: slots whose weights fit in shared memory
+
+template <int D>
+struct MergeSmem {  // the block's four partials, then (reused) the final merge's weights
+  union {
+    float o[4][8][D];
+    float w[8][MERGE_MAX_SLOTS];
+  };
+  float m[4][8], l[4][8], den[8];
+  int last;
+};
+
+DEVI void store_out(void* out, int kind, int64_t i, float v) {
+  if (kind == 1) reinterpret_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v);
+  else if (kind == 2) reinterpret_cast<__half*>(out)[i] = __float2half_rn(v);
+  else reinterpret_cast<float*>(out)[i] = v;
+}
+
 template <int D, int NG, int TILES, int MINB>
 __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) {
   using KM = KMap<D>;
@@ -252,7 +282,6 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
   const uint32_t ONES = 0x3F803F80u;  // bf16 (1, 1)
   const uint32_t MAGIC = 0x43434343u;
-  const int64_t hh = h;
 
   // loop-invariant byte offsets of this thread's words inside a 16-token tile
   int koff[2], voff[4];
@@ -270,11 +299,20 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
   const uint8_t* vl_t = reinterpret_cast<const uint8_t*>(p.vl) + g * 2 * NG;
   int pslot = start + tok_lo / p.P, poff = tok_lo % p.P;  // page-table slot and offset of the next tile
 
-  for (int blk = tok_lo; blk < tok_hi; blk += 16 * TILES) {
-    // ---- this step's TILES tiles of 16 tokens (a tile never crosses a page: P % 16 == 0)
+  // one softmax step's registers: TILES tiles of 16 tokens (a tile never crosses a page: P % 16 == 0)
+  struct Step {
     uint32_t kw[TILES][2][KW];        // tokens g, g+8
     uint32_t vw[TILES][4][VW];        // tokens 2t, 2t+1, 2t+8, 2t+9
     MetaT ksr[TILES][2], klr[TILES][2], vsr[TILES][2], vlr[TILES][2];  // raw fp16 metadata, tokens g, g+8
+  };
+  // issue the loads of the step at blk (advances the page slot and offset)
+  auto load = [&](Step& st, const int blk) {
+    auto& kw = st.kw;
+    auto& vw = st.vw;
+    auto& ksr = st.ksr;
+    auto& klr = st.klr;
+    auto& vsr = st.vsr;
+    auto& vlr = st.vlr;
 #pragma unroll
     for (int ti = 0; ti < TILES; ++ti) {
       const int t0 = blk + 16 * ti;
@@ -320,6 +358,14 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
       poff += 16;
       if (poff == p.P) poff = 0, ++pslot;
     }
+  };
+  auto compute = [&](const Step& st, const int blk) {
+    const auto& kw = st.kw;
+    const auto& vw = st.vw;
+    const auto& ksr = st.ksr;
+    const auto& klr = st.klr;
+    const auto& vsr = st.vsr;
+    const auto& vlr = st.vlr;
     // ---- scores S^T, folded, masked
     float sc[TILES][4];
     float bmax[2] = {-INFINITY, -INFINITY};
@@ -434,7 +480,29 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
         mma_bf16(acc[mt], a0, a1, a2, a3, pb0[gi], pb1[gi]);
       }
     }
+  };
+#if ROTKV_PREFETCH
+  // two register buffers: the next step's loads are in flight while this step computes
+  Step sa, sb;
+  int blk = tok_lo;
+  if (blk < tok_hi) load(sa, blk);
+  while (blk < tok_hi) {
+    const int nb = blk + 16 * TILES;
+    if (nb < tok_hi) load(sb, nb);
+    compute(sa, blk);
+    if (nb >= tok_hi) break;
+    const int nb2 = nb + 16 * TILES;
+    if (nb2 < tok_hi) load(sa, nb2);
+    compute(sb, nb);
+    blk = nb2;
   }
+#else
+  for (int blk = tok_lo; blk < tok_hi; blk += 16 * TILES) {
+    Step st;
+    load(st, blk);
+    compute(st, blk);
+  }
+#endif
   // ---- reduce the per-thread partial sums over the 8 lanes sharing t
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
@@ -449,32 +517,120 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
     }
   }
   // ---- partials: heads 2t, 2t+1 (if < rep); dims of rows g, g+8 of every m-tile
+  float fo[NMT][2][2];  // final values: [m-tile][head j][row g / g+8]
+#pragma unroll
+  for (int mt = 0; mt < NMT; ++mt) {
+    const int gi = VM::dim_base(mt) / G;
+    const int pl = VM::plane(mt);
+    const float inv = pl == 0 ? 1.f : pl == 1 ? 0.25f : pl == 2 ? 0.0625f : 1.f;  // undo 4^i (exact)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float off = 128.f * psum[gi][j];
+      fo[mt][j][0] = (acc[mt][j] - off) * inv + crl[gi][j];
+      fo[mt][j][1] = (acc[mt][2 + j] - off) * inv + crl[gi][j];
+    }
+  }
+  if (!p.fuse) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int head = 2 * t + j;
+      if (head >= p.rep) continue;
+      const int64_t prow = ((int64_t)b * p.HQ + (int64_t)h * p.rep + head) * p.NS + s;
+      if (g == 0) {
+        p.m[prow] = m_run[j];
+        p.l[prow] = l_run[j];
+      }
+      float* op = p.o + prow * D;
+#pragma unroll
+      for (int mt = 0; mt < NMT; ++mt) {
+        const int d0 = VM::dim(mt, g);
+        op[d0] = fo[mt][j][0];
+        op[d0 + 1] = fo[mt][j][1];
+      }
+    }
+    return;
+  }
+  // ---- fused: the block's 4 splits (one (request, KV head)) merged into slot s / 4
+  __shared__ MergeSmem<D> sm;
+  const int wid = threadIdx.x >> 5, tid = threadIdx.x;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int head = 2 * t + j;
     if (head >= p.rep) continue;
-    const int64_t prow = ((int64_t)b * p.HQ + (int64_t)h * p.rep + head) * p.NS + s;
-    if (g == 0) {
-      p.m[prow] = m_run[j];
-      p.l[prow] = l_run[j];
-    }
-    float* op = p.o + prow * D;
+    if (g == 0) sm.m[wid][head] = m_run[j], sm.l[wid][head] = l_run[j];
 #pragma unroll
     for (int mt = 0; mt < NMT; ++mt) {
-      const int gi = VM::dim_base(mt) / G;
-      const int pl = VM::plane(mt);
-      const float inv = pl == 0 ? 1.f : pl == 1 ? 0.25f : pl == 2 ? 0.0625f : 1.f;  // undo 4^i (exact)
-      const float off = 128.f * psum[gi][j];
       const int d0 = VM::dim(mt, g);
-      op[d0] = (acc[mt][j] - off) * inv + crl[gi][j];
-      op[d0 + 1] = (acc[mt][2 + j] - off) * inv + crl[gi][j];
+      sm.o[wid][head][d0] = fo[mt][j][0];
+      sm.o[wid][head][d0 + 1] = fo[mt][j][1];
     }
   }
+  __syncthreads();
+  const int64_t row0 = (int64_t)b * p.HQ + (int64_t)h * p.rep;  // first query row of this KV head
+  const int slot = s >> 2;
+  for (int idx = tid; idx < p.rep * D; idx += 128) {
+    const int head = idx / D, d = idx % D;
+    float mx = sm.m[0][head];
+#pragma unroll
+    for (int w = 1; w < 4; ++w) mx = fmaxf(mx, sm.m[w][head]);
+    const float mu = mx == -INFINITY ? 0.f : mx;
+    float num = 0.f, den = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float wt = exp2f(sm.m[w][head] - mu);
+      num += wt * sm.o[w][head][d];
+      den += wt * sm.l[w][head];
+    }
+    const int64_t prow = (row0 + head) * p.NS + slot;
+    p.o[prow * D + d] = num;
+    if (d == 0) p.m[prow] = mx, p.l[prow] = den;
+  }
+  if (p.counters == nullptr) return;
+  // ---- the last block of this (request, KV head) merges every slot into out
+  __threadfence();  // this block's slot is visible before its arrival is counted
+  __syncthreads();
+  if (tid == 0) sm.last = atomicAdd(p.counters + bh, 1) == p.n_splits / 4 - 1;
+  __syncthreads();
+  if (!sm.last) return;
+  __threadfence();
+  // per head: max over slots, weights into shared memory (reusing sm.o), denominator
+  for (int head = wid; head < p.rep; head += 4) {
+    const int64_t base = (row0 + head) * p.NS;
+    float mx = -INFINITY;
+    for (int k = lane; k < p.NS; k += 32) mx = fmaxf(mx, __ldcg(p.m + base + k));
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+    const float mu = mx == -INFINITY ? 0.f : mx;
+    float den = 0.f;
+    for (int k = lane; k < p.NS; k += 32) {
+      const float wt = exp2f(__ldcg(p.m + base + k) - mu);
+      sm.w[head][k] = wt;
+      den += wt * __ldcg(p.l + base + k);
+    }
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) den += __shfl_xor_sync(0xffffffffu, den, x);
+    if (lane == 0) sm.den[head] = den > 0.f ? den : 1.f;
+  }
+  __syncthreads();
+  for (int idx = tid; idx < p.rep * D; idx += 128) {
+    const int head = idx / D, d = idx % D;
+    const float* op = p.o + (row0 + head) * p.NS * D + d;
+    float num = 0.f;
+    int k = 0;
+    for (; k + 4 <= p.NS; k += 4) {  // four independent loads in flight
+      const float a0 = __ldcg(op + (int64_t)k * D), a1 = __ldcg(op + (int64_t)(k + 1) * D);
+      const float a2 = __ldcg(op + (int64_t)(k + 2) * D), a3 = __ldcg(op + (int64_t)(k + 3) * D);
+      num += sm.w[head][k] * a0 + sm.w[head][k + 1] * a1 + sm.w[head][k + 2] * a2 + sm.w[head][k + 3] * a3;
+    }
+    for (; k < p.NS; ++k) num += sm.w[head][k] * __ldcg(op + (int64_t)k * D);
+    store_out(p.out, p.out_kind, (row0 + head) * D + d, num / sm.den[head]);
+  }
+  if (tid == 0) p.counters[bh] = 0;  // ready for the next call (CUDA-graph replays included)
 }
 
 }  // namespace
 
-#ifndef ROTKV_D  // the Python loader builds one library per (D, NG, TILES, MINB)
+#ifndef ROTKV_D  // the Python loader builds one library per (D, NG, TILES, MINB, PREFETCH)
 #define ROTKV_D 128
 #define ROTKV_NG 2
 #define ROTKV_TILES 2
@@ -485,7 +641,7 @@ extern "C" int rotkv_int2_decode(int d, int ng, int tiles, int minb, const void*
                                  const void* kl, const void* vc, const void* vs, const void* vl, const void* indptr,
                                  const void* indices, const void* last, void* o, void* m, void* l, int n_batch, int H,
                                  int HQ, int P, int NS, int n_splits, int tokens_per_split, float qk_scale,
-                                 void* stream) {
+                                 int fuse, void* counters, void* out, int out_kind, void* stream) {
   if (HQ % H) return -1;
   Params p;
   p.q = (const __nv_bfloat16*)q;
@@ -510,6 +666,11 @@ extern "C" int rotkv_int2_decode(int d, int ng, int tiles, int minb, const void*
   p.tokens_per_split = tokens_per_split;
   p.n_work = n_batch * H * n_splits;
   p.qk_scale = qk_scale;
+  p.fuse = fuse;
+  p.counters = (int*)counters;
+  p.out = out;
+  p.out_kind = out_kind;
+  if (fuse && (n_splits % 4 || (counters && (NS > MERGE_MAX_SLOTS || !out || out_kind < 0 || out_kind > 2)))) return -2;
   if (d != ROTKV_D || ng != ROTKV_NG || tiles != ROTKV_TILES || minb != ROTKV_MINB) return -3;
   if (p.rep > 8 || P % 16 || tokens_per_split % (16 * tiles)) return -1;
   if (p.n_work == 0) return 0;
