@@ -36,17 +36,17 @@ from rotkv.kernels.decode import DecodeConfig, decode_attention
 from rotkv.kernels.dequant import dequant_dense
 
 CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is logged
-    # the default (backend "auto": CUDA body kernel, Triton v2 for bodies under DecodeConfig.small_work)
+    # the default (backend "auto": CUDA body kernel with register prefetch, 16-token steps, block
+    # pre-merge; Triton v2 for bodies under DecodeConfig.small_work)
     "default": DecodeConfig(),
-    # CUDA body kernel (rotkv/kernels/cuda/int2_decode.cu): target warps
-    "cuda-s0-w4k": DecodeConfig(backend="cuda", cuda_target_warps=4096),
-    "cuda-s0-w1k": DecodeConfig(backend="cuda", cuda_target_warps=1024),
-    # the merge as its own launch (before the fused merge of issue 12's second round)
-    "cuda-unfused": DecodeConfig(backend="cuda", cuda_fuse=False),
-    # register prefetch of the next step: 16-token steps at 4 blocks/SM, 32-token steps at 3
-    "cuda-pf-t1": DecodeConfig(backend="cuda", cuda_prefetch=True, cuda_tiles=1),
-    "cuda-pf-t2-mb3": DecodeConfig(backend="cuda", cuda_prefetch=True, cuda_tiles=2, cuda_min_blocks=3),
-    "cuda-t1": DecodeConfig(backend="cuda", cuda_tiles=1),
+    # the CUDA kernel as it was before the second round: 32-token steps, no prefetch, one partial per split
+    "cuda-t2-none": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_prefetch=False, cuda_fuse="none"),
+    # one lever at a time against the default
+    "cuda-pf-t1-none": DecodeConfig(backend="cuda", cuda_fuse="none"),
+    "cuda-pf-t1-all": DecodeConfig(backend="cuda", cuda_fuse="all"),
+    "cuda-t1-block": DecodeConfig(backend="cuda", cuda_prefetch=False),
+    "cuda-pf-t2-mb3": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_min_blocks=3),
+    "cuda-pf-t1-w4k": DecodeConfig(backend="cuda", cuda_target_warps=4096),
     # Triton body kernels: v1 (rows = query heads padded to 16, int8 scores), v2 (rows = plane x head)
     "i8dot-n64-w1": DecodeConfig(block_n=64, num_warps=1, qk_int8=True, v2=False, backend="triton"),
     "v2-n128-w4": DecodeConfig(block_n=128, num_warps=4, v2=True, backend="triton"),

@@ -3,7 +3,7 @@ apart and together (CUDA-graph replays, L2 flushed, median; as ``bench_decode.py
 
 Same shape and data as ``bench_decode.py`` (Qwen3-8B attention by default). For each (B, L) it
 times ``decode_attention`` (the default, whose CUDA kernel merges the partials itself, and
-``cuda_fuse=False``), and each launch of the unfused path alone: the body kernel into
+``cuda_fuse`` "none" and "all"), and each launch of the unfused path alone: the body kernel into
 preallocated partials, the tier kernel (``_split_kernel`` over the tier splits only) and the merge
 kernel. Writes ``benchmarks/results/breakdown-<time>.json``.
 
@@ -42,7 +42,8 @@ def pieces(q, body, table, body_n, tier, ttab, tier_n, cfg):
 
     def body_only():
         from rotkv.kernels.cuda_decode import body_partials
-        body_partials(q, body, table, o, m, l_, n_int2, per, scale, tiles=cfg.cuda_tiles, min_blocks=mb)
+        body_partials(q, body, table, o, m, l_, n_int2, per, scale, tiles=cfg.cuda_tiles, min_blocks=mb,
+                      prefetch=cfg.cuda_prefetch)
 
     def tier_only():
         dk._split_kernel[(b_sz * h, n_tier)](
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     # the default (fused merge) and the three-launch path it replaced
-    cfgs = {"default": DecodeConfig(), "unfused": DecodeConfig(cuda_fuse=False)}
+    cfgs = {"default": DecodeConfig(), "none": DecodeConfig(cuda_fuse="none"), "all": DecodeConfig(cuda_fuse="all")}
     dev, gpu, commit = "cuda", torch.cuda.get_device_name(), git_commit()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
     out = Path(a.out or Path(__file__).parent / "results" / f"breakdown-{stamp}.json")
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
                 err = (o - ref).abs().max().item()
                 rows.append(dict(base, part=f"call:{name}", ms=time_ms(f), max_abs_diff_vs_default=err))
                 print(json.dumps(rows[-1]), flush=True)
-            fns, info = pieces(q, body, table, body_n, tier, ttab, tier_n, DecodeConfig(cuda_fuse=False))
+            fns, info = pieces(q, body, table, body_n, tier, ttab, tier_n, DecodeConfig(cuda_fuse="none"))
             for name, fn in fns.items():
                 rows.append(dict(base, part=name, ms=time_ms(fn), **info))
                 print(json.dumps(rows[-1]), flush=True)

@@ -549,7 +549,7 @@ class DecodeConfig:
     # INT2 body kernel: "cuda" (rotkv/kernels/cuda/int2_decode.cu, built with nvcc on first use),
     # "triton", or "auto" (CUDA where it is supported and builds, else Triton)
     backend: str = "auto"
-    cuda_tiles: int = 2  # 16-token tiles per softmax step of the CUDA kernel
+    cuda_tiles: int = 1  # 16-token tiles per softmax step of the CUDA kernel
     cuda_min_blocks: int | None = None  # __launch_bounds__ min blocks of 4 warps per SM; None: 4 (128
     # registers) at head_dim <= 128 with <= 2 groups, 3 with more groups, 2 at head_dim 256
     # auto: bodies under this many token-heads (B * H_kv * max_len) take the Triton v2 kernel with
@@ -557,12 +557,15 @@ class DecodeConfig:
     small_work: int = 65536
     cuda_target_warps: int = 2048  # CUDA kernel: split so that B * H_kv * splits reaches about this
     cuda_min_split_tokens: int = 64
-    # CUDA kernel: the 4 warps of a block (4 splits of one request and KV head) merge their partials
-    # in shared memory, and the last block of each (request, KV head) merges all of them and the
-    # tier's (launched first) into the output: no merge launch, 4x fewer partials
-    cuda_fuse: bool = True
+    # CUDA kernel's partials: "none" (one per split, merged by the Triton merge kernel), "block" (the
+    # 4 warps of a block, 4 splits of one request and KV head, merge theirs in shared memory: 4x
+    # fewer partials for the merge kernel), or "all" (also the last block of each request and KV
+    # head merges every partial and the tier's, launched first, into the output: no merge launch;
+    # measured slower on the H200, docs/kernels.md)
+    cuda_fuse: str = "block"
     # CUDA kernel: two register buffers, the next step's loads issued before this step's math
-    cuda_prefetch: bool = False
+    # (with cuda_tiles=1 the fastest variant measured from B = 8 on, docs/kernels.md)
+    cuda_prefetch: bool = True
     # scores of the quantized body: "int8" (query quantized to int8 per head: the CUDA kernel, and
     # the Triton kernels where qk_int8 applies), "bf16" (query kept bf16, codes as bf16; Triton
     # only), or "auto": bf16 at head_dim <= 64 unless backend == "cuda" (top-1 agreement on
@@ -574,6 +577,8 @@ class DecodeConfig:
             raise ValueError(f"backend must be 'auto', 'cuda' or 'triton', got {self.backend!r}")
         if self.score not in ("auto", "bf16", "int8"):
             raise ValueError(f"score must be 'auto', 'bf16' or 'int8', got {self.score!r}")
+        if self.cuda_fuse not in ("none", "block", "all"):
+            raise ValueError(f"cuda_fuse must be 'none', 'block' or 'all', got {self.cuda_fuse!r}")
         if not 1 <= self.cuda_tiles <= 8:
             raise ValueError(f"cuda_tiles must be in 1..8, got {self.cuda_tiles}")
         if self.cuda_min_blocks is not None and not 1 <= self.cuda_min_blocks <= 8:
@@ -604,6 +609,11 @@ def _min_blocks(cfg: DecodeConfig, d: int, ng: int) -> int:
     if d <= 128 and ng <= 2:
         return 4
     return 3 if d <= 128 else 2
+
+
+def _prefetch(cfg: DecodeConfig, d: int, ng: int) -> bool:
+    """cfg.cuda_prefetch, except at head_dim 256 with 8 groups, where the second buffer spills."""
+    return cfg.cuda_prefetch and not (d >= 256 and ng >= 8)
 
 
 def resolve_score(cfg: DecodeConfig, head_dim: int) -> str:
@@ -644,7 +654,8 @@ def _use_cuda_body(cfg: DecodeConfig, q: torch.Tensor, body: tuple, rep: int, bi
     if why is None:
         try:
             cuda_decode.build(q.device, (q.shape[-1], body[1].shape[-1], cfg.cuda_tiles,
-                                         _min_blocks(cfg, q.shape[-1], body[1].shape[-1]), int(cfg.cuda_prefetch)))
+                                         _min_blocks(cfg, q.shape[-1], body[1].shape[-1]),
+                                         int(_prefetch(cfg, q.shape[-1], body[1].shape[-1]))))
         except RuntimeError as e:
             why = str(e)
     if why is not None:
@@ -700,7 +711,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
         if use_cuda:
             per, n_int2 = _splits(max_len, b_sz * h, 16 * cfg.cuda_tiles, cfg.cuda_target_warps,
                                   cfg.cuda_min_split_tokens)
-            if cfg.cuda_fuse:  # whole blocks of 4 splits (trailing ones may be empty)
+            if cfg.cuda_fuse != "none":  # whole blocks of 4 splits (trailing ones may be empty)
                 n_int2 = -(-n_int2 // 4) * 4
         else:
             per, n_int2 = _splits(max_len, b_sz * h, cfg.block_n, cfg.target_programs, cfg.min_split_tokens)
@@ -714,7 +725,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
                                64 if has_int2 else cfg.min_split_tokens)
     else:
         pt, tper, n_tier = 16, cfg.block_t, 0
-    fuse = use_cuda and cfg.cuda_fuse
+    fuse = use_cuda and cfg.cuda_fuse != "none"
     body_slots = n_int2 // 4 if fuse else n_int2  # partial slots the body fills
     ns = max(1, body_slots + n_tier)
     # v2 reads a page in power-of-2 chunks, INT2 only; INT4 K or V runs v1
@@ -752,11 +763,12 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
             from rotkv.kernels.cuda_decode import MERGE_MAX_SLOTS, OUT_KINDS, body_partials
 
             qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
-            merge_here = (fuse and ns <= MERGE_MAX_SLOTS and out.dtype in OUT_KINDS and out.is_contiguous()
+            merge_here = (cfg.cuda_fuse == "all" and ns <= MERGE_MAX_SLOTS and out.dtype in OUT_KINDS and out.is_contiguous()
                           and out.shape == q.shape)
             body_partials(qb, body, table, o_part, m_part, l_part, n_int2, per, sm_scale * LOG2E,
                           tiles=cfg.cuda_tiles, min_blocks=_min_blocks(cfg, d, body[1].shape[-1]),
-                          fuse=fuse, out=out if merge_here else None, prefetch=cfg.cuda_prefetch)
+                          fuse=fuse, out=out if merge_here else None,
+                          prefetch=_prefetch(cfg, d, body[1].shape[-1]))
             if merge_here:
                 return out
     chunk = min(64, triton.next_power_of_2(ns))  # splits merged per step (B = 1, 128K has ~260)

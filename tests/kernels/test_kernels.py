@@ -286,8 +286,8 @@ CUDA_KERNEL_CASES = [  # the CUDA body kernel needs P % 16 == 0 and G % 32 == 0
 @cuda_only
 @pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p", CUDA_KERNEL_CASES)
 @pytest.mark.parametrize("tiles,min_blocks,target,fuse,prefetch", [
-    (2, 1, 256, True, False), (4, 4, 64, True, False), (2, None, 4096, True, False), (2, None, 2048, False, False),
-    (1, None, 2048, True, True), (2, 2, 256, True, True)])
+    (2, 1, 256, "block", False), (4, 4, 64, "all", False), (2, None, 4096, "block", False),
+    (2, None, 2048, "none", False), (1, None, 2048, "block", True), (2, 2, 256, "all", True)])
 def test_decode_cuda_kernel_matches_reference(lens, tier_lens, h, rep, d, g, p, tiles, min_blocks, target, fuse,
                                               prefetch):
     cfg = DecodeConfig(backend="cuda", cuda_tiles=tiles, cuda_min_blocks=min_blocks, cuda_target_warps=target,
@@ -303,13 +303,15 @@ def test_decode_cuda_fused_merge_matches_unfused_and_survives_graph_replays(dtyp
     the same output (the arrival counters reset themselves), also after the inputs change."""
     body, table, tier, ttable, ml, tml = _build([3000, 77, 0, 1200], [64, 320, 5, 0], 2, 64, 64, 16, 16, "cuda", seed=7)
     q = torch.randn(4, 6, 64, generator=torch.Generator().manual_seed(8)).to("cuda", dtype)
-    fused = DecodeConfig(backend="cuda", score="int8", cuda_target_warps=512)
-    unfused = DecodeConfig(backend="cuda", score="int8", cuda_target_warps=512, cuda_fuse=False)
+    fused = DecodeConfig(backend="cuda", score="int8", cuda_target_warps=512, cuda_fuse="all")
+    unfused = DecodeConfig(backend="cuda", score="int8", cuda_target_warps=512, cuda_fuse="none")
     run = lambda cfg: decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg)  # noqa: E731
     a, b = run(fused), run(unfused)
     assert a.dtype == dtype
     tol = 1e-2 if dtype == torch.float32 else 2e-2
     assert ((a.float() - b.float()).norm() / b.float().norm()).item() < tol
+    c = run(DecodeConfig(backend="cuda", score="int8", cuda_target_warps=512, cuda_fuse="block"))
+    assert ((c.float() - b.float()).norm() / b.float().norm()).item() < tol
     ref = decode_reference(q.float(), body[:3], body[3:], table, tier[0], tier[1], ttable)
     assert ((a.float() - ref).norm() / ref.norm()).item() < 2e-2
     out = torch.empty_like(q)
@@ -335,7 +337,8 @@ def test_decode_cuda_fused_merge_falls_back_past_512_slots():
     merge runs (same result as the unfused path)."""
     body, table, tier, ttable, ml, tml = _build([70000], [16], 1, 64, 64, 16, 16, "cuda", seed=2)
     q = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(3)).to("cuda", torch.bfloat16)
-    cfg = DecodeConfig(backend="cuda", score="int8", cuda_target_warps=8192, cuda_min_split_tokens=32)
+    cfg = DecodeConfig(backend="cuda", score="int8", cuda_target_warps=8192, cuda_min_split_tokens=32,
+                       cuda_fuse="all", cuda_tiles=2)
     from rotkv.kernels import decode as decode_mod
 
     per, n = decode_mod._splits(ml, 1, 32, 8192, 32)
@@ -431,7 +434,7 @@ def test_page_table_vocabulary():
 
 
 def test_decode_config_rejects_bad_values():
-    for bad in (dict(backend="cuda2"), dict(cuda_tiles=0), dict(cuda_tiles=9),
+    for bad in (dict(backend="cuda2"), dict(cuda_tiles=0), dict(cuda_tiles=9), dict(cuda_fuse=True),
                 dict(cuda_min_blocks=0), dict(block_n=0)):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)
