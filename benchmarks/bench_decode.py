@@ -42,7 +42,6 @@ CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is
     # the CUDA kernel as it was before the second round: 32-token steps, no prefetch, one partial per split
     "cuda-t2-none": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_prefetch=False, cuda_fuse="none"),
     # one lever at a time against the default
-    "cuda-tier-first": DecodeConfig(backend="cuda", tier_stream=False),
     "cuda-pf-t1-none": DecodeConfig(backend="cuda", cuda_fuse="none"),
     "cuda-pf-t1-all": DecodeConfig(backend="cuda", cuda_fuse="all"),
     "cuda-t1-block": DecodeConfig(backend="cuda", cuda_prefetch=False),

@@ -27,7 +27,6 @@ the portable shift-and-mask path runs under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -564,9 +563,6 @@ class DecodeConfig:
     # head merges every partial and the tier's, launched first, into the output: no merge launch;
     # measured slower on the H200, docs/kernels.md)
     cuda_fuse: str = "block"
-    # CUDA kernel with a bf16 tier: the tier kernel runs on a second stream, beside the body kernel
-    # (in a captured CUDA graph: two parallel branches) instead of before it
-    tier_stream: bool = True
     # CUDA kernel: two register buffers, the next step's loads issued before this step's math
     # (with cuda_tiles=1 the fastest variant measured from B = 8 on, docs/kernels.md)
     cuda_prefetch: bool = True
@@ -613,17 +609,6 @@ def _min_blocks(cfg: DecodeConfig, d: int, ng: int) -> int:
     if d <= 128 and ng <= 2:
         return 4
     return 3 if d <= 128 else 2
-
-
-_SIDE: dict = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One second stream per (device, current stream) for the tier kernel."""
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    if key not in _SIDE:
-        _SIDE[key] = torch.cuda.Stream(device)
-    return _SIDE[key]
 
 
 def _prefetch(cfg: DecodeConfig, d: int, ng: int) -> bool:
@@ -760,12 +745,10 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
         tb = table if has_int2 and not use_cuda else (dummy,) * 3
         tt = tier if has_tier else (dummy,) * 2
         ttb = tier_table if has_tier else (dummy,) * 3
-        # with the CUDA body kernel the tier is its own launch (partial slots after the body's): on a
-        # second stream beside the body kernel where that pays (a captured graph, or a large body:
-        # the fork and join cost host time), else before it (so that cuda_fuse="all" can merge it)
+        # with the CUDA body kernel the tier runs first (its own launch, partial slots after the
+        # body's), so that the fused kernel's last block per (request, KV head) can merge it too
         s0 = body_slots if use_cuda else 0
-
-        def launch_split():
+        if not use_cuda or n_tier > 0:
             _split_kernel[(b_sz * h, body_slots + n_tier - s0)](
                 q, *bt, *tb, *tt, *ttb, o_part, m_part, l_part, h, hq, ns, body_slots, s0, sm_scale * LOG2E, per, tper,
                 tier_start, REP=rep, HPAD=hpad, D=d, G=g, P=p, PT=pt, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
@@ -776,16 +759,6 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
                 V2=v2, RP=max(4, triton.next_power_of_2(rep)), PB=min(p, cfg.block_n), K_BITS=bits[0], V_BITS=bits[1],
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
-
-        side = None
-        if use_cuda and n_tier > 0 and cfg.tier_stream and cfg.cuda_fuse != "all" and (
-                torch.cuda.is_current_stream_capturing() or b_sz * h * max_len >= 1 << 20):
-            side, main = _side_stream(dev), torch.cuda.current_stream(dev)
-            side.wait_stream(main)  # fork
-            with torch.cuda.stream(side):
-                launch_split()
-        elif not use_cuda or n_tier > 0:
-            launch_split()
         if use_cuda:
             from rotkv.kernels.cuda_decode import MERGE_MAX_SLOTS, OUT_KINDS, body_partials
 
@@ -798,8 +771,6 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
                           prefetch=_prefetch(cfg, d, body[1].shape[-1]))
             if merge_here:
                 return out
-        if side is not None:  # join before the merge reads the tier's partials
-            main.wait_stream(side)
     chunk = min(64, triton.next_power_of_2(ns))  # splits merged per step (B = 1, 128K has ~260)
     db = d if b_sz * hq >= 1024 or _interpreting() else 32  # small batches: more programs for many splits
     _merge_kernel[(b_sz * hq, d // db)](o_part, m_part, l_part, out, ns, D=d, DB=db, CHUNK=chunk,

@@ -332,27 +332,6 @@ def test_decode_cuda_fused_merge_matches_unfused_and_survives_graph_replays(dtyp
 
 
 @cuda_only
-def test_decode_tier_on_a_second_stream_in_a_graph():
-    """Captured in a CUDA graph, the tier kernel runs on a second stream beside the body kernel (two
-    graph branches, joined before the merge): the same output as the eager call, where this small
-    body runs the tier first on one stream."""
-    body, table, tier, ttable, ml, tml = _build([3000, 900], [64, 320], 2, 128, 64, 16, 16, "cuda", seed=11)
-    q = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(12)).to("cuda", torch.bfloat16)
-    cfg = DecodeConfig(backend="cuda", score="int8")
-    want = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg)
-    out = torch.empty_like(q)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg, out=out)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want)
-
-
-@cuda_only
 def test_decode_cuda_fused_merge_falls_back_past_512_slots():
     """More partial slots than the fused merge holds: the kernel pre-merges blocks and the Triton
     merge runs (same result as the unfused path)."""
