@@ -563,6 +563,9 @@ class DecodeConfig:
     # head merges every partial and the tier's, launched first, into the output: no merge launch;
     # measured slower on the H200, docs/kernels.md)
     cuda_fuse: str = "block"
+    # merge kernel: partial slots per step, and dims per program where B * Hq < 1024 (else all D)
+    merge_chunk: int = 64
+    merge_slice: int = 32
     # CUDA kernel: two register buffers, the next step's loads issued before this step's math
     # (with cuda_tiles=1 the fastest variant measured from B = 8 on, docs/kernels.md)
     cuda_prefetch: bool = True
@@ -583,6 +586,9 @@ class DecodeConfig:
             raise ValueError(f"cuda_tiles must be in 1..8, got {self.cuda_tiles}")
         if self.cuda_min_blocks is not None and not 1 <= self.cuda_min_blocks <= 8:
             raise ValueError(f"cuda_min_blocks must be None or in 1..8, got {self.cuda_min_blocks}")
+        for name, v in (("merge_chunk", self.merge_chunk), ("merge_slice", self.merge_slice)):
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
         for name in ("block_n", "block_t", "target_programs", "min_split_tokens", "cuda_target_warps",
                      "cuda_min_split_tokens"):
             if getattr(self, name) < 1:
@@ -771,8 +777,9 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
                           prefetch=_prefetch(cfg, d, body[1].shape[-1]))
             if merge_here:
                 return out
-    chunk = min(64, triton.next_power_of_2(ns))  # splits merged per step (B = 1, 128K has ~260)
-    db = d if b_sz * hq >= 1024 or _interpreting() else 32  # small batches: more programs for many splits
+    chunk = min(cfg.merge_chunk, triton.next_power_of_2(ns))  # slots merged per step
+    # small batches: more programs for many slots
+    db = d if b_sz * hq >= 1024 or _interpreting() else min(d, cfg.merge_slice)
     _merge_kernel[(b_sz * hq, d // db)](o_part, m_part, l_part, out, ns, D=d, DB=db, CHUNK=chunk,
                                 STATIC_STEPS=-(-ns // chunk) if _interpreting() else 0)
     return out
