@@ -42,7 +42,7 @@ CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is
     # the CUDA kernel as it was before the second round: 32-token steps, no prefetch, one partial per split
     "cuda-t2-none": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_prefetch=False, cuda_fuse="none"),
     # one lever at a time against the default
-    "merge-c128": DecodeConfig(merge_chunk=128),
+    "merge-c64": DecodeConfig(merge_chunk=64),
     "merge-c128-s16": DecodeConfig(merge_chunk=128, merge_slice=16),
     "merge-s16": DecodeConfig(merge_slice=16),
     "cuda-pf-t1-none": DecodeConfig(backend="cuda", cuda_fuse="none"),

@@ -564,7 +564,7 @@ class DecodeConfig:
     # measured slower on the H200, docs/kernels.md)
     cuda_fuse: str = "block"
     # merge kernel: partial slots per step, and dims per program where B * Hq < 1024 (else all D)
-    merge_chunk: int = 64
+    merge_chunk: int = 128  # 128: one step for the ~70 slots of B = 1, 128K (2.55x against 2.46x at 64)
     merge_slice: int = 32
     # CUDA kernel: two register buffers, the next step's loads issued before this step's math
     # (with cuda_tiles=1 the fastest variant measured from B = 8 on, docs/kernels.md)
