@@ -171,15 +171,20 @@ def run_shape(b, length, args, dev, gpu, commit, log):
     return rows
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+def add_shape_args(ap: argparse.ArgumentParser, batch: list[int]) -> None:
+    """The attention shape and sweep arguments (Qwen3-8B attention by default)."""
+    ap.add_argument("--batch", type=int, nargs="+", default=batch)
     ap.add_argument("--context", type=int, nargs="+", default=[4096, 32768, 131072])
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=16)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_shape_args(ap, [1, 8, 32])
     ap.add_argument("--sink", type=int, default=64)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--configs", nargs="*", default=None, help=f"subset of {list(CONFIGS)}")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import triton
 
-from benchmarks.bench_decode import git_commit, make_bf16_pages, make_int2, time_ms
+from benchmarks.bench_decode import add_shape_args, git_commit, make_bf16_pages, make_int2, time_ms
 from rotkv.kernels import decode as dk
 from rotkv.kernels.decode import DecodeConfig, decode_attention
 
@@ -38,12 +38,11 @@ def pieces(q, body, table, body_n, tier, ttab, tier_n, cfg):
     l_ = torch.ones(b_sz, hq, ns, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     scale = d ** -0.5 * dk.LOG2E
-    mb = dk._min_blocks(cfg, d, body[1].shape[-1])
+    _, _, tiles, mb, prefetch = dk._cuda_variant(cfg, d, body[1].shape[-1])
 
     def body_only():
         from rotkv.kernels.cuda_decode import body_partials
-        body_partials(q, body, table, o, m, l_, n_int2, per, scale, tiles=cfg.cuda_tiles, min_blocks=mb,
-                      prefetch=cfg.cuda_prefetch)
+        body_partials(q, body, table, o, m, l_, n_int2, per, scale, tiles=tiles, min_blocks=mb, prefetch=bool(prefetch))
 
     def tier_only():
         dk._split_kernel[(b_sz * h, n_tier)](
@@ -64,17 +63,11 @@ def pieces(q, body, table, body_n, tier, ttab, tier_n, cfg):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--context", type=int, nargs="+", default=[4096, 32768, 131072])
-    ap.add_argument("--q-heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=16)
+    add_shape_args(ap, [1, 8])
     ap.add_argument("--tier", type=int, default=320, help="sink + window tokens in bf16")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    # the default (fused merge) and the three-launch path it replaced
+    # the default (block pre-merge), one partial per split, and the in-kernel final merge
     cfgs = {"default": DecodeConfig(), "none": DecodeConfig(cuda_fuse="none"), "all": DecodeConfig(cuda_fuse="all")}
     dev, gpu, commit = "cuda", torch.cuda.get_device_name(), git_commit()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")

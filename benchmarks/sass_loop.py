@@ -85,7 +85,11 @@ def loop_body(sass: str) -> list[tuple[int, str]]:
 
 def count(source: str, macros: list[str], arch: str, cuobjdump: str | None = None,
           fast_math: bool = True) -> dict:
-    nvcc = os.environ.get("ROTKV_NVCC") or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    from rotkv.kernels.nvcc import nvcc_path  # ROTKV_NVCC, PATH, CUDA_HOME, as the loader
+
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise SystemExit("nvcc not found (set ROTKV_NVCC or CUDA_HOME)")
     cuobjdump = cuobjdump or _tool("cuobjdump", nvcc)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"

@@ -33,15 +33,17 @@ def build(device: torch.device | None = None, variant: tuple = (128, 2, 2, 4, 0)
     a 4-tuple means no prefetch.
     """
     device = device or torch.device("cuda", torch.cuda.current_device())
-    macros = {f"ROTKV_{n}": int(v) for n, v in zip(VARIANT_MACROS, (*variant, 0)[:5])}
-    return nvcc_build.load(SOURCE, "int2_decode", macros, device, True, _setup)
+    return nvcc_build.load(SOURCE, "int2_decode", _macros(variant), device, True, _setup)
+
+
+def _macros(variant: tuple) -> dict[str, int]:
+    return {f"ROTKV_{n}": int(v) for n, v in zip(VARIANT_MACROS, (*variant, 0)[:5])}
 
 
 def _compile_and_load(nvcc: str, arch: str, tag: str, key: str, variant: tuple) -> ctypes.CDLL:
     """nvcc the source into the cache unless it is there (rotkv.kernels.nvcc); load it (uncached in
     the process: build() is the entry point, this is the loader's own path for the tests)."""
-    macros = {f"ROTKV_{n}": int(v) for n, v in zip(VARIANT_MACROS, (*variant, 0)[:5])}
-    out = nvcc_build.compile_library(nvcc, SOURCE, "int2_decode", macros, arch, key, fast_math=True)
+    out = nvcc_build.compile_library(nvcc, SOURCE, "int2_decode", _macros(variant), arch, key, fast_math=True)
     lib = ctypes.CDLL(str(out))
     _setup(lib)
     return lib
@@ -58,6 +60,12 @@ MERGE_MAX_SLOTS = 512  # as in the source: the fused final merge keeps a weight 
 OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _COUNTERS: dict = {}
 _KEEP: list = []  # counter buffers replaced by larger ones stay alive (a captured CUDA graph may hold them)
+
+
+def merges_into(out: torch.Tensor | None, q: torch.Tensor, n_slots: int) -> bool:
+    """Whether the fused final merge can write ``out`` for query ``q`` over ``n_slots`` partial slots."""
+    return (out is not None and out.dtype in OUT_KINDS and out.is_contiguous() and out.shape == q.shape
+            and n_slots <= MERGE_MAX_SLOTS)
 
 
 def counters(device: torch.device, n: int) -> torch.Tensor:
@@ -122,11 +130,9 @@ def body_partials(q: torch.Tensor, body: tuple, table: tuple, o_part: torch.Tens
     stream = torch.cuda.current_stream(q.device).cuda_stream
     if fuse and n_splits % 4:
         raise ValueError(f"fuse needs n_splits % 4 == 0, got {n_splits}")
-    if out is not None:
-        if not fuse or out.dtype not in OUT_KINDS or not out.is_contiguous() or out.shape != q.shape:
-            raise ValueError("out needs fuse=True and a contiguous [B, Hq, D] float32/bf16/fp16 tensor")
-        if o_part.shape[2] > MERGE_MAX_SLOTS:
-            raise ValueError(f"the fused merge takes at most {MERGE_MAX_SLOTS} partial slots, got {o_part.shape[2]}")
+    if out is not None and not (fuse and merges_into(out, q, o_part.shape[2])):
+        raise ValueError(f"out needs fuse=True, a contiguous [B, Hq, D] float32/bf16/fp16 tensor and at most "
+                         f"{MERGE_MAX_SLOTS} partial slots (got {o_part.shape[2]})")
     cnt = counters(q.device, b_sz * h) if out is not None else None
     rc = lib.rotkv_int2_decode(d, ng, tiles, min_blocks, q.data_ptr(), *(t.data_ptr() for t in body),
                                indptr.data_ptr(), indices.data_ptr(), last.data_ptr(),

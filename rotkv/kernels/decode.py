@@ -617,9 +617,10 @@ def _min_blocks(cfg: DecodeConfig, d: int, ng: int) -> int:
     return 3 if d <= 128 else 2
 
 
-def _prefetch(cfg: DecodeConfig, d: int, ng: int) -> bool:
-    """cfg.cuda_prefetch, except at head_dim 256 with 8 groups, where the second buffer spills."""
-    return cfg.cuda_prefetch and not (d >= 256 and ng >= 8)
+def _cuda_variant(cfg: DecodeConfig, d: int, ng: int) -> tuple[int, int, int, int, int]:
+    """The CUDA kernel build a call runs: (head_dim, groups, tiles, min blocks, prefetch); prefetch as
+    cfg.cuda_prefetch, except at head_dim 256 with 8 groups, where the second buffer spills."""
+    return d, ng, cfg.cuda_tiles, _min_blocks(cfg, d, ng), int(cfg.cuda_prefetch and not (d >= 256 and ng >= 8))
 
 
 def resolve_score(cfg: DecodeConfig, head_dim: int) -> str:
@@ -659,9 +660,7 @@ def _use_cuda_body(cfg: DecodeConfig, q: torch.Tensor, body: tuple, rep: int, bi
     why = cuda_decode.supported(q, body, rep)
     if why is None:
         try:
-            cuda_decode.build(q.device, (q.shape[-1], body[1].shape[-1], cfg.cuda_tiles,
-                                         _min_blocks(cfg, q.shape[-1], body[1].shape[-1]),
-                                         int(_prefetch(cfg, q.shape[-1], body[1].shape[-1]))))
+            cuda_decode.build(q.device, _cuda_variant(cfg, q.shape[-1], body[1].shape[-1]))
         except RuntimeError as e:
             why = str(e)
     if why is not None:
@@ -709,6 +708,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
     has_int2 = body is not None and max_len > 0
     has_tier = tier is not None and tier_max_len > 0
     use_cuda = has_int2 and _use_cuda_body(cfg, q, body, rep, bits, score)
+    fuse = use_cuda and cfg.cuda_fuse != "none"  # the CUDA kernel pre-merges blocks of 4 splits
     if has_int2:
         g = d // body[1].shape[-1]
         p = body[0].shape[2]
@@ -717,7 +717,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
         if use_cuda:
             per, n_int2 = _splits(max_len, b_sz * h, 16 * cfg.cuda_tiles, cfg.cuda_target_warps,
                                   cfg.cuda_min_split_tokens)
-            if cfg.cuda_fuse != "none":  # whole blocks of 4 splits (trailing ones may be empty)
+            if fuse:  # whole blocks of 4 splits (trailing ones may be empty)
                 n_int2 = -(-n_int2 // 4) * 4
         else:
             per, n_int2 = _splits(max_len, b_sz * h, cfg.block_n, cfg.target_programs, cfg.min_split_tokens)
@@ -731,7 +731,6 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
                                64 if has_int2 else cfg.min_split_tokens)
     else:
         pt, tper, n_tier = 16, cfg.block_t, 0
-    fuse = use_cuda and cfg.cuda_fuse != "none"
     body_slots = n_int2 // 4 if fuse else n_int2  # partial slots the body fills
     ns = max(1, body_slots + n_tier)
     # v2 reads a page in power-of-2 chunks, INT2 only; INT4 K or V runs v1
@@ -766,15 +765,14 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
         if use_cuda:
-            from rotkv.kernels.cuda_decode import MERGE_MAX_SLOTS, OUT_KINDS, body_partials
+            from rotkv.kernels.cuda_decode import body_partials, merges_into
 
             qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
-            merge_here = (cfg.cuda_fuse == "all" and ns <= MERGE_MAX_SLOTS and out.dtype in OUT_KINDS and out.is_contiguous()
-                          and out.shape == q.shape)
+            merge_here = cfg.cuda_fuse == "all" and merges_into(out, q, ns)
+            _, _, tiles, min_blocks, prefetch = _cuda_variant(cfg, d, body[1].shape[-1])
             body_partials(qb, body, table, o_part, m_part, l_part, n_int2, per, sm_scale * LOG2E,
-                          tiles=cfg.cuda_tiles, min_blocks=_min_blocks(cfg, d, body[1].shape[-1]),
-                          fuse=fuse, out=out if merge_here else None,
-                          prefetch=_prefetch(cfg, d, body[1].shape[-1]))
+                          tiles=tiles, min_blocks=min_blocks, fuse=fuse, out=out if merge_here else None,
+                          prefetch=bool(prefetch))
             if merge_here:
                 return out
     chunk = min(cfg.merge_chunk, triton.next_power_of_2(ns))  # slots merged per step

@@ -15,16 +15,13 @@ DEFAULT_VARIANTS = [(64, 1, 4), (64, 2, 4), (128, 1, 4), (128, 2, 4), (128, 4, 3
                     (256, 4, 2)]
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("d,ng,minb", DEFAULT_VARIANTS)
-def test_cuda_kernel_compiles_without_spills(d, ng, minb, tmp_path):
-    macros = [f"-DROTKV_D={d}", f"-DROTKV_NG={ng}", "-DROTKV_TILES=2", f"-DROTKV_MINB={minb}"]
-    res = subprocess.run([NVCC, "-O3", "-std=c++17", "-use_fast_math", "-gencode=arch=compute_90,code=sm_90",
-                          "-Xptxas", "-v", "-cubin", *macros, "-o", str(tmp_path / "k.cubin"), str(SOURCE)],
-                         capture_output=True, text=True)
+def _spills(source, macros: list[str], cubin, fast_math: bool) -> list[int]:
+    """ptxas's spill-store bytes per kernel of one build (``nvcc -Xptxas -v -cubin``, sm_90)."""
+    res = subprocess.run([NVCC, "-O3", "-std=c++17", *(["-use_fast_math"] if fast_math else []),
+                          "-gencode=arch=compute_90,code=sm_90", "-Xptxas", "-v", "-cubin", *macros, "-o", str(cubin),
+                          str(source)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr)]
-    assert spills and max(spills) == 0, res.stderr[-2000:]
+    return [int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr)]
 
 
 def test_min_blocks_table_matches_the_config():
@@ -58,28 +55,23 @@ def test_cuda_write_kernel_compiles_without_spills(d, g, bits, split, warps, tmp
     from rotkv.kernels.cuda_write import SOURCE as WRITE_SOURCE
 
     macros = [f"-DROTKV_D={d}", f"-DROTKV_G={g}", f"-DROTKV_BITS={bits}", f"-DROTKV_SPLIT={split}", f"-DROTKV_NW={warps}"]
-    res = subprocess.run([NVCC, "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90", "-Xptxas", "-v", "-cubin",
-                          *macros, "-o", str(tmp_path / "w.cubin"), str(WRITE_SOURCE)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr)]
-    assert len(spills) == 4 and max(spills) == 0, res.stderr[-2000:]  # three plain dtypes + the rotating kernel
+    spills = _spills(WRITE_SOURCE, macros, tmp_path / "w.cubin", fast_math=False)
+    assert len(spills) == 4 and max(spills) == 0, spills  # three plain dtypes + the rotating kernel
 
 
 # (head_dim, groups, tiles, min blocks, prefetch): the decode kernel's default builds (16-token
-# steps with prefetch; none at D 256 with 8 groups) and the variants bench_decode.py measures
+# steps with prefetch; none at D 256 with 8 groups), the variants bench_decode.py measures, and the
+# 32-token builds of every default (head_dim, groups) pair
 DECODE_VARIANTS = [(64, 1, 1, 4, 1), (64, 2, 1, 4, 1), (128, 2, 1, 4, 1), (128, 4, 1, 3, 1), (256, 4, 1, 2, 1),
-                   (256, 8, 1, 2, 0), (256, 2, 1, 2, 1), (128, 2, 2, 4, 0), (128, 2, 2, 3, 1)]
+                   (256, 8, 1, 2, 0), (256, 2, 1, 2, 1), (128, 2, 2, 3, 1)] + [
+                   (d, ng, 2, minb, 0) for d, ng, minb in DEFAULT_VARIANTS]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("variant", DECODE_VARIANTS)
 def test_cuda_decode_kernel_compiles_without_spills(variant, tmp_path):
-    from rotkv.kernels.cuda_decode import SOURCE as DECODE_SOURCE, VARIANT_MACROS
+    from rotkv.kernels.cuda_decode import VARIANT_MACROS
 
-    macros = [f"-DROTKV_{n}={v}" for n, v in zip(VARIANT_MACROS, variant)]
-    res = subprocess.run([NVCC, "-O3", "-std=c++17", "-use_fast_math", "-gencode=arch=compute_90,code=sm_90",
-                          "-Xptxas", "-v", "-cubin", *macros, "-o", str(tmp_path / "d.cubin"), str(DECODE_SOURCE)],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr)]
-    assert spills and max(spills) == 0, res.stderr[-2000:]
+    spills = _spills(SOURCE, [f"-DROTKV_{n}={v}" for n, v in zip(VARIANT_MACROS, variant)], tmp_path / "d.cubin",
+                     fast_math=True)
+    assert spills and max(spills) == 0, spills
