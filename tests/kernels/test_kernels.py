@@ -285,13 +285,15 @@ CUDA_KERNEL_CASES = [  # the CUDA body kernel needs P % 16 == 0 and G % 32 == 0
 
 @cuda_only
 @pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p", CUDA_KERNEL_CASES)
-@pytest.mark.parametrize("tiles,min_blocks,target,fuse,prefetch", [
-    (2, 1, 256, "block", False), (4, 4, 64, "all", False), (2, None, 4096, "block", False),
-    (2, None, 2048, "none", False), (1, None, 2048, "block", True), (2, 2, 256, "all", True)])
+@pytest.mark.parametrize("tiles,min_blocks,target,fuse,prefetch,vf16", [
+    (2, 1, 256, "block", False, False), (4, 4, 64, "all", False, True), (2, None, 4096, "block", False, False),
+    (2, None, 2048, "none", False, True), (1, None, 2048, "block", True, False),
+    (1, None, 2048, "block", True, True), (2, 2, 256, "all", True, False)])
 def test_decode_cuda_kernel_matches_reference(lens, tier_lens, h, rep, d, g, p, tiles, min_blocks, target, fuse,
-                                              prefetch):
+                                              prefetch, vf16):
     cfg = DecodeConfig(backend="cuda", cuda_tiles=tiles, cuda_min_blocks=min_blocks, cuda_target_warps=target,
-                       cuda_min_split_tokens=64, score="int8", cuda_fuse=fuse, cuda_prefetch=prefetch)
+                       cuda_min_split_tokens=64, score="int8", cuda_fuse=fuse, cuda_prefetch=prefetch,
+                       cuda_value_f16=vf16)
     _check_decode(lens, tier_lens, h, rep, d, g, p, True, "cuda", cfg=cfg, seed=5)
 
 

@@ -35,6 +35,9 @@
 #ifndef ROTKV_PREFETCH  // 1: the next step's loads are issued before this step's math
 #define ROTKV_PREFETCH 0
 #endif
+#ifndef ROTKV_VF16  // 1: value product in fp16 with the codes in place (one LOP3 per operand register)
+#define ROTKV_VF16 0
+#endif
 
 namespace {
 
@@ -84,6 +87,13 @@ DEVI void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+DEVI void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 DEVI uint32_t movmatrix_t(uint32_t x) {
   uint32_t r;
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
@@ -95,6 +105,36 @@ DEVI uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+template <uint32_t MASK>
+DEVI uint32_t and_or(uint32_t x, uint32_t bits) {  // (x & MASK) | bits as one LOP3 (bits in a register)
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "n"(MASK), "r"(bits));
+  return r;
+}
+
+DEVI uint32_t pack_f16(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// the value operands' element type: bf16 (0x4300 | x = 128 + x for x < 128: planes 0-2 in place,
+// plane 3 shifted down) or fp16 (0x6400 | x = 1024 + x for x < 1024: all four planes in place)
+#if ROTKV_VF16
+constexpr float V_OFFSET = 1024.f;
+DEVI uint32_t pack_p(float lo, float hi) { return pack_f16(lo, hi); }
+DEVI void mma_v(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  mma_f16(c, a0, a1, a2, a3, b0, b1);
+}
+constexpr uint32_t V_ONES = 0x3C003C00u;  // fp16 (1, 1)
+#else
+constexpr float V_OFFSET = 128.f;
+DEVI uint32_t pack_p(float lo, float hi) { return pack_bf16(lo, hi); }
+DEVI void mma_v(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  mma_bf16(c, a0, a1, a2, a3, b0, b1);
+}
+constexpr uint32_t V_ONES = 0x3F803F80u;  // bf16 (1, 1)
+#endif
+
 // NG fp16 values of one token, kept as raw bits until used
 template <int NG> struct MetaRaw;
 template <> struct MetaRaw<1> { using T = unsigned short; static DEVI T zero() { return 0; } };
@@ -103,14 +143,19 @@ template <> struct MetaRaw<4> { using T = uint2; static DEVI T zero() { return m
 template <> struct MetaRaw<8> { using T = uint4; static DEVI T zero() { return make_uint4(0u, 0u, 0u, 0u); } };
 
 template <int NG>
-DEVI float meta_at(const typename MetaRaw<NG>::T& raw, int k) {
+DEVI __half meta_half(const typename MetaRaw<NG>::T& raw, int k) {
   uint32_t w;
   if constexpr (NG == 1) w = raw;
   else if constexpr (NG == 2) w = raw;
   else if constexpr (NG == 4) w = (k >> 1) ? raw.y : raw.x;
   else w = (k >> 1) == 0 ? raw.x : (k >> 1) == 1 ? raw.y : (k >> 1) == 2 ? raw.z : raw.w;
   const unsigned short bits = (NG == 1 || (k & 1) == 0) ? (unsigned short)(w & 0xffffu) : (unsigned short)(w >> 16);
-  return __half2float(__ushort_as_half(bits));
+  return __ushort_as_half(bits);
+}
+
+template <int NG>
+DEVI float meta_at(const typename MetaRaw<NG>::T& raw, int k) {
+  return __half2float(meta_half<NG>(raw, k));
 }
 
 // ---- K side: per token, the thread (g, t) loads KW words; chunk cc (dims [32cc, 32cc+32)) takes
@@ -156,6 +201,8 @@ template <> struct VMap<64> {   // word g&3, byte pair g>>2; m-tile = plane
   static DEVI int byte_off(int g, int w) { return 4 * (g & 3); }
   static DEVI int slot(int mt) { return 0; }
   static DEVI int bp(int mt, int g) { return g >> 2; }
+  static constexpr int BPS = 1;  // distinct byte pairs per thread (fp16 path: one pairing word set each)
+  static DEVI constexpr int bpi(int mt) { return 0; }
   static DEVI constexpr int plane(int mt) { return mt; }
   static DEVI int dim(int mt, int g) { return 16 * mt + 4 * (g & 3) + 2 * (g >> 2); }
   static DEVI constexpr int dim_base(int mt) { return 16 * mt; }
@@ -165,6 +212,8 @@ template <> struct VMap<128> {  // word g; m-tile (i, bp)
   static DEVI int byte_off(int g, int w) { return 4 * g; }
   static DEVI int slot(int mt) { return 0; }
   static DEVI int bp(int mt, int g) { return mt & 1; }
+  static constexpr int BPS = 2;
+  static DEVI constexpr int bpi(int mt) { return mt & 1; }
   static DEVI constexpr int plane(int mt) { return mt >> 1; }
   static DEVI int dim(int mt, int g) { return 32 * (mt >> 1) + 4 * g + 2 * (mt & 1); }
   static DEVI constexpr int dim_base(int mt) { return 32 * (mt >> 1); }
@@ -174,6 +223,8 @@ template <> struct VMap<256> {  // words g and g+8; m-tile (i, c, bp)
   static DEVI int byte_off(int g, int w) { return 32 * w + 4 * g; }
   static DEVI int slot(int mt) { return (mt >> 1) & 1; }
   static DEVI int bp(int mt, int g) { return mt & 1; }
+  static constexpr int BPS = 2;
+  static DEVI constexpr int bpi(int mt) { return mt & 1; }
   static DEVI constexpr int plane(int mt) { return mt >> 2; }
   static DEVI int dim(int mt, int g) { return 64 * (mt >> 2) + 32 * ((mt >> 1) & 1) + 4 * g + 2 * (mt & 1); }
   static DEVI constexpr int dim_base(int mt) { return 64 * (mt >> 2) + 32 * ((mt >> 1) & 1); }
@@ -280,8 +331,22 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
     crl[k][0] = crl[k][1] = 0.f;
   }
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-  const uint32_t ONES = 0x3F803F80u;  // bf16 (1, 1)
+  const uint32_t ONES = V_ONES;
+#if ROTKV_VF16
+  // pairing selectors: [token A's byte k, -, token B's byte k, -] for the byte k = 2 bp + row
+  uint32_t vsel[VM::BPS][2];
+#pragma unroll
+  for (int bi = 0; bi < VM::BPS; ++bi) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint32_t k = 2u * (uint32_t)VM::bp(bi, g) + r;  // bp(mt, g) depends on mt only through mt & 1
+      vsel[bi][r] = k | (k << 4) | ((4u + k) << 8) | ((4u + k) << 12);
+    }
+  }
+  const uint32_t F16_EXP = 0x64006400u;  // fp16 (1024, 1024)
+#else
   const uint32_t MAGIC = 0x43434343u;
+#endif
 
   // loop-invariant byte offsets of this thread's words inside a 16-token tile
   int koff[2], voff[4];
@@ -451,18 +516,57 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
         l_run[j] += pr[e];
       }
       uint32_t pb0[NG], pb1[NG];
+#if ROTKV_VF16
+      // p rounded to fp16 once, then p * s_v per group by one HMUL2 per token row (s_v is fp16 already)
+      const __half2 p01 = __floats2half2_rn(pr[0], pr[1]), p23 = __floats2half2_rn(pr[2], pr[3]);
+#endif
 #pragma unroll
       for (int k = 0; k < NG; ++k) {
         // P~[tok][head] for tokens g (row 0) and g+8 (row 1), heads 2t, 2t+1, then transposed
-        const float vs0 = meta_at<NG>(vsr[ti][0], k), vs1 = meta_at<NG>(vsr[ti][1], k);
         const float vl0 = meta_at<NG>(vlr[ti][0], k), vl1 = meta_at<NG>(vlr[ti][1], k);
-        pb0[k] = movmatrix_t(pack_bf16(pr[0] * vs0, pr[1] * vs0));
-        pb1[k] = movmatrix_t(pack_bf16(pr[2] * vs1, pr[3] * vs1));
+#if ROTKV_VF16
+        const __half2 t0 = __hmul2(p01, __half2half2(meta_half<NG>(vsr[ti][0], k)));
+        const __half2 t1 = __hmul2(p23, __half2half2(meta_half<NG>(vsr[ti][1], k)));
+        pb0[k] = movmatrix_t(*reinterpret_cast<const uint32_t*>(&t0));
+        pb1[k] = movmatrix_t(*reinterpret_cast<const uint32_t*>(&t1));
+#else
+        const float vs0 = meta_at<NG>(vsr[ti][0], k), vs1 = meta_at<NG>(vsr[ti][1], k);
+        pb0[k] = movmatrix_t(pack_p(pr[0] * vs0, pr[1] * vs0));
+        pb1[k] = movmatrix_t(pack_p(pr[2] * vs1, pr[3] * vs1));
+#endif
         crl[k][0] += pr[0] * vl0 + pr[2] * vl1;
         crl[k][1] += pr[1] * vl0 + pr[3] * vl1;
-        mma_bf16(psum[k], ONES, ONES, ONES, ONES, pb0[k], pb1[k]);
+        mma_v(psum[k], ONES, ONES, ONES, ONES, pb0[k], pb1[k]);
       }
       // token pairs (2t, 2t+1) -> u 0/1, (2t+8, 2t+9) -> u 2/3
+#if ROTKV_VF16
+      // wp[slot][bp][row][pair]: token 2t's (2t+8's) byte in the low half, 2t+1's (2t+9's) in the high
+      // half; each operand register is then (wp & plane mask) | fp16 1024, one LOP3
+      uint32_t wp[VW][VM::BPS][2][2];
+#pragma unroll
+      for (int sl = 0; sl < VW; ++sl)
+#pragma unroll
+        for (int bi = 0; bi < VM::BPS; ++bi)
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int u2 = 0; u2 < 2; ++u2)
+              wp[sl][bi][r][u2] = prmt(vw[ti][2 * u2][sl], vw[ti][2 * u2 + 1][sl], vsel[bi][r]);
+#pragma unroll
+      for (int mt = 0; mt < NMT; ++mt) {
+        const int gi = VM::dim_base(mt) / G;
+        const int sl = VM::slot(mt), bi = VM::bpi(mt);
+        constexpr uint32_t M = 0x00030003u;
+        const int pl = VM::plane(mt);
+        auto op = [&](uint32_t w) {
+          return pl == 0 ? and_or<M>(w, F16_EXP) : pl == 1 ? and_or<(M << 2)>(w, F16_EXP)
+               : pl == 2 ? and_or<(M << 4)>(w, F16_EXP) : and_or<(M << 6)>(w, F16_EXP);
+        };
+        const uint32_t a0 = op(wp[sl][bi][0][0]), a1 = op(wp[sl][bi][1][0]);
+        const uint32_t a2 = op(wp[sl][bi][0][1]), a3 = op(wp[sl][bi][1][1]);
+        mma_v(acc[mt], a0, a1, a2, a3, pb0[gi], pb1[gi]);
+      }
+#else
 #pragma unroll
       for (int mt = 0; mt < NMT; ++mt) {
         const int gi = VM::dim_base(mt) / G;
@@ -479,6 +583,7 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
         const uint32_t a2 = prmt(m1, MAGIC, 0x4140u), a3 = prmt(m1, MAGIC, 0x4342u);
         mma_bf16(acc[mt], a0, a1, a2, a3, pb0[gi], pb1[gi]);
       }
+#endif
     }
   };
 #if ROTKV_PREFETCH
@@ -522,10 +627,11 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
   for (int mt = 0; mt < NMT; ++mt) {
     const int gi = VM::dim_base(mt) / G;
     const int pl = VM::plane(mt);
-    const float inv = pl == 0 ? 1.f : pl == 1 ? 0.25f : pl == 2 ? 0.0625f : 1.f;  // undo 4^i (exact)
+    // undo 4^i (exact); the bf16 path shifted plane 3 down
+    const float inv = pl == 0 ? 1.f : pl == 1 ? 0.25f : pl == 2 ? 0.0625f : (ROTKV_VF16 ? 0.015625f : 1.f);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const float off = 128.f * psum[gi][j];
+      const float off = V_OFFSET * psum[gi][j];
       fo[mt][j][0] = (acc[mt][j] - off) * inv + crl[gi][j];
       fo[mt][j][1] = (acc[mt][2 + j] - off) * inv + crl[gi][j];
     }
