@@ -52,6 +52,10 @@ CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is
     "cuda-pf-t1-w4k": DecodeConfig(backend="cuda", cuda_target_warps=4096),
     "cuda-vf16": DecodeConfig(backend="cuda", cuda_value_f16=True),
     "cuda-bf16v": DecodeConfig(backend="cuda", cuda_value_f16=False),
+    "cuda-bf16v-f8": DecodeConfig(backend="cuda", cuda_value_f16=False, cuda_value_flush=8),
+    "cuda-vf16-f4": DecodeConfig(backend="cuda", cuda_value_f16=True, cuda_value_flush=4),
+    "cuda-vf16-f8": DecodeConfig(backend="cuda", cuda_value_f16=True, cuda_value_flush=8),
+    "cuda-vf16-f16": DecodeConfig(backend="cuda", cuda_value_f16=True, cuda_value_flush=16),
     # Triton body kernels: v1 (rows = query heads padded to 16, int8 scores), v2 (rows = plane x head)
     "i8dot-n64-w1": DecodeConfig(block_n=64, num_warps=1, qk_int8=True, v2=False, backend="triton"),
     "v2-n128-w4": DecodeConfig(block_n=128, num_warps=4, v2=True, backend="triton"),

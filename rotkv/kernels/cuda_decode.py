@@ -23,21 +23,21 @@ _arch = nvcc_build.arch
 cache_dir = nvcc_build.cache_dir
 
 
-VARIANT_MACROS = ("D", "NG", "TILES", "MINB", "PREFETCH", "VF16")
+VARIANT_MACROS = ("D", "NG", "TILES", "MINB", "PREFETCH", "VF16", "VFLUSH")
 
 
 def build(device: torch.device | None = None, variant: tuple = (128, 2, 2, 4, 0)) -> ctypes.CDLL:
     """Compile (once per source, architecture and variant) and load one kernel instantiation.
 
     variant = (head_dim, groups per head, tiles per softmax step, min blocks per SM, prefetch 0/1,
-    fp16 value product 0/1); missing trailing entries are 0.
+    fp16 value product 0/1, steps between value-offset flushes or 0); missing trailing entries are 0.
     """
     device = device or torch.device("cuda", torch.cuda.current_device())
     return nvcc_build.load(SOURCE, "int2_decode", _macros(variant), device, True, _setup)
 
 
 def _macros(variant: tuple) -> dict[str, int]:
-    return {f"ROTKV_{n}": int(v) for n, v in zip(VARIANT_MACROS, (*variant, 0, 0)[:6])}
+    return {f"ROTKV_{n}": int(v) for n, v in zip(VARIANT_MACROS, (*variant, 0, 0, 0)[:7])}
 
 
 def _compile_and_load(nvcc: str, arch: str, tag: str, key: str, variant: tuple) -> ctypes.CDLL:
@@ -113,13 +113,15 @@ def supported(q: torch.Tensor, body: tuple, rep: int) -> str | None:
 def body_partials(q: torch.Tensor, body: tuple, table: tuple, o_part: torch.Tensor, m_part: torch.Tensor,
                   l_part: torch.Tensor, n_splits: int, tokens_per_split: int, qk_scale: float,
                   tiles: int = 2, min_blocks: int = 4, fuse: bool = False,
-                  out: torch.Tensor | None = None, prefetch: bool = False, value_f16: bool = False) -> None:
+                  out: torch.Tensor | None = None, prefetch: bool = False, value_f16: bool = False,
+                  value_flush: int = 0) -> None:
     """Write partials ``[:, :, :n_splits]`` of ``o/m/l_part`` for the INT2 body.
 
     q ``[B, Hq, D]`` bf16 contiguous; ``tokens_per_split`` a multiple of ``16 * tiles``.
     ``prefetch``: the kernel variant that loads the next step while computing this one.
     ``value_f16``: the variant whose value product runs in fp16 with the codes in place (one LOP3 per
-    operand register instead of the bf16 path's byte permutes).
+    operand register instead of the bf16 path's byte permutes). ``value_flush``: steps between the
+    subtractions of the value accumulators' offset (0: once, at the end).
     ``fuse``: ``n_splits`` is a multiple of 4 and the 4 splits of a block are merged into partial
     ``s // 4`` (so the body fills ``[:n_splits // 4]``); with ``out`` (``[B, Hq, D]`` contiguous,
     float32/bf16/fp16) the last block of each (request, KV head) also merges every partial slot, the
@@ -127,7 +129,7 @@ def body_partials(q: torch.Tensor, body: tuple, table: tuple, o_part: torch.Tens
     """
     b_sz, hq, d = q.shape
     h, p, ng = body[0].shape[1], body[0].shape[2], body[1].shape[-1]
-    lib = build(q.device, (d, ng, tiles, min_blocks, int(prefetch), int(value_f16)))
+    lib = build(q.device, (d, ng, tiles, min_blocks, int(prefetch), int(value_f16), int(value_flush)))
     indptr, indices, last = (t.to(torch.int32).contiguous() for t in table)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     if fuse and n_splits % 4:

@@ -572,6 +572,9 @@ class DecodeConfig:
     # CUDA kernel: the value product in fp16 (0x6400 | code bits = 1024 + 4^i c, every plane in place,
     # one LOP3 per operand register) instead of bf16 (byte permutes, plane 3 shifted)
     cuda_value_f16: bool = False
+    # CUDA kernel: every this many steps the value accumulators drop their magic-number offset (0: only
+    # at the end); bounds the tensor cores' truncation error, which grows with the accumulators' size
+    cuda_value_flush: int = 0
     # scores of the quantized body: "int8" (query quantized to int8 per head: the CUDA kernel, and
     # the Triton kernels where qk_int8 applies), "bf16" (query kept bf16, codes as bf16; Triton
     # only), or "auto": bf16 at head_dim <= 64 unless backend == "cuda" (top-1 agreement on
@@ -585,6 +588,8 @@ class DecodeConfig:
             raise ValueError(f"score must be 'auto', 'bf16' or 'int8', got {self.score!r}")
         if self.cuda_fuse not in ("none", "block", "all"):
             raise ValueError(f"cuda_fuse must be 'none', 'block' or 'all', got {self.cuda_fuse!r}")
+        if not 0 <= self.cuda_value_flush <= 4096:
+            raise ValueError(f"cuda_value_flush must be in 0..4096, got {self.cuda_value_flush}")
         if not 1 <= self.cuda_tiles <= 8:
             raise ValueError(f"cuda_tiles must be in 1..8, got {self.cuda_tiles}")
         if self.cuda_min_blocks is not None and not 1 <= self.cuda_min_blocks <= 8:
@@ -620,12 +625,13 @@ def _min_blocks(cfg: DecodeConfig, d: int, ng: int) -> int:
     return 3 if d <= 128 else 2
 
 
-def _cuda_variant(cfg: DecodeConfig, d: int, ng: int) -> tuple[int, int, int, int, int, int]:
-    """The CUDA kernel build a call runs: (head_dim, groups, tiles, min blocks, prefetch, fp16 values);
+def _cuda_variant(cfg: DecodeConfig, d: int, ng: int) -> tuple[int, int, int, int, int, int, int]:
+    """The CUDA kernel build a call runs: (head_dim, groups, tiles, min blocks, prefetch, fp16 values,
+    value flush);
     prefetch as cfg.cuda_prefetch, except at head_dim 256 with 8 groups, where the second buffer
     spills."""
     return (d, ng, cfg.cuda_tiles, _min_blocks(cfg, d, ng), int(cfg.cuda_prefetch and not (d >= 256 and ng >= 8)),
-            int(cfg.cuda_value_f16))
+            int(cfg.cuda_value_f16), cfg.cuda_value_flush)
 
 
 def resolve_score(cfg: DecodeConfig, head_dim: int) -> str:
@@ -774,10 +780,10 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
 
             qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
             merge_here = cfg.cuda_fuse == "all" and merges_into(out, q, ns)
-            _, _, tiles, min_blocks, prefetch, vf16 = _cuda_variant(cfg, d, body[1].shape[-1])
+            _, _, tiles, min_blocks, prefetch, vf16, vflush = _cuda_variant(cfg, d, body[1].shape[-1])
             body_partials(qb, body, table, o_part, m_part, l_part, n_int2, per, sm_scale * LOG2E,
                           tiles=tiles, min_blocks=min_blocks, fuse=fuse, out=out if merge_here else None,
-                          prefetch=bool(prefetch), value_f16=bool(vf16))
+                          prefetch=bool(prefetch), value_f16=bool(vf16), value_flush=vflush)
             if merge_here:
                 return out
     chunk = min(cfg.merge_chunk, triton.next_power_of_2(ns))  # slots merged per step
