@@ -40,7 +40,8 @@ CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is
     # pre-merge; Triton v2 for bodies under DecodeConfig.small_work)
     "default": DecodeConfig(),
     # the CUDA kernel as it was before the second round: 32-token steps, no prefetch, one partial per split
-    "cuda-t2-none": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_prefetch=False, cuda_fuse="none"),
+    "cuda-t2-none": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_prefetch=False, cuda_fuse="none",
+                                 cuda_value_f16=False, cuda_value_flush=0),
     # one lever at a time against the default
     "merge-c64": DecodeConfig(merge_chunk=64),
     "merge-c128-s16": DecodeConfig(merge_chunk=128, merge_slice=16),
@@ -50,8 +51,8 @@ CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is
     "cuda-t1-block": DecodeConfig(backend="cuda", cuda_prefetch=False),
     "cuda-pf-t2-mb3": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_min_blocks=3),
     "cuda-pf-t1-w4k": DecodeConfig(backend="cuda", cuda_target_warps=4096),
-    "cuda-vf16": DecodeConfig(backend="cuda", cuda_value_f16=True),
-    "cuda-bf16v": DecodeConfig(backend="cuda", cuda_value_f16=False),
+    "cuda-vf16": DecodeConfig(backend="cuda", cuda_value_f16=True, cuda_value_flush=0),
+    "cuda-bf16v": DecodeConfig(backend="cuda", cuda_value_f16=False, cuda_value_flush=0),  # default before 2026-12-02 pm
     "cuda-bf16v-f8": DecodeConfig(backend="cuda", cuda_value_f16=False, cuda_value_flush=8),
     "cuda-vf16-f4": DecodeConfig(backend="cuda", cuda_value_f16=True, cuda_value_flush=4),
     "cuda-vf16-f8": DecodeConfig(backend="cuda", cuda_value_f16=True, cuda_value_flush=8),

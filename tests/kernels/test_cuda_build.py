@@ -39,7 +39,7 @@ def test_build_and_load_the_library(tmp_path, monkeypatch):
     monkeypatch.setenv("ROTKV_CACHE_DIR", str(tmp_path))
     lib = cuda_decode._compile_and_load(NVCC, "90", "64-1-2-4", "test", (64, 1, 2, 4))
     assert lib.rotkv_int2_decode.restype is not None
-    assert len(list(tmp_path.glob("int2_decode-64-1-2-4-0-0-test-sm90.so"))) == 1
+    assert len(list(tmp_path.glob("int2_decode-64-1-2-4-0-0-0-test-sm90.so"))) == 1
     # a second call loads the cached library without compiling (no temp file left either)
     cuda_decode._compile_and_load(NVCC, "90", "64-1-2-4", "test", (64, 1, 2, 4))
     assert not list(tmp_path.glob("*.tmp"))
@@ -59,13 +59,14 @@ def test_cuda_write_kernel_compiles_without_spills(d, g, bits, split, warps, tmp
     assert len(spills) == 4 and max(spills) == 0, spills  # three plain dtypes + the rotating kernel
 
 
-# (head_dim, groups, tiles, min blocks, prefetch[, fp16 values]): the decode kernel's default builds (16-token
-# steps with prefetch; none at D 256 with 8 groups), the variants bench_decode.py measures, and the
-# 32-token builds of every default (head_dim, groups) pair
-DECODE_VARIANTS = [(64, 1, 1, 4, 1), (64, 2, 1, 4, 1), (128, 2, 1, 4, 1), (128, 4, 1, 3, 1), (256, 4, 1, 2, 1),
-                   (256, 8, 1, 2, 0), (256, 2, 1, 2, 1), (128, 2, 2, 3, 1)] + [
-                   (*v, 1) for v in [(64, 1, 1, 4, 1), (128, 2, 1, 4, 1), (128, 4, 1, 3, 1), (256, 4, 1, 2, 1),
-                                     (256, 8, 1, 2, 0)]] + [
+# (head_dim, groups, tiles, min blocks, prefetch[, fp16 values, value flush]): the decode kernel's
+# default builds (16-token steps with prefetch, none at D 256 with 8 groups; fp16 values, flush 8),
+# the bf16-value builds and the other variants bench_decode.py measures, and the 32-token builds of
+# every default (head_dim, groups) pair
+DECODE_VARIANTS = [(*v, 1, 8) for v in [(64, 1, 1, 4, 1), (64, 2, 1, 4, 1), (128, 2, 1, 4, 1), (128, 4, 1, 3, 1),
+                                        (256, 4, 1, 2, 1), (256, 8, 1, 2, 0), (256, 2, 1, 2, 1)]] + [
+                   (64, 1, 1, 4, 1), (128, 2, 1, 4, 1), (128, 4, 1, 3, 1), (256, 4, 1, 2, 1), (256, 8, 1, 2, 0),
+                   (128, 2, 2, 3, 1), (128, 2, 1, 4, 1, 1), (128, 2, 1, 4, 1, 0, 8)] + [
                    (d, ng, 2, minb, 0) for d, ng, minb in DEFAULT_VARIANTS]
 
 

@@ -283,17 +283,25 @@ CUDA_KERNEL_CASES = [  # the CUDA body kernel needs P % 16 == 0 and G % 32 == 0
 ]
 
 
-@cuda_only
-@pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p", CUDA_KERNEL_CASES)
-@pytest.mark.parametrize("tiles,min_blocks,target,fuse,prefetch,vf16,flush", [
+# (tiles, min blocks, target warps, fuse, prefetch, fp16 values, value flush); the default is the 6th
+CUDA_KERNEL_VARIANTS = [
     (2, 1, 256, "block", False, False, 0), (4, 4, 64, "all", False, True, 2), (2, None, 4096, "block", False, False, 0),
     (2, None, 2048, "none", False, True, 8), (1, None, 2048, "block", True, False, 0),
-    (1, None, 2048, "block", True, True, 8), (1, None, 64, "block", True, False, 8), (2, 2, 256, "all", True, False, 0)])
+    (1, None, 2048, "block", True, True, 8), (1, None, 64, "block", True, False, 8), (2, 2, 256, "all", True, False, 0)]
+
+
+def cuda_kernel_config(tiles, min_blocks, target, fuse, prefetch, vf16, flush) -> DecodeConfig:
+    return DecodeConfig(backend="cuda", cuda_tiles=tiles, cuda_min_blocks=min_blocks, cuda_target_warps=target,
+                        cuda_min_split_tokens=64, score="int8", cuda_fuse=fuse, cuda_prefetch=prefetch,
+                        cuda_value_f16=vf16, cuda_value_flush=flush)
+
+
+@cuda_only
+@pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p", CUDA_KERNEL_CASES)
+@pytest.mark.parametrize("tiles,min_blocks,target,fuse,prefetch,vf16,flush", CUDA_KERNEL_VARIANTS)
 def test_decode_cuda_kernel_matches_reference(lens, tier_lens, h, rep, d, g, p, tiles, min_blocks, target, fuse,
                                               prefetch, vf16, flush):
-    cfg = DecodeConfig(backend="cuda", cuda_tiles=tiles, cuda_min_blocks=min_blocks, cuda_target_warps=target,
-                       cuda_min_split_tokens=64, score="int8", cuda_fuse=fuse, cuda_prefetch=prefetch,
-                       cuda_value_f16=vf16, cuda_value_flush=flush)
+    cfg = cuda_kernel_config(tiles, min_blocks, target, fuse, prefetch, vf16, flush)
     _check_decode(lens, tier_lens, h, rep, d, g, p, True, "cuda", cfg=cfg, seed=5)
 
 

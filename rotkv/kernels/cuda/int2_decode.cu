@@ -339,9 +339,9 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
   // truncation relative to the largest term, so the error grows with the accumulator's magnitude,
   // i.e. with the offset (measured: 8x the output error with 1024 against 128 over ~1000-token
   // splits). Subtracting OFFSET * psum from them every ROTKV_VFLUSH steps (and zeroing psum) keeps
-  // them at the size of a few steps' products.
-  int since_flush = 0;
-  (void)since_flush;
+  // them at the size of a few steps' products. The step count comes from blk (no counter register).
+  static_assert((ROTKV_VFLUSH & (ROTKV_VFLUSH - 1)) == 0, "ROTKV_VFLUSH must be 0 or a power of two");
+
   const uint32_t ONES = V_ONES;
 #if ROTKV_VF16
   // pairing selectors: [token A's byte k, -, token B's byte k, -] for the byte k = 2 bp + row
@@ -597,8 +597,7 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
 #endif
     }
 #if ROTKV_VFLUSH
-    if (++since_flush == ROTKV_VFLUSH) {
-      since_flush = 0;
+    if ((((blk - tok_lo) / (16 * TILES)) & (ROTKV_VFLUSH - 1)) == ROTKV_VFLUSH - 1) {
 #pragma unroll
       for (int mt = 0; mt < NMT; ++mt) {
         const int gi = VM::dim_base(mt) / G;
