@@ -596,19 +596,24 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
       }
 #endif
     }
-#if ROTKV_VFLUSH
-    if ((((blk - tok_lo) / (16 * TILES)) & (ROTKV_VFLUSH - 1)) == ROTKV_VFLUSH - 1) {
-#pragma unroll
-      for (int mt = 0; mt < NMT; ++mt) {
-        const int gi = VM::dim_base(mt) / G;
-        acc[mt][0] -= V_OFFSET * psum[gi][0], acc[mt][1] -= V_OFFSET * psum[gi][1];
-        acc[mt][2] -= V_OFFSET * psum[gi][0], acc[mt][3] -= V_OFFSET * psum[gi][1];
-      }
-#pragma unroll
-      for (int k = 0; k < NG; ++k) psum[k][0] = psum[k][1] = psum[k][2] = psum[k][3] = 0.f;
-    }
-#endif
   };
+  // drop the value accumulators' offset (ROTKV_VFLUSH: called between steps, at the loop's back edge)
+  auto flush = [&]() {
+#pragma unroll
+    for (int mt = 0; mt < NMT; ++mt) {
+      const int gi = VM::dim_base(mt) / G;
+      acc[mt][0] -= V_OFFSET * psum[gi][0], acc[mt][1] -= V_OFFSET * psum[gi][1];
+      acc[mt][2] -= V_OFFSET * psum[gi][0], acc[mt][3] -= V_OFFSET * psum[gi][1];
+    }
+#pragma unroll
+    for (int k = 0; k < NG; ++k) psum[k][0] = psum[k][1] = psum[k][2] = psum[k][3] = 0.f;
+  };
+  // whether the step at blk ends a flush period (a multiple of `every` steps from tok_lo)
+  auto period_end = [&](const int blk, const int every) {
+    return (((blk - tok_lo) / (16 * TILES)) & (every - 1)) == every - 1;
+  };
+  (void)flush;
+  (void)period_end;
 #if ROTKV_PREFETCH
   // two register buffers: the next step's loads are in flight while this step computes
   Step sa, sb;
@@ -622,6 +627,8 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
     const int nb2 = nb + 16 * TILES;
     if (nb2 < tok_hi) load(sa, nb2);
     compute(sb, nb);
+    // two steps per iteration: every ROTKV_VFLUSH steps (>= 2) is every ROTKV_VFLUSH / 2 iterations
+    if (ROTKV_VFLUSH && period_end(nb, ROTKV_VFLUSH > 1 ? ROTKV_VFLUSH : 2)) flush();
     blk = nb2;
   }
 #else
@@ -629,6 +636,7 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
     Step st;
     load(st, blk);
     compute(st, blk);
+    if (ROTKV_VFLUSH && period_end(blk, ROTKV_VFLUSH > 0 ? ROTKV_VFLUSH : 1)) flush();
   }
 #endif
   // ---- reduce the per-thread partial sums over the 8 lanes sharing t
