@@ -8,13 +8,14 @@
 //
 //   scores   S^T [16 tok, 8 heads] = C [16 tok, 32 dims of one chunk] (int8 codes 0..3)
 //                                    x Q^T [32, 8] (int8 query, one scale per head)   (mma m16n8k32)
-//   values   O^T [16 dims, 8 heads] += (128 + C)^T [16 dims, 16 tok] (bf16 0x4300|c)
-//                                      x P~^T [16 tok, 8 heads] (bf16 p * s_v)        (mma m16n8k16)
+//   values   O^T [16 dims, 8 heads] += (1024 + 4^i C)^T [16 dims, 16 tok] (fp16 0x6400|code bits)
+//                                      x P~^T [16 tok, 8 heads] (fp16 p * s_v)        (mma m16n8k16)
+//            (ROTKV_VF16, the default build; otherwise bf16 0x4300|c with offset 128, plane 3 shifted)
 //
 // P~^T is the S^T accumulator transposed in registers by movmatrix. Scale and minimum stay out of
 // the products: q.k = qsc * sum_g s_g (q_g . c_g) + sum_g lo_g * sum(q_g), and
-// sum_n p_n v_n = sum_n (p_n s_n) (128 + c_n) + sum_n p_n lo_n - 128 * sum_n (p_n s_n), the last
-// sum taken by one more MMA against an all-ones A so that it uses the same bf16-rounded p~.
+// sum_n p_n v_n = sum_n (p_n s_n) (OFF + c_n) + sum_n p_n lo_n - OFF * sum_n (p_n s_n), the last
+// sum taken by one more MMA against an all-ones A so that it uses the same rounded p~.
 //
 // Planar packing: byte j of a token row holds dims j, j + D/4, j + D/2, j + 3D/4 (plane i = bits
 // 2i..2i+1). A K-chunk of 32 int8 codes covers dims [32c, 32c + 32) and lies in one quantization
