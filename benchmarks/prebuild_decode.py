@@ -13,7 +13,6 @@ import argparse
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -25,6 +24,7 @@ from bench_decode import CONFIGS  # noqa: E402
 
 from rotkv.kernels import cuda_decode  # noqa: E402
 from rotkv.kernels import nvcc as nvcc_build  # noqa: E402
+from rotkv.kernels import prebuild  # noqa: E402
 from rotkv.kernels.decode import DecodeConfig, _cuda_variant  # noqa: E402
 from tests.kernels.test_kernels import CUDA_KERNEL_CASES, CUDA_KERNEL_VARIANTS, cuda_kernel_config  # noqa: E402
 
@@ -45,21 +45,14 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 4)
     ap.add_argument("--configs", nargs="*", default=[], help=f"bench_decode configs, of {list(CONFIGS)}")
     ap.add_argument("--shapes", nargs="*", default=["128/2", "64/1", "256/4"], help="head_dim/groups pairs")
+    ap.add_argument("--arch", default=None, help="e.g. 90 (default: the visible GPU's)")
     args = ap.parse_args(argv)
     todo = sorted(variants(args.configs, [tuple(int(x) for x in s.split("/")) for s in args.shapes]))
-    dev = torch.device("cuda", torch.cuda.current_device())
+    arch = args.arch or nvcc_build.arch(torch.device("cuda", torch.cuda.current_device()))
     t0 = time.time()
-    arch = nvcc_build.arch(dev)
-    src = cuda_decode.SOURCE.read_bytes()
-
-    def one(v):  # the loader's compile step (its cache path and key), without its per-process lock
-        macros = cuda_decode._macros(v)
-        key = nvcc_build.build_key(src, arch, "-".join(str(x) for x in macros.values()))
-        return nvcc_build.compile_library(nvcc_build.nvcc_path(), cuda_decode.SOURCE, "int2_decode", macros, arch,
-                                          key, fast_math=True)
-
-    with ThreadPoolExecutor(args.jobs) as ex:
-        list(ex.map(one, todo))
+    builds = [prebuild.Build(cuda_decode.SOURCE, "int2_decode", tuple(cuda_decode._macros(v).items()), True, str(v))
+              for v in todo]
+    prebuild.build(builds, arch, jobs=args.jobs)
     print(f"{len(todo)} decode builds ready in {time.time() - t0:.0f} s")
     return 0
 

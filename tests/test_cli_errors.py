@@ -253,3 +253,25 @@ def test_demo_without_artifacts_names_the_calibrated_presets(no_model, capsys):
 def test_demo_user_errors_before_the_model(no_model, capsys, argv, needles):
     rc, _, err = run_cli(capsys, "demo", *argv)
     assert_user_error(rc, err, *needles)
+
+
+# ---- build-kernels --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,needles", [
+    ([], ["--model / --head-dim"]),
+    (["--head-dim", "128", "--model", "smollm2"], ["--model / --head-dim"]),
+    (["--head-dim", "0", "--arch", "90"], ["--head-dim must be positive"]),
+    (["--head-dim", "128", "--arch", "9.0"], ["--arch", "without the dot"]),
+    (["--head-dim", "128", "--arch", "75"], ["--arch 75", "8.0"]),
+    (["--head-dim", "100", "--arch", "90"], ["has to divide head_dim (100)"]),
+    (["--head-dim", "128", "--arch", "90", "--preset", "kivi-2"], ["--preset kivi-2", "kivi"]),
+    (["--head-dim", "128", "--arch", "90", "--preset", "bf16"], ["--preset bf16", "no quantized body"]),
+])
+def test_build_kernels_user_errors(no_model, capsys, argv, needles):
+    rc, _, err = run_cli(capsys, "build-kernels", *argv)
+    assert_user_error(rc, err, *needles)
+
+
+def test_build_kernels_needs_arch_without_a_gpu(no_model, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc, _, err = run_cli(capsys, "build-kernels", "--model", "smollm2")
+    assert_user_error(rc, err, "--arch", "no CUDA GPU")

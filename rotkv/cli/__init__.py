@@ -22,6 +22,7 @@ SUBCOMMANDS = [
     "rotkv.cli.eval",
     "rotkv.cli.bench",
     "rotkv.cli.export",
+    "rotkv.cli.build_kernels",
 ]
 
 

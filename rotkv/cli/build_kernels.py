@@ -1,0 +1,93 @@
+"""`rotkv build-kernels`: compile the CUDA kernels a model's cache runs, ahead of the first request."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from rotkv.cli.common import cache_spec
+from rotkv.cli.errors import UsageError
+from rotkv.config import PRESETS
+
+
+def register(sub) -> None:
+    p = sub.add_parser("build-kernels", help="compile the CUDA decode and write kernels ahead of time (nvcc)",
+                       description="Compile the CUDA kernels that the cache's default paths run for one "
+                                   "attention shape into the kernel cache ($ROTKV_CACHE_DIR, default "
+                                   "~/.cache/rotkv), so that no request waits for nvcc. Works without a GPU "
+                                   "when --arch is given (e.g. while building an image).")
+    p.add_argument("--model", default=None,
+                   help="take head_dim from this model's config ('smollm2', a .gguf file or a Hugging Face "
+                        "directory); or give --head-dim")
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--preset", default="quarot-int2", choices=sorted(PRESETS), help="cache preset (bits, group size)")
+    p.add_argument("--group-size", type=int, default=None, help="quantization group size (overrides the preset)")
+    p.add_argument("--arch", default=None,
+                   help="compute capability without the dot, e.g. 90 for an H100/H200 (default: the visible GPU's)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 4, help="nvcc runs at once")
+    p.set_defaults(func=run)
+
+
+def _head_dim(args) -> int:
+    if (args.model is None) == (args.head_dim is None):
+        raise UsageError("--model / --head-dim: give exactly one of them")
+    if args.head_dim is not None:
+        if args.head_dim <= 0:
+            raise UsageError(f"--head-dim must be positive, got {args.head_dim}")
+        return args.head_dim
+    from rotkv.hf.models import peek_geometry
+
+    geo = peek_geometry(args.model)
+    if geo is None:
+        raise UsageError(f"--model {args.model}: could not read head_dim from its config; give --head-dim")
+    return geo[2]
+
+
+def _arch(args) -> str:
+    if args.arch is not None:
+        if not (args.arch.isdigit() and len(args.arch) in (2, 3)):
+            raise UsageError(f"--arch: a compute capability without the dot (e.g. 90), got {args.arch!r}")
+        return args.arch
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("--arch: no CUDA GPU is visible; say which architecture to build for (e.g. --arch 90)")
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}{minor}"
+
+
+def run(args) -> int:
+    from rotkv.kernels import nvcc as nvcc_build
+    from rotkv.kernels import prebuild
+
+    d = _head_dim(args)
+    arch = _arch(args)
+    spec = cache_spec(args.preset, {"group_size": args.group_size} if args.group_size else {})
+    if spec.bits is None:
+        raise UsageError(f"--preset {args.preset}: no quantized body, so no CUDA kernel to build")
+    if spec.codec != "token":
+        raise UsageError(f"--preset {args.preset}: the {spec.codec} codec runs Triton and PyTorch kernels only")
+    if int(arch) < 80:
+        raise UsageError(f"--arch {arch}: the CUDA kernels need compute capability 8.0 or newer")
+    g = spec.resolved_group(d)
+    try:
+        builds, notes = prebuild.plan(d, g, spec.bits, rotate=spec.rotation != "identity")
+    except ValueError as e:
+        raise UsageError(f"--head-dim / --group-size: {e}") from None
+    if spec.k_bits is not None:
+        notes.append("per-layer key widths (k_bits) other than the preset's bits: their write builds are made at "
+                     "first use")
+    for n in notes:
+        print(f"  {n}")
+    if not builds:
+        print("nothing to build")
+        return 0
+    if nvcc_build.nvcc_path() is None:
+        raise UsageError("nvcc not found: set ROTKV_NVCC or CUDA_HOME, or put it on PATH")
+    t0 = time.time()
+    done = prebuild.build(builds, arch, jobs=args.jobs)
+    for b, path, fresh in done:
+        print(f"  {'built ' if fresh else 'cached'} {b.why}: {path}")
+    print(f"{sum(f for *_, f in done)} built, {sum(not f for *_, f in done)} already cached, sm_{arch}, "
+          f"head_dim {d}, group {g}, {spec.bits}-bit, in {time.time() - t0:.0f} s")
+    return 0

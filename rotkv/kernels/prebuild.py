@@ -1,0 +1,95 @@
+"""Ahead-of-time builds of the CUDA kernels a cache runs, so that no request waits for ``nvcc``.
+
+The CUDA decode and write kernels are compiled on first use (a few seconds each) into
+``$ROTKV_CACHE_DIR`` (default ``~/.cache/rotkv``). :func:`plan` lists the builds that the default
+configuration runs for one attention shape (the same variant functions the kernels call, so the
+cache keys match), and :func:`build` compiles them in parallel for an architecture: with ``arch``
+given no GPU is needed (e.g. while building a container image), and ``rotkv build-kernels`` is the
+command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from rotkv.kernels import nvcc as nvcc_build
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """One library: a kernel source, its variant macros, whether fast math, and what it is for."""
+
+    source: Path
+    stem: str
+    macros: tuple  # ((name, value), ...) in the loader's order
+    fast_math: bool
+    why: str
+
+    def key(self, arch: str) -> str:
+        """The loader's cache key (rotkv.kernels.nvcc.load): source, architecture, macros."""
+        return nvcc_build.build_key(self.source.read_bytes(), arch, "-".join(str(v) for _, v in self.macros))
+
+    def path(self, arch: str) -> Path:
+        """Where the loader looks for this build."""
+        tag = "-".join(str(v) for _, v in self.macros)
+        return nvcc_build.cache_dir() / f"{self.stem}-{tag}-{self.key(arch)}-sm{arch}.so"
+
+
+def plan(head_dim: int, group_size: int, bits: int = 2, rotate: bool = True) -> tuple[list[Build], list[str]]:
+    """The CUDA builds the default decode and write paths run at this shape, and notes on the paths
+    that take Triton kernels instead (Triton compiles on the GPU at first use; nothing to do here).
+
+    ``bits``: the body's width (2 or 4); ``rotate``: whether the preset rotates keys or values (the
+    write kernel then runs the rotating variant as well as the plain one, which flushes tiers that
+    were rotated when they were written)."""
+    from rotkv.kernels import cuda_decode, cuda_write
+    from rotkv.kernels.decode import DecodeConfig, _cuda_variant, resolve_score
+
+    if head_dim <= 0 or group_size <= 0 or head_dim % group_size:
+        raise ValueError(f"group_size ({group_size}) has to divide head_dim ({head_dim})")
+    builds, notes = [], []
+    cfg = DecodeConfig()
+    if bits != 2:
+        notes.append(f"decode: INT{bits} pages run the Triton kernel")
+    elif group_size % 32 or head_dim not in (64, 128, 256):
+        notes.append(f"decode: head_dim {head_dim} / group {group_size} is outside the CUDA kernel (Triton runs)")
+    elif resolve_score(cfg, head_dim) != "int8":
+        notes.append(f"decode: at head_dim {head_dim} the default scores in bf16 through the Triton kernel "
+                     "(DecodeConfig(score='int8') would run the CUDA kernel)")
+    else:
+        v = _cuda_variant(cfg, head_dim, head_dim // group_size)
+        builds.append(Build(cuda_decode.SOURCE, "int2_decode", tuple(cuda_decode._macros(v).items()), True,
+                            f"decode body, variant {v}"))
+    if head_dim not in (64, 128, 256) or group_size % 32:
+        notes.append(f"write: head_dim {head_dim} / group {group_size} is outside the CUDA kernel (Triton runs)")
+    else:
+        prec = "bf16x2"  # rotkv.kernels.write's default for the CUDA kernel
+        for rot in ((True, False) if rotate else (False,)):
+            split = cuda_write.PRECISIONS[prec] if rot else 1
+            warps = cuda_write.default_warps(head_dim, prec, rot)
+            macros = (("ROTKV_D", head_dim), ("ROTKV_G", group_size), ("ROTKV_BITS", bits), ("ROTKV_SPLIT", split),
+                      ("ROTKV_NW", warps))
+            builds.append(Build(cuda_write.SOURCE, "quant_write", macros, False,
+                                "write, rotating" if rot else "write, plain (tier flushes, clipping)"))
+    return builds, notes
+
+
+def build(builds: list[Build], arch: str, jobs: int = 4, progress: bool = True) -> list[tuple[Build, Path, bool]]:
+    """Compile the builds not in the cache yet, ``jobs`` at a time; (build, path, compiled now) each.
+    Raises RuntimeError without ``nvcc`` or with nvcc's message when one fails."""
+    nvcc = nvcc_build.nvcc_path()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (set ROTKV_NVCC or CUDA_HOME, or put it on PATH)")
+
+    def one(b: Build) -> tuple[Build, Path, bool]:
+        fresh = not b.path(arch).exists()
+        out = nvcc_build.compile_library(nvcc, b.source, b.stem, dict(b.macros), arch, b.key(arch), b.fast_math)
+        return b, out, fresh
+
+    from tqdm import tqdm
+
+    with ThreadPoolExecutor(max(1, jobs)) as ex:
+        it = ex.map(one, builds)
+        return list(tqdm(it, total=len(builds), desc="nvcc", unit="build", disable=not progress))
