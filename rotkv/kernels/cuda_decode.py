@@ -83,6 +83,15 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def shape_reason(head_dim: int, group_size: int) -> str | None:
+    """Why the kernel does not cover this head_dim / group size, or None (no tensors needed)."""
+    if head_dim not in (64, 128, 256):
+        return f"head_dim {head_dim} not in (64, 128, 256)"
+    if group_size % 32:
+        return f"group_size {group_size} is not a multiple of 32"
+    return None
+
+
 def supported(q: torch.Tensor, body: tuple, rep: int) -> str | None:
     """None if the CUDA body kernel covers this call, else the reason it does not."""
     if not q.is_cuda:
@@ -92,10 +101,10 @@ def supported(q: torch.Tensor, body: tuple, rep: int) -> str | None:
     d = q.shape[-1]
     codes, scale = body[0], body[1]
     ng = scale.shape[-1]
-    if d not in (64, 128, 256):
-        return f"head_dim {d} not in (64, 128, 256)"
-    if d % ng or (d // ng) % 32:
-        return f"group_size {d // max(ng, 1)} is not a multiple of 32"
+    why = shape_reason(d, d // ng) if d % ng == 0 else (shape_reason(d, 32) or
+                                                         f"group_size {d // max(ng, 1)} is not a multiple of 32")
+    if why:
+        return why
     if codes.shape[2] % 16:
         return f"page size {codes.shape[2]} is not a multiple of 16"
     if rep > 8:

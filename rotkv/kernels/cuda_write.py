@@ -36,6 +36,15 @@ def default_warps(d: int, rot_precision: str, rotate: bool) -> int:
     return 4
 
 
+def shape_reason(head_dim: int, group_size: int) -> str | None:
+    """Why the kernel does not cover this head_dim / group size, or None (no tensors needed)."""
+    if head_dim not in (64, 128, 256):
+        return f"head_dim {head_dim} not in (64, 128, 256)"
+    if group_size % 32:
+        return f"group size {group_size} is not a multiple of 32"
+    return None
+
+
 def supported(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, rotate: bool, rot_precision: str,
               num_warps: int) -> str | None:
     """None if the CUDA write kernel covers this call, else the reason it does not."""
@@ -44,11 +53,9 @@ def supported(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, rotate:
     if torch.cuda.get_device_capability(x.device) < (8, 0):
         return "needs compute capability 8.0+ (redux.sync, bf16 mma.sync)"
     t, h, d = x.shape
-    if d not in (64, 128, 256):
-        return f"head_dim {d} not in (64, 128, 256)"
-    g = d // scale.shape[-1]
-    if g % 32:
-        return f"group size {g} is not a multiple of 32"
+    why = shape_reason(d, d // scale.shape[-1])
+    if why:
+        return why
     if x.dtype not in _DTYPES or (rotate and x.dtype != torch.bfloat16):
         return f"input dtype {x.dtype} (bf16, or fp16/fp32 without rotation)"
     if x.stride(-1) != 1 or (rotate and (x.stride(0) % 2 or x.stride(1) % 2 or x.data_ptr() % 4)):

@@ -53,8 +53,8 @@ def plan(head_dim: int, group_size: int, bits: int = 2, rotate: bool = True) -> 
     cfg = DecodeConfig()
     if bits != 2:
         notes.append(f"decode: INT{bits} pages run the Triton kernel")
-    elif group_size % 32 or head_dim not in (64, 128, 256):
-        notes.append(f"decode: head_dim {head_dim} / group {group_size} is outside the CUDA kernel (Triton runs)")
+    elif cuda_decode.shape_reason(head_dim, group_size):
+        notes.append(f"decode: {cuda_decode.shape_reason(head_dim, group_size)} (Triton runs)")
     elif resolve_score(cfg, head_dim) != "int8":
         notes.append(f"decode: at head_dim {head_dim} the default scores in bf16 through the Triton kernel "
                      "(DecodeConfig(score='int8') would run the CUDA kernel)")
@@ -62,8 +62,8 @@ def plan(head_dim: int, group_size: int, bits: int = 2, rotate: bool = True) -> 
         v = _cuda_variant(cfg, head_dim, head_dim // group_size)
         builds.append(Build(cuda_decode.SOURCE, "int2_decode", tuple(cuda_decode._macros(v).items()), True,
                             f"decode body, variant {v}"))
-    if head_dim not in (64, 128, 256) or group_size % 32:
-        notes.append(f"write: head_dim {head_dim} / group {group_size} is outside the CUDA kernel (Triton runs)")
+    if cuda_write.shape_reason(head_dim, group_size):
+        notes.append(f"write: {cuda_write.shape_reason(head_dim, group_size)} (Triton runs)")
     else:
         prec = "bf16x2"  # rotkv.kernels.write's default for the CUDA kernel
         for rot in ((True, False) if rotate else (False,)):

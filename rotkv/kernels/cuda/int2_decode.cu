@@ -116,28 +116,14 @@ DEVI uint32_t and_or(uint32_t x, uint32_t bits) {  // (x & MASK) | bits as one L
   return r;
 }
 
-DEVI uint32_t pack_f16(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
 // the value operands' element type: bf16 (0x4300 | x = 128 + x for x < 128: planes 0-2 in place,
 // plane 3 shifted down) or fp16 (0x6400 | x = 1024 + x for x < 1024: all four planes in place)
-#if ROTKV_VF16
-constexpr float V_OFFSET = 1024.f;
-DEVI uint32_t pack_p(float lo, float hi) { return pack_f16(lo, hi); }
+constexpr float V_OFFSET = ROTKV_VF16 ? 1024.f : 128.f;
+constexpr uint32_t V_ONES = ROTKV_VF16 ? 0x3C003C00u : 0x3F803F80u;  // (1, 1) in fp16 / bf16
 DEVI void mma_v(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-  mma_f16(c, a0, a1, a2, a3, b0, b1);
+  if constexpr (ROTKV_VF16) mma_f16(c, a0, a1, a2, a3, b0, b1);
+  else mma_bf16(c, a0, a1, a2, a3, b0, b1);
 }
-constexpr uint32_t V_ONES = 0x3C003C00u;  // fp16 (1, 1)
-#else
-constexpr float V_OFFSET = 128.f;
-DEVI uint32_t pack_p(float lo, float hi) { return pack_bf16(lo, hi); }
-DEVI void mma_v(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-  mma_bf16(c, a0, a1, a2, a3, b0, b1);
-}
-constexpr uint32_t V_ONES = 0x3F803F80u;  // bf16 (1, 1)
-#endif
 
 // NG fp16 values of one token, kept as raw bits until used
 template <int NG> struct MetaRaw;
@@ -542,8 +528,8 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
         pb1[k] = movmatrix_t(*reinterpret_cast<const uint32_t*>(&t1));
 #else
         const float vs0 = meta_at<NG>(vsr[ti][0], k), vs1 = meta_at<NG>(vsr[ti][1], k);
-        pb0[k] = movmatrix_t(pack_p(pr[0] * vs0, pr[1] * vs0));
-        pb1[k] = movmatrix_t(pack_p(pr[2] * vs1, pr[3] * vs1));
+        pb0[k] = movmatrix_t(pack_bf16(pr[0] * vs0, pr[1] * vs0));
+        pb1[k] = movmatrix_t(pack_bf16(pr[2] * vs1, pr[3] * vs1));
 #endif
         crl[k][0] += pr[0] * vl0 + pr[2] * vl1;
         crl[k][1] += pr[1] * vl0 + pr[3] * vl1;
