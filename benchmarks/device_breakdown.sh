@@ -7,20 +7,7 @@ mkdir -p $OUT
 nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
 timeout 200 python3 benchmarks/decode_breakdown.py --batch 1 8 --context 4096 32768 131072 \
   --out $OUT/breakdown.json > $OUT/breakdown.log 2>&1; echo "breakdown rc=$?"; grep -v '^{' $OUT/breakdown.log | tail -45
-cat > /tmp/ncu_decode.py <<'PY'
-import torch
-from benchmarks.bench_decode import make_int2, make_bf16_pages
-from rotkv.kernels.decode import decode_attention
-g = torch.Generator(device="cuda").manual_seed(0)
-b, L = 8, 131072
-q = torch.randn(b, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-body, table = make_int2(b, 8, L - 320, 128, 64, 16, "cuda", g)
-tier, ttab = make_bf16_pages(b, 8, 320, 128, 16, "cuda", g)
-for _ in range(4):
-    decode_attention(q, body, table, L - 320, tier, ttab, 320)
-torch.cuda.synchronize()
-PY
 timeout 150 ncu --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section Occupancy \
   --section InstructionStats --metrics smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_mio_throttle,smsp__pcsamp_warps_issue_stalled_not_selected,smsp__pcsamp_warps_issue_stalled_selected,smsp__pcsamp_warps_issue_stalled_dispatch_stall,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_lg_throttle,smsp__pcsamp_warps_issue_stalled_tex_throttle,smsp__pcsamp_warps_issue_stalled_no_instructions \
-  -k regex:int2_decode --launch-skip 2 --launch-count 1 python3 /tmp/ncu_decode.py > $OUT/ncu_decode.txt 2>&1
+  -k regex:int2_decode --launch-skip 2 --launch-count 1 python3 benchmarks/ncu_decode_call.py 8 131072 > $OUT/ncu_decode.txt 2>&1
 echo "ncu rc=$?"; grep -v "^==PROF==" $OUT/ncu_decode.txt | grep -E "Duration|Throughput|Issue|Eligible|Warp Cycles|Occupancy|Stall|stalled|Executed Ipc|Active Warps|Registers|ERR|One or More" | head -70

@@ -10,17 +10,6 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.
 echo "tests rc=$?"; grep -E "passed|failed|FAILED|Error" $OUT/tests.log | tail -25
 timeout 260 python3 benchmarks/bench_decode.py --out $OUT/decode.json > $OUT/decode.log 2>&1; echo "decode rc=$?"
 grep -v '^{' $OUT/decode.log | tail -40
-python3 - <<'PY'
-import json, os, collections
-rows = json.load(open(os.environ["OUT"] + "/decode.json"))
-t = collections.defaultdict(dict)
-for r in rows:
-    if r["impl"] == "rotkv_int2_cfg":
-        t[(r["batch"], r["context"])][r["config"]] = r["ms"]
-names = sorted({k for v in t.values() for k in v})
-print("B L " + " ".join(names))
-for k, v in t.items():
-    print(k, " ".join(f"{v.get(n, float('nan')):.4f}" for n in names))
-PY
+python3 benchmarks/decode_table.py $OUT/decode.json
 timeout 100 python3 benchmarks/decode_breakdown.py --batch 1 8 --context 4096 131072 --out $OUT/breakdown.json \
   > $OUT/breakdown.log 2>&1; echo "breakdown rc=$?"; grep -v '^{' $OUT/breakdown.log | tail -20

@@ -13,18 +13,6 @@ grep -v '^{' $OUT/decode.log | grep -E "rotkv_int2|triton_bf16.*t64|sdpa" | tail
 timeout 60 python3 benchmarks/bench_decode.py --batch 1 8 --context 4096 8192 --q-heads 9 --kv-heads 3 --head-dim 64 \
   --configs default cuda-t2-none cuda-pf-t1-none v2-n128-w4 --out $OUT/decode-d64.json > $OUT/decode-d64.log 2>&1
 echo "d64 rc=$?"; grep -v '^{' $OUT/decode-d64.log | grep -E "rotkv_int2|triton_bf16|sdpa" | tail -20
-python3 - <<'PY'
-import json, os, collections
-for f in ("decode.json", "decode-d64.json"):
-    rows = json.load(open(os.environ["OUT"] + "/" + f))
-    t = collections.defaultdict(dict)
-    for r in rows:
-        if r["impl"] == "rotkv_int2_cfg":
-            t[(r["batch"], r["context"])][r["config"]] = r["ms"]
-    names = sorted({k for v in t.values() for k in v})
-    print(f, "B L " + " ".join(names))
-    for k, v in t.items():
-        print(k, " ".join(f"{v.get(n, float('nan')):.4f}" for n in names))
-PY
+python3 benchmarks/decode_table.py $OUT/decode.json $OUT/decode-d64.json
 timeout 80 python3 benchmarks/decode_breakdown.py --batch 1 8 --context 4096 131072 --out $OUT/breakdown.json \
   > $OUT/breakdown.log 2>&1; echo "breakdown rc=$?"; grep -v '^{' $OUT/breakdown.log | tail -22

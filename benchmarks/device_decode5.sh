@@ -12,17 +12,4 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.
   > $OUT/tests.log 2>&1; echo "tests rc=$?"; grep -E "passed|failed|FAILED|Error" $OUT/tests.log | tail -12
 timeout 200 python3 benchmarks/bench_decode.py --configs default cuda-bf16v-f8 cuda-vf16 cuda-vf16-f8 cuda-vf16-f16 \
   --out $OUT/decode.json > $OUT/decode.log 2>&1; echo "decode rc=$?"
-python3 - <<'PY'
-import json, os, collections
-rows = json.load(open(os.environ["OUT"] + "/decode.json"))
-t = collections.defaultdict(dict)
-for r in rows:
-    if r["impl"] == "rotkv_int2_cfg":
-        t[(r["batch"], r["context"])][r["config"]] = r["ms"]
-    if r["impl"] in ("sdpa_bf16", "triton_bf16"):
-        k = (r["batch"], r["context"]); t[k]["bf16"] = min(t[k].get("bf16", 1e9), r["ms"])
-names = sorted({k for v in t.values() for k in v})
-print("B L " + " ".join(names))
-for k, v in t.items():
-    print(k, " ".join(f"{v.get(n, float('nan')):.4f}" for n in names))
-PY
+python3 benchmarks/decode_table.py $OUT/decode.json

@@ -11,35 +11,9 @@ timeout 180 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.
 echo "tests rc=$?"; grep -E "passed|failed|FAILED|Error" $OUT/tests.log | tail -12
 timeout 150 python3 benchmarks/bench_decode.py --configs default cuda-bf16v cuda-vf16-f4 v2-n128-w4 \
   --out $OUT/decode.json > $OUT/decode.log 2>&1; echo "decode rc=$?"
-python3 - <<'PY'
-import json, os, collections
-rows = json.load(open(os.environ["OUT"] + "/decode.json"))
-t = collections.defaultdict(dict)
-for r in rows:
-    if r["impl"] == "rotkv_int2_cfg":
-        t[(r["batch"], r["context"])][r["config"]] = r["ms"]
-    if r["impl"] in ("sdpa_bf16", "triton_bf16"):
-        k = (r["batch"], r["context"]); t[k]["bf16"] = min(t[k].get("bf16", 1e9), r["ms"])
-names = sorted({k for v in t.values() for k in v})
-print("B L " + " ".join(names))
-for k, v in t.items():
-    print(k, " ".join(f"{v.get(n, float('nan')):.4f}" for n in names))
-PY
+python3 benchmarks/decode_table.py $OUT/decode.json
 timeout 30 python3 benchmarks/decode_error.py --batch 8 --context 32768 --configs default cuda-bf16v \
   --out $OUT/error.json > $OUT/error.log 2>&1; echo "error rc=$?"; tail -4 $OUT/error.log
-cat > /tmp/ncu6.py <<'PY'
-import torch
-from benchmarks.bench_decode import make_int2, make_bf16_pages
-from rotkv.kernels.decode import decode_attention
-g = torch.Generator(device="cuda").manual_seed(0)
-b, L = 32, 131072
-q = torch.randn(b, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-body, table = make_int2(b, 8, L - 320, 128, 64, 16, "cuda", g)
-tier, ttab = make_bf16_pages(b, 8, 320, 128, 16, "cuda", g)
-for _ in range(4):
-    decode_attention(q, body, table, L - 320, tier, ttab, 320)
-torch.cuda.synchronize()
-PY
 timeout 60 ncu --metrics sm__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warps_active.avg.per_cycle_active,smsp__warps_eligible.avg.per_cycle_active,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_not_selected,smsp__pcsamp_warps_issue_stalled_selected,smsp__pcsamp_warps_issue_stalled_dispatch_stall,smsp__pcsamp_warps_issue_stalled_mio_throttle \
-  -k regex:int2_decode --launch-skip 2 --launch-count 1 python3 /tmp/ncu6.py > $OUT/ncu.txt 2>&1
+  -k regex:int2_decode --launch-skip 2 --launch-count 1 python3 benchmarks/ncu_decode_call.py 32 131072 > $OUT/ncu.txt 2>&1
 echo "ncu rc=$?"; grep -E "^\s+(sm__|smsp__|gpu__|dram__)" $OUT/ncu.txt | awk '{print $1, $(NF-1), $NF}'

@@ -29,7 +29,7 @@ class Build:
 
     def key(self, arch: str) -> str:
         """The loader's cache key (rotkv.kernels.nvcc.load): source, architecture, macros."""
-        return nvcc_build.build_key(self.source.read_bytes(), arch, "-".join(str(v) for _, v in self.macros))
+        return nvcc_build.build_key(nvcc_build._read(self.source), arch, "-".join(str(v) for _, v in self.macros))
 
     def path(self, arch: str) -> Path:
         """Where the loader looks for this build."""
