@@ -630,9 +630,8 @@ def _min_blocks(cfg: DecodeConfig, d: int, ng: int) -> int:
 
 def _cuda_variant(cfg: DecodeConfig, d: int, ng: int) -> tuple[int, int, int, int, int, int, int]:
     """The CUDA kernel build a call runs: (head_dim, groups, tiles, min blocks, prefetch, fp16 values,
-    value flush);
-    prefetch as cfg.cuda_prefetch, except at head_dim 256 with 8 groups, where the second buffer
-    spills."""
+    value flush); prefetch as cfg.cuda_prefetch, except at head_dim 256 with 8 groups, where the
+    second buffer spills."""
     return (d, ng, cfg.cuda_tiles, _min_blocks(cfg, d, ng), int(cfg.cuda_prefetch and not (d >= 256 and ng >= 8)),
             int(cfg.cuda_value_f16), cfg.cuda_value_flush)
 
