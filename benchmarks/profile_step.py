@@ -1,0 +1,165 @@
+"""Where a graph-captured decode step spends its GPU time, rotkv bf16 and INT2 side by side.
+
+Per preset: a random-weight model of a real shape, N rows of L tokens filled synthetically through
+the cache's own write and flush path (``bench_job.fill_synthetic``), the CUDA-graph decode step
+captured; then it times
+
+- ``graph_ms``: ``GraphDecoder.step`` as generation calls it (host planning, table copies, the
+  replay and, every P steps, the eager flush), averaged over a multiple of P steps;
+- ``replay_ms``: the graph replay alone;
+
+and records replays with ``torch.profiler``, summing the GPU time per kernel and per *category*
+(attention body / tier / merge, write and flush, rotations (small matmuls), the model's GEMMs,
+norms and elementwise, copies), so that what costs INT2 more than bf16 is read off one table.
+
+    python benchmarks/profile_step.py --shape smollm2 --requests 64 --context 8192
+    python benchmarks/profile_step.py --shape qwen3-8b --layers 8 --requests 4 --context 32768
+
+Writes benchmarks/results/stepprof-<shape>-<UTC time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_job import build_model, fill_synthetic  # noqa: E402
+
+from rotkv.bench import commit, device_name  # noqa: E402
+from rotkv.cache import RotkvCache  # noqa: E402
+from rotkv.cli.bench import RANDOM_SHAPES  # noqa: E402
+
+SHAPES = dict(RANDOM_SHAPES)
+SHAPES.setdefault("smollm2", dict(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                                  head_dim=64, intermediate_size=1536, vocab_size=49152, rope_theta=1e5,
+                                  max_position_embeddings=8192, tie_word_embeddings=True))
+
+# kernel name -> category, first match wins (names of the rotkv kernels, cuBLAS/cutlass GEMMs, torch ops)
+CATEGORIES = [
+    ("attn: CUDA INT2 body", r"int2_decode_kernel"),
+    ("attn: Triton split (tier; body at D 64)", r"_split_kernel"),
+    ("attn: merge", r"_merge_kernel"),
+    ("attn: other", r"flash|fmha|attn|sdpa"),
+    ("write / flush", r"write_plain|write_rot|_quant_write|index_put|scatter|_dequant"),
+    ("GEMM", r"gemm|cutlass|xmma|nvjet|cublas|matmul|splitK"),
+    ("norm / elementwise", r"elementwise|vectorized|reduce|norm|silu|mul|add|pow|rsqrt|unrolled|triton_"),
+    ("copy / cast", r"copy|cat|memcpy|memset|fill"),
+]
+
+
+def category(name: str) -> str:
+    for cat, pat in CATEGORIES:
+        if re.search(pat, name, re.I):
+            return cat
+    return "other"
+
+
+def timed(fn, n: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+@torch.no_grad()
+def profile_preset(model, preset: str, rows: int, context: int, chunk: int, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from rotkv.cache.graph import GraphDecoder
+    from rotkv.hf.compat import cache_kwarg
+
+    cache = RotkvCache(model, preset, check_finite=False)
+    fill_synthetic(model, cache, rows, context, chunk)
+    dev = model.device
+    p = cache.spec.page_size
+    state = {"tok": torch.randint(0, model.config.vocab_size, (rows,), device=dev),
+             "pos": torch.full((rows,), context, device=dev)}
+    graph = GraphDecoder(model, cache, context + 8 * p + 16, cache_kwarg(model))
+
+    def gstep():
+        state["tok"] = graph.step(state["tok"], state["pos"]).argmax(-1)
+        state["pos"] = state["pos"] + 1
+
+    for _ in range(3):
+        gstep()
+    graph_ms = timed(gstep, 4 * p)
+    replay_ms = timed(graph.graph.replay, 16)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.graph.replay()
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            kernels[e.key] = {"us": round(us / steps, 2), "calls": e.count / steps, "category": category(e.key)}
+    cats: dict[str, float] = {}
+    for k in kernels.values():
+        cats[k["category"]] = round(cats.get(k["category"], 0.0) + k["us"], 2)
+    stats = cache.stats()
+    del graph, cache
+    gc.collect()
+    torch.cuda.empty_cache()
+    return dict(preset=preset, graph_ms=round(graph_ms, 3), replay_ms=round(replay_ms, 3),
+                kernel_ms=round(sum(cats.values()) / 1e3, 3), categories=cats,
+                kernels=dict(sorted(kernels.items(), key=lambda kv: -kv[1]["us"])),
+                bits_per_element=round(stats["bits_per_element"], 3), kv_gb=round(stats["kv_bytes"] / 1e9, 3))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the real shape")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--presets", nargs="+", default=["bf16", "quarot-int2"])
+    ap.add_argument("--steps", type=int, default=8, help="profiled replays")
+    ap.add_argument("--chunk", type=int, default=2048, help="fill chunk")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device")
+    shape = dict(SHAPES[a.shape])
+    if a.layers:
+        shape["num_hidden_layers"] = a.layers
+    model = build_model(shape, "cuda")
+    res = [profile_preset(model, p, a.requests, a.context, a.chunk, a.steps) for p in a.presets]
+    cats = sorted({c for r in res for c in r["categories"]}, key=lambda c: -max(r["categories"].get(c, 0) for r in res))
+    label = f"{a.shape}{'-' + str(a.layers) + 'L' if a.layers else ''} {a.requests} x {a.context}"
+    print(f"\n## {label}  (us per step; graph = GraphDecoder.step incl. host work and flush)")
+    print("| category | " + " | ".join(r["preset"] for r in res) + " |")
+    print("|---|" + "---|" * len(res))
+    for c in cats:
+        print(f"| {c} | " + " | ".join(f"{r['categories'].get(c, 0):.0f}" for r in res) + " |")
+    for key in ("kernel_ms", "replay_ms", "graph_ms"):
+        print(f"| **{key}** | " + " | ".join(f"{r[key]:.3f}" for r in res) + " |")
+    for r in res:
+        print(f"top kernels, {r['preset']}:")
+        for name, k in list(r["kernels"].items())[:8]:
+            print(f"  {k['us']:9.1f} us {k['calls']:5.1f}x  [{k['category']}] {name[:90]}")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
+    out = Path(a.out or Path(__file__).parent / "results" / f"stepprof-{a.shape}-{stamp}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(shape=a.shape, layers=shape["num_hidden_layers"], requests=a.requests,
+                                   context=a.context, results=res, gpu=device_name(model.device), commit=commit()),
+                              indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
