@@ -18,9 +18,10 @@ from rotkv.calibrate import clip
 from rotkv.calibrate.capture import capturing
 from rotkv.calibrate.corpus import token_chunks
 from rotkv.calibrate.stats import StatsRecorder
-from rotkv.hf.models import attention_modules, mean_centering_blocker
+from rotkv.hf.geometry import attention_modules, model_geometry
+from rotkv.hf.models import mean_centering_blocker
 from rotkv.rotations import registry
-from rotkv.rotations.artifact import model_geometry, model_meta
+from rotkv.rotations.artifact import model_meta
 from rotkv.rotations.base import LayerRotation
 
 CS_FORMS = ("exact", "weighted", "diag")

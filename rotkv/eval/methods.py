@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from rotkv.config import PRESETS, artifact_file as config_artifact_file
 from rotkv.eval import peers
 from rotkv.rotations import registry
-from rotkv.rotations.artifact import model_geometry
+from rotkv.hf.geometry import model_geometry
 
 NOMINAL_BITS = {"bf16": 16.0}
 
