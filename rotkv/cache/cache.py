@@ -10,7 +10,7 @@ import numpy as np
 
 from rotkv.cache.layer import HybridLayer
 from rotkv.cache.plan import PageState
-from rotkv.config import CacheSpec, get_preset, parse_layer_bits
+from rotkv.config import DEFAULT_PRESET, CacheSpec, artifact_file, calibration_method, get_preset, parse_layer_bits
 from rotkv.hf import compat
 from rotkv.hf.attention import install
 from rotkv.hf.models import check_supported, mean_centering_blocker, sliding_layers
@@ -28,10 +28,10 @@ def layer_rotations(model, spec: CacheSpec, artifact: Artifact | str | None) -> 
     layers, kv_heads, head_dim = model_geometry(model.config)
     if spec.needs_artifact:
         if artifact is None:
-            method = spec.method or (spec.name.split("-")[0] if spec.name != "custom" else "oscar")
+            method, name = calibration_method(spec), artifact_file(spec, base=True)
             raise ValueError(
                 f"preset {spec.name!r} needs a calibration artifact (rotations, key means, clip ratios); make one with "
-                f"`rotkv calibrate --method {method} --out {method}.safetensors` and pass --artifact {method}.safetensors"
+                f"`rotkv calibrate --method {method} --out {name}` and pass --artifact {name}"
             )
         artifact = load_artifact(artifact) if isinstance(artifact, str) else artifact
         validate_artifact(artifact, model, spec)
@@ -65,7 +65,7 @@ class RotkvCache(Cache):
     ``rotkv.kernels.decode.DecodeConfig.score``); None: ``ROTKV_DECODE_SCORE`` or "auto".
     """
 
-    def __new__(cls, model=None, spec: CacheSpec | str = "quarot-int2", artifact=None, check_finite: bool = True,
+    def __new__(cls, model=None, spec: CacheSpec | str = DEFAULT_PRESET, artifact=None, check_finite: bool = True,
                 layer_bits=None, decode_score: str | None = None, **overrides):
         # a spec with a memory budget (pmkvq, oscar-pmkvq, ...) needs budgeted layers: hand back a
         # BudgetCache (a subclass, so Python then runs its __init__ with the same arguments)
@@ -75,7 +75,7 @@ class RotkvCache(Cache):
             cls = BudgetCache
         return super().__new__(cls)
 
-    def __init__(self, model, spec: CacheSpec | str = "quarot-int2", artifact: Artifact | str | None = None,
+    def __init__(self, model, spec: CacheSpec | str = DEFAULT_PRESET, artifact: Artifact | str | None = None,
                  check_finite: bool = True, layer_bits=None, decode_score: str | None = None, **overrides):
         check_supported(model)
         self.spec = resolve_spec(spec, **overrides)
