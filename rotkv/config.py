@@ -9,9 +9,12 @@ import dataclasses
 import numbers
 from dataclasses import dataclass
 
+from rotkv.rotations import registry
+
 META_NAMES = ("float16", "float8", "float32")
 KEY_WIDTHS = (2, 3, 4, 8)  # per-layer key widths (`k_bits`); 3 bits is bit-sliced (rotkv.quant.packing)
-ROTATIONS = ("identity", "hadamard", "random", "artifact")
+# a CacheSpec's rotations: the registry's data-free ones, and "artifact" for every calibrated method
+ROTATIONS = (*registry.data_free(), "artifact")
 CODECS = ("token", "kivi")
 TIER_DTYPES = ("bfloat16", "float16", "float32", "model")
 SHIFTS = ("equivalent", "rounded", "plain")  # progressive precision: how a body shrinks
@@ -28,7 +31,8 @@ class CacheSpec:
     page_size: tokens leave the window in blocks of this many (the GPU pool's page size).
     prefill_chunk: a prefill longer than this is processed in chunks, each attending to the
         quantized cache of the earlier ones.
-    rotation: identity | hadamard | random | artifact (calibrated: OSCAR, OptR, ...).
+    rotation: one of ``ROTATIONS``: a data-free rotation of the registry (identity, hadamard, random)
+        or artifact (calibrated: OSCAR, OptR, ...).
     rotate_values: rotate values as well as keys (by R_V on write, R_V^T on the output).
     clip_k, clip_v: per-row quantile clipping ratios (1.0 = none); an artifact may override.
     key_mean: subtract the calibrated per-(layer, KV head) key mean from every stored key.
@@ -244,10 +248,32 @@ PRESETS: dict[str, CacheSpec] = {
 }
 
 
-def artifact_file(preset: str, method_file: str) -> str:
-    """The artifact file name a preset reads from an artifact folder: its own ``<preset>.safetensors`` when it
-    takes per-layer key widths from the artifact (``k_bits="artifact"``), else its method's (``method_file``)."""
-    return f"{preset}.safetensors" if PRESETS[preset].k_bits == "artifact" else method_file
+DEFAULT_PRESET = "quarot-int2"  # the cache a caller gets without naming one: INT2, no artifact needed
+
+
+def calibration_method(spec: CacheSpec | str) -> str:
+    """The calibration method whose artifact ``spec`` (a CacheSpec or a preset name) reads: its ``method``;
+    else its name without the width suffix when that names a registered method (``pmkvq``); else the
+    registry's default method (``registry.DEFAULT_METHOD``)."""
+    spec = get_preset(spec) if isinstance(spec, str) else spec
+    if spec.method is not None:
+        return spec.method
+    stem = spec.name.rsplit("-", 1)[0]
+    return next((n for n in (spec.name, stem) if n in registry.METHODS), registry.DEFAULT_METHOD)
+
+
+def artifact_file(spec: CacheSpec | str, base: bool = False) -> str:
+    """The file name an artifact folder (``--artifact-dir``) holds for ``spec`` (a CacheSpec or a preset name).
+
+    ``<method>.safetensors``, the artifact of its calibration method (:func:`calibration_method`;
+    ``oscar-int2`` reads ``oscar.safetensors``), or for a preset that takes per-layer key widths from its
+    artifact (``k_bits="artifact"``) its own ``<preset>.safetensors`` (``python -m rotkv.calibrate.keybits``),
+    made from the method's file (``base=True`` names that one).
+    """
+    spec = get_preset(spec) if isinstance(spec, str) else spec
+    if spec.k_bits == "artifact" and not base:
+        return f"{spec.name}.safetensors"
+    return f"{calibration_method(spec)}.safetensors"
 
 
 def get_preset(name: str, **overrides) -> CacheSpec:

@@ -11,7 +11,8 @@ import torch
 from rotkv.cli.eval import parse_lengths
 from rotkv.eval import niah, peers
 from rotkv.eval.config import EvalConfig, make_config
-from rotkv.eval.methods import artifact_name, resolve
+from rotkv.config import calibration_method
+from rotkv.eval.methods import resolve
 from rotkv.eval.nll import window_starts
 from rotkv.eval.stats import mean_ci, wilson
 
@@ -69,7 +70,7 @@ def test_tier_marks():
 
 
 def test_artifact_names_and_missing_artifact(tmp_path):
-    assert artifact_name("oscar-int2") == "oscar" and artifact_name("optr-int2") == "optr"
+    assert calibration_method("oscar-int2") == "oscar" and calibration_method("optr-int2") == "optr"
     m, why = resolve("oscar-int2", 16, 64, None)
     assert m is None and "--artifact-dir" in why
     m, why = resolve("oscar-int2", 16, 64, str(tmp_path), calibrate=lambda method, path: f"no {method}")

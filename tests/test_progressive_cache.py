@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rotkv.cache import RotkvCache, make_cache
-from rotkv.cache.progressive import BudgetCache, EvictingLayer, ProgressiveLayer, layer_budget
+from rotkv.cache.progressive import EvictingLayer, ProgressiveLayer, layer_budget
 from rotkv.config import CacheSpec, get_preset
 from rotkv.hf.compat import cache_kwarg
 
@@ -33,10 +33,12 @@ def feed(model, cache, ids, step=16):
 def test_progressive_shrinks_in_steps_and_stays_within_budget(tiny_llama):
     spec = CacheSpec(bits=2, start_bits=16, budget_tokens=160, **BASE)
     cache = make_cache(tiny_llama, spec)
-    assert isinstance(cache, BudgetCache) and all(isinstance(l, ProgressiveLayer) for l in cache.layers)
+    assert isinstance(cache, RotkvCache) and all(isinstance(l, ProgressiveLayer) for l in cache.layers)
+    assert [lp.kind for lp in cache.plan.layers] == ["progressive"] * 2
     # built straight from the class (as an evaluation harness does), a budgeted preset still gets its layers
     direct = RotkvCache(tiny_llama, "pmkvq", **BASE)
-    assert isinstance(direct, BudgetCache) and direct.spec.budget_tokens == 8192 and direct.layers[0].bits == 16
+    assert all(isinstance(l, ProgressiveLayer) for l in direct.layers)
+    assert direct.spec.budget_tokens == 8192 and direct.layers[0].bits == 16
     _, trace = feed(tiny_llama, cache, torch.randint(1, 128, (1, 160)))
     budget = cache.layers[0].budget
     widths = [t[0][2] for t in trace]

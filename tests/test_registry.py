@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from rotkv.cli import build_parser
-from rotkv.config import PRESETS, ROTATIONS, CacheSpec
+from rotkv.config import PRESETS, ROTATIONS, CacheSpec, artifact_file, calibration_method
 from rotkv.eval import peers
 from rotkv.eval.config import EvalConfig, make_config
-from rotkv.eval.methods import artifact_file, known_methods, resolve
+from rotkv.eval.methods import known_methods, resolve
 from rotkv.rotations import registry
 from rotkv.rotations.identity import random_orthogonal
 
@@ -48,8 +48,10 @@ def test_eval_methods_are_the_presets_and_peers():
     full = make_config("full").methods
     assert [m for m in full if m in PRESETS] == [n for n, s in PRESETS.items() if s.start_bits is None]
     for name, spec in PRESETS.items():
-        if spec.needs_artifact:
-            assert artifact_file(name) == registry.get(spec.method).artifact
+        if spec.needs_artifact:  # a calibrated preset reads its method's artifact (or its own, made from it)
+            assert calibration_method(name) == spec.method
+            assert artifact_file(name, base=True) == f"{spec.method}.safetensors"
+            assert artifact_file(name) == (f"{name}.safetensors" if spec.k_bits == "artifact" else f"{spec.method}.safetensors")
 
 
 def test_build_rotations_dispatches_through_the_registry():
@@ -72,7 +74,7 @@ def _toy_fit(st, opts):
 @pytest.fixture
 def toy(monkeypatch):
     """A method and its preset, registered the way a new one would be: one Method, one preset."""
-    registry.register(registry.Method("toy", "a fixed random rotation (test)", fit=_toy_fit))
+    registry.register(registry.RotationMethod("toy", "a fixed random rotation (test)", fit=_toy_fit))
     monkeypatch.setitem(PRESETS, "toy-int2", CacheSpec(name="toy-int2", rotation="artifact", key_mean=True,
                                                        method="toy"))
     yield registry.get("toy")
@@ -96,7 +98,7 @@ def test_a_registered_method_shows_up_everywhere(toy, tmp_path):
     # the calibration driver fits it, with key means and clip ratios, into a sound artifact
     tiny = Loaded(make_tiny_llama(), _ByteTok(), "tiny")
     tensors, meta = calibrate(tiny, CalibConfig(method="toy", tokens=512, chunk_len=128, progress=False))
-    path = tmp_path / toy.artifact
+    path = tmp_path / artifact_file("toy-int2")
     save_artifact(str(path), tensors, meta)
     art = load_artifact(str(path))
     assert art.meta["method"] == "toy" and art.tensors["R_K.0"].shape == (1, 16, 16)

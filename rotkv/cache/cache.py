@@ -2,51 +2,17 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from rotkv.cache.codecs import TokenCodec, make_codecs
-import numpy as np
-
+from rotkv.cache.assembly import CachePlan, build_layer, plan_cache, resolve_spec
 from rotkv.cache.layer import HybridLayer
 from rotkv.cache.plan import PageState
-from rotkv.config import CacheSpec, get_preset, parse_layer_bits
-from rotkv.hf import compat
+from rotkv.cache.progressive import ProgressiveLayer
+from rotkv.config import DEFAULT_PRESET, CacheSpec
 from rotkv.hf.attention import install
-from rotkv.hf.models import check_supported, mean_centering_blocker, sliding_layers
-from rotkv.quant.quantizer import check_group
-from rotkv.rotations.artifact import Artifact, load_artifact, model_geometry, validate_artifact
-from rotkv.rotations.base import LayerRotation
-from rotkv.rotations.registry import build_rotations
-
-
-def resolve_spec(spec: CacheSpec | str, **overrides) -> CacheSpec:
-    return get_preset(spec, **overrides) if isinstance(spec, str) else spec.replace(**overrides)
-
-
-def layer_rotations(model, spec: CacheSpec, artifact: Artifact | str | None) -> tuple[list[LayerRotation], Artifact | None]:
-    layers, kv_heads, head_dim = model_geometry(model.config)
-    if spec.needs_artifact:
-        if artifact is None:
-            method = spec.method or (spec.name.split("-")[0] if spec.name != "custom" else "oscar")
-            raise ValueError(
-                f"preset {spec.name!r} needs a calibration artifact (rotations, key means, clip ratios); make one with "
-                f"`rotkv calibrate --method {method} --out {method}.safetensors` and pass --artifact {method}.safetensors"
-            )
-        artifact = load_artifact(artifact) if isinstance(artifact, str) else artifact
-        validate_artifact(artifact, model, spec)
-        rots = [artifact.layer_rotation(i) for i in range(layers)]
-        if not spec.key_mean:
-            rots = [LayerRotation(r.R_K, r.R_V, None, r.clip_k, r.clip_v) for r in rots]
-        if artifact.values_folded and not getattr(model.config, "rotkv_values_folded", False):
-            raise ValueError(
-                f"artifact {artifact.path} has R_V folded into the weights, but this model is not folded; "
-                "fold it with rotkv.rotations.folding before building the cache"
-            )
-        return rots, artifact
-    if spec.key_mean:
-        raise ValueError("`key_mean` needs calibrated means: use rotation='artifact'")
-    return build_rotations(spec.rotation, layers, kv_heads, head_dim, spec.seed, spec.rotate_values), None
+from rotkv.rotations.artifact import Artifact
 
 
 class RotkvCache(Cache):
@@ -54,7 +20,10 @@ class RotkvCache(Cache):
 
     Full-attention layers get a :class:`HybridLayer` (bf16 sink + quantized body + bf16 window)
     over page pools, all sharing one :class:`~rotkv.cache.plan.PageState` (the page lists and
-    free lists of the batch); sliding-window layers stay bf16 (transformers' own layer).
+    free lists of the batch); sliding-window layers stay bf16 (transformers' own layer). A spec
+    with a memory budget (``budget_tokens``: ``pmkvq``, ``oscar-pmkvq``, ...) gets budgeted layers
+    instead (``rotkv.cache.progressive``). What each layer is comes from one resolution,
+    :func:`rotkv.cache.assembly.plan_cache`, kept as ``self.plan``.
     Building the cache registers the "rotkv" attention function and switches the model to it.
 
     check_finite: refuse NaN/Inf keys and values (nothing is stored). It costs one device sync
@@ -65,69 +34,19 @@ class RotkvCache(Cache):
     ``rotkv.kernels.decode.DecodeConfig.score``); None: ``ROTKV_DECODE_SCORE`` or "auto".
     """
 
-    def __new__(cls, model=None, spec: CacheSpec | str = "quarot-int2", artifact=None, check_finite: bool = True,
-                layer_bits=None, decode_score: str | None = None, **overrides):
-        # a spec with a memory budget (pmkvq, oscar-pmkvq, ...) needs budgeted layers: hand back a
-        # BudgetCache (a subclass, so Python then runs its __init__ with the same arguments)
-        if cls is RotkvCache and model is not None and resolve_spec(spec, **overrides).budget_tokens is not None:
-            from rotkv.cache.progressive import BudgetCache
-
-            cls = BudgetCache
-        return super().__new__(cls)
-
-    def __init__(self, model, spec: CacheSpec | str = "quarot-int2", artifact: Artifact | str | None = None,
+    def __init__(self, model, spec: CacheSpec | str = DEFAULT_PRESET, artifact: Artifact | str | None = None,
                  check_finite: bool = True, layer_bits=None, decode_score: str | None = None, **overrides):
-        check_supported(model)
-        self.spec = resolve_spec(spec, **overrides)
-        num_layers, kv_heads, head_dim = model_geometry(model.config)
-        self.head_dim, self.kv_heads = head_dim, kv_heads
-        if self.spec.quantized:
-            check_group(self.spec.resolved_group(head_dim), head_dim)
-        if self.spec.k_bits and self.spec.k_bits != "artifact":
-            bad = sorted(i for i in parse_layer_bits(self.spec.k_bits) if i >= num_layers)
-            if bad:
-                raise ValueError(f"`k_bits` names layers {bad} but the model has {num_layers} layers (0-{num_layers - 1})")
-        if self.spec.key_mean:
-            why = mean_centering_blocker(model)
-            if why:
-                raise ValueError(f"key mean-centering is not exact on this model ({why}); use a preset without key_mean")
-        rotations, self.artifact = layer_rotations(model, self.spec, artifact)
-        artifact_bits = None
-        if self.spec.k_bits == "artifact":
-            if self.artifact is None or "k_bits" not in self.artifact.tensors:
-                raise ValueError("`k_bits`='artifact' needs an artifact with per-layer key widths (`k_bits`); make one with "
-                                 "`python -m rotkv.calibrate.keybits --base-artifact A --layers N --out B`")
-            artifact_bits = [int(b) for b in self.artifact.tensors["k_bits"].tolist()]
-        windows = sliding_layers(model)
-        sp = self.spec
-        self.state = PageState(sp.sink, sp.window, sp.page_size, sp.quantized, sp.prefill_chunk)
-        if layer_bits is not None:
-            if len(layer_bits) != num_layers or self.spec.codec != "token" or not self.spec.quantized:
-                raise ValueError(f"layer_bits needs one (key bits, value bits) pair per layer ({num_layers}) and a "
-                                 f"quantized token-codec spec")
-            for kb, vb in layer_bits:
-                if kb not in (2, 4, 8) or vb not in (2, 4, 8):
-                    raise ValueError(f"layer_bits entries must be in (2, 4, 8), got {(kb, vb)}")
-        layers = []
-        for i in range(num_layers):
-            if windows[i] is not None:
-                layers.append(compat.sliding_layer(windows[i]))
-                continue
-            codecs = None
-            if self.spec.quantized:
-                r = rotations[i]
-                codecs = make_codecs(self.spec.codec, self.spec.bits, self.spec.resolved_group(head_dim),
-                                     r.clip_k or self.spec.clip_k, r.clip_v or self.spec.clip_v,
-                                     self.spec.key_bits(i, artifact_bits), self.spec.meta_k, self.spec.meta_v)
-                if layer_bits is not None:
-                    kc, vc = codecs
-                    codecs = (TokenCodec(layer_bits[i][0], kc.group_size, kc.clip, kc.meta),
-                              TokenCodec(layer_bits[i][1], vc.group_size, vc.clip, vc.meta))
-            layers.append(HybridLayer(self.spec, rotations[i], head_dim, kv_heads, i, codecs, model.dtype,
-                                      state=self.state, check_finite=check_finite))
-            layers[-1].decode_score = decode_score
-        super().__init__(layers=layers)
-        self.rotation_bytes = sum(r.nbytes for r in rotations)
+        spec = resolve_spec(spec, **overrides)
+        if decode_score is not None and spec.budget_tokens is not None:
+            raise ValueError("decode_score picks the paged layers' decode kernel; a spec with `budget_tokens` "
+                             "has per-row layers, which run no kernel")
+        self.plan: CachePlan = plan_cache(model, spec, artifact, layer_bits)
+        self.spec, self.artifact = spec, self.plan.artifact
+        self.head_dim, self.kv_heads = self.plan.head_dim, self.plan.kv_heads
+        self.state = PageState(spec.sink, spec.window, spec.page_size, spec.quantized, spec.prefill_chunk)
+        super().__init__(layers=[build_layer(lp, self.plan, model.dtype, self.state, check_finite, decode_score)
+                                 for lp in self.plan.layers])
+        self.rotation_bytes = self.plan.rotation_bytes
         install(model)
 
     # ---- batch edits: one page-list edit, then every layer copies the pages it must ---------------
@@ -200,6 +119,10 @@ class RotkvCache(Cache):
             "elements": tot["elements"],
         }
 
+    def widths(self) -> list[int | None]:
+        """Current body width of every layer (None: not progressive)."""
+        return [layer.bits if isinstance(layer, ProgressiveLayer) else None for layer in self.layers]
+
     def kv_bytes(self) -> int:
         return int(self.stats()["kv_bytes"])
 
@@ -207,7 +130,7 @@ class RotkvCache(Cache):
         return float(self.stats()["bits_per_element"])
 
 
-def make_cache(model, spec: CacheSpec | str, artifact: Artifact | str | None = None, **overrides) -> Cache:
+def make_cache(model, spec: CacheSpec | str, artifact: Artifact | str | None = None, **overrides) -> RotkvCache:
     """A RotkvCache for a preset name or spec; ``bf16`` also goes through rotkv (unquantized tiers).
     A spec with ``budget_tokens`` gets budgeted layers (progressive precision or eviction)."""
     return RotkvCache(model, spec, artifact, **overrides)

@@ -25,44 +25,31 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
-from transformers.cache_utils import CacheLayerMixin
 
+from rotkv.cache.base import RotkvLayer
 from rotkv.cache.plan import PageState, Step
 from rotkv.cache.pools import LayerPools
 from rotkv.config import CacheSpec
 from rotkv.kernels import backend as kernels
 from rotkv.rotations.base import LayerRotation
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-
-class HybridLayer(CacheLayerMixin):
+class HybridLayer(RotkvLayer):
     """A full-attention layer's cache; see the module docstring.
 
     ``state``: the :class:`PageState` shared with the cache's other layers (a layer built alone
-    makes its own).
+    makes its own). ``decode_score``: the decode kernels' score variant (None: ROTKV_DECODE_SCORE / auto).
     """
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
 
     def __init__(self, spec: CacheSpec, rotation: LayerRotation, head_dim: int, kv_heads: int, layer_idx: int,
                  codecs=None, model_dtype: torch.dtype = torch.float32, state: PageState | None = None,
-                 check_finite: bool = True):
-        super().__init__()
-        self.spec, self.head_dim, self.kv_heads, self.layer_idx = spec, head_dim, kv_heads, layer_idx
-        self.rotation_cpu = rotation
-        self.rotation = rotation
-        self.key_codec, self.value_codec = codecs if codecs is not None else (None, None)
-        td = spec.tier_dtype
-        self.tier_dtype = model_dtype if td == "model" else _DTYPES[td]
+                 check_finite: bool = True, decode_score: str | None = None):
+        super().__init__(spec, rotation, head_dim, kv_heads, layer_idx, codecs, model_dtype)
         self.state = state or PageState(spec.sink, spec.window, spec.page_size, spec.quantized, spec.prefill_chunk)
         self.check_finite = check_finite
         self.pools: LayerPools | None = None
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.static = None  # a rotkv.cache.graph.StaticDecode while a CUDA-graph decode step runs
-        self.decode_score: str | None = None  # the decode kernels' score variant (None: ROTKV_DECODE_SCORE / auto)
+        self.decode_score = decode_score
 
     def __repr__(self) -> str:
         return f"HybridLayer({self.layer_idx}, {self.spec.name}, rows={self.state.rows}, seen={self.state.seen})"
@@ -78,33 +65,13 @@ class HybridLayer(CacheLayerMixin):
             self.state.reset(key_states.shape[0])
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Record new post-RoPE states ``[B, kv_heads, q, D]``; the attention function stores them.
+    @property
+    def batch_rows(self) -> int:
+        return self.state.rows
 
-        The returned key tensor carries a reference to this layer, which is how the registered
-        attention function finds the cache (transformers does not pass the cache to it).
-        """
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if key_states.shape[0] != self.state.rows:
-            raise ValueError(f"batch size changed from {self.state.rows} to {key_states.shape[0]} without reordering the cache")
-        if self.pending is not None:
-            raise RuntimeError(
-                f"layer {self.layer_idx}: new states arrived before the previous ones were attended; "
-                "the model must run with attn_implementation='rotkv' (RotkvCache sets it)"
-            )
-        self.pending = (key_states, value_states)
-        key_states._rotkv_layer = self
-        return key_states, value_states
-
-    def get_seq_length(self) -> int:
+    @property
+    def seen(self) -> int:
         return self.state.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.state.seen + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reset(self) -> None:
         """Forget every token (the pools keep their memory for the next batch)."""
@@ -112,9 +79,6 @@ class HybridLayer(CacheLayerMixin):
         if self.is_initialized:
             self.state.reset(0)
         self.is_initialized = False
-
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError("rotkv caches cannot be cropped: quantized tokens cannot be restored")
 
     # ---- reading the stored tokens -------------------------------------------------------------
     def read(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,17 +150,6 @@ class HybridLayer(CacheLayerMixin):
                              (self.pools.tier_k, self.pools.tier_v), st.tier, st.tier_max, sm_scale=scaling,
                              cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad)
         return rot.outputs(o.float()[:, :, None]).transpose(1, 2).to(query.dtype)
-
-    @staticmethod
-    def _counts(real: torch.Tensor | None, b: int, q: int) -> np.ndarray:
-        if real is None:
-            return np.full(b, q, dtype=np.int64)
-        real = real.bool().cpu()
-        counts = real.sum(-1)
-        suffix = torch.arange(q)[None] >= (q - counts)[:, None]
-        if not torch.equal(suffix, real):
-            raise ValueError("rotkv supports left padding only: the attention mask has a hole or right padding")
-        return counts.numpy().astype(np.int64)
 
     def _step(self, step: Step, qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, scaling: float) -> torch.Tensor:
         rows, pos, slots = step.device_write(self.device)

@@ -16,15 +16,14 @@ its final width, the bf16 sink and window included (``layer_budget``), times the
   post-RoPE, so the kept tokens keep their positions.
 
 Final widths per layer come from an artifact's ``bits [L]`` (``rotkv calibrate --method pmkvq``),
-otherwise ``spec.bits`` for every layer. Rotations compose: the body stores rotated rows.
+otherwise ``spec.bits`` for every layer; :func:`rotkv.cache.assembly.plan_cache` resolves them with
+each layer's codecs and budget. Rotations compose: the body stores rotated rows.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rotkv.cache.cache import RotkvCache, resolve_spec
-from rotkv.cache.layer import HybridLayer
 from rotkv.cache.rowstore import RowStore, RowStoreLayer
 from rotkv.config import CacheSpec
 from rotkv.quant.progressive import (
@@ -37,7 +36,6 @@ from rotkv.quant.progressive import (
     step_factor,
 )
 from rotkv.quant.quantizer import meta_dtype
-from rotkv.rotations.artifact import load_artifact, validate_artifact
 
 
 class ProgressiveCodec:
@@ -188,52 +186,3 @@ class EvictingLayer(RowStoreLayer):
             row.win_k, row.win_v = row.win_k[:, drop:].clone(), row.win_v[:, drop:].clone()
             _drop_view(row, sink + row.body_tokens, drop)
             self.evicted += drop
-
-
-def final_widths(spec: CacheSpec, artifact, num_layers: int) -> list[int | None]:
-    """Per-layer final widths: the artifact's ``bits [L]`` when it has them, else ``spec.bits``."""
-    if artifact is not None and "bits" in artifact.tensors:
-        bits = [int(b) for b in artifact.tensors["bits"].tolist()]
-        if len(bits) != num_layers:
-            raise ValueError(f"artifact {artifact.path} has {len(bits)} widths in `bits` for {num_layers} layers")
-        return bits
-    return [spec.bits] * num_layers
-
-
-class BudgetCache(RotkvCache):
-    """A RotkvCache whose full-attention layers have a byte budget (``spec.budget_tokens``):
-    progressive layers when ``spec.start_bits`` is set, evicting layers otherwise."""
-
-    def __init__(self, model, spec: CacheSpec | str, artifact=None, check_finite: bool = True, **overrides):
-        spec = resolve_spec(spec, **overrides)
-        if spec.budget_tokens is None:
-            raise ValueError("a BudgetCache needs `budget_tokens` (the context each layer's budget must hold)")
-        super().__init__(model, spec, artifact, check_finite)
-        if isinstance(artifact, str) and self.artifact is None:  # rotation-free presets read only `bits`
-            artifact = load_artifact(artifact)
-            validate_artifact(artifact, model)
-            self.artifact = artifact
-        widths = final_widths(spec, self.artifact, len(self.layers))
-        for i, layer in enumerate(self.layers):
-            if isinstance(layer, HybridLayer):
-                self.layers[i] = self._budgeted(layer, widths[i], model.dtype)
-
-    def _budgeted(self, old: HybridLayer, final: int | None, model_dtype: torch.dtype) -> RowStoreLayer:
-        spec, d = self.spec, self.head_dim
-        args = (spec, old.rotation_cpu, d, self.kv_heads, old.layer_idx)
-        tier_size = torch.empty(0, dtype=old.tier_dtype).element_size()
-        if spec.start_bits is None:  # fixed width: spec.bits, whatever widths an artifact carries
-            budget = layer_budget(spec, spec.bits, self.kv_heads, d, tier_size)
-            return EvictingLayer(*args, codecs=(old.key_codec, old.value_codec), model_dtype=model_dtype, budget=budget)
-        if final is None or final > spec.start_bits:
-            raise ValueError(f"layer {old.layer_idx}: final width {final} has to be one of [2, 4, 8] and <= start_bits {spec.start_bits}")
-        g = spec.resolved_group(d)
-        r = old.rotation_cpu
-        codecs = tuple(ProgressiveCodec(spec.start_bits, final, g, clip, spec.anchor, spec.shift)
-                       for clip in (r.clip_k or spec.clip_k, r.clip_v or spec.clip_v))
-        budget = layer_budget(spec, final, self.kv_heads, d, tier_size)
-        return ProgressiveLayer(*args, codecs=codecs, model_dtype=model_dtype, final_bits=final, budget=budget)
-
-    def widths(self) -> list[int | None]:
-        """Current body width of every layer (None: not progressive)."""
-        return [getattr(layer, "bits", None) if isinstance(layer, ProgressiveLayer) else None for layer in self.layers]

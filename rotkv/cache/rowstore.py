@@ -12,9 +12,9 @@ tokens of the row, and tokens leave the window in pages of ``P`` once it holds `
 Keys are stored mean-centered and rotated, ``(k - mu) R_K``, in every tier; values as
 ``v R_V``. Tensors are ``[kv_heads, tokens, D]`` per row.
 
-The layer follows transformers' ``CacheLayerMixin``: ``update`` only records the new states
-(the registered attention function needs the padding mask to place them), then
-:meth:`HybridLayer.attend` runs the attention against what is stored and writes the new tokens.
+Like the paged layer, it is a :class:`rotkv.cache.base.RotkvLayer`: ``update`` only records the
+new states, then :meth:`RowStoreLayer.attend` runs the attention against what is stored and writes
+the new tokens.
 """
 
 from __future__ import annotations
@@ -23,12 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import CacheLayerMixin
 
+from rotkv.cache.base import RotkvLayer
 from rotkv.config import CacheSpec
 from rotkv.rotations.base import LayerRotation
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -85,25 +83,14 @@ class RowStore:
         self.view_v[:, start:end] = v
 
 
-class RowStoreLayer(CacheLayerMixin):
+class RowStoreLayer(RotkvLayer):
     """A full-attention layer's cache, one set of tensors per row; see the module docstring."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
 
     def __init__(self, spec: CacheSpec, rotation: LayerRotation, head_dim: int, kv_heads: int, layer_idx: int,
                  codecs=None, model_dtype: torch.dtype = torch.float32):
-        super().__init__()
-        self.spec, self.head_dim, self.kv_heads, self.layer_idx = spec, head_dim, kv_heads, layer_idx
-        self.rotation_cpu = rotation
-        self.rotation = rotation
-        self.key_codec, self.value_codec = codecs if codecs is not None else (None, None)
-        td = spec.tier_dtype
-        self.tier_dtype = model_dtype if td == "model" else _DTYPES[td]
+        super().__init__(spec, rotation, head_dim, kv_heads, layer_idx, codecs, model_dtype)
         self.rows: list[RowStore] = []
         self.seen = 0  # slots the model has sent, pads included (what transformers calls the sequence length)
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.read_view = True
 
     def __repr__(self) -> str:
@@ -117,34 +104,14 @@ class RowStoreLayer(CacheLayerMixin):
                      for _ in range(key_states.shape[0])]
         self.is_initialized = True
 
+    @property
+    def batch_rows(self) -> int:
+        return len(self.rows)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Record new post-RoPE states ``[B, kv_heads, q, D]``; the attention function stores them.
-
-        The returned key tensor carries a reference to this layer, which is how the registered
-        attention function finds the cache (transformers does not pass the cache to it).
-        """
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if key_states.shape[0] != len(self.rows):
-            raise ValueError(f"batch size changed from {len(self.rows)} to {key_states.shape[0]} without reordering the cache")
-        if self.pending is not None:
-            raise RuntimeError(
-                f"layer {self.layer_idx}: new states arrived before the previous ones were attended; "
-                "the model must run with attn_implementation='rotkv' (RotkvCache sets it)"
-            )
+        out = super().update(key_states, value_states, *args, **kwargs)
         self.seen += key_states.shape[-2]
-        self.pending = (key_states, value_states)
-        key_states._rotkv_layer = self
-        return key_states, value_states
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
+        return out
 
     def reset(self) -> None:
         self.rows, self.seen, self.pending, self.is_initialized = [], 0, None, False
@@ -157,9 +124,6 @@ class RowStoreLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.rows = [self._copy_row(r) for r in self.rows for _ in range(repeats)]
-
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError("rotkv caches cannot be cropped: quantized tokens cannot be restored")
 
     @staticmethod
     def _copy_row(r: RowStore) -> RowStore:
@@ -245,13 +209,7 @@ class RowStoreLayer(CacheLayerMixin):
         rot = self.rotation
         qr, kr, vr = rot.queries(query), rot.keys(k_new), rot.values(v_new)
         out = torch.zeros(b, hq, q, d, dtype=torch.float32, device=query.device)
-        counts = [q] * b if real is None else real.sum(-1).tolist()
-        if real is not None:
-            # left padding only: the real tokens of each row must be a suffix of the new positions
-            starts = torch.tensor([q - c for c in counts], device=real.device)
-            suffix = torch.arange(q, device=real.device)[None] >= starts[:, None]
-            if not torch.equal(suffix, real.bool()):
-                raise ValueError("rotkv supports left padding only: the attention mask has a hole or right padding")
+        counts = self._counts(real, b, q).tolist()
         for i, row in enumerate(self.rows):
             for c0 in range(q - counts[i], q, self.spec.prefill_chunk):
                 c1 = min(c0 + self.spec.prefill_chunk, q)

@@ -152,8 +152,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from rotkv.hf.geometry import model_geometry
     from rotkv.hf.models import load_model
-    from rotkv.rotations.artifact import load_artifact, model_geometry, save_artifact, validate_artifact
+    from rotkv.rotations.artifact import load_artifact, save_artifact, validate_artifact
     from rotkv.rotations.registry import build_rotations
 
     loaded = load_model(args.model, device=args.device)

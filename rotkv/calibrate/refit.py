@@ -17,9 +17,9 @@ from tqdm.auto import tqdm
 from rotkv.calibrate import clip
 from rotkv.calibrate.corpus import token_chunks
 from rotkv.calibrate.run import collect
-from rotkv.hf.models import attention_modules
+from rotkv.hf.geometry import attention_modules, model_geometry
 from rotkv.quant.quantizer import check_bits, check_group
-from rotkv.rotations.artifact import Artifact, model_geometry, model_meta, validate_artifact
+from rotkv.rotations.artifact import Artifact, model_meta, validate_artifact
 from rotkv.rotations.base import LayerRotation
 
 

@@ -18,9 +18,10 @@ from rotkv.calibrate import clip
 from rotkv.calibrate.capture import capturing
 from rotkv.calibrate.corpus import token_chunks
 from rotkv.calibrate.stats import StatsRecorder
-from rotkv.hf.models import attention_modules, mean_centering_blocker
+from rotkv.hf.geometry import attention_modules, model_geometry
+from rotkv.hf.models import mean_centering_blocker
 from rotkv.rotations import registry
-from rotkv.rotations.artifact import model_geometry, model_meta
+from rotkv.rotations.artifact import model_meta
 from rotkv.rotations.base import LayerRotation
 
 CS_FORMS = ("exact", "weighted", "diag")
@@ -28,13 +29,13 @@ CS_FORMS = ("exact", "weighted", "diag")
 
 @dataclass
 class CalibConfig:
-    method: str = "oscar"
+    method: str = registry.DEFAULT_METHOD
     tokens: int = 16384
     bits: int = 2
     group_size: int | None = None  # None: min(64, head_dim)
     granularity: str | None = None  # None: the method's default (registry: layer; kv-head for optr)
     cs: str = "exact"
-    base: str = "oscar"
+    base: str = registry.DEFAULT_METHOD
     key_mean: bool = True  # clips (and OptR) are fitted with the key mean subtracted
     sink: int = 16
     chunk_len: int = 512
@@ -75,7 +76,7 @@ class CalibConfig:
                              f"{self.tokens}: calibration needs {why}")
 
     @property
-    def spec(self) -> registry.Method:
+    def spec(self) -> registry.RotationMethod:
         """The registered method."""
         return registry.get(self.method)
 

@@ -7,7 +7,7 @@ import time
 
 from rotkv.cli.common import cache_spec
 from rotkv.cli.errors import UsageError
-from rotkv.config import PRESETS
+from rotkv.config import DEFAULT_PRESET, PRESETS
 
 
 def register(sub) -> None:
@@ -20,7 +20,7 @@ def register(sub) -> None:
                    help="take head_dim from this model's config ('smollm2', a .gguf file or a Hugging Face "
                         "directory); or give --head-dim")
     p.add_argument("--head-dim", type=int, default=None)
-    p.add_argument("--preset", default="quarot-int2", choices=sorted(PRESETS), help="cache preset (bits, group size)")
+    p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS), help="cache preset (bits, group size)")
     p.add_argument("--group-size", type=int, default=None, help="quantization group size (overrides the preset)")
     p.add_argument("--arch", default=None,
                    help="compute capability without the dot, e.g. 90 for an H100/H200 (default: the visible GPU's)")

@@ -29,7 +29,7 @@ def register(sub) -> None:
     p.add_argument("--granularity", choices=["layer", "kv-head"], default=None,
                    help=f"one rotation per layer or per KV head (default: layer; kv-head for {', '.join(kv_head)})")
     p.add_argument("--cs", choices=["exact", "weighted", "diag"], default="exact", help="OSCAR's value covariance form")
-    p.add_argument("--base", choices=registry.bases(), default="oscar", help="OptR's starting rotation")
+    p.add_argument("--base", choices=registry.bases(), default=registry.DEFAULT_METHOD, help="OptR's starting rotation")
     p.add_argument("--no-key-mean", action="store_true", help="fit clips (and OptR) without key mean-centering")
     p.add_argument("--sink", type=int, default=None,
                    help="leading tokens left unquantized in the error objective (default 16; --refit-clip: the artifact's)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rotkv.cli.errors import UsageError, warn
-from rotkv.config import PRESETS
+from rotkv.config import DEFAULT_PRESET, PRESETS
 
 FLAGS = {"sink": "--sink", "window": "--window", "group_size": "--group-size"}  # CacheSpec field -> flag
 
@@ -19,7 +19,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_cache_args(p: argparse.ArgumentParser, preset: bool = True) -> None:
     if preset:
-        p.add_argument("--preset", default="quarot-int2", choices=sorted(PRESETS), help="cache preset")
+        p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS), help="cache preset")
     p.add_argument("--artifact", default=None, help="calibration artifact (.safetensors) for oscar/optr presets")
     p.add_argument("--sink", type=int, default=None, help="bf16 sink tokens (overrides the preset)")
     p.add_argument("--window", type=int, default=None, help="bf16 recent-window tokens (overrides the preset)")
@@ -52,13 +52,13 @@ def cache_spec(preset: str, overrides: dict):
 def early_artifact(command: str, spec, path: str | None):
     """Load and check ``--artifact`` against the preset before the model loads (the contract and the
     file itself; the model fingerprint is checked when the cache is built). Returns the Artifact or None."""
+    from rotkv.config import artifact_file, calibration_method
     from rotkv.rotations.artifact import check_contract, load_artifact
 
     if path is None:
         if spec.needs_artifact:
-            method = spec.method or "oscar"
             raise UsageError(f"--artifact: preset {spec.name!r} needs a calibration artifact; make one with "
-                             f"`rotkv calibrate --method {method} --out {method}.safetensors`")
+                             f"`rotkv calibrate --method {calibration_method(spec)} --out {artifact_file(spec, base=True)}`")
         return None
     if not spec.needs_artifact and spec.budget_tokens is None:
         warn(command, f"--artifact {path} is not used by preset {spec.name!r} (rotation {spec.rotation!r})")

@@ -84,19 +84,19 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
             if not spec.needs_artifact or spec.start_bits is not None or spec.method not in registry.METHODS:
                 continue
             method = spec.method
-            path = os.path.join(args.artifact_dir, artifact_file(preset, registry.get(method).artifact))
+            path = os.path.join(args.artifact_dir, artifact_file(preset))
             if os.path.exists(path):
                 if preset not in presets:
                     presets.append(preset)
                 artifacts[preset] = path
             elif preset not in presets:
-                how = (f"python -m rotkv.calibrate.keybits --base-artifact {os.path.join(args.artifact_dir, registry.get(method).artifact)} "
+                how = (f"python -m rotkv.calibrate.keybits --base-artifact {os.path.join(args.artifact_dir, artifact_file(preset, base=True))} "
                        f"--layers 10 --out {path}" if spec.k_bits == "artifact" else f"rotkv calibrate --method {method} --out {path}")
                 warn("demo", f"skipping {preset}: no {os.path.basename(path)} in {args.artifact_dir} (make one with `{how}`)")
     overrides = {k: v for k, v in (("sink", args.sink), ("window", args.window)) if v is not None}
     for name in presets:
         if PRESETS[name].needs_artifact and name not in artifacts:
-            want = f"{PRESETS[name].method or name}.safetensors"
+            want = artifact_file(name, base=True)
             raise UsageError(f"--presets {name} needs {want} in --artifact-dir "
                              f"({args.artifact_dir or 'not given'}); make it with `rotkv calibrate`")
         early_artifact("demo", cache_spec(name, overrides), artifacts.get(name))

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from rotkv.eval.protocol import forward, prefill
-from rotkv.hf.models import attention_modules
+from rotkv.hf.geometry import attention_modules
 
 
 @contextmanager

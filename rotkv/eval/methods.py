@@ -3,7 +3,7 @@
 A :class:`Method` builds a fresh cache for a model and measures what that cache holds. rotkv presets take
 the run's ``--sink``/``--window`` overrides (so methods compare at equal measured bits) and, for
 presets with a calibrated rotation, the artifact of the preset's calibration method,
-``<artifact_dir>/<method>.safetensors`` (rotkv.rotations.registry: ``oscar-int2`` reads ``oscar.safetensors``).
+``<artifact_dir>/<method>.safetensors`` (rotkv.config.artifact_file: ``oscar-int2`` reads ``oscar.safetensors``).
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from rotkv.config import PRESETS, artifact_file as config_artifact_file
+from rotkv.config import PRESETS, artifact_file, calibration_method
 from rotkv.eval import peers
-from rotkv.rotations import registry
-from rotkv.rotations.artifact import model_geometry
+from rotkv.hf.geometry import model_geometry
 
 NOMINAL_BITS = {"bf16": 16.0}
 
@@ -60,21 +59,6 @@ def nominal_bits(name: str) -> float:
     return 16.0 if spec.bits is None else float(spec.bits)
 
 
-def artifact_name(method: str) -> str:
-    """The calibration method whose artifact a preset reads: ``oscar-int2`` -> ``oscar`` (its ``method``
-    field); a preset without one falls back to its name without the bit suffix."""
-    spec = PRESETS.get(method)
-    if spec is not None and spec.method is not None:
-        return spec.method
-    return method.rsplit("-", 1)[0] if "-" in method else method
-
-
-def artifact_file(method: str) -> str:
-    """The file name of that artifact (registry.Method.artifact for a registered method)."""
-    name = artifact_name(method)
-    return registry.get(name).artifact if name in registry.METHODS else f"{name}.safetensors"
-
-
 def known_methods() -> list[str]:
     """Every method an evaluation can name: the rotkv presets, then the peers."""
     return list(PRESETS) + list(peers.PEERS)
@@ -98,20 +82,19 @@ def resolve(name: str, sink: int | None, window: int | None, artifact_dir: str |
     m = Method(name, "rotkv", nominal_bits(name), overrides)
     if PRESETS[name].needs_artifact:
         if artifact_dir is None:
-            return None, f"needs a calibration artifact: pass --artifact-dir (holding {artifact_file(name)})"
+            return None, f"needs a calibration artifact: pass --artifact-dir (holding {artifact_file(name, base=True)})"
+        path = os.path.join(artifact_dir, artifact_file(name))
         if PRESETS[name].k_bits == "artifact":  # its own artifact: the base rotation plus per-layer key widths
-            path = os.path.join(artifact_dir, config_artifact_file(name, artifact_file(name)))
             if not os.path.exists(path):
-                base = os.path.join(artifact_dir, artifact_file(name))
+                base = os.path.join(artifact_dir, artifact_file(name, base=True))
                 return None, (f"artifact {path} is missing: make it with `python -m rotkv.calibrate.keybits "
                               f"--base-artifact {base} --layers 10 --out {path}`")
             m.artifact = path
             return m, None
-        path = os.path.join(artifact_dir, artifact_file(name))
         if not os.path.exists(path):
             if calibrate is None:
                 return None, f"artifact {path} is missing"
-            why = calibrate(artifact_name(name), path)
+            why = calibrate(calibration_method(name), path)
             if why:
                 return None, why
         m.artifact = path

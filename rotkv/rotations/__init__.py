@@ -10,7 +10,7 @@ _HOMES = {
     "random_orthogonal": "rotkv.rotations.identity",
     "build_rotations": "rotkv.rotations.registry",
     "METHODS": "rotkv.rotations.registry",
-    "Method": "rotkv.rotations.registry",
+    "RotationMethod": "rotkv.rotations.registry",
 }
 
 __all__ = sorted(_HOMES)

@@ -36,6 +36,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from rotkv.hf.geometry import attention_modules, model_geometry, text_config
 from rotkv.rotations.base import LayerRotation
 
 FORMAT_VERSION = "1"  # written by this rotkv; a file without one predates versioning and reads as 1
@@ -96,16 +97,8 @@ class Artifact:
         return "\n".join(lines)
 
 
-def model_geometry(config) -> tuple[int, int, int]:
-    """(num_layers, kv_heads, head_dim) of a transformers config (text config for multimodal ones)."""
-    c = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    return c.num_hidden_layers, getattr(c, "num_key_value_heads", heads) or heads, head_dim
-
-
 def config_hash(config) -> str:
-    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    c = text_config(config)
     keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "head_dim", "vocab_size", "rope_theta", "rope_parameters", "max_position_embeddings")
     d = {k: getattr(c, k, None) for k in keys}
@@ -119,8 +112,6 @@ def weights_fingerprint(model) -> str:
     GPU copy and an fp32 CPU copy agree) and hashes them. Values are folded into v_proj /
     o_proj, so those are left out: a folded model keeps its fingerprint.
     """
-    from rotkv.hf.models import attention_modules
-
     h = hashlib.sha256()
     for attn in attention_modules(model):
         for proj in (attn.q_proj, attn.k_proj):

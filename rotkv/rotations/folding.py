@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from rotkv.hf.geometry import attention_modules
 from rotkv.rotations.pairwise import pair_matrix
-from rotkv.hf.models import attention_modules
 
 
 def _geometry(attn) -> tuple[int, int, int]:

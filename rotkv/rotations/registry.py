@@ -1,11 +1,11 @@
-"""The one list of methods: name -> :class:`Method`. Everything that names methods derives from it:
+"""The one list of methods: name -> :class:`RotationMethod`. Everything that names methods derives from it:
 ``rotkv calibrate --method`` choices, the calibration driver (rotkv.calibrate.run), the data-free
-rotations of a CacheSpec (:func:`build_rotations`), the artifact file an evaluation looks for, and the
-tests that run every method.
+rotations of a CacheSpec (:func:`build_rotations`, ``rotkv.config.ROTATIONS``), the artifact file an
+evaluation looks for (``rotkv.config.artifact_file``), and the tests that run every method.
 
 Adding a method touches three places: its own file here (``rotkv/rotations/<name>.py`` with ``fit``
 and/or ``build``), one :func:`register` line below, and its preset in ``rotkv.config.PRESETS``
-(``method="<name>"``; a data-free rotation also joins ``rotkv.config.ROTATIONS``).
+(``method="<name>"``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class FitOptions:
 
 
 @dataclass(frozen=True)
-class Method:
+class RotationMethod:
     """One rotation method (or lever) and how the rest of rotkv uses it.
 
     fit, build and refine are functions or ``"module:function"`` strings (so listing the methods, as the
@@ -71,16 +71,12 @@ class Method:
             return getattr(importlib.import_module(module), name)
         return ref
 
-    @property
-    def artifact(self) -> str:
-        """The artifact file an evaluation's ``--artifact-dir`` holds for this method."""
-        return f"{self.name}.safetensors"
+
+METHODS: dict[str, RotationMethod] = {}
+DEFAULT_METHOD = "oscar"  # the calibration rotkv recommends: `rotkv calibrate --base`, CalibConfig, hints
 
 
-METHODS: dict[str, Method] = {}
-
-
-def register(method: Method) -> Method:
+def register(method: RotationMethod) -> RotationMethod:
     """Add ``method`` (or replace the one of the same name); returns it."""
     METHODS[method.name] = method
     return method
@@ -90,7 +86,7 @@ def unregister(name: str) -> None:
     METHODS.pop(name, None)
 
 
-def get(name: str) -> Method:
+def get(name: str) -> RotationMethod:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; registered: {list(METHODS)}")
     return METHODS[name]
@@ -136,14 +132,14 @@ def build_rotations(kind: str, num_layers: int, kv_heads: int, head_dim: int, se
 
 # ---- the methods, in the order the command line lists them ---------------------------------------------
 _R = "rotkv.rotations."
-register(Method("identity", "no rotation (naive INT2)", build=_R + "identity:build", preset="naive-int2"))
-register(Method("hadamard", "R = H, data-oblivious (QuaRot)", fit=_R + "hadamard:fit", build=_R + "hadamard:build",
-                base=True, preset="quarot-int2"))
-register(Method("random", "a seeded Haar-random rotation per layer", build=_R + "identity:build_random"))
-register(Method("oscar", "R = U H P_br from the query / attention-output covariances", fit=_R + "oscar:fit",
-                uses_cs=True, base=True, preset="oscar-int2"))
-register(Method("optr", "R = R_base expm(A - A^T), learned per KV head against the error after W_O",
-                refine=_R + "optr:optimize_layer", granularity="kv-head", uses_cs=True, preset="optr-int2"))
-register(Method("pairwise", "RoPE-aligned SO(2) rotations of the channel pairs", fit=_R + "pairwise:fit"))
-register(Method("pmkvq", "per-layer final widths for progressive precision (PM-KVQ; rotkv.rotations.pmkvq)",
-                widths=True, preset="pmkvq"))
+register(RotationMethod("identity", "no rotation (naive INT2)", build=_R + "identity:build", preset="naive-int2"))
+register(RotationMethod("hadamard", "R = H, data-oblivious (QuaRot)", fit=_R + "hadamard:fit", build=_R + "hadamard:build",
+                        base=True, preset="quarot-int2"))
+register(RotationMethod("random", "a seeded Haar-random rotation per layer", build=_R + "identity:build_random"))
+register(RotationMethod("oscar", "R = U H P_br from the query / attention-output covariances", fit=_R + "oscar:fit",
+                        uses_cs=True, base=True, preset="oscar-int2"))
+register(RotationMethod("optr", "R = R_base expm(A - A^T), learned per KV head against the error after W_O",
+                        refine=_R + "optr:optimize_layer", granularity="kv-head", uses_cs=True, preset="optr-int2"))
+register(RotationMethod("pairwise", "RoPE-aligned SO(2) rotations of the channel pairs", fit=_R + "pairwise:fit"))
+register(RotationMethod("pmkvq", "per-layer final widths for progressive precision (PM-KVQ; rotkv.rotations.pmkvq)",
+                        widths=True, preset="pmkvq"))

@@ -1,0 +1,219 @@
+"""Cache assembly: what every layer of a :class:`~rotkv.cache.RotkvCache` is, resolved once, then built.
+
+:func:`plan_cache` reads the model, the spec and the artifact once and resolves, per layer: its
+kind, rotation, (key, value) codecs (their widths, group size, clip ratios and metadata dtypes)
+and byte budget. :func:`build_layer` makes the layer a :class:`LayerPlan` describes. Nothing is
+built and then replaced.
+
+Layer kinds:
+
+- ``sliding``: a sliding-window layer of the model, kept bf16 (transformers' own layer);
+- ``paged``: :class:`~rotkv.cache.layer.HybridLayer`, sink + quantized body + window over page pools;
+- ``progressive``: :class:`~rotkv.cache.progressive.ProgressiveLayer` (``spec.start_bits`` set), a
+  body that shrinks to its final width to stay within its budget;
+- ``evicting``: :class:`~rotkv.cache.progressive.EvictingLayer` (``budget_tokens`` without
+  ``start_bits``), fixed width, oldest tokens dropped over budget.
+
+Imports run one way: cache -> assembly -> layer, progressive, rowstore, codecs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rotkv.cache.base import tier_dtype
+from rotkv.cache.codecs import TokenCodec, make_codecs
+from rotkv.cache.layer import HybridLayer
+from rotkv.cache.plan import PageState
+from rotkv.cache.progressive import EvictingLayer, ProgressiveCodec, ProgressiveLayer, layer_budget
+from rotkv.config import CacheSpec, artifact_file, calibration_method, get_preset, parse_layer_bits
+from rotkv.hf import compat
+from rotkv.hf.geometry import model_geometry
+from rotkv.hf.models import check_supported, mean_centering_blocker, sliding_layers
+from rotkv.quant.quantizer import check_group
+from rotkv.rotations.artifact import Artifact, load_artifact, validate_artifact
+from rotkv.rotations.base import LayerRotation
+from rotkv.rotations.registry import build_rotations
+
+KINDS = ("sliding", "paged", "progressive", "evicting")
+LAYER_WIDTHS = (2, 4, 8)  # the token codec's widths a `layer_bits` entry may name
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer of a cache, resolved.
+
+    kind: one of :data:`KINDS` (see the module docstring).
+    rotation: the layer's rotations, key mean and clip ratios (identity for sliding layers).
+    codecs: (key codec, value codec), each with its width, group size, clip ratio and metadata
+        dtype; None for an unquantized layer (and sliding ones).
+    window: a sliding layer's window size.
+    budget: bytes one sequence may hold in the layer (progressive and evicting layers).
+    final_bits: a progressive layer's final width.
+    """
+
+    index: int
+    kind: str
+    rotation: LayerRotation
+    codecs: tuple | None = None
+    window: int | None = None
+    budget: int | None = None
+    final_bits: int | None = None
+
+    @property
+    def widths(self) -> tuple[int, int] | None:
+        """(key bits, value bits) of the body as written now (a progressive layer's start width)."""
+        return None if self.codecs is None else (self.codecs[0].bits, self.codecs[1].bits)
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """A whole cache, resolved: the spec, the model's geometry, the artifact read and one plan per layer."""
+
+    spec: CacheSpec
+    kv_heads: int
+    head_dim: int
+    artifact: Artifact | None
+    layers: tuple[LayerPlan, ...]
+
+    @property
+    def rotation_bytes(self) -> int:
+        return sum(lp.rotation.nbytes for lp in self.layers)
+
+
+def resolve_spec(spec: CacheSpec | str, **overrides) -> CacheSpec:
+    """A CacheSpec from a preset name or a spec, with field overrides (``sink=16, window=64``)."""
+    return get_preset(spec, **overrides) if isinstance(spec, str) else spec.replace(**overrides)
+
+
+def layer_rotations(model, spec: CacheSpec, artifact: Artifact | str | None) -> tuple[list[LayerRotation], Artifact | None]:
+    """Every layer's rotation: the artifact's for ``rotation="artifact"`` (loaded and checked against the
+    model and the spec), else the data-free ones of ``spec.rotation``; and the artifact read (or None)."""
+    layers, kv_heads, head_dim = model_geometry(model.config)
+    if spec.needs_artifact:
+        if artifact is None:
+            method, name = calibration_method(spec), artifact_file(spec, base=True)
+            raise ValueError(
+                f"preset {spec.name!r} needs a calibration artifact (rotations, key means, clip ratios); make one with "
+                f"`rotkv calibrate --method {method} --out {name}` and pass --artifact {name}"
+            )
+        artifact = load_artifact(artifact) if isinstance(artifact, str) else artifact
+        validate_artifact(artifact, model, spec)
+        rots = [artifact.layer_rotation(i) for i in range(layers)]
+        if not spec.key_mean:
+            rots = [LayerRotation(r.R_K, r.R_V, None, r.clip_k, r.clip_v) for r in rots]
+        if artifact.values_folded and not getattr(model.config, "rotkv_values_folded", False):
+            raise ValueError(
+                f"artifact {artifact.path} has R_V folded into the weights, but this model is not folded; "
+                "fold it with rotkv.rotations.folding before building the cache"
+            )
+        return rots, artifact
+    if spec.key_mean:
+        raise ValueError("`key_mean` needs calibrated means: use rotation='artifact'")
+    return build_rotations(spec.rotation, layers, kv_heads, head_dim, spec.seed, spec.rotate_values), None
+
+
+def final_widths(spec: CacheSpec, artifact: Artifact | None, num_layers: int) -> list[int | None]:
+    """Per-layer final widths of a budgeted cache: the artifact's ``bits [L]`` when it has them, else ``spec.bits``."""
+    if artifact is not None and "bits" in artifact.tensors:
+        bits = [int(b) for b in artifact.tensors["bits"].tolist()]
+        if len(bits) != num_layers:
+            raise ValueError(f"artifact {artifact.path} has {len(bits)} widths in `bits` for {num_layers} layers")
+        return bits
+    return [spec.bits] * num_layers
+
+
+def _check(model, spec: CacheSpec, num_layers: int, head_dim: int, layer_bits) -> None:
+    """The checks that need the model: group size, `k_bits` layers, mean-centering, `layer_bits`."""
+    if spec.quantized:
+        check_group(spec.resolved_group(head_dim), head_dim)
+    if spec.k_bits and spec.k_bits != "artifact":
+        bad = sorted(i for i in parse_layer_bits(spec.k_bits) if i >= num_layers)
+        if bad:
+            raise ValueError(f"`k_bits` names layers {bad} but the model has {num_layers} layers (0-{num_layers - 1})")
+    if spec.key_mean:
+        why = mean_centering_blocker(model)
+        if why:
+            raise ValueError(f"key mean-centering is not exact on this model ({why}); use a preset without key_mean")
+    if layer_bits is not None:
+        if len(layer_bits) != num_layers or spec.codec != "token" or not spec.quantized or spec.budget_tokens is not None:
+            raise ValueError(f"layer_bits needs one (key bits, value bits) pair per layer ({num_layers}) and a "
+                             f"quantized token-codec spec without a budget")
+        for kb, vb in layer_bits:
+            if kb not in LAYER_WIDTHS or vb not in LAYER_WIDTHS:
+                raise ValueError(f"layer_bits entries must be in {LAYER_WIDTHS}, got {(kb, vb)}")
+
+
+def plan_cache(model, spec: CacheSpec, artifact: Artifact | str | None = None, layer_bits=None) -> CachePlan:
+    """Resolve every layer of a cache for ``model`` once: kind, rotation, codecs, widths, clip ratios, budget.
+
+    artifact: an Artifact or a path; read for ``rotation="artifact"`` (rotations, key means, clip
+    ratios, ``k_bits``) and, for a budgeted spec, for its per-layer final widths (``bits``).
+    layer_bits: per-layer ``(key bits, value bits)`` of the token codec (see RotkvCache).
+    Every bad input raises here, before any layer exists.
+    """
+    check_supported(model)
+    num_layers, kv_heads, head_dim = model_geometry(model.config)
+    _check(model, spec, num_layers, head_dim, layer_bits)
+    rotations, art = layer_rotations(model, spec, artifact)
+    artifact_bits = None
+    if spec.k_bits == "artifact":
+        if art is None or "k_bits" not in art.tensors:
+            raise ValueError("`k_bits`='artifact' needs an artifact with per-layer key widths (`k_bits`); make one with "
+                             "`python -m rotkv.calibrate.keybits --base-artifact A --layers N --out B`")
+        artifact_bits = [int(b) for b in art.tensors["k_bits"].tolist()]
+    budgeted = spec.budget_tokens is not None
+    if budgeted and art is None and artifact is not None:  # rotation-free budgeted presets read only `bits`
+        art = load_artifact(artifact) if isinstance(artifact, str) else artifact
+        validate_artifact(art, model)
+    finals = final_widths(spec, art, num_layers) if budgeted else [spec.bits] * num_layers
+    g = spec.resolved_group(head_dim)
+    tier_size = torch.empty(0, dtype=tier_dtype(spec, model.dtype)).element_size()
+    windows = sliding_layers(model)
+    layers = []
+    for i, r in enumerate(rotations):
+        if windows[i] is not None:
+            layers.append(LayerPlan(i, "sliding", r, window=windows[i]))
+            continue
+        clip_k, clip_v = r.clip_k or spec.clip_k, r.clip_v or spec.clip_v
+        if spec.start_bits is not None:
+            final = finals[i]
+            if final is None or final > spec.start_bits:
+                raise ValueError(f"layer {i}: final width {final} has to be one of [2, 4, 8] and <= start_bits {spec.start_bits}")
+            codecs = tuple(ProgressiveCodec(spec.start_bits, final, g, clip, spec.anchor, spec.shift) for clip in (clip_k, clip_v))
+            budget = layer_budget(spec, final, kv_heads, head_dim, tier_size)
+            layers.append(LayerPlan(i, "progressive", r, codecs, budget=budget, final_bits=final))
+            continue
+        codecs = None
+        if spec.quantized:
+            codecs = make_codecs(spec.codec, spec.bits, g, clip_k, clip_v, spec.key_bits(i, artifact_bits),
+                                 spec.meta_k, spec.meta_v)
+            if layer_bits is not None:  # the widths change; clip ratios and metadata stay the spec's
+                kc, vc = codecs
+                codecs = (TokenCodec(layer_bits[i][0], kc.group_size, kc.clip, kc.meta),
+                          TokenCodec(layer_bits[i][1], vc.group_size, vc.clip, vc.meta))
+        if budgeted:  # fixed width: spec.bits, whatever widths an artifact carries
+            budget = layer_budget(spec, spec.bits, kv_heads, head_dim, tier_size)
+            layers.append(LayerPlan(i, "evicting", r, codecs, budget=budget))
+        else:
+            layers.append(LayerPlan(i, "paged", r, codecs))
+    return CachePlan(spec, kv_heads, head_dim, art, tuple(layers))
+
+
+def build_layer(lp: LayerPlan, plan: CachePlan, model_dtype: torch.dtype, state: PageState,
+                check_finite: bool = True, decode_score: str | None = None):
+    """The layer object ``lp`` describes. ``state`` is the cache's shared PageState (paged layers);
+    ``check_finite`` and ``decode_score`` apply to paged layers (the per-row layers always check)."""
+    args = (plan.spec, lp.rotation, plan.head_dim, plan.kv_heads, lp.index)
+    if lp.kind == "sliding":
+        return compat.sliding_layer(lp.window)
+    if lp.kind == "paged":
+        return HybridLayer(*args, lp.codecs, model_dtype, state=state, check_finite=check_finite,
+                           decode_score=decode_score)
+    if lp.kind == "progressive":
+        return ProgressiveLayer(*args, codecs=lp.codecs, model_dtype=model_dtype, final_bits=lp.final_bits, budget=lp.budget)
+    if lp.kind == "evicting":
+        return EvictingLayer(*args, codecs=lp.codecs, model_dtype=model_dtype, budget=lp.budget)
+    raise ValueError(f"`kind` has to be one of {list(KINDS)} but got {lp.kind!r}")
