@@ -181,7 +181,7 @@ class HybridLayer(CacheLayerMixin):
         rot = self.rotation
         self.pools.write_tier(st.slots, rot.keys(k_new)[:, :, 0].to(self.tier_dtype),
                               rot.values(v_new)[:, :, 0].to(self.tier_dtype))
-        body = self.pools.body_tensors() if self.spec.quantized else None
+        body = self.pools.paged if self.spec.quantized else None
         o = decode_attention(rot.queries(query)[:, :, 0], body, st.body if body is not None else None, st.body_max,
                              (self.pools.tier_k, self.pools.tier_v), st.tier, st.tier_max, sm_scale=scaling,
                              cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad)
@@ -217,7 +217,7 @@ class HybridLayer(CacheLayerMixin):
         from rotkv.kernels.decode import decode_attention
 
         t = step.device_tables(self.device, self.state)
-        body = self.pools.body_tensors() if self.spec.quantized and t.body_max > 0 else None
+        body = self.pools.paged if self.spec.quantized and t.body_max > 0 else None
         return decode_attention(q, body, t.body if body is not None else None, t.body_max,
                                 (self.pools.tier_k, self.pools.tier_v), t.tier, t.tier_max, sm_scale=scaling,
                                 cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad).float()

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from rotkv.kernels import nvcc as nvcc_build
+from rotkv.kernels.body import TokenPart
 
 SOURCE = Path(__file__).parent / "cuda" / "quant_write.cu"
 PRECISIONS = {"bf16": 1, "bf16x2": 2}
@@ -45,15 +46,15 @@ def shape_reason(head_dim: int, group_size: int) -> str | None:
     return None
 
 
-def supported(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, rotate: bool, rot_precision: str,
-              num_warps: int) -> str | None:
-    """None if the CUDA write kernel covers this call, else the reason it does not."""
+def supported(x: torch.Tensor, part: TokenPart, rotate: bool, rot_precision: str, num_warps: int) -> str | None:
+    """None if the CUDA write kernel covers this call (``part``: a kernel-width TokenPart with fp16
+    metadata, checked by ``rotkv.kernels.write.check_part``), else the reason it does not."""
     if not x.is_cuda:
         return "not on CUDA"
     if torch.cuda.get_device_capability(x.device) < (8, 0):
         return "needs compute capability 8.0+ (redux.sync, bf16 mma.sync)"
     t, h, d = x.shape
-    why = shape_reason(d, d // scale.shape[-1])
+    why = shape_reason(d, part.group_size)
     if why:
         return why
     if x.dtype not in _DTYPES or (rotate and x.dtype != torch.bfloat16):
@@ -64,7 +65,7 @@ def supported(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, rotate:
         return f"rot_precision {rot_precision!r} is not one of {list(PRECISIONS)}"
     if rotate and _smem(d, PRECISIONS[rot_precision], num_warps) > SMEM_LIMIT:
         return f"R and the product tiles need more than {SMEM_LIMIT} bytes of shared memory"
-    if not (codes.is_contiguous() and scale.is_contiguous()):
+    if not all(t.is_contiguous() for t in part.tensors):
         return "pool tensors must be contiguous"
     if nvcc_build.nvcc_path() is None:
         return "nvcc not found"
@@ -87,13 +88,12 @@ def build(device: torch.device, d: int, g: int, bits: int, split: int, warps: in
     return nvcc_build.load(SOURCE, "quant_write", macros, device, False, _setup)
 
 
-def launch(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
-           rot: torch.Tensor | None, mean: torch.Tensor | None, clip_r: int, rot_precision: str = "bf16x2",
-           num_warps: int = 4, blocks_per_head: int = 0) -> None:
+def launch(x: torch.Tensor, slots: torch.Tensor, part: TokenPart, rot: torch.Tensor | None, mean: torch.Tensor | None,
+           clip_r: int, rot_precision: str = "bf16x2", num_warps: int = 4, blocks_per_head: int = 0) -> None:
     """Run the kernel (the caller checked :func:`supported`). ``rot [H, D, D]``, ``mean [H, D]``."""
     t, h, d = x.shape
-    bits = codes.shape[-1] * 8 // d
-    g = d // scale.shape[-1]
+    bits, g = part.bits, part.group_size
+    codes, scale, lo = part.tensors
     split = PRECISIONS[rot_precision] if rot is not None else 1
     lib = build(x.device, d, g, bits, split, num_warps)
     mu = None

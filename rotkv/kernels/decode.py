@@ -35,6 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
+from rotkv.kernels.body import PagedBody
+from rotkv.quant.widths import CUDA_DECODE_WIDTHS, KERNEL_WIDTHS, check_width
+
 LOG2E = 1.4426950408889634
 
 
@@ -644,26 +647,27 @@ def resolve_score(cfg: DecodeConfig, head_dim: int) -> str:
     return "bf16" if head_dim <= 64 and cfg.backend != "cuda" else "int8"
 
 
-def body_bits(body: tuple, head_dim: int) -> tuple[int, int]:
-    """(K bits, V bits) of a body ``(k_codes, .., v_codes, ..)``: 2 or 4, from the code rows' bytes."""
-    bits = tuple(body[i].shape[-1] * 8 // head_dim for i in (0, 3))
-    for b, i in zip(bits, (0, 3)):
-        if b not in (2, 4) or body[i].shape[-1] * 8 != b * head_dim:
-            raise ValueError(f"code rows of {body[i].shape[-1]} bytes are neither INT2 nor INT4 at head_dim {head_dim}")
-    if body[1].shape[-1] != body[4].shape[-1]:
-        raise ValueError(f"K and V must share the group size (got {body[1].shape[-1]} and {body[4].shape[-1]} groups)")
-    return bits
+def check_body(body: PagedBody, head_dim: int) -> None:
+    """A ValueError unless the Triton decode kernels read ``body`` for queries of ``head_dim``: K
+    and V of a kernel width (``rotkv.quant.widths``) with one group size."""
+    if not isinstance(body, PagedBody):
+        raise TypeError(f"the decode kernels read a PagedBody, got {type(body).__name__}")
+    if body.head_dim != head_dim:
+        raise ValueError(f"the body's head_dim {body.head_dim} is not the query's {head_dim}")
+    for name, part in (("K", body.k), ("V", body.v)):
+        check_width(part.bits, f"{name} bits", KERNEL_WIDTHS)
+    body.group_size  # noqa: B018 (raises where K and V group sizes differ)
 
 
-def _use_cuda_body(cfg: DecodeConfig, q: torch.Tensor, body: tuple, rep: int, bits: tuple = (2, 2),
-                   score: str = "int8") -> bool:
+def _use_cuda_body(cfg: DecodeConfig, q: torch.Tensor, body: PagedBody, rep: int, score: str = "int8") -> bool:
     if cfg.backend == "triton" or _interpreting() or not q.is_cuda:
         if cfg.backend == "cuda" and not q.is_cuda:
             raise ValueError("backend='cuda' needs CUDA tensors")
         return False
     # the CUDA kernel reads INT2 K and V with int8 scores; anything else is the Triton kernel's
     # (expected, not a fallback: no warning)
-    if bits != (2, 2) or score != "int8":
+    bits = body.bits
+    if any(b not in CUDA_DECODE_WIDTHS for b in bits) or score != "int8":
         if cfg.backend == "cuda":
             raise ValueError(f"the CUDA decode kernel reads INT2 K and V with int8 scores, got bits {bits}, "
                              f"score {score!r}")
@@ -673,7 +677,7 @@ def _use_cuda_body(cfg: DecodeConfig, q: torch.Tensor, body: tuple, rep: int, bi
     why = cuda_decode.supported(q, body, rep)
     if why is None:
         try:
-            cuda_decode.build(q.device, _cuda_variant(cfg, q.shape[-1], body[1].shape[-1]))
+            cuda_decode.build(q.device, _cuda_variant(cfg, q.shape[-1], body.k.groups))
         except RuntimeError as e:
             why = str(e)
     if why is not None:
@@ -688,30 +692,30 @@ def _use_cuda_body(cfg: DecodeConfig, q: torch.Tensor, body: tuple, rep: int, bi
     return True
 
 
-def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, max_len: int,
+def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | None, max_len: int,
                      tier: tuple | None = None, tier_table: tuple | None = None, tier_max_len: int = 0,
                      sm_scale: float | None = None, cfg: DecodeConfig | None = None,
                      out: torch.Tensor | None = None, tier_start: int = 0) -> torch.Tensor:
     """Attention of one decode token per request over an INT2 paged body and a bf16 paged tier.
 
-    q ``[B, Hq, D]`` (rotated by R_K; any float dtype). body ``(k_codes, k_scale, k_lo, v_codes,
-    v_scale, v_lo)`` as in :class:`~rotkv.cache.paged.Int2PagePool`, K and V each INT2 (codes
-    ``[.., D/4]``) or INT4 (``[.., D/2]``, same planar packing, same group size); table ``(kv_indptr, kv_indices,
-    kv_last_page_len)``; ``max_len``: the longest request's body length (host int, sizes the grid).
+    q ``[B, Hq, D]`` (rotated by R_K; any float dtype). body a :class:`~rotkv.kernels.body.PagedBody`,
+    K and V each INT2 (codes ``[.., D/4]``) or INT4 (``[.., D/2]``, same planar packing), one group
+    size; table ``(kv_indptr, kv_indices, kv_last_page_len)``; ``max_len``: the longest request's body length (host int, sizes the grid).
     tier ``(k, v)`` ``[NPT, H, PT, D]`` with ``tier_table`` and ``tier_max_len`` likewise; tier
     positions below ``tier_start`` are skipped (they hold no token).
     Returns ``[B, Hq, D]`` in q's dtype (or written into ``out``).
     """
     cfg = cfg or DecodeConfig()
     b_sz, hq, d = q.shape
-    bits = body_bits(body, d) if body is not None else (2, 2)
+    if body is not None:
+        check_body(body, d)
+    bits = body.bits if body is not None else (2, 2)
     score = resolve_score(cfg, d)
     if (cfg.backend == "auto" and body is not None and q.is_cuda
-            and b_sz * body[0].shape[1] * max_len < cfg.small_work):
+            and b_sz * body.kv_heads * max_len < cfg.small_work):
         cfg = dataclasses.replace(cfg, backend="triton", v2=True, block_n=128, num_warps=4)
     q = q.contiguous()
-    ref = body[0] if body is not None else tier[0]
-    h = ref.shape[1]
+    h = body.kv_heads if body is not None else tier[0].shape[1]
     if hq % h:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({h})")
     rep = hq // h
@@ -720,11 +724,10 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
     use_asm = (not _interpreting()) if cfg.use_asm is None else cfg.use_asm
     has_int2 = body is not None and max_len > 0
     has_tier = tier is not None and tier_max_len > 0
-    use_cuda = has_int2 and _use_cuda_body(cfg, q, body, rep, bits, score)
+    use_cuda = has_int2 and _use_cuda_body(cfg, q, body, rep, score)
     fuse = use_cuda and cfg.cuda_fuse != "none"  # the CUDA kernel pre-merges blocks of 4 splits
     if has_int2:
-        g = d // body[1].shape[-1]
-        p = body[0].shape[2]
+        g, p = body.group_size, body.page_size
         if g < d // 4 and not use_cuda:  # the CUDA kernel takes any G >= 32
             raise ValueError(f"the INT2 decode kernel needs group_size >= head_dim / 4 ({d // 4}), got {g}")
         if use_cuda:
@@ -759,7 +762,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
         m_part.fill_(float("-inf")), l_part.zero_(), o_part.zero_()
     else:
         dummy = q
-        bt = body if has_int2 and not use_cuda else (dummy,) * 6
+        bt = body.tensors() if has_int2 and not use_cuda else (dummy,) * 6
         tb = table if has_int2 and not use_cuda else (dummy,) * 3
         tt = tier if has_tier else (dummy,) * 2
         ttb = tier_table if has_tier else (dummy,) * 3
@@ -782,7 +785,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
 
             qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
             merge_here = cfg.cuda_fuse == "all" and merges_into(out, q, ns)
-            _, _, tiles, min_blocks, prefetch, vf16, vflush = _cuda_variant(cfg, d, body[1].shape[-1])
+            _, _, tiles, min_blocks, prefetch, vf16, vflush = _cuda_variant(cfg, d, body.k.groups)
             body_partials(qb, body, table, o_part, m_part, l_part, n_int2, per, sm_scale * LOG2E,
                           tiles=tiles, min_blocks=min_blocks, fuse=fuse, out=out if merge_here else None,
                           prefetch=bool(prefetch), value_f16=bool(vf16), value_flush=vflush)
