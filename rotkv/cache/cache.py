@@ -15,6 +15,7 @@ from rotkv.hf import compat
 from rotkv.hf.attention import install
 from rotkv.hf.models import check_supported, mean_centering_blocker, sliding_layers
 from rotkv.quant.quantizer import check_group
+from rotkv.quant.widths import WIDTHS
 from rotkv.rotations.artifact import Artifact, load_artifact, model_geometry, validate_artifact
 from rotkv.rotations.base import LayerRotation
 from rotkv.rotations.registry import build_rotations
@@ -106,8 +107,8 @@ class RotkvCache(Cache):
                 raise ValueError(f"layer_bits needs one (key bits, value bits) pair per layer ({num_layers}) and a "
                                  f"quantized token-codec spec")
             for kb, vb in layer_bits:
-                if kb not in (2, 4, 8) or vb not in (2, 4, 8):
-                    raise ValueError(f"layer_bits entries must be in (2, 4, 8), got {(kb, vb)}")
+                if kb not in WIDTHS or vb not in WIDTHS:
+                    raise ValueError(f"layer_bits entries must be in {WIDTHS}, got {(kb, vb)}")
         layers = []
         for i in range(num_layers):
             if windows[i] is not None:

@@ -37,6 +37,7 @@ from rotkv.quant.progressive import (
     step_factor,
 )
 from rotkv.quant.quantizer import meta_dtype
+from rotkv.quant.widths import WIDTHS
 from rotkv.rotations.artifact import load_artifact, validate_artifact
 
 
@@ -226,7 +227,8 @@ class BudgetCache(RotkvCache):
             budget = layer_budget(spec, spec.bits, self.kv_heads, d, tier_size)
             return EvictingLayer(*args, codecs=(old.key_codec, old.value_codec), model_dtype=model_dtype, budget=budget)
         if final is None or final > spec.start_bits:
-            raise ValueError(f"layer {old.layer_idx}: final width {final} has to be one of [2, 4, 8] and <= start_bits {spec.start_bits}")
+            raise ValueError(f"layer {old.layer_idx}: final width {final} has to be one of {list(WIDTHS)} and <= "
+                             f"start_bits {spec.start_bits}")
         g = spec.resolved_group(d)
         r = old.rotation_cpu
         codecs = tuple(ProgressiveCodec(spec.start_bits, final, g, clip, spec.anchor, spec.shift)
