@@ -23,6 +23,7 @@ import triton
 from benchmarks.bench_decode import add_shape_args, git_commit, make_bf16_pages, make_int2, time_ms
 from rotkv.kernels import decode as dk
 from rotkv.kernels.decode import DecodeConfig, decode_attention
+from rotkv.kernels.plan import cuda_variant
 
 def pieces(q, body, table, body_n, tier, ttab, tier_n, cfg):
     """Closures running the CUDA body kernel, the tier kernel and the merge alone (the same
@@ -38,7 +39,7 @@ def pieces(q, body, table, body_n, tier, ttab, tier_n, cfg):
     l_ = torch.ones(b_sz, hq, ns, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     scale = d ** -0.5 * dk.LOG2E
-    _, _, tiles, mb, prefetch, vf16, vflush = dk._cuda_variant(cfg, d, body.k.groups)
+    _, _, tiles, mb, prefetch, vf16, vflush = cuda_variant(cfg, d, body.k.groups)
 
     def body_only():
         from rotkv.kernels.cuda_decode import body_partials

@@ -2,16 +2,19 @@
 
     python benchmarks/seam_figures.py [--json]
 
-Run from the repository root; the same command gives the before and the after figures:
+Run from the repository root (or on another tree: ``--root DIR``, e.g. a ``git archive`` of the
+commit before); the same command gives the before and the after figures:
 - width_rederived: lines of rotkv/ that turn a byte count back into a width (``* 8 //``);
 - group_rederived: lines that turn a metadata width back into a group size or group count
   (``scale.shape[-1]``, ``body[1].shape[-1]``, ``body[4].shape[-1]``);
 - width_literals: lines of rotkv/ that spell an allowed-width list out (``(2, 4)``, ``[2, 4, 8]``,
   ``in (2, 4, 8)``, ...) instead of reading the one table (rotkv/quant/widths.py, not counted);
-- coverage_deciders: definitions in rotkv/ that decide whether a kernel covers a call
+- coverage_deciders: definitions in rotkv/ that decide whether a kernel covers a call, before
   (``kernel_tokens =``, ``can_dequant_kernel =``, ``def _kernel_ok``, ``def _use_cuda_body``,
-  ``def supported``, ``def token_encode``, quant_write's ``wanted =``, ``def plan`` in
-  kernels/prebuild.py, the ``small_work`` rewrite of the config);
+  ``def supported``, ``def shape_reason``, ``def token_encode``, quant_write's ``wanted =``,
+  ``def plan`` in kernels/prebuild.py, the ``small_work`` rewrite of the config) and after
+  (rotkv/kernels/plan.py's ``*_reason`` functions, ``class DecodePlan``, the write plan's
+  ``wanted =``, ``LayerPools.decode_plan``); coverage_files: the files they are in;
 - import_cycles: strongly connected components of more than one module in the graph of rotkv's
   module-level imports (and, apart, counting imports inside functions too);
 - lines: ``wc -l`` of rotkv/kernels/*.py, rotkv/cache/pools.py, rotkv/quant/*.py and all of rotkv/.
@@ -25,7 +28,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(sys.argv[sys.argv.index("--root") + 1]).resolve() if "--root" in sys.argv else Path(__file__).resolve().parents[1]
 PKG = ROOT / "rotkv"
 
 PATTERNS = {
@@ -33,8 +36,10 @@ PATTERNS = {
     "group_rederived": re.compile(r"(scale\w*|body\[[14]\])\.shape\[-1\]"),
     "width_literals": re.compile(r"[\(\[]2, (3, )?4(, 8)?[\)\]]"),
     "coverage_deciders": re.compile(r"kernel_tokens\s*=|can_dequant_kernel\s*=|def _kernel_ok|def _use_cuda_body|"
-                                    r"def supported\(|def token_encode|wanted = \(backend|"
-                                    r"kernels/prebuild.py:.*def plan\(|replace\(cfg, backend=\"triton\""),
+                                    r"def supported\(|def token_encode|wanted = \(?backend|def shape_reason|"
+                                    r"kernels/prebuild.py:.*def plan\(|replace\(cfg, backend=\"triton\"|"
+                                    r"def part_reason|def triton_decode_reason|def cuda_decode_reason|"
+                                    r"def cuda_write_reason|class DecodePlan|def decode_plan\("),
 }
 
 
@@ -139,6 +144,8 @@ def lines(paths) -> int:
 def figures() -> dict:
     out = {name: grep(name) for name in PATTERNS}
     res = {name: {"count": len(h), "where": h} for name, h in out.items()}
+    files = sorted({h.split(":")[0] for h in out["coverage_deciders"]})
+    res["coverage_files"] = {"count": len(files), "where": files}
     for scope, top in (("import_cycles", True), ("import_cycles_with_function_imports", False)):
         cyc = cycles(import_graph(top))
         res[scope] = {"count": len(cyc), "where": [" <-> ".join(c) for c in cyc]}

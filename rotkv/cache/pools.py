@@ -21,8 +21,8 @@ import torch
 
 from rotkv.cache.codecs import TokenCodec
 from rotkv.kernels import backend as kernels
+from rotkv.kernels import plan
 from rotkv.kernels.body import PagedBody, TokenPart
-from rotkv.quant.widths import KERNEL_WIDTHS
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -59,15 +59,19 @@ class LayerPools:
                                    for parts in self.body for t in parts.values())
         self.paged: PagedBody | None = None
         self._type_body()
-        # the kernels read token codecs of 2 or 4 bits with fp16 metadata, chosen apart for keys and
-        # values, with one group size; an INT4 K or V runs the Triton kernel, whose head quarters must
-        # lie inside groups (G >= D/4); INT2 with smaller groups is the CUDA kernel's (as before)
-        p = self.paged
-        self.kernel_tokens = (p is not None and all(b in KERNEL_WIDTHS for b in p.bits)
-                              and all(c.default_meta for c in self.codecs)
-                              and p.k.group_size == p.v.group_size
-                              and (4 * p.k.group_size >= head_dim or p.bits == (2, 2)))
-        self.can_dequant_kernel = self.kernel_tokens and kernels.enabled(self.tier_k)
+        # which parts the write and dequant kernels store and read (rotkv.kernels.plan; what decode
+        # runs is asked per step: decode_plan)
+        self.part_kernels = tuple(self.paged is not None and plan.part_reason(pt.bits, pt.meta, pt.format) is None
+                                  for pt in (self.paged.parts if self.paged is not None else (None, None)))
+        self.dequant_kernel = all(self.part_kernels) and kernels.enabled(self.tier_k)
+
+    def decode_plan(self, q: torch.Tensor, cfg) -> plan.DecodePlan | None:
+        """The decode plan of a step with rotated queries ``q [B, Hq, D]`` (``rotkv.kernels.plan``),
+        or None where no kernel runs it (kernels off, or a body the kernels do not read)."""
+        if not kernels.enabled(q) or (self.codecs[0] is not None and self.paged is None):
+            return None
+        p = plan.plan_decode(q, self.paged, cfg)
+        return p if p.covered else None
 
     def _type_body(self) -> None:
         """(Re)build ``paged`` over the current body tensors (token codecs only)."""
@@ -139,7 +143,7 @@ class LayerPools:
         n, h, p, d = len(src), self.kv_heads, self.page, self.head_dim
         for tier, parts, codec, i in zip((self.tier_k, self.tier_v), self.body, self.codecs, (0, 1)):
             x = tier[src]  # [n, H, P, D]
-            if self.kernel_tokens and kernels.enabled(x):
+            if self.part_kernels[i] and kernels.enabled(x):
                 from rotkv.kernels.write import quant_write
 
                 slots = (dst[:, None] * p + torch.arange(p, device=dst.device)[None]).reshape(-1)

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from rotkv.quant.widths import KERNEL_WIDTHS
+from rotkv.kernels.plan import part_reason
 
 try:
     import triton  # noqa: F401
@@ -32,7 +32,7 @@ def enabled(t: torch.Tensor) -> bool:
 def token_encode(x: torch.Tensor, bits: int, group_size: int, clip: float) -> dict[str, torch.Tensor] | None:
     """``x [nb, H, P, D]`` float -> {codes [nb, H, P, D*bits/8], scale, lo [nb, H, P, D/G]} or None
     (a width the kernels read, ``rotkv.quant.widths.KERNEL_WIDTHS``)."""
-    if not enabled(x) or bits not in KERNEL_WIDTHS or x.dim() != 4 or x.shape[-1] % group_size:
+    if not enabled(x) or part_reason(bits, torch.float16) or x.dim() != 4 or x.shape[-1] % group_size:
         return None
     from rotkv.kernels.body import TokenPart
     from rotkv.kernels.write import quant_write
@@ -57,7 +57,7 @@ def decode_config(score: str | None = None):
 @functools.lru_cache(maxsize=None)
 def _decode_config_for(backend: str, score: str = "auto"):
     # one config per (backend, score): decode steps (every layer, every token) do not rebuild and revalidate it
-    from rotkv.kernels.decode import DecodeConfig
+    from rotkv.kernels.plan import DecodeConfig
 
     if backend not in ("auto", "cuda", "triton"):
         raise ValueError(f"ROTKV_DECODE_BACKEND must be auto, cuda or triton, got {backend!r}")

@@ -13,7 +13,7 @@ hands the kernels a :class:`PagedBody` whatever its parts are.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -86,6 +86,24 @@ class TokenPart:
         return self.codes.shape[-1] + 2 * self.groups * self.scale.element_size()
 
 
+@dataclass(frozen=True)
+class BodyLayout:
+    """What a kernel plan reads of a body: shapes, widths, group sizes, metadata dtypes, and whether
+    every tensor is contiguous and 16-byte aligned (the CUDA kernel's vector loads). No tensors:
+    hashable, the key of ``rotkv.kernels.plan``'s cache."""
+
+    head_dim: int
+    kv_heads: int
+    page_size: int
+    num_pages: int
+    bits: tuple[int, int]
+    group_sizes: tuple[int, int]
+    metas: tuple[torch.dtype, torch.dtype]
+    formats: tuple[str, str]
+    aligned: bool
+    device_type: str
+
+
 @dataclass(frozen=True, eq=False)
 class PagedBody:
     """The quantized body of one layer's page pool: ``k`` and ``v`` parts over the same pages,
@@ -94,6 +112,7 @@ class PagedBody:
 
     k: TokenPart
     v: TokenPart
+    layout: BodyLayout = field(init=False, repr=False)
 
     def __post_init__(self):
         for name, part in (("k", self.k), ("v", self.v)):
@@ -105,6 +124,12 @@ class PagedBody:
                              f"{tuple(kc.shape[:3])}/{self.k.head_dim} and {tuple(vc.shape[:3])}/{self.v.head_dim}")
         if kc.device != vc.device:
             raise ValueError(f"K and V parts must be on one device, got {kc.device} and {vc.device}")
+        aligned = all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in self.tensors())
+        # the parts never change (a grown pool builds a new body): the layout is worked out once
+        object.__setattr__(self, "layout", BodyLayout(
+            self.k.head_dim, kc.shape[1], kc.shape[2], kc.shape[0], (self.k.bits, self.v.bits),
+            (self.k.group_size, self.v.group_size), (self.k.meta, self.v.meta), (self.k.format, self.v.format),
+            aligned, kc.device.type))
 
     @classmethod
     def zeros(cls, pages: int, kv_heads: int, page_size: int, head_dim: int, bits: tuple[int, int],

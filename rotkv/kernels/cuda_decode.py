@@ -4,8 +4,8 @@ The kernel is compiled with ``nvcc`` on first use (about 15 s) into
 ``$ROTKV_CACHE_DIR`` (default ``~/.cache/rotkv``), keyed by the source's hash and the GPU's
 architecture, and loaded with ``ctypes``: no PyTorch extension build, no headers beyond CUDA's.
 Where there is no ``nvcc``, no GPU of compute capability 8.0 or newer, or a shape it does not
-cover, :func:`supported` says why and :func:`rotkv.kernels.decode.decode_attention` uses the
-Triton body kernel instead.
+cover, the decode plan (``rotkv.kernels.plan.plan_decode``) says why and runs the Triton body
+kernel instead.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch
 
 from rotkv.kernels import nvcc as nvcc_build
 from rotkv.kernels.body import PagedBody
-from rotkv.quant.widths import CUDA_DECODE_WIDTHS
 
 SOURCE = Path(__file__).parent / "cuda" / "int2_decode.cu"
 _nvcc = nvcc_build.nvcc_path
@@ -83,43 +82,6 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
         buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
         _COUNTERS[key] = buf
     return buf
-
-
-def shape_reason(head_dim: int, group_size: int) -> str | None:
-    """Why the kernel does not cover this head_dim / group size, or None (no tensors needed)."""
-    if head_dim not in (64, 128, 256):
-        return f"head_dim {head_dim} not in (64, 128, 256)"
-    if group_size % 32:
-        return f"group_size {group_size} is not a multiple of 32"
-    return None
-
-
-def supported(q: torch.Tensor, body: PagedBody, rep: int) -> str | None:
-    """None if the CUDA body kernel covers this call, else the reason it does not."""
-    if not q.is_cuda:
-        return "not on CUDA"
-    if torch.cuda.get_device_capability(q.device) < (8, 0):
-        return "needs compute capability 8.0+ (mma.sync int8 m16n8k32, movmatrix)"
-    if any(b not in CUDA_DECODE_WIDTHS for b in body.bits):
-        return f"K and V widths {body.bits} (the kernel reads {list(CUDA_DECODE_WIDTHS)})"
-    if body.k.group_size != body.v.group_size or body.k.meta != torch.float16 or body.v.meta != torch.float16:
-        return "K and V need one group size and fp16 metadata"
-    why = shape_reason(body.head_dim, body.group_size)
-    if why:
-        return why
-    codes = body.k.codes
-    if codes.shape[2] % 16:
-        return f"page size {codes.shape[2]} is not a multiple of 16"
-    if rep > 8:
-        return f"GQA group {rep} > 8"
-    if codes.shape[0] * codes.shape[1] * codes.shape[2] >= 2**32:
-        return "the pool has 2^32 or more token rows (the kernel indexes rows in 32 bits)"
-    for t in body.tensors():
-        if not t.is_contiguous() or t.data_ptr() % 16:
-            return "body tensors must be contiguous and 16-byte aligned"
-    if _nvcc() is None:
-        return "nvcc not found"
-    return None
 
 
 def body_partials(q: torch.Tensor, body: PagedBody, table: tuple, o_part: torch.Tensor, m_part: torch.Tensor,

@@ -163,7 +163,7 @@ def test_quant_write_backend_choices(device):
         with pytest.raises(ValueError, match="not on CUDA"):
             quant_write(x, torch.arange(4), bufs, backend="cuda")
     # parts the kernels do not store: a width outside rotkv.quant.widths.KERNEL_WIDTHS, fp32 metadata
-    with pytest.raises(ValueError, match="`bits` has to be one of"):
+    with pytest.raises(ValueError, match=r"widths \[2, 4\], got 8"):
         quant_write(x, torch.arange(4), TokenPart.zeros(2, 2, 16, 64, 8, 64, torch.float32, device))
     with pytest.raises(ValueError, match="fp16 metadata"):
         quant_write(x, torch.arange(4), TokenPart.zeros(2, 2, 16, 64, 2, 64, torch.float32, device))
@@ -374,9 +374,10 @@ def test_decode_cuda_kernel_refuses_what_it_cannot_run():
     q = torch.randn(1, 2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="page size"):
         decode_attention(q, body, table, ml, tier, ttable, tml, cfg=DecodeConfig(backend="cuda"))
-    from rotkv.kernels import decode as decode_mod
+    from rotkv.kernels import plan as plan_mod
 
-    decode_mod._CUDA_WARNED.clear()  # the warning is given once per reason and process
+    plan_mod._CUDA_WARNED.clear()  # the warning is given once per reason and process
+    plan_mod.clear_plans()
     with pytest.warns(UserWarning, match="page size"):  # auto: falls back to Triton
         # score="int8": at head_dim 64 "auto" scores in bf16, which only the Triton kernel does (no CUDA attempt)
         decode_attention(q, body, table, ml, tier, ttable, tml,
