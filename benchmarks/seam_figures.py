@@ -28,7 +28,8 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(sys.argv[sys.argv.index("--root") + 1]).resolve() if "--root" in sys.argv else Path(__file__).resolve().parents[1]
+ROOT = (Path(sys.argv[sys.argv.index("--root") + 1]).resolve() if "--root" in sys.argv
+        else Path(__file__).resolve().parents[1])
 PKG = ROOT / "rotkv"
 
 PATTERNS = {

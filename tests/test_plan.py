@@ -18,7 +18,8 @@ def test_plans_are_cached_per_layout_heads_device_and_config():
     body = PagedBody.zeros(4, 2, 16, 64, (2, 2), 32)
     q = torch.zeros(1, 6, 64)
     a = P.plan_decode(q, body, P.DecodeConfig(score="bf16"))
-    assert P.plan_decode(torch.ones(3, 6, 64), PagedBody.zeros(4, 2, 16, 64, (2, 2), 32), P.DecodeConfig(score="bf16")) is a
+    same = PagedBody.zeros(4, 2, 16, 64, (2, 2), 32)  # another body of the same layout, an equal config
+    assert P.plan_decode(torch.ones(3, 6, 64), same, P.DecodeConfig(score="bf16")) is a
     assert P.plan_decode(q, body, P.DecodeConfig(score="int8")) is not a
     assert P.plan_decode(torch.zeros(1, 4, 64), body, P.DecodeConfig(score="bf16")) is not a
     # a grown pool is a new layout (its row count matters to the CUDA kernel)
@@ -34,8 +35,8 @@ def test_cpu_plans():
     tier_only = P.plan_decode(q, None, P.DecodeConfig())
     assert tier_only.covered and tier_only.launch(0).kernel == "triton"
     # bodies no decode kernel reads: the caller runs its reference, and decode_attention says why
-    for body, why in ((PagedBody(TokenPart.zeros(4, 2, 16, 128, 8, 64, torch.float32), TokenPart.zeros(4, 2, 16, 128, 2, 64)),
-                       "K: the kernels read widths [2, 4], got 8"),
+    int8_k = PagedBody(TokenPart.zeros(4, 2, 16, 128, 8, 64, torch.float32), TokenPart.zeros(4, 2, 16, 128, 2, 64))
+    for body, why in ((int8_k, "K: the kernels read widths [2, 4], got 8"),
                       (PagedBody.zeros(4, 2, 16, 128, (2, 2), 16), "group_size >= head_dim / 4 (32), got 16"),
                       (PagedBody(TokenPart.zeros(4, 2, 16, 128, 2, 64), TokenPart.zeros(4, 2, 16, 128, 2, 32)),
                        "share the group size")):
@@ -54,7 +55,8 @@ def test_cuda_plan_names_its_launches():
     assert plan.covered and plan.cuda_why in (None, "nvcc not found")
     small = plan.launch(cfg.small_work - 1)
     assert (small.kernel, small.v2, small.cfg.block_n, small.cfg.num_warps) == ("triton", True, 128, 4)
-    assert small.qk_int8 and plan.small_below == cfg.small_work and cfg.block_n == 64  # the caller's config is untouched
+    assert small.qk_int8 and plan.small_below == cfg.small_work
+    assert cfg.block_n == 64 and plan.cfg is cfg  # the caller's config is untouched
     assert "below 65536 token-heads" in plan.describe()
     # INT4 K: the small launch is Triton v1; no small launch where Triton cannot read the body
     assert P.DecodePlan(_layout(bits=(4, 2)), 8, 128, CUDA_DEV, cfg).launch(10).v2 is False
@@ -78,7 +80,8 @@ def test_write_plans():
     x = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
     part = TokenPart.zeros(2, 2, 16, 64, 2, 64)
     assert P.plan_write(x, part, rotate=True, clip=0.9) == P.WritePlan("triton", "tf32x3", 4)
-    assert P.plan_write(x, part, rotate=False, clip=1.0, backend="triton", num_warps=2) == P.WritePlan("triton", "tf32x3", 2)
+    wp = P.plan_write(x, part, rotate=False, clip=1.0, backend="triton", num_warps=2)
+    assert wp == P.WritePlan("triton", "tf32x3", 2)
     with pytest.raises(ValueError, match="not on CUDA"):
         P.plan_write(x, part, rotate=False, clip=1.0, backend="cuda")
     with pytest.raises(ValueError, match="write backend"):

@@ -130,7 +130,8 @@ class LayerPools:
         if table is not None:
             from rotkv.kernels.dequant import dequant_dense
 
-            return tuple(dequant_dense(part, *table, n * p, torch.empty(b, h, n * p, d, dtype=dtype, device=self.device))
+            return tuple(dequant_dense(part, *table, n * p, torch.empty(b, h, n * p, d, dtype=dtype,
+                                                                        device=self.device))
                          for part in self.paged.parts)
         flat = pages.reshape(-1)
         return tuple(codec.decode({k: t[flat] for k, t in parts.items()}).reshape(b, n, h, p, d)

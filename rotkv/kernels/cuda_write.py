@@ -1,4 +1,5 @@
-"""The CUDA quantize-on-write kernel (``cuda/quant_write.cu``): what it covers, build, launch.
+"""The CUDA quantize-on-write kernel (``cuda/quant_write.cu``): build, launch (what it covers:
+``rotkv.kernels.plan``).
 
 Same contract as the Triton kernel (:func:`rotkv.kernels.write.quant_write`, which dispatches
 here): ``x [T, H, D]`` -> optional ``(x - mean) R`` -> per-row clip -> per-group INT2/INT4 with
@@ -55,7 +56,8 @@ def build(device: torch.device, d: int, g: int, bits: int, split: int, warps: in
 
 def launch(x: torch.Tensor, slots: torch.Tensor, part: TokenPart, rot: torch.Tensor | None, mean: torch.Tensor | None,
            clip_r: int, rot_precision: str = "bf16x2", num_warps: int = 4, blocks_per_head: int = 0) -> None:
-    """Run the kernel (the write plan chose it: ``rotkv.kernels.plan.plan_write``). ``rot [H, D, D]``, ``mean [H, D]``."""
+    """Run the kernel (the write plan chose it: ``rotkv.kernels.plan.plan_write``). ``rot [H, D, D]``,
+    ``mean [H, D]``."""
     t, h, d = x.shape
     bits, g = part.bits, part.group_size
     codes, scale, lo = part.tensors

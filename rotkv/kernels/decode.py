@@ -542,7 +542,8 @@ def _splits(max_len: int, bh: int, block: int, target: int, min_tokens: int) -> 
 def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | None, max_len: int,
                      tier: tuple | None = None, tier_table: tuple | None = None, tier_max_len: int = 0,
                      sm_scale: float | None = None, cfg: DecodeConfig | None = None,
-                     out: torch.Tensor | None = None, tier_start: int = 0, plan: DecodePlan | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, tier_start: int = 0,
+                     plan: DecodePlan | None = None) -> torch.Tensor:
     """Attention of one decode token per request over an INT2 paged body and a bf16 paged tier.
 
     q ``[B, Hq, D]`` (rotated by R_K; any float dtype). body a :class:`~rotkv.kernels.body.PagedBody`,

@@ -1,4 +1,5 @@
-"""INT2 or INT4 pages of one body part -> dense K or V (Triton): the first half of the unfused "dequant + SDPA" baseline.
+"""INT2 or INT4 pages of one body part -> dense K or V (Triton): the first half of the unfused
+"dequant + SDPA" baseline.
 
 Writes ``out [B, H, L_max, D]`` (tokens past a request's length are left untouched).
 """

@@ -273,7 +273,8 @@ class DecodePlan:
                 self.cuda_why = "not on CUDA"
             else:
                 self.cuda_why = cuda_decode_reason(layout, self.rep, self.score, capability)
-                self.cuda_expected = self.cuda_why is not None and self.cuda_why.startswith("the CUDA decode kernel reads")
+                self.cuda_expected = (self.cuda_why is not None
+                                      and self.cuda_why.startswith("the CUDA decode kernel reads"))
                 if self.cuda_why is None and _nvcc_path() is None:
                     self.cuda_why = "nvcc not found"
             if cfg.backend == "cuda" and self.cuda_why:
@@ -451,9 +452,11 @@ def _write_plan(d, g, dtype, device, x_ok, part_ok, rotate, clipping, backend, r
     if backend not in WRITE_BACKENDS:
         raise ValueError(f"the write backend must be one of {list(WRITE_BACKENDS)}, got {backend!r}")
     if rot_precision is not None and rot_precision not in TRITON_PRECISIONS + CUDA_PRECISIONS:
-        raise ValueError(f"rot_precision must be one of {list(TRITON_PRECISIONS + CUDA_PRECISIONS)}, got {rot_precision!r}")
+        raise ValueError(f"rot_precision must be one of {list(TRITON_PRECISIONS + CUDA_PRECISIONS)}, "
+                         f"got {rot_precision!r}")
     if backend == "triton" and rot_precision in CUDA_PRECISIONS:
-        raise ValueError(f"rot_precision={rot_precision!r} is a CUDA option; the Triton kernel takes {list(TRITON_PRECISIONS)}")
+        raise ValueError(f"rot_precision={rot_precision!r} is a CUDA option; the Triton kernel takes "
+                         f"{list(TRITON_PRECISIONS)}")
     # the plain unclipped write is Triton's (0.13 against 0.19 ms at 32K tokens x 8 heads on the H200)
     wanted = backend == "cuda" or rot_precision in CUDA_PRECISIONS or (backend == "auto" and (rotate or clipping))
     if wanted and rot_precision not in TRITON_PRECISIONS:
@@ -476,7 +479,8 @@ def _write_plan(d, g, dtype, device, x_ok, part_ok, rotate, clipping, backend, r
             what = "backend='cuda'" if backend == "cuda" else f"rot_precision={rot_precision!r}"
             raise ValueError(f"{what} needs the CUDA write kernel, which does not cover this call: {why}")
     elif backend == "cuda":
-        raise ValueError(f"rot_precision={rot_precision!r} is a Triton option; the CUDA kernel takes {list(CUDA_PRECISIONS)}")
+        raise ValueError(f"rot_precision={rot_precision!r} is a Triton option; the CUDA kernel takes "
+                         f"{list(CUDA_PRECISIONS)}")
     return WritePlan("triton", rot_precision or "tf32x3", num_warps or 4)
 
 

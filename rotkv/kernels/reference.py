@@ -46,7 +46,8 @@ def _gather(pages: torch.Tensor, indices: torch.Tensor, n: int) -> torch.Tensor:
     return g.permute(1, 0, 2, 3).reshape(g.shape[1], -1, g.shape[3])[:, :n]
 
 
-def dequant_rows(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+def dequant_rows(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, bits: int,
+                 group_size: int) -> torch.Tensor:
     """codes ``[.., D*bits/8]``, scale/lo ``[.., D/G]`` -> float32 ``[.., D]``."""
     return dequantize(QuantizedRows(codes, scale, lo, bits, group_size))
 
