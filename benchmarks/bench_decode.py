@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
+from rotkv.kernels.body import PagedBody, TokenPart
 from rotkv.kernels.decode import DecodeConfig, decode_attention
 from rotkv.kernels.dequant import dequant_dense
 
@@ -97,7 +98,7 @@ def make_int2(b, h, n, d, g, p, dev, gen):
     indices = torch.randperm(np_, device=dev, generator=gen).int()
     indptr = (torch.arange(b + 1, device=dev) * npr).int()
     last = torch.full((b,), n - (npr - 1) * p, dtype=torch.int32, device=dev)
-    body = (codes[0], scale[0], lo[0], codes[1], scale[1], lo[1])
+    body = PagedBody(*(TokenPart(codes[i], scale[i], lo[i], 2, g, d) for i in (0, 1)))
     return body, (indptr, indices, last)
 
 
@@ -137,8 +138,8 @@ def run_shape(b, length, args, dev, gpu, commit, log):
     int2_bytes = 2 * b * h * body_n * (d // 4 + 2 * 2 * (d // g)) + table[1].numel() * 4
 
     def unfused():
-        dequant_dense(*body[:3], *table, body_n, kd)
-        dequant_dense(*body[3:], *table, body_n, vd)
+        dequant_dense(body.k, *table, body_n, kd)
+        dequant_dense(body.v, *table, body_n, vd)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q4, kd, vd)
 

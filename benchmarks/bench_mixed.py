@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_decode import git_commit, make_bf16_pages, time_ms
+from rotkv.kernels.body import PagedBody, TokenPart
 from rotkv.kernels.decode import DecodeConfig, decode_attention
 
 
@@ -30,13 +31,14 @@ def make_body(b, h, n, d, g, p, bits, dev, gen):
     np_ = b * npr
     parts = []
     for nb in bits:
-        parts += [torch.randint(0, 256, (np_, h, p, d * nb // 8), dtype=torch.uint8, device=dev, generator=gen),
-                  (torch.rand(np_, h, p, d // g, device=dev, generator=gen) * 0.1 + 0.01).half(),
-                  (-torch.rand(np_, h, p, d // g, device=dev, generator=gen) * 0.2).half()]
+        parts.append(TokenPart(torch.randint(0, 256, (np_, h, p, d * nb // 8), dtype=torch.uint8, device=dev,
+                                             generator=gen),
+                               (torch.rand(np_, h, p, d // g, device=dev, generator=gen) * 0.1 + 0.01).half(),
+                               (-torch.rand(np_, h, p, d // g, device=dev, generator=gen) * 0.2).half(), nb, g, d))
     indices = torch.randperm(np_, device=dev, generator=gen).int()
     indptr = (torch.arange(b + 1, device=dev) * npr).int()
     last = torch.full((b,), n - (npr - 1) * p, dtype=torch.int32, device=dev)
-    return tuple(parts), (indptr, indices, last)
+    return PagedBody(*parts), (indptr, indices, last)
 
 
 def body_bytes(b, h, n, d, g, bits, table):

@@ -21,6 +21,7 @@ import torch
 from triton.testing import do_bench
 
 from benchmarks.bench_decode import git_commit
+from rotkv.kernels.body import TokenPart
 from rotkv.kernels.write import quant_write
 from rotkv.rotations.identity import random_orthogonal
 
@@ -75,9 +76,7 @@ def main(argv=None) -> int:
                 for item in filter(None, switches.split(",")):
                     name, _, val = item.partition("=")
                     os.environ[f"ROTKV_WRITE_{name}"] = val
-            pool = [(torch.empty(np_, h, p, d * bits // 8, dtype=torch.uint8, device=dev),
-                     torch.empty(np_, h, p, d // g, dtype=torch.float16, device=dev),
-                     torch.empty(np_, h, p, d // g, dtype=torch.float16, device=dev)) for _ in range(2)]
+            pool = [TokenPart.zeros(np_, h, p, d, bits, g, torch.float16, dev) for _ in range(2)]
             nbytes = 2 * t * h * d * 2 + 2 * t * h * (d * bits // 8 + 2 * 2 * (d // g))
             variants = [("rotkv_write", True, True), ("rotkv_write_norot", False, True),
                         ("rotkv_write_noclip", True, False), ("rotkv_write_norot_noclip", False, False)]
@@ -89,9 +88,9 @@ def main(argv=None) -> int:
                     kw["block_t"] = bt
 
                 def step():
-                    quant_write(k, slots, *pool[0], rot=rot if rotate else None, mean=mean if rotate else None,
+                    quant_write(k, slots, pool[0], rot=rot if rotate else None, mean=mean if rotate else None,
                                 clip=0.96 if clip else 1.0, **kw)
-                    quant_write(v, slots, *pool[1], clip=0.92 if clip else 1.0, **kw)
+                    quant_write(v, slots, pool[1], clip=0.92 if clip else 1.0, **kw)
                 try:
                     ms = do_bench(step, warmup=25, rep=100, return_mode="median")
                 except Exception as e:

@@ -23,12 +23,13 @@ import triton
 from benchmarks.bench_decode import add_shape_args, git_commit, make_bf16_pages, make_int2, time_ms
 from rotkv.kernels import decode as dk
 from rotkv.kernels.decode import DecodeConfig, decode_attention
+from rotkv.kernels.plan import cuda_variant
 
 def pieces(q, body, table, body_n, tier, ttab, tier_n, cfg):
     """Closures running the CUDA body kernel, the tier kernel and the merge alone (the same
     launches decode_attention makes for this call)."""
     b_sz, hq, d = q.shape
-    h = body[0].shape[1]
+    h = body.kv_heads
     rep = hq // h
     per, n_int2 = dk._splits(body_n, b_sz * h, 16 * cfg.cuda_tiles, cfg.cuda_target_warps, cfg.cuda_min_split_tokens)
     tper, n_tier = dk._splits(tier_n, b_sz * h, cfg.block_t, cfg.target_programs, 64)
@@ -38,7 +39,7 @@ def pieces(q, body, table, body_n, tier, ttab, tier_n, cfg):
     l_ = torch.ones(b_sz, hq, ns, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     scale = d ** -0.5 * dk.LOG2E
-    _, _, tiles, mb, prefetch, vf16, vflush = dk._cuda_variant(cfg, d, body[1].shape[-1])
+    _, _, tiles, mb, prefetch, vf16, vflush = cuda_variant(cfg, d, body.k.groups)
 
     def body_only():
         from rotkv.kernels.cuda_decode import body_partials
@@ -47,11 +48,11 @@ def pieces(q, body, table, body_n, tier, ttab, tier_n, cfg):
 
     def tier_only():
         dk._split_kernel[(b_sz * h, n_tier)](
-            q, *body, *table, *tier, *ttab, o, m, l_, h, hq, ns, n_int2, n_int2, scale, per, tper, 0,
-            REP=rep, HPAD=max(16, triton.next_power_of_2(rep)), D=d, G=d // body[1].shape[-1], P=body[0].shape[2],
+            q, *body.tensors(), *table, *tier, *ttab, o, m, l_, h, hq, ns, n_int2, n_int2, scale, per, tper, 0,
+            REP=rep, HPAD=max(16, triton.next_power_of_2(rep)), D=d, G=body.group_size, P=body.page_size,
             PT=tier[0].shape[2], BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, QK_INT8=True, USE_ASM=True,
             HAS_INT2=False, HAS_TIER=True, STATIC_STEPS=0, TIER_STATIC_STEPS=0, F16=False, V2=False,
-            RP=max(4, triton.next_power_of_2(rep)), PB=min(body[0].shape[2], cfg.block_n), K_BITS=2, V_BITS=2,
+            RP=max(4, triton.next_power_of_2(rep)), PB=min(body.page_size, cfg.block_n), K_BITS=2, V_BITS=2,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     def merge_only():

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
             q0 = torch.randn(b, args.q_heads, args.head_dim, device=dev, generator=gen)
             for qs in args.q_scale:
                 q = (q0 * qs).to(torch.bfloat16)
-                ref = decode_reference(q.float(), body[:3], body[3:], table, tk, tv, ttab)
+                ref = decode_reference(q.float(), body, table, tk, tv, ttab)
                 for name in args.configs:
                     out = decode_attention(q, body, table, body_n, (tk, tv), ttab, tier_n, cfg=CONFIGS[name]).float()
                     r = dict(batch=b, context=length, head_dim=args.head_dim, q_scale=qs, config=name,

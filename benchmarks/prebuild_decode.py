@@ -25,7 +25,8 @@ from bench_decode import CONFIGS  # noqa: E402
 from rotkv.kernels import cuda_decode  # noqa: E402
 from rotkv.kernels import nvcc as nvcc_build  # noqa: E402
 from rotkv.kernels import prebuild  # noqa: E402
-from rotkv.kernels.decode import DecodeConfig, _cuda_variant  # noqa: E402
+from rotkv.kernels.plan import DecodeConfig  # noqa: E402
+from rotkv.kernels.plan import cuda_variant as _cuda_variant  # noqa: E402
 from tests.kernels.test_kernels import CUDA_KERNEL_CASES, CUDA_KERNEL_VARIANTS, cuda_kernel_config  # noqa: E402
 
 

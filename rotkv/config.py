@@ -9,10 +9,10 @@ import dataclasses
 import numbers
 from dataclasses import dataclass
 
+from rotkv.quant.widths import KEY_WIDTHS, WIDTHS  # noqa: F401 (KEY_WIDTHS: the per-layer key widths, `k_bits`)
 from rotkv.rotations import registry
 
 META_NAMES = ("float16", "float8", "float32")
-KEY_WIDTHS = (2, 3, 4, 8)  # per-layer key widths (`k_bits`); 3 bits is bit-sliced (rotkv.quant.packing)
 # a CacheSpec's rotations: the registry's data-free ones, and "artifact" for every calibrated method
 ROTATIONS = (*registry.data_free(), "artifact")
 CODECS = ("token", "kivi")
@@ -85,8 +85,8 @@ class CacheSpec:
 
     def __post_init__(self) -> None:
         self._check_types()
-        if self.bits is not None and self.bits not in (2, 4, 8):
-            raise ValueError(f"`bits` has to be one of [2, 4, 8] or None (no quantization) but got {self.bits}")
+        if self.bits is not None and self.bits not in WIDTHS:
+            raise ValueError(f"`bits` has to be one of {list(WIDTHS)} or None (no quantization) but got {self.bits}")
         if self.group_size is not None and self.group_size <= 0:
             raise ValueError(f"`group_size` has to be a positive divisor of head_dim or None but got {self.group_size}")
         for field in ("sink", "window"):
@@ -161,7 +161,8 @@ class CacheSpec:
         if self.start_bits not in (16, 8):
             raise ValueError(f"`start_bits` has to be one of [16, 8] or None but got {self.start_bits}")
         if self.bits is None or self.bits > self.start_bits:
-            raise ValueError(f"`bits` (the final width) has to be one of [2, 4, 8] and <= start_bits but got {self.bits}")
+            raise ValueError(f"`bits` (the final width) has to be one of {list(WIDTHS)} and <= start_bits but got "
+                             f"{self.bits}")
         if self.budget_tokens is None:
             raise ValueError("progressive precision (`start_bits`) needs `budget_tokens`")
         if self.codec != "token":

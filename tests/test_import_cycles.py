@@ -66,5 +66,6 @@ def test_assembly_is_below_the_cache():
 
 def test_config_reads_only_the_registry():
     # the presets and the method registry are read by the command line before torch loads
-    assert imports_of("rotkv.config") == {"rotkv.rotations.registry"}
+    assert imports_of("rotkv.config") == {"rotkv.rotations.registry", "rotkv.quant.widths"}
+    assert imports_of("rotkv.quant.widths") == set()
     assert imports_of("rotkv.rotations.registry") <= {"rotkv.rotations.base"}

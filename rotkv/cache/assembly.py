@@ -33,12 +33,12 @@ from rotkv.hf import compat
 from rotkv.hf.geometry import model_geometry
 from rotkv.hf.models import check_supported, mean_centering_blocker, sliding_layers
 from rotkv.quant.quantizer import check_group
+from rotkv.quant.widths import WIDTHS
 from rotkv.rotations.artifact import Artifact, load_artifact, validate_artifact
 from rotkv.rotations.base import LayerRotation
 from rotkv.rotations.registry import build_rotations
 
 KINDS = ("sliding", "paged", "progressive", "evicting")
-LAYER_WIDTHS = (2, 4, 8)  # the token codec's widths a `layer_bits` entry may name
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,8 @@ def _check(model, spec: CacheSpec, num_layers: int, head_dim: int, layer_bits) -
             raise ValueError(f"layer_bits needs one (key bits, value bits) pair per layer ({num_layers}) and a "
                              f"quantized token-codec spec without a budget")
         for kb, vb in layer_bits:
-            if kb not in LAYER_WIDTHS or vb not in LAYER_WIDTHS:
-                raise ValueError(f"layer_bits entries must be in {LAYER_WIDTHS}, got {(kb, vb)}")
+            if kb not in WIDTHS or vb not in WIDTHS:
+                raise ValueError(f"layer_bits entries must be in {WIDTHS}, got {(kb, vb)}")
 
 
 def plan_cache(model, spec: CacheSpec, artifact: Artifact | str | None = None, layer_bits=None) -> CachePlan:
@@ -181,7 +181,7 @@ def plan_cache(model, spec: CacheSpec, artifact: Artifact | str | None = None, l
         if spec.start_bits is not None:
             final = finals[i]
             if final is None or final > spec.start_bits:
-                raise ValueError(f"layer {i}: final width {final} has to be one of [2, 4, 8] and <= start_bits {spec.start_bits}")
+                raise ValueError(f"layer {i}: final width {final} has to be one of {list(WIDTHS)} and <= start_bits {spec.start_bits}")
             codecs = tuple(ProgressiveCodec(spec.start_bits, final, g, clip, spec.anchor, spec.shift) for clip in (clip_k, clip_v))
             budget = layer_budget(spec, final, kv_heads, head_dim, tier_size)
             layers.append(LayerPlan(i, "progressive", r, codecs, budget=budget, final_bits=final))

@@ -6,7 +6,9 @@ step's page tables and write slots are copied into fixed buffers sized for that 
 kernels' grids are sized by the capacity (rows shorter than it exit early). Per step, on the
 host: plan the step (``PageState.plan``), copy its tables into the buffers, replay the graph,
 then run the step's flush (pages leaving the window, every ``page_size`` steps) eagerly, outside
-the graph. Inside the graph nothing syncs with the host: the NaN check is off.
+the graph. Inside the graph nothing syncs with the host: the NaN check is off. Each layer's
+kernel is its decode plan's (``rotkv.kernels.plan.plan_decode``) for the capacity: the graph
+captures that launch, and a layer no kernel reads is refused before the capture.
 
 Use it through :func:`rotkv.generation.generate_batch` (``cuda_graph=True``) or
 ``rotkv generate --cuda-graph``.

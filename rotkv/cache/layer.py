@@ -145,35 +145,42 @@ class HybridLayer(RotkvLayer):
         rot = self.rotation
         self.pools.write_tier(st.slots, rot.keys(k_new)[:, :, 0].to(self.tier_dtype),
                               rot.values(v_new)[:, :, 0].to(self.tier_dtype))
-        body = self.pools.body_tensors() if self.spec.quantized else None
-        o = decode_attention(rot.queries(query)[:, :, 0], body, st.body if body is not None else None, st.body_max,
+        q = rot.queries(query)[:, :, 0]
+        plan = self.pools.decode_plan(q, kernels.decode_config(self.decode_score))
+        if plan is None:
+            raise ValueError(f"layer {self.layer_idx}: no decode kernel reads this cache's body on this device "
+                             "(CUDA-graph decode runs the kernels only); run without cuda_graph")
+        body = self.pools.paged if self.spec.quantized else None
+        # the graph captures the plan's launch for the capacity (st.body_max): one kernel every replay
+        o = decode_attention(q, body, st.body if body is not None else None, st.body_max,
                              (self.pools.tier_k, self.pools.tier_v), st.tier, st.tier_max, sm_scale=scaling,
-                             cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad)
+                             tier_start=self.state.pad, plan=plan)
         return rot.outputs(o.float()[:, :, None]).transpose(1, 2).to(query.dtype)
 
     def _step(self, step: Step, qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, scaling: float) -> torch.Tensor:
         rows, pos, slots = step.device_write(self.device)
         self.pools.write_tier(slots, kr[rows, :, pos], vr[rows, :, pos])
-        if step.decode and self._kernel_ok(qr):
-            o = self._attend_kernel(step, qr[:, :, 0], scaling)[:, :, None]
+        plan = self.pools.decode_plan(qr[:, :, 0], kernels.decode_config(self.decode_score)) if step.decode else None
+        if plan is not None:
+            o = self._attend_kernel(step, qr[:, :, 0], scaling, plan)[:, :, None]
         else:
             o = self._attend_dense(step, qr, scaling)
         if len(step.flush):
             self.pools.flush(*step.device_flush(self.device))
         return o
 
-    def _kernel_ok(self, q: torch.Tensor) -> bool:
-        return kernels.enabled(q) and (not self.spec.quantized or self.pools.kernel_tokens)
-
-    def _attend_kernel(self, step: Step, q: torch.Tensor, scaling: float) -> torch.Tensor:
-        """One decode token of every row: the split-K kernel over the body and tier page tables."""
+    def _attend_kernel(self, step: Step, q: torch.Tensor, scaling: float, plan) -> torch.Tensor:
+        """One decode token of every row: the planned split-K kernel over the body and tier page tables."""
         from rotkv.kernels.decode import decode_attention
 
         t = step.device_tables(self.device, self.state)
-        body = self.pools.body_tensors() if self.spec.quantized and t.body_max > 0 else None
+        body = self.pools.paged if self.spec.quantized and t.body_max > 0 else None
+        if body is None and plan.layout is not None:  # no body tokens yet: the tier's plan
+            plan = None
         return decode_attention(q, body, t.body if body is not None else None, t.body_max,
                                 (self.pools.tier_k, self.pools.tier_v), t.tier, t.tier_max, sm_scale=scaling,
-                                cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad).float()
+                                cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad,
+                                plan=plan).float()
 
     def _attend_dense(self, step: Step, qr: torch.Tensor, scaling: float) -> torch.Tensor:
         """Dense attention of the step's queries: body dequantized once, tier gathered, one SDPA."""
@@ -186,7 +193,7 @@ class HybridLayer(RotkvLayer):
         if self.spec.quantized and nb:
             pages = step.cached(("body_pages", dev), lambda: torch.from_numpy(
                 np.ascontiguousarray(step.body_pages[:, :nb])).to(dev))
-            t = step.device_tables(dev, self.state) if self.pools.can_dequant_kernel else None
+            t = step.device_tables(dev, self.state) if self.pools.dequant_kernel else None
             run = step.cached("run", lambda: _consecutive_run(step.body_pages, nb))
             bk, bv = self.pools.body_dense(pages, cdt, table=t.body if t is not None else None, run=run)
         else:

@@ -6,7 +6,8 @@ The cache itself keeps its pages in ``rotkv.cache.pools`` (one per layer) and it
 Layout is HND per page (a page holds ``P`` tokens of every KV head, one head's tokens contiguous):
 
 - INT2 body: ``codes [num_pages, H, P, D/4] uint8`` (planar packed, see ``rotkv.quant.packing``),
-  ``scale, lo [num_pages, H, P, D/G] float16``, one set for keys and one for values.
+  ``scale, lo [num_pages, H, P, D/G] float16``, one part for keys and one for values
+  (:class:`rotkv.kernels.body.PagedBody`).
 - bf16 tier (sink + recent window): ``k, v [num_pages, H, P, D]`` in the tier dtype.
 
 A request's tokens live in a list of pages; a batch is described by
@@ -22,7 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rotkv.kernels.body import PagedBody, TokenPart
 from rotkv.kernels.reference import lengths_from_table  # noqa: F401  (re-exported: the table's vocabulary)
+from rotkv.quant.widths import KERNEL_WIDTHS, check_width
 
 
 class PagePool:
@@ -49,38 +52,29 @@ class PagePool:
 
 class Int2PagePool(PagePool):
     """Packed INT2 (or INT4: ``k_bits`` / ``v_bits``) keys and values with fp16 scale and lo per
-    group of ``group_size`` dims."""
+    group of ``group_size`` dims: ``body``, a :class:`~rotkv.kernels.body.PagedBody`."""
 
     def __init__(self, num_pages: int, kv_heads: int, head_dim: int, page_size: int = 16,
                  group_size: int = 64, device: str | torch.device = "cpu", k_bits: int = 2, v_bits: int = 2):
         super().__init__(num_pages, page_size)
-        if head_dim % 4 or head_dim % group_size:
-            raise ValueError(f"`group_size` ({group_size}) must divide head_dim ({head_dim}), a multiple of 4")
-        if k_bits not in (2, 4) or v_bits not in (2, 4):
-            raise ValueError(f"k_bits and v_bits must be 2 or 4, got {k_bits}, {v_bits}")
+        if head_dim % 4:
+            raise ValueError(f"head_dim ({head_dim}) must be a multiple of 4")
+        for name, b in (("k_bits", k_bits), ("v_bits", v_bits)):
+            check_width(b, name, KERNEL_WIDTHS)
         self.kv_heads, self.head_dim, self.group_size = kv_heads, head_dim, group_size
-        self.k_bits, self.v_bits = k_bits, v_bits
-        ng = head_dim // group_size
+        self.body = PagedBody.zeros(num_pages, kv_heads, page_size, head_dim, (k_bits, v_bits), group_size,
+                                    device=device)
 
-        def buf(width: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(num_pages, kv_heads, page_size, width, dtype=dtype, device=device)
-
-        self.k_codes = buf(head_dim * k_bits // 8, torch.uint8)
-        self.v_codes = buf(head_dim * v_bits // 8, torch.uint8)
-        self.k_scale, self.k_lo = buf(ng, torch.float16), buf(ng, torch.float16)
-        self.v_scale, self.v_lo = buf(ng, torch.float16), buf(ng, torch.float16)
-
-    def tensors(self, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(codes, scale, lo) of ``which`` in {"k", "v"}."""
+    def part(self, which: str) -> TokenPart:
+        """The body part of ``which`` in {"k", "v"}."""
         if which not in ("k", "v"):
             raise ValueError(f"`which` has to be one of ['k', 'v'] but got {which!r}")
-        return getattr(self, f"{which}_codes"), getattr(self, f"{which}_scale"), getattr(self, f"{which}_lo")
+        return getattr(self.body, which)
 
     @property
     def nbytes_per_token(self) -> int:
         """Resident bytes of one token, all KV heads, K and V, metadata included."""
-        d, ng = self.head_dim, self.head_dim // self.group_size
-        return self.kv_heads * (d * (self.k_bits + self.v_bits) // 8 + 2 * 2 * 2 * ng)
+        return self.kv_heads * sum(part.row_bytes for part in self.body.parts)
 
 
 class Bf16PagePool(PagePool):

@@ -2,9 +2,10 @@
 
 - tier: ``tier_k, tier_v [pages, kv_heads, P, D]`` in the tier dtype (sink and recent window);
 - body: the codec's parts with a leading page dimension, for keys and values. For the token
-  codec at 2 or 4 bits (keys and values each): ``codes [pages, H, P, D*bits/8]`` uint8 (planar
-  packed) and ``scale, lo [pages, H, P, D/G]`` fp16, the layout the kernels read
-  (``rotkv.kernels``);
+  codec (keys and values each): ``codes [pages, H, P, D*bits/8]`` uint8 (planar packed) and
+  ``scale, lo [pages, H, P, D/G]``; ``paged`` holds them typed, as the kernels read them
+  (:class:`rotkv.kernels.body.PagedBody`, built when the pools are made or grow; None for
+  codecs the kernels do not read);
 - mirror (the CPU reference path only): the body pages dequantized to float32 when they are
   written, so a read gathers pages instead of decoding them again. It is scratch memory of the
   PyTorch reader, reported apart (``scratch_bytes``), not part of the format.
@@ -20,6 +21,8 @@ import torch
 
 from rotkv.cache.codecs import TokenCodec
 from rotkv.kernels import backend as kernels
+from rotkv.kernels import plan
+from rotkv.kernels.body import PagedBody, TokenPart
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -54,23 +57,39 @@ class LayerPools:
         self.mirror = (torch.zeros(mshape, device=device), torch.zeros(mshape, device=device)) if mirror else None
         self.body_page_bytes = sum(int(torch.tensor(t.shape[1:]).prod()) * t.element_size()
                                    for parts in self.body for t in parts.values())
-        # the kernels read token codecs of 2 or 4 bits with fp16 metadata, chosen apart for keys and
-        # values, with one group size; an INT4 K or V runs the Triton kernel, whose head quarters must
-        # lie inside groups (G >= D/4); INT2 with smaller groups is the CUDA kernel's (as before)
-        self.kernel_tokens = (all(isinstance(c, TokenCodec) and c.bits in (2, 4) and c.default_meta for c in self.codecs)
-                              and key_codec.group_size == value_codec.group_size
-                              and (4 * key_codec.group_size >= head_dim
-                                   or key_codec.bits == value_codec.bits == 2))
-        self.can_dequant_kernel = self.kernel_tokens and kernels.enabled(self.tier_k)
+        self.paged: PagedBody | None = None
+        self._type_body()
+        # which parts the write and dequant kernels store and read (rotkv.kernels.plan; what decode
+        # runs is asked per step: decode_plan)
+        self.part_kernels = tuple(self.paged is not None and plan.part_reason(pt.bits, pt.meta, pt.format) is None
+                                  for pt in (self.paged.parts if self.paged is not None else (None, None)))
+        self.dequant_kernel = all(self.part_kernels) and kernels.enabled(self.tier_k)
+
+    def decode_plan(self, q: torch.Tensor, cfg) -> plan.DecodePlan | None:
+        """The decode plan of a step with rotated queries ``q [B, Hq, D]`` (``rotkv.kernels.plan``),
+        or None where no kernel runs it (kernels off, or a body the kernels do not read)."""
+        if not kernels.enabled(q) or (self.codecs[0] is not None and self.paged is None):
+            return None
+        p = plan.plan_decode(q, self.paged, cfg)
+        return p if p.covered else None
+
+    def _type_body(self) -> None:
+        """(Re)build ``paged`` over the current body tensors (token codecs only)."""
+        if not all(isinstance(c, TokenCodec) for c in self.codecs):
+            return
+        self.paged = PagedBody(*(TokenPart(parts["codes"], parts["scale"], parts["lo"], c.bits, c.group_size,
+                                           self.head_dim) for parts, c in zip(self.body, self.codecs)))
 
     # ---- capacity ------------------------------------------------------------------------------
     def fit(self, tier_pages: int, body_pages: int) -> None:
         """Make room for page ids below ``tier_pages`` and ``body_pages``."""
         if self.tier_k.shape[0] < tier_pages:
             self.tier_k, self.tier_v = _grow(self.tier_k, tier_pages), _grow(self.tier_v, tier_pages)
-        for parts in self.body:
-            for name, t in parts.items():
-                parts[name] = _grow(t, body_pages)
+        if self.body[0] and self.body[0]["codes"].shape[0] < body_pages:
+            for parts in self.body:
+                for name, t in parts.items():
+                    parts[name] = _grow(t, body_pages)
+            self._type_body()
         if self.mirror is not None and self.mirror[0].shape[1] < body_pages:
             self.mirror = tuple(_grow(t.transpose(0, 1), body_pages).transpose(0, 1).contiguous() for t in self.mirror)
 
@@ -93,11 +112,6 @@ class LayerPools:
         return tuple(t[pg, :, off].permute(0, 2, 1, 3).to(dtype) for t in (self.tier_k, self.tier_v))
 
     # ---- body ------------------------------------------------------------------------------------
-    def body_tensors(self) -> tuple[torch.Tensor, ...]:
-        """``(k_codes, k_scale, k_lo, v_codes, v_scale, v_lo)``: the INT2/INT4 pool as the kernels read it."""
-        k, v = self.body
-        return k["codes"], k["scale"], k["lo"], v["codes"], v["scale"], v["lo"]
-
     def body_dense(self, pages: torch.Tensor, dtype, table: tuple | None = None,
                    use_mirror: bool = True, run: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized ``[B, H, N * P, D]`` keys and values of the body pages ``pages [B, N]``
@@ -116,11 +130,9 @@ class LayerPools:
         if table is not None:
             from rotkv.kernels.dequant import dequant_dense
 
-            out = []
-            for parts in self.body:
-                o = torch.empty(b, h, n * p, d, dtype=dtype, device=self.device)
-                out.append(dequant_dense(parts["codes"], parts["scale"], parts["lo"], *table, n * p, o))
-            return tuple(out)
+            return tuple(dequant_dense(part, *table, n * p, torch.empty(b, h, n * p, d, dtype=dtype,
+                                                                        device=self.device))
+                         for part in self.paged.parts)
         flat = pages.reshape(-1)
         return tuple(codec.decode({k: t[flat] for k, t in parts.items()}).reshape(b, n, h, p, d)
                      .permute(0, 2, 1, 3, 4).reshape(b, h, n * p, d).to(dtype)
@@ -132,12 +144,11 @@ class LayerPools:
         n, h, p, d = len(src), self.kv_heads, self.page, self.head_dim
         for tier, parts, codec, i in zip((self.tier_k, self.tier_v), self.body, self.codecs, (0, 1)):
             x = tier[src]  # [n, H, P, D]
-            if self.kernel_tokens and kernels.enabled(x):
+            if self.part_kernels[i] and kernels.enabled(x):
                 from rotkv.kernels.write import quant_write
 
                 slots = (dst[:, None] * p + torch.arange(p, device=dst.device)[None]).reshape(-1)
-                quant_write(x.transpose(1, 2).reshape(n * p, h, d), slots, parts["codes"], parts["scale"], parts["lo"],
-                            clip=codec.clip)
+                quant_write(x.transpose(1, 2).reshape(n * p, h, d), slots, self.paged.parts[i], clip=codec.clip)
             else:
                 enc = codec.encode(x.float())
                 for name, t in enc.items():

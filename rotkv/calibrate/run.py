@@ -20,6 +20,7 @@ from rotkv.calibrate.corpus import token_chunks
 from rotkv.calibrate.stats import StatsRecorder
 from rotkv.hf.geometry import attention_modules, model_geometry
 from rotkv.hf.models import mean_centering_blocker
+from rotkv.quant.widths import check_width
 from rotkv.rotations import registry
 from rotkv.rotations.artifact import model_meta
 from rotkv.rotations.base import LayerRotation
@@ -60,8 +61,7 @@ class CalibConfig:
             self.granularity = self.spec.granularity
         if self.granularity not in ("layer", "kv-head"):
             raise ValueError(f"`granularity` has to be one of ['layer', 'kv-head'] but got {self.granularity!r}")
-        if self.bits not in (2, 4, 8):
-            raise ValueError(f"`bits` has to be one of [2, 4, 8] but got {self.bits}")
+        check_width(self.bits)
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"`group_size` has to be a positive divisor of head_dim or None but got {self.group_size}")
         for name, low in (("sink", 0), ("steps", 1), ("chunk_len", 1), ("n_heldout", 0)):

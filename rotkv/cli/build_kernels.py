@@ -71,7 +71,7 @@ def run(args) -> int:
         raise UsageError(f"--arch {arch}: the CUDA kernels need compute capability 8.0 or newer")
     g = spec.resolved_group(d)
     try:
-        builds, notes = prebuild.plan(d, g, spec.bits, rotate=spec.rotation != "identity")
+        builds, notes = prebuild.builds(d, g, spec.bits, rotate=spec.rotation != "identity")
     except ValueError as e:
         raise UsageError(f"--head-dim / --group-size: {e}") from None
     if spec.k_bits is not None:

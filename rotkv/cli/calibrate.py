@@ -4,6 +4,7 @@ or (``--refit-clip``) re-fit only the clip ratios of an existing artifact for ne
 from __future__ import annotations
 
 from rotkv.cli.errors import UsageError, check_model, check_out_path, resolve_device, warn
+from rotkv.quant.widths import WIDTHS
 from rotkv.rotations import registry
 
 
@@ -23,7 +24,7 @@ def register(sub) -> None:
     p.add_argument("--tokens", type=int, default=None,
                    help="calibration tokens, held-out chunks included, in whole chunks of 512 (default 16384; "
                         "2048 for pmkvq and --refit-clip; at least 1536 with the clip search)")
-    p.add_argument("--bits", type=int, default=2, choices=[2, 4, 8], help="default: 2")
+    p.add_argument("--bits", type=int, default=2, choices=list(WIDTHS), help="default: 2")
     p.add_argument("--group-size", type=int, default=None, help="default: 64, or head_dim when smaller")
     kv_head = [m for m in registry.calibrated() if registry.get(m).granularity == "kv-head"]
     p.add_argument("--granularity", choices=["layer", "kv-head"], default=None,

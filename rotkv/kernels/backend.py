@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from rotkv.kernels.plan import part_reason
+
 try:
     import triton  # noqa: F401
 
@@ -29,19 +31,20 @@ def enabled(t: torch.Tensor) -> bool:
 
 def token_encode(x: torch.Tensor, bits: int, group_size: int, clip: float) -> dict[str, torch.Tensor] | None:
     """``x [nb, H, P, D]`` float -> {codes [nb, H, P, D*bits/8], scale, lo [nb, H, P, D/G]} or None
-    (bits 2 or 4)."""
-    if not enabled(x) or bits not in (2, 4) or x.dim() != 4 or x.shape[-1] % group_size:
+    (a width the kernels read, ``rotkv.quant.widths.KERNEL_WIDTHS``)."""
+    if not enabled(x) or part_reason(bits, torch.float16) or x.dim() != 4 or x.shape[-1] % group_size:
         return None
+    from rotkv.kernels.body import TokenPart
     from rotkv.kernels.write import quant_write
 
     nb, h, p, d = x.shape
-    codes = torch.empty(nb, h, p, d * bits // 8, dtype=torch.uint8, device=x.device)
     scale = torch.empty(nb, h, p, d // group_size, dtype=torch.float16, device=x.device)
-    lo = torch.empty_like(scale)
+    part = TokenPart(torch.empty(nb, h, p, d * bits // 8, dtype=torch.uint8, device=x.device), scale,
+                     torch.empty_like(scale), bits, group_size, d)
     rows = x.float().transpose(1, 2).reshape(nb * p, h, d)  # token-major [nb*P, H, D]
     slots = torch.arange(nb * p, device=x.device)
-    quant_write(rows, slots, codes, scale, lo, clip=clip)
-    return {"codes": codes, "scale": scale, "lo": lo}
+    quant_write(rows, slots, part, clip=clip)
+    return {"codes": part.codes, "scale": part.scale, "lo": part.lo}
 
 
 def decode_config(score: str | None = None):
@@ -54,7 +57,7 @@ def decode_config(score: str | None = None):
 @functools.lru_cache(maxsize=None)
 def _decode_config_for(backend: str, score: str = "auto"):
     # one config per (backend, score): decode steps (every layer, every token) do not rebuild and revalidate it
-    from rotkv.kernels.decode import DecodeConfig
+    from rotkv.kernels.plan import DecodeConfig
 
     if backend not in ("auto", "cuda", "triton"):
         raise ValueError(f"ROTKV_DECODE_BACKEND must be auto, cuda or triton, got {backend!r}")

@@ -4,8 +4,8 @@ The kernel is compiled with ``nvcc`` on first use (about 15 s) into
 ``$ROTKV_CACHE_DIR`` (default ``~/.cache/rotkv``), keyed by the source's hash and the GPU's
 architecture, and loaded with ``ctypes``: no PyTorch extension build, no headers beyond CUDA's.
 Where there is no ``nvcc``, no GPU of compute capability 8.0 or newer, or a shape it does not
-cover, :func:`supported` says why and :func:`rotkv.kernels.decode.decode_attention` uses the
-Triton body kernel instead.
+cover, the decode plan (``rotkv.kernels.plan.plan_decode``) says why and runs the Triton body
+kernel instead.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from rotkv.kernels import nvcc as nvcc_build
+from rotkv.kernels.body import PagedBody
 
 SOURCE = Path(__file__).parent / "cuda" / "int2_decode.cu"
 _nvcc = nvcc_build.nvcc_path
@@ -83,43 +84,7 @@ def counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def shape_reason(head_dim: int, group_size: int) -> str | None:
-    """Why the kernel does not cover this head_dim / group size, or None (no tensors needed)."""
-    if head_dim not in (64, 128, 256):
-        return f"head_dim {head_dim} not in (64, 128, 256)"
-    if group_size % 32:
-        return f"group_size {group_size} is not a multiple of 32"
-    return None
-
-
-def supported(q: torch.Tensor, body: tuple, rep: int) -> str | None:
-    """None if the CUDA body kernel covers this call, else the reason it does not."""
-    if not q.is_cuda:
-        return "not on CUDA"
-    if torch.cuda.get_device_capability(q.device) < (8, 0):
-        return "needs compute capability 8.0+ (mma.sync int8 m16n8k32, movmatrix)"
-    d = q.shape[-1]
-    codes, scale = body[0], body[1]
-    ng = scale.shape[-1]
-    why = shape_reason(d, d // ng) if d % ng == 0 else (shape_reason(d, 32) or
-                                                         f"group_size {d // max(ng, 1)} is not a multiple of 32")
-    if why:
-        return why
-    if codes.shape[2] % 16:
-        return f"page size {codes.shape[2]} is not a multiple of 16"
-    if rep > 8:
-        return f"GQA group {rep} > 8"
-    if codes.shape[0] * codes.shape[1] * codes.shape[2] >= 2**32:
-        return "the pool has 2^32 or more token rows (the kernel indexes rows in 32 bits)"
-    for t in body:
-        if not t.is_contiguous() or t.data_ptr() % 16:
-            return "body tensors must be contiguous and 16-byte aligned"
-    if _nvcc() is None:
-        return "nvcc not found"
-    return None
-
-
-def body_partials(q: torch.Tensor, body: tuple, table: tuple, o_part: torch.Tensor, m_part: torch.Tensor,
+def body_partials(q: torch.Tensor, body: PagedBody, table: tuple, o_part: torch.Tensor, m_part: torch.Tensor,
                   l_part: torch.Tensor, n_splits: int, tokens_per_split: int, qk_scale: float,
                   tiles: int = 2, min_blocks: int = 4, fuse: bool = False,
                   out: torch.Tensor | None = None, prefetch: bool = False, value_f16: bool = False,
@@ -137,7 +102,7 @@ def body_partials(q: torch.Tensor, body: tuple, table: tuple, o_part: torch.Tens
     ones past the body's included (written by an earlier launch: the tier), into ``out``.
     """
     b_sz, hq, d = q.shape
-    h, p, ng = body[0].shape[1], body[0].shape[2], body[1].shape[-1]
+    h, p, ng = body.kv_heads, body.page_size, body.k.groups
     lib = build(q.device, (d, ng, tiles, min_blocks, int(prefetch), int(value_f16), int(value_flush)))
     indptr, indices, last = (t.to(torch.int32).contiguous() for t in table)
     stream = torch.cuda.current_stream(q.device).cuda_stream
@@ -147,7 +112,7 @@ def body_partials(q: torch.Tensor, body: tuple, table: tuple, o_part: torch.Tens
         raise ValueError(f"out needs fuse=True, a contiguous [B, Hq, D] float32/bf16/fp16 tensor and at most "
                          f"{MERGE_MAX_SLOTS} partial slots (got {o_part.shape[2]})")
     cnt = counters(q.device, b_sz * h) if out is not None else None
-    rc = lib.rotkv_int2_decode(d, ng, tiles, min_blocks, q.data_ptr(), *(t.data_ptr() for t in body),
+    rc = lib.rotkv_int2_decode(d, ng, tiles, min_blocks, q.data_ptr(), *(t.data_ptr() for t in body.tensors()),
                                indptr.data_ptr(), indices.data_ptr(), last.data_ptr(),
                                o_part.data_ptr(), m_part.data_ptr(), l_part.data_ptr(),
                                b_sz, h, hq, p, o_part.shape[2], n_splits, tokens_per_split, qk_scale,

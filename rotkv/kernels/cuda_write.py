@@ -1,4 +1,5 @@
-"""The CUDA quantize-on-write kernel (``cuda/quant_write.cu``): what it covers, build, launch.
+"""The CUDA quantize-on-write kernel (``cuda/quant_write.cu``): build, launch (what it covers:
+``rotkv.kernels.plan``).
 
 Same contract as the Triton kernel (:func:`rotkv.kernels.write.quant_write`, which dispatches
 here): ``x [T, H, D]`` -> optional ``(x - mean) R`` -> per-row clip -> per-group INT2/INT4 with
@@ -17,58 +18,24 @@ from pathlib import Path
 import torch
 
 from rotkv.kernels import nvcc as nvcc_build
+from rotkv.kernels.body import TokenPart
 
 SOURCE = Path(__file__).parent / "cuda" / "quant_write.cu"
 PRECISIONS = {"bf16": 1, "bf16x2": 2}
-_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90 (the rotation keeps R there)
 
 
-def _smem(d: int, split: int, warps: int) -> int:
+def smem(d: int, split: int, warps: int) -> int:
     return split * d * (d + 8) * 2 + warps * 16 * (d + 4) * 4
 
 
 def default_warps(d: int, rot_precision: str, rotate: bool) -> int:
     """Warps per block of the rotating kernel, the measured best (H200, D = 128): 4 with R as two
     bf16 parts, 8 with one, where R and the product tiles fit in shared memory."""
-    if rotate and rot_precision == "bf16" and _smem(d, 1, 8) <= SMEM_LIMIT:
+    if rotate and rot_precision == "bf16" and smem(d, 1, 8) <= SMEM_LIMIT:
         return 8
     return 4
-
-
-def shape_reason(head_dim: int, group_size: int) -> str | None:
-    """Why the kernel does not cover this head_dim / group size, or None (no tensors needed)."""
-    if head_dim not in (64, 128, 256):
-        return f"head_dim {head_dim} not in (64, 128, 256)"
-    if group_size % 32:
-        return f"group size {group_size} is not a multiple of 32"
-    return None
-
-
-def supported(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, rotate: bool, rot_precision: str,
-              num_warps: int) -> str | None:
-    """None if the CUDA write kernel covers this call, else the reason it does not."""
-    if not x.is_cuda:
-        return "not on CUDA"
-    if torch.cuda.get_device_capability(x.device) < (8, 0):
-        return "needs compute capability 8.0+ (redux.sync, bf16 mma.sync)"
-    t, h, d = x.shape
-    why = shape_reason(d, d // scale.shape[-1])
-    if why:
-        return why
-    if x.dtype not in _DTYPES or (rotate and x.dtype != torch.bfloat16):
-        return f"input dtype {x.dtype} (bf16, or fp16/fp32 without rotation)"
-    if x.stride(-1) != 1 or (rotate and (x.stride(0) % 2 or x.stride(1) % 2 or x.data_ptr() % 4)):
-        return "x must have a contiguous last dim (and even strides, 4-byte aligned, to rotate)"
-    if rotate and rot_precision not in PRECISIONS:
-        return f"rot_precision {rot_precision!r} is not one of {list(PRECISIONS)}"
-    if rotate and _smem(d, PRECISIONS[rot_precision], num_warps) > SMEM_LIMIT:
-        return f"R and the product tiles need more than {SMEM_LIMIT} bytes of shared memory"
-    if not (codes.is_contiguous() and scale.is_contiguous()):
-        return "pool tensors must be contiguous"
-    if nvcc_build.nvcc_path() is None:
-        return "nvcc not found"
-    return None
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -87,13 +54,13 @@ def build(device: torch.device, d: int, g: int, bits: int, split: int, warps: in
     return nvcc_build.load(SOURCE, "quant_write", macros, device, False, _setup)
 
 
-def launch(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
-           rot: torch.Tensor | None, mean: torch.Tensor | None, clip_r: int, rot_precision: str = "bf16x2",
-           num_warps: int = 4, blocks_per_head: int = 0) -> None:
-    """Run the kernel (the caller checked :func:`supported`). ``rot [H, D, D]``, ``mean [H, D]``."""
+def launch(x: torch.Tensor, slots: torch.Tensor, part: TokenPart, rot: torch.Tensor | None, mean: torch.Tensor | None,
+           clip_r: int, rot_precision: str = "bf16x2", num_warps: int = 4, blocks_per_head: int = 0) -> None:
+    """Run the kernel (the write plan chose it: ``rotkv.kernels.plan.plan_write``). ``rot [H, D, D]``,
+    ``mean [H, D]``."""
     t, h, d = x.shape
-    bits = codes.shape[-1] * 8 // d
-    g = d // scale.shape[-1]
+    bits, g = part.bits, part.group_size
+    codes, scale, lo = part.tensors
     split = PRECISIONS[rot_precision] if rot is not None else 1
     lib = build(x.device, d, g, bits, split, num_warps)
     mu = None
@@ -105,7 +72,7 @@ def launch(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale: tor
         mu = mean.to(device=x.device, dtype=torch.float32).contiguous()
     slots = slots.to(device=x.device, dtype=torch.int64).contiguous()
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    rc = lib.rotkv_quant_write(d, g, bits, split, num_warps, _DTYPES[x.dtype], x.data_ptr(), x.stride(0),
+    rc = lib.rotkv_quant_write(d, g, bits, split, num_warps, DTYPES[x.dtype], x.data_ptr(), x.stride(0),
                                x.stride(1), None if rot is None else rot.data_ptr(),
                                None if mu is None else mu.data_ptr(), slots.data_ptr(), codes.data_ptr(),
                                scale.data_ptr(), lo.data_ptr(), t, h, codes.shape[2], clip_r, blocks_per_head, stream)

@@ -27,13 +27,13 @@ the portable shift-and-mask path runs under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-import dataclasses
-import os
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
+
+from rotkv.kernels.body import PagedBody
+from rotkv.kernels.plan import DecodeConfig, DecodePlan, plan_decode  # noqa: F401 (DecodeConfig: re-exported)
+from rotkv.kernels.plan import interpreting as _interpreting
 
 LOG2E = 1.4426950408889634
 
@@ -529,83 +529,6 @@ def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, NS, D: tl.constexpr, DB: tl.cons
     tl.store(out_ptr + row * D + offs_d, (num / d).to(out_ptr.dtype.element_ty))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@dataclass
-class DecodeConfig:
-    """Tuning knobs of :func:`decode_attention` (defaults chosen by ``benchmarks/bench_decode.py``)."""
-
-    block_n: int = 64  # INT2 tokens per inner step
-    block_t: int = 32  # bf16 tokens per inner step
-    target_programs: int = 1024  # split so that B * H_kv * splits reaches about this many
-    min_split_tokens: int = 256
-    qk_int8: bool = True  # int8 query . codes for the scores; used when head_dim >= 128 (int8 MMA K >= 32)
-    use_asm: bool | None = None  # None: inline PTX on a GPU, portable code under the interpreter
-    num_warps: int = 1  # one warp per program was fastest on the H200 (docs/kernels.md)
-    num_stages: int = 2
-    v2: bool = False  # the (plane, head)-row kernel `_int2_part_v2` (int8 scores at any head_dim)
-    # INT2 body kernel: "cuda" (rotkv/kernels/cuda/int2_decode.cu, built with nvcc on first use),
-    # "triton", or "auto" (CUDA where it is supported and builds, else Triton)
-    backend: str = "auto"
-    cuda_tiles: int = 1  # 16-token tiles per softmax step of the CUDA kernel
-    cuda_min_blocks: int | None = None  # __launch_bounds__ min blocks of 4 warps per SM; None: 4 (128
-    # registers) at head_dim <= 128 with <= 2 groups, 3 with more groups, 2 at head_dim 256
-    # auto: bodies under this many token-heads (B * H_kv * max_len) take the Triton v2 kernel with
-    # 128-token blocks and 4 warps (one launch fewer; faster at B=1, 4K on the H200)
-    small_work: int = 65536
-    cuda_target_warps: int = 2048  # CUDA kernel: split so that B * H_kv * splits reaches about this
-    cuda_min_split_tokens: int = 64
-    # CUDA kernel's partials: "none" (one per split, merged by the Triton merge kernel), "block" (the
-    # 4 warps of a block, 4 splits of one request and KV head, merge theirs in shared memory: 4x
-    # fewer partials for the merge kernel), or "all" (also the last block of each request and KV
-    # head merges every partial and the tier's, launched first, into the output: no merge launch;
-    # measured slower on the H200, docs/kernels.md)
-    cuda_fuse: str = "block"
-    # merge kernel: partial slots per step, and dims per program where B * Hq < 1024 (else all D)
-    merge_chunk: int = 128  # 128: one step for the ~70 slots of B = 1, 128K (2.55x against 2.46x at 64)
-    merge_slice: int = 32
-    # CUDA kernel: two register buffers, the next step's loads issued before this step's math
-    # (with cuda_tiles=1 the fastest variant measured from B = 8 on, docs/kernels.md)
-    cuda_prefetch: bool = True
-    # CUDA kernel: the value product in fp16 (0x6400 | code bits = 1024 + 4^i c, every plane in place,
-    # one LOP3 per operand register, p * s_v by HMUL2) instead of bf16 (byte permutes, plane 3
-    # shifted); 4-6% faster from B = 8 on at 32K-128K on the H200 (docs/kernels.md)
-    cuda_value_f16: bool = True
-    # CUDA kernel: every this many steps (a power of two) the value accumulators drop their
-    # magic-number offset (0: only at the end). The tensor cores' truncation error grows with the
-    # accumulators' size; without it the fp16 path's output error was 8x the bf16 path's, with 8 it
-    # is within 15% of it (docs/kernels.md)
-    cuda_value_flush: int = 8
-    # scores of the quantized body: "int8" (query quantized to int8 per head: the CUDA kernel, and
-    # the Triton kernels where qk_int8 applies), "bf16" (query kept bf16, codes as bf16; Triton
-    # only), or "auto": bf16 at head_dim <= 64 unless backend == "cuda" (top-1 agreement on
-    # SmolLM2, D 64: 0.984 with bf16 scores against 0.938 with the int8 query; docs/kernels.md)
-    score: str = "auto"
-
-    def __post_init__(self):
-        if self.backend not in ("auto", "cuda", "triton"):
-            raise ValueError(f"backend must be 'auto', 'cuda' or 'triton', got {self.backend!r}")
-        if self.score not in ("auto", "bf16", "int8"):
-            raise ValueError(f"score must be 'auto', 'bf16' or 'int8', got {self.score!r}")
-        if self.cuda_fuse not in ("none", "block", "all"):
-            raise ValueError(f"cuda_fuse must be 'none', 'block' or 'all', got {self.cuda_fuse!r}")
-        if not 0 <= self.cuda_value_flush <= 4096 or self.cuda_value_flush & (self.cuda_value_flush - 1):
-            raise ValueError(f"cuda_value_flush must be 0 or a power of two up to 4096, got {self.cuda_value_flush}")
-        if not 1 <= self.cuda_tiles <= 8:
-            raise ValueError(f"cuda_tiles must be in 1..8, got {self.cuda_tiles}")
-        if self.cuda_min_blocks is not None and not 1 <= self.cuda_min_blocks <= 8:
-            raise ValueError(f"cuda_min_blocks must be None or in 1..8, got {self.cuda_min_blocks}")
-        for name, v in (("merge_chunk", self.merge_chunk), ("merge_slice", self.merge_slice)):
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two, got {v}")
-        for name in ("block_n", "block_t", "target_programs", "min_split_tokens", "cuda_target_warps",
-                     "cuda_min_split_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
 def _splits(max_len: int, bh: int, block: int, target: int, min_tokens: int) -> tuple[int, int]:
     """(tokens_per_split, n_splits) for ``max_len`` tokens, a multiple of ``block``."""
     if max_len <= 0:
@@ -616,117 +539,41 @@ def _splits(max_len: int, bh: int, block: int, target: int, min_tokens: int) -> 
     return per, -(-max_len // per)
 
 
-_CUDA_WARNED: set = set()
-
-
-def _min_blocks(cfg: DecodeConfig, d: int, ng: int) -> int:
-    """4 blocks of 4 warps per SM (128 registers) where that does not spill (nvcc -Xptxas -v)."""
-    if cfg.cuda_min_blocks is not None:
-        return cfg.cuda_min_blocks
-    if d <= 128 and ng <= 2:
-        return 4
-    return 3 if d <= 128 else 2
-
-
-def _cuda_variant(cfg: DecodeConfig, d: int, ng: int) -> tuple[int, int, int, int, int, int, int]:
-    """The CUDA kernel build a call runs: (head_dim, groups, tiles, min blocks, prefetch, fp16 values,
-    value flush); prefetch as cfg.cuda_prefetch, except at head_dim 256 with 8 groups, where the
-    second buffer spills."""
-    return (d, ng, cfg.cuda_tiles, _min_blocks(cfg, d, ng), int(cfg.cuda_prefetch and not (d >= 256 and ng >= 8)),
-            int(cfg.cuda_value_f16), cfg.cuda_value_flush)
-
-
-def resolve_score(cfg: DecodeConfig, head_dim: int) -> str:
-    """The score variant a call runs: ``cfg.score``, or for "auto" bf16 at head_dim <= 64 (unless
-    the CUDA backend, int8 only, is asked for) and int8 above."""
-    if cfg.score != "auto":
-        return cfg.score
-    return "bf16" if head_dim <= 64 and cfg.backend != "cuda" else "int8"
-
-
-def body_bits(body: tuple, head_dim: int) -> tuple[int, int]:
-    """(K bits, V bits) of a body ``(k_codes, .., v_codes, ..)``: 2 or 4, from the code rows' bytes."""
-    bits = tuple(body[i].shape[-1] * 8 // head_dim for i in (0, 3))
-    for b, i in zip(bits, (0, 3)):
-        if b not in (2, 4) or body[i].shape[-1] * 8 != b * head_dim:
-            raise ValueError(f"code rows of {body[i].shape[-1]} bytes are neither INT2 nor INT4 at head_dim {head_dim}")
-    if body[1].shape[-1] != body[4].shape[-1]:
-        raise ValueError(f"K and V must share the group size (got {body[1].shape[-1]} and {body[4].shape[-1]} groups)")
-    return bits
-
-
-def _use_cuda_body(cfg: DecodeConfig, q: torch.Tensor, body: tuple, rep: int, bits: tuple = (2, 2),
-                   score: str = "int8") -> bool:
-    if cfg.backend == "triton" or _interpreting() or not q.is_cuda:
-        if cfg.backend == "cuda" and not q.is_cuda:
-            raise ValueError("backend='cuda' needs CUDA tensors")
-        return False
-    # the CUDA kernel reads INT2 K and V with int8 scores; anything else is the Triton kernel's
-    # (expected, not a fallback: no warning)
-    if bits != (2, 2) or score != "int8":
-        if cfg.backend == "cuda":
-            raise ValueError(f"the CUDA decode kernel reads INT2 K and V with int8 scores, got bits {bits}, "
-                             f"score {score!r}")
-        return False
-    from rotkv.kernels import cuda_decode
-
-    why = cuda_decode.supported(q, body, rep)
-    if why is None:
-        try:
-            cuda_decode.build(q.device, _cuda_variant(cfg, q.shape[-1], body[1].shape[-1]))
-        except RuntimeError as e:
-            why = str(e)
-    if why is not None:
-        if cfg.backend == "cuda":
-            raise ValueError(f"the CUDA INT2 decode kernel cannot run here: {why}")
-        if why not in _CUDA_WARNED:
-            _CUDA_WARNED.add(why)
-            import warnings
-
-            warnings.warn(f"rotkv: CUDA INT2 decode kernel not used ({why}); using the Triton kernel", stacklevel=3)
-        return False
-    return True
-
-
-def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, max_len: int,
+def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | None, max_len: int,
                      tier: tuple | None = None, tier_table: tuple | None = None, tier_max_len: int = 0,
                      sm_scale: float | None = None, cfg: DecodeConfig | None = None,
-                     out: torch.Tensor | None = None, tier_start: int = 0) -> torch.Tensor:
+                     out: torch.Tensor | None = None, tier_start: int = 0,
+                     plan: DecodePlan | None = None) -> torch.Tensor:
     """Attention of one decode token per request over an INT2 paged body and a bf16 paged tier.
 
-    q ``[B, Hq, D]`` (rotated by R_K; any float dtype). body ``(k_codes, k_scale, k_lo, v_codes,
-    v_scale, v_lo)`` as in :class:`~rotkv.cache.paged.Int2PagePool`, K and V each INT2 (codes
-    ``[.., D/4]``) or INT4 (``[.., D/2]``, same planar packing, same group size); table ``(kv_indptr, kv_indices,
-    kv_last_page_len)``; ``max_len``: the longest request's body length (host int, sizes the grid).
-    tier ``(k, v)`` ``[NPT, H, PT, D]`` with ``tier_table`` and ``tier_max_len`` likewise; tier
-    positions below ``tier_start`` are skipped (they hold no token).
+    q ``[B, Hq, D]`` (rotated by R_K; any float dtype). body a :class:`~rotkv.kernels.body.PagedBody`,
+    K and V each INT2 (codes ``[.., D/4]``) or INT4 (``[.., D/2]``, same planar packing), one group
+    size; table ``(kv_indptr, kv_indices, kv_last_page_len)``; ``max_len``: the longest request's
+    body length (host int, sizes the grid). tier ``(k, v)`` ``[NPT, H, PT, D]`` with ``tier_table``
+    and ``tier_max_len`` likewise; tier positions below ``tier_start`` are skipped (they hold no token).
+    ``plan``: the call's :class:`~rotkv.kernels.plan.DecodePlan` (``plan_decode(q, body, cfg)``,
+    looked up here when not given); it says which kernel runs, this function only launches it.
     Returns ``[B, Hq, D]`` in q's dtype (or written into ``out``).
     """
-    cfg = cfg or DecodeConfig()
     b_sz, hq, d = q.shape
-    bits = body_bits(body, d) if body is not None else (2, 2)
-    score = resolve_score(cfg, d)
-    if (cfg.backend == "auto" and body is not None and q.is_cuda
-            and b_sz * body[0].shape[1] * max_len < cfg.small_work):
-        cfg = dataclasses.replace(cfg, backend="triton", v2=True, block_n=128, num_warps=4)
+    plan = plan or plan_decode(q, body, cfg)
+    if not plan.covered:
+        raise ValueError(plan.why)
+    h = body.kv_heads if body is not None else tier[0].shape[1]
+    # the plan picks the launch by the work (small bodies: Triton v2, cfg.small_*)
+    launch = plan.launch(b_sz * h * max_len if body is not None else 0)
+    cfg, bits = launch.cfg, plan.bits
     q = q.contiguous()
-    ref = body[0] if body is not None else tier[0]
-    h = ref.shape[1]
-    if hq % h:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({h})")
     rep = hq // h
     hpad = max(16, triton.next_power_of_2(rep))
     sm_scale = d ** -0.5 if sm_scale is None else sm_scale
     use_asm = (not _interpreting()) if cfg.use_asm is None else cfg.use_asm
     has_int2 = body is not None and max_len > 0
     has_tier = tier is not None and tier_max_len > 0
-    use_cuda = has_int2 and _use_cuda_body(cfg, q, body, rep, bits, score)
+    use_cuda = has_int2 and launch.kernel == "cuda"
     fuse = use_cuda and cfg.cuda_fuse != "none"  # the CUDA kernel pre-merges blocks of 4 splits
     if has_int2:
-        g = d // body[1].shape[-1]
-        p = body[0].shape[2]
-        if g < d // 4 and not use_cuda:  # the CUDA kernel takes any G >= 32
-            raise ValueError(f"the INT2 decode kernel needs group_size >= head_dim / 4 ({d // 4}), got {g}")
+        g, p = body.group_size, body.page_size
         if use_cuda:
             per, n_int2 = _splits(max_len, b_sz * h, 16 * cfg.cuda_tiles, cfg.cuda_target_warps,
                                   cfg.cuda_min_split_tokens)
@@ -746,8 +593,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
         pt, tper, n_tier = 16, cfg.block_t, 0
     body_slots = n_int2 // 4 if fuse else n_int2  # partial slots the body fills
     ns = max(1, body_slots + n_tier)
-    # v2 reads a page in power-of-2 chunks, INT2 only; INT4 K or V runs v1
-    v2 = cfg.v2 and p & (p - 1) == 0 and bits == (2, 2)
+    v2 = launch.v2
     dev = q.device
     # every program writes all of its rows, so the partials need no initialization
     o_part = torch.empty(b_sz, hq, ns, d, dtype=torch.float32, device=dev)
@@ -759,7 +605,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
         m_part.fill_(float("-inf")), l_part.zero_(), o_part.zero_()
     else:
         dummy = q
-        bt = body if has_int2 and not use_cuda else (dummy,) * 6
+        bt = body.tensors() if has_int2 and not use_cuda else (dummy,) * 6
         tb = table if has_int2 and not use_cuda else (dummy,) * 3
         tt = tier if has_tier else (dummy,) * 2
         ttb = tier_table if has_tier else (dummy,) * 3
@@ -770,7 +616,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
             _split_kernel[(b_sz * h, body_slots + n_tier - s0)](
                 q, *bt, *tb, *tt, *ttb, o_part, m_part, l_part, h, hq, ns, body_slots, s0, sm_scale * LOG2E, per, tper,
                 tier_start, REP=rep, HPAD=hpad, D=d, G=g, P=p, PT=pt, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
-                QK_INT8=score == "int8" and cfg.qk_int8 and (d >= 128 or v2), USE_ASM=use_asm,
+                QK_INT8=launch.qk_int8, USE_ASM=use_asm,
                 HAS_INT2=has_int2 and not use_cuda, HAS_TIER=has_tier,
                 STATIC_STEPS=per // cfg.block_n if _interpreting() else 0,
                 TIER_STATIC_STEPS=tper // cfg.block_t if _interpreting() else 0, F16=_interpreting(),
@@ -782,7 +628,7 @@ def decode_attention(q: torch.Tensor, body: tuple | None, table: tuple | None, m
 
             qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
             merge_here = cfg.cuda_fuse == "all" and merges_into(out, q, ns)
-            _, _, tiles, min_blocks, prefetch, vf16, vflush = _cuda_variant(cfg, d, body[1].shape[-1])
+            _, _, tiles, min_blocks, prefetch, vf16, vflush = launch.cuda_variant
             body_partials(qb, body, table, o_part, m_part, l_part, n_int2, per, sm_scale * LOG2E,
                           tiles=tiles, min_blocks=min_blocks, fuse=fuse, out=out if merge_here else None,
                           prefetch=bool(prefetch), value_f16=bool(vf16), value_flush=vflush)

@@ -1,4 +1,5 @@
-"""INT2 or INT4 pages -> dense K or V (Triton): the first half of the unfused "dequant + SDPA" baseline.
+"""INT2 or INT4 pages of one body part -> dense K or V (Triton): the first half of the unfused
+"dequant + SDPA" baseline.
 
 Writes ``out [B, H, L_max, D]`` (tokens past a request's length are left untouched).
 """
@@ -8,6 +9,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from rotkv.kernels.body import TokenPart
+from rotkv.quant.widths import KERNEL_WIDTHS, check_width
 
 
 @triton.jit
@@ -43,16 +47,15 @@ def _dequant_kernel(codes_ptr, scale_ptr, lo_ptr, indptr_ptr, indices_ptr, last_
     tl.store(optr, x.to(out_ptr.dtype.element_ty), mask=nmask[:, None])
 
 
-def dequant_dense(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, kv_indptr: torch.Tensor,
-                  kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, max_len: int, out: torch.Tensor,
-                  block: int = 64) -> torch.Tensor:
-    """Dequantize every request's tokens (``max_len`` the longest) into ``out [B, H, L, D]``."""
+def dequant_dense(part: TokenPart, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
+                  max_len: int, out: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """Dequantize every request's tokens of one body part (``max_len`` the longest) into
+    ``out [B, H, L, D]``."""
     b, h, length, d = out.shape
-    g = d // scale.shape[-1]
-    bits = codes.shape[-1] * 8 // d
-    if bits not in (2, 4):
-        raise ValueError(f"code rows of {codes.shape[-1]} bytes are neither INT2 nor INT4 at head_dim {d}")
+    check_width(part.bits, "bits", KERNEL_WIDTHS)
+    if part.head_dim != d:
+        raise ValueError(f"the part's head_dim {part.head_dim} is not the output's {d}")
     _dequant_kernel[(b * h, triton.cdiv(max_len, block))](
-        codes, scale, lo, kv_indptr, kv_indices, kv_last_page_len, out, h, length, D=d, G=g, P=codes.shape[2],
-        BLOCK=block, BITS=bits)
+        *part.tensors, kv_indptr, kv_indices, kv_last_page_len, out, h, length, D=d, G=part.group_size,
+        P=part.codes.shape[2], BLOCK=block, BITS=part.bits)
     return out

@@ -66,14 +66,29 @@ def compile_library(nvcc: str, source: Path, stem: str, macros: dict[str, int], 
 
 
 _LOCK = threading.Lock()
-_LIBS: dict[str, ctypes.CDLL] = {}
+_LIBS: dict[str, ctypes.CDLL] = {}  # by build key (source hash, architecture, macros)
 _FAILED: dict[str, str] = {}
+# by (source path, stem, macros, fast math, device): what a repeated call looks up, without reading
+# or hashing the source
+_LOADED: dict[tuple, ctypes.CDLL] = {}
 
 
 def load(source: Path, stem: str, macros: dict[str, int], device: torch.device, fast_math: bool,
          setup: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL:
     """The library of one variant, built and loaded once per process (a failure is remembered and
-    raised again as RuntimeError). ``setup`` declares the entry points' argument types."""
+    raised again as RuntimeError). ``setup`` declares the entry points' argument types. A repeated
+    call is one dict lookup (the source is hashed once, on the first)."""
+    fast = (source, stem, tuple(macros.items()), fast_math, device)
+    lib = _LOADED.get(fast)
+    if lib is not None:
+        return lib
+    lib = _load(source, stem, macros, device, fast_math, setup)
+    _LOADED[fast] = lib
+    return lib
+
+
+def _load(source: Path, stem: str, macros: dict[str, int], device: torch.device, fast_math: bool,
+          setup: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL:
     arch_ = arch(device)
     src = _read(source)
     tag = "-".join(str(v) for v in macros.values())

@@ -1,11 +1,11 @@
 """Ahead-of-time builds of the CUDA kernels a cache runs, so that no request waits for ``nvcc``.
 
 The CUDA decode and write kernels are compiled on first use (a few seconds each) into
-``$ROTKV_CACHE_DIR`` (default ``~/.cache/rotkv``). :func:`plan` lists the builds that the default
-configuration runs for one attention shape (the same variant functions the kernels call, so the
-cache keys match), and :func:`build` compiles them in parallel for an architecture: with ``arch``
-given no GPU is needed (e.g. while building a container image), and ``rotkv build-kernels`` is the
-command line.
+``$ROTKV_CACHE_DIR`` (default ``~/.cache/rotkv``). :func:`builds` lists the builds that the
+default plans (``rotkv.kernels.plan``) run for one attention shape (the same variant functions
+the kernels call, so the cache keys match), and :func:`build` compiles them in parallel for an
+architecture: with ``arch`` given no GPU is needed (e.g. while building a container image), and
+``rotkv build-kernels`` is the command line.
 """
 
 from __future__ import annotations
@@ -37,43 +37,36 @@ class Build:
         return nvcc_build.cache_dir() / f"{self.stem}-{tag}-{self.key(arch)}-sm{arch}.so"
 
 
-def plan(head_dim: int, group_size: int, bits: int = 2, rotate: bool = True) -> tuple[list[Build], list[str]]:
-    """The CUDA builds the default decode and write paths run at this shape, and notes on the paths
-    that take Triton kernels instead (Triton compiles on the GPU at first use; nothing to do here).
+def builds(head_dim: int, group_size: int, bits: int = 2, rotate: bool = True) -> tuple[list[Build], list[str]]:
+    """The CUDA builds that the default decode and write plans (``rotkv.kernels.plan``) run at this
+    shape, and notes on the paths that take Triton kernels instead (Triton compiles on the GPU at
+    first use; nothing to do here).
 
-    ``bits``: the body's width (2 or 4); ``rotate``: whether the preset rotates keys or values (the
-    write kernel then runs the rotating variant as well as the plain one, which flushes tiers that
-    were rotated when they were written)."""
+    ``bits``: the body's width; ``rotate``: whether the preset rotates keys or values (the write
+    kernel then runs the rotating variant as well as the plain one, which flushes tiers that were
+    rotated when they were written)."""
     from rotkv.kernels import cuda_decode, cuda_write
-    from rotkv.kernels.decode import DecodeConfig, _cuda_variant, resolve_score
+    from rotkv.kernels.plan import decode_builds_for, write_builds_for
 
     if head_dim <= 0 or group_size <= 0 or head_dim % group_size:
         raise ValueError(f"group_size ({group_size}) has to divide head_dim ({head_dim})")
-    builds, notes = [], []
-    cfg = DecodeConfig()
-    if bits != 2:
-        notes.append(f"decode: INT{bits} pages run the Triton kernel")
-    elif cuda_decode.shape_reason(head_dim, group_size):
-        notes.append(f"decode: {cuda_decode.shape_reason(head_dim, group_size)} (Triton runs)")
-    elif resolve_score(cfg, head_dim) != "int8":
-        notes.append(f"decode: at head_dim {head_dim} the default scores in bf16 through the Triton kernel "
-                     "(DecodeConfig(score='int8') would run the CUDA kernel)")
+    out, notes = [], []
+    variant, note = decode_builds_for(head_dim, group_size, bits)
+    if variant is not None:
+        out.append(Build(cuda_decode.SOURCE, "int2_decode", tuple(cuda_decode._macros(variant).items()), True,
+                         f"decode body, variant {variant}"))
     else:
-        v = _cuda_variant(cfg, head_dim, head_dim // group_size)
-        builds.append(Build(cuda_decode.SOURCE, "int2_decode", tuple(cuda_decode._macros(v).items()), True,
-                            f"decode body, variant {v}"))
-    if cuda_write.shape_reason(head_dim, group_size):
-        notes.append(f"write: {cuda_write.shape_reason(head_dim, group_size)} (Triton runs)")
-    else:
-        prec = "bf16x2"  # rotkv.kernels.write's default for the CUDA kernel
-        for rot in ((True, False) if rotate else (False,)):
-            split = cuda_write.PRECISIONS[prec] if rot else 1
-            warps = cuda_write.default_warps(head_dim, prec, rot)
-            macros = (("ROTKV_D", head_dim), ("ROTKV_G", group_size), ("ROTKV_BITS", bits), ("ROTKV_SPLIT", split),
-                      ("ROTKV_NW", warps))
-            builds.append(Build(cuda_write.SOURCE, "quant_write", macros, False,
-                                "write, rotating" if rot else "write, plain (tier flushes, clipping)"))
-    return builds, notes
+        notes.append(note)
+    writes, note = write_builds_for(head_dim, group_size, rotate)
+    if note:
+        notes.append(note)
+    for rot, prec, warps in writes:
+        split = cuda_write.PRECISIONS[prec] if rot else 1
+        macros = (("ROTKV_D", head_dim), ("ROTKV_G", group_size), ("ROTKV_BITS", bits), ("ROTKV_SPLIT", split),
+                  ("ROTKV_NW", warps))
+        out.append(Build(cuda_write.SOURCE, "quant_write", macros, False,
+                         "write, rotating" if rot else "write, plain (tier flushes, clipping)"))
+    return out, notes
 
 
 def build(builds: list[Build], arch: str, jobs: int = 4, progress: bool = True) -> list[tuple[Build, Path, bool]]:

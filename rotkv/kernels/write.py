@@ -9,18 +9,20 @@ clipping threshold is the ``r``-th largest ``|x|`` of the row found by ``r`` max
 rounds that count ties (so it equals ``kthvalue``), the metadata is rounded to fp16 the way
 ``rotkv.quant.quantizer`` does it (lo down, scale up, by one fp16 ulp when round-to-nearest
 went the wrong way), codes use IEEE division and round-half-even, exactly as the reference.
-The width (2 or 4 bits) is read off the codes tensor (``D/4`` or ``D/2`` bytes a row); the
+The width (2 or 4 bits) and the group size are the body part's (``rotkv.kernels.body``); the
 packing is ``rotkv.quant.packing``'s planar one (byte ``j`` holds dims ``j + i * D/per``).
 Bytes: reads ``T*H*D`` inputs, writes ``T*H*(D*bits/8 + 4*D/G)``.
 """
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from rotkv.kernels.body import TokenPart
+from rotkv.kernels.plan import part_reason, plan_write
 
 _RNE = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + _RNE) - _RNE rounds |y| < 2**22 to nearest-even in fp32
 
@@ -126,72 +128,59 @@ def _quant_write_kernel(
     tl.store(lo_ptr + mptr, lo16, mask=tmask[:, None])
 
 
-TRITON_PRECISIONS = ("tf32x3", "tf32")
-CUDA_PRECISIONS = ("bf16x2", "bf16")
-BACKENDS = ("auto", "cuda", "triton")
+def check_part(x: torch.Tensor, part: TokenPart) -> None:
+    """A ValueError unless the write kernels can store ``x [T, H, D]`` into ``part``: a token
+    part of a kernel width (``rotkv.quant.widths``) with fp16 metadata, over x's heads and dims."""
+    if not isinstance(part, TokenPart):
+        raise TypeError(f"the write kernels store into a TokenPart, got {type(part).__name__}")
+    why = part_reason(part.bits, part.meta, part.format)
+    if why:
+        raise ValueError(why)
+    if x.dim() != 3 or x.shape[1:] != (part.codes.shape[1], part.head_dim):
+        raise ValueError(f"x {tuple(x.shape)} does not fit the part ({part.codes.shape[1]} heads, head_dim "
+                         f"{part.head_dim})")
 
 
-def quant_write(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
+def quant_write(x: torch.Tensor, slots: torch.Tensor, part: TokenPart,
                 rot: torch.Tensor | None = None, mean: torch.Tensor | None = None, clip: float = 1.0,
                 block_t: int = 32, num_warps: int | None = None, rot_precision: str | None = None,
                 backend: str | None = None) -> None:
-    """Quantize ``x [T, H, D]`` into pool tensors at ``slots [T]``; see the module docstring.
+    """Quantize ``x [T, H, D]`` into the body part ``part`` at ``slots [T]``; see the module docstring.
 
-    codes ``[NP, H, P, D/4]`` (INT2) or ``[NP, H, P, D/2]`` (INT4) uint8, scale/lo ``[NP, H, P, D/G]`` fp16; rot ``[H, D, D]``,
-    mean ``[H, D]`` (any float dtype; used in fp32).
+    part: a :class:`~rotkv.kernels.body.TokenPart` of 2 or 4 bits with fp16 metadata; rot
+    ``[H, D, D]``, mean ``[H, D]`` (any float dtype; used in fp32).
 
-    backend: "auto" (default, or ``ROTKV_WRITE_BACKEND``): the CUDA kernel
-    (``rotkv.kernels.cuda_write``) for a rotating or clipping write where it covers the call (where
-    it measured faster on the H200), else this Triton kernel; "cuda" raises where it does not cover
-    the call. num_warps: None picks the measured best (Triton 4; CUDA 4 with "bf16x2", 8 with
-    "bf16" where the shared memory allows). rot_precision (None: near-fp32 on either backend):
-    "tf32x3" or "tf32" (one pass, faster, codes may differ from the fp32 reference near rounding
-    boundaries) on Triton; "bf16x2" (R as two bf16 parts, near fp32) or "bf16" (one bf16 MMA) on
-    CUDA. docs/kernels.md has the measurements.
+    The kernel is the write plan's (:func:`rotkv.kernels.plan.plan_write`). backend: "auto"
+    (default, or ``ROTKV_WRITE_BACKEND``): the CUDA kernel (``rotkv.kernels.cuda_write``) for a
+    rotating or clipping write where it covers the call (where it measured faster on the H200),
+    else this Triton kernel; "cuda" raises where it does not cover the call. num_warps: None picks
+    the measured best (Triton 4; CUDA 4 with "bf16x2", 8 with "bf16" where the shared memory
+    allows). rot_precision (None: near-fp32 on either backend): "tf32x3" or "tf32" (one pass,
+    faster, codes may differ from the fp32 reference near rounding boundaries) on Triton; "bf16x2"
+    (R as two bf16 parts, near fp32) or "bf16" (one bf16 MMA) on CUDA. docs/kernels.md has the
+    measurements.
     """
-    from rotkv.kernels import cuda_write
+    check_part(x, part)
+    wp = plan_write(x, part, rot is not None, clip, backend, rot_precision, num_warps)
+    if wp.kernel == "cuda":
+        from rotkv.kernels import cuda_write
 
-    backend = backend or os.environ.get("ROTKV_WRITE_BACKEND", "auto")
-    if backend not in BACKENDS:
-        raise ValueError(f"the write backend must be one of {list(BACKENDS)}, got {backend!r}")
-    if rot_precision is not None and rot_precision not in TRITON_PRECISIONS + CUDA_PRECISIONS:
-        raise ValueError(f"rot_precision must be one of {list(TRITON_PRECISIONS + CUDA_PRECISIONS)}, got {rot_precision!r}")
-    if backend == "triton" and rot_precision in CUDA_PRECISIONS:
-        raise ValueError(f"rot_precision={rot_precision!r} is a CUDA option; the Triton kernel takes {list(TRITON_PRECISIONS)}")
-    # the plain unclipped write is Triton's (0.13 against 0.19 ms at 32K tokens x 8 heads on the H200)
-    wanted = (backend == "cuda" or rot_precision in CUDA_PRECISIONS
-              or (backend == "auto" and (rot is not None or clip < 1.0)))
-    if wanted and rot_precision not in TRITON_PRECISIONS:
-        prec = rot_precision or "bf16x2"
-        warps = num_warps or cuda_write.default_warps(x.shape[-1], prec, rot is not None)
-        why = cuda_write.supported(x, codes, scale, rot is not None, prec, warps)
-        if why is None:
-            cuda_write.launch(x, slots, codes, scale, lo, rot, mean, clip_rank(clip, x.shape[-1]), prec, warps)
-            return
-        if backend == "cuda" or rot_precision in CUDA_PRECISIONS:
-            what = "backend='cuda'" if backend == "cuda" else f"rot_precision={rot_precision!r}"
-            raise ValueError(f"{what} needs the CUDA write kernel, which does not cover this call: {why}")
-    elif backend == "cuda":
-        raise ValueError(f"rot_precision={rot_precision!r} is a Triton option; the CUDA kernel takes {list(CUDA_PRECISIONS)}")
-    rot_precision = rot_precision or "tf32x3"
-    num_warps = num_warps or 4
+        cuda_write.launch(x, slots, part, rot, mean, clip_rank(clip, x.shape[-1]), wp.rot_precision, wp.num_warps)
+        return
+    rot_precision, num_warps = wp.rot_precision, wp.num_warps
     t, h, d = x.shape
     if t == 0:
         return
-    ng = scale.shape[-1]
-    g, p = d // ng, codes.shape[2]
-    bits = codes.shape[-1] * 8 // d
-    if bits not in (2, 4) or codes.shape[1:] != (h, p, d * bits // 8) or scale.shape[1:] != (h, p, ng) or lo.shape != scale.shape:
-        raise ValueError(f"pool tensors {tuple(codes.shape)}, {tuple(scale.shape)} do not fit x {tuple(x.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     rot = None if rot is None else rot.float().contiguous()
     mean = None if mean is None else mean.float().contiguous()
-    dummy = codes  # never read when the matching flag is off
+    dummy = part.codes  # never read when the matching flag is off
     grid = (triton.cdiv(t, block_t), h)
     _quant_write_kernel[grid](
         x, x.stride(0), x.stride(1), rot if rot is not None else dummy, mean if mean is not None else dummy,
-        slots.to(device=x.device, dtype=torch.int64), codes, scale, lo, t, h,
-        D=d, G=g, P=p, CLIP_R=clip_rank(clip, d), ROTATE=rot is not None, HAS_MEAN=mean is not None,
-        KC=min(d, 64), BLOCK_T=block_t, BITS=bits, ROT_TF32X3=rot_precision == "tf32x3", num_warps=num_warps,
+        slots.to(device=x.device, dtype=torch.int64), *part.tensors, t, h,
+        D=d, G=part.group_size, P=part.codes.shape[2], CLIP_R=clip_rank(clip, d), ROTATE=rot is not None,
+        HAS_MEAN=mean is not None, KC=min(d, 64), BLOCK_T=block_t, BITS=part.bits,
+        ROT_TF32X3=rot_precision == "tf32x3", num_warps=num_warps,
     )

@@ -38,10 +38,11 @@ import torch
 
 from rotkv.quant.packing import pack, unpack
 from rotkv.quant.quantizer import check_group, clip_rows, meta_dtype
+from rotkv.quant.widths import WIDTHS
 
 WIDTHS = (16, 8, 4, 2)
 START_WIDTHS = (16, 8)
-FINAL_WIDTHS = (2, 4, 8)
+FINAL_WIDTHS = WIDTHS
 SHIFTS = ("equivalent", "rounded", "plain")
 ANCHORS = ("final", "start")
 

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from rotkv.quant.packing import pack, unpack
+from rotkv.quant.widths import BY_BITS, QUANT_WIDTHS
 
-SUPPORTED_BITS = (2, 3, 4, 8)
+SUPPORTED_BITS = QUANT_WIDTHS
 
 
 META_DTYPES = {"float16": torch.float16, "float8": torch.float8_e4m3fn, "float32": torch.float32}
@@ -32,7 +33,7 @@ def meta_dtype(bits: int, meta: str | None = None) -> torch.dtype:
         if meta not in META_DTYPES:
             raise ValueError(f"`meta` has to be one of {list(META_DTYPES)} but got {meta!r}")
         return META_DTYPES[meta]
-    return torch.float16 if bits <= 4 else torch.float32
+    return META_DTYPES[BY_BITS[bits].meta] if bits in BY_BITS else (torch.float16 if bits <= 4 else torch.float32)
 
 
 def _step(t: torch.Tensor, up: bool) -> torch.Tensor:

@@ -37,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rotkv.hf.geometry import attention_modules, model_geometry, text_config
+from rotkv.quant.widths import KEY_WIDTHS, WIDTHS
 from rotkv.rotations.base import LayerRotation
 
 FORMAT_VERSION = "1"  # written by this rotkv; a file without one predates versioning and reads as 1
@@ -204,7 +205,7 @@ def check_structure(tensors: dict[str, torch.Tensor], meta: dict[str, str], wher
 
 def value_problems(artifact: "Artifact", tol: float = ORTHO_TOL) -> list[str]:
     """What is wrong with the artifact's values: non-finite entries, rotations that are not orthogonal
-    (``max |R^T R - I| > tol``), clip ratios outside (0, 1], widths outside [2, 4, 8]. Empty when sound."""
+    (``max |R^T R - I| > tol``), clip ratios outside (0, 1], widths outside ``rotkv.quant.widths``. Empty when sound."""
     problems = []
     for name, t in sorted(artifact.tensors.items()):
         if t.dtype.is_floating_point and not torch.isfinite(t).all():
@@ -218,7 +219,7 @@ def value_problems(artifact: "Artifact", tol: float = ORTHO_TOL) -> list[str]:
         t = artifact.tensors.get(name)
         if t is not None and not ((t > 0) & (t <= 1)).all():
             problems.append(f"{name} has ratios outside (0, 1]: {t.tolist()}")
-    for name, ok in (("bits", (2, 4, 8)), ("k_bits", (2, 3, 4, 8))):
+    for name, ok in (("bits", WIDTHS), ("k_bits", KEY_WIDTHS)):
         b = artifact.tensors.get(name)
         if b is not None and not all(int(x) in ok for x in b.tolist()):
             problems.append(f"{name} has widths outside {list(ok)}: {b.tolist()}")

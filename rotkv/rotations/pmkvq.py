@@ -16,9 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from rotkv.quant.quantizer import body_bits_per_element, fake_quantize
+from rotkv.quant.widths import WIDTHS  # noqa: F401 (the widths a layer may get; re-exported)
 from rotkv.rotations.base import LayerRotation
-
-WIDTHS = (2, 4, 8)
 
 
 def _stored_basis(rot: LayerRotation, k, v, gk, gv):

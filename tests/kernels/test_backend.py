@@ -139,6 +139,7 @@ def test_cache_mixed_layer_bits_kernel_path_matches_reference(monkeypatch, devic
     from rotkv.cache import RotkvCache
     from rotkv.cache.layer import HybridLayer
     from rotkv.kernels import decode as decode_mod
+    from rotkv.kernels.plan import DecodeConfig
 
     calls = []
     kernel = decode_mod.decode_attention
@@ -171,7 +172,9 @@ def test_cache_mixed_layer_bits_kernel_path_matches_reference(monkeypatch, devic
     assert err < 2e-2, err
     for i, (kb, vb) in enumerate(bits):
         la, lb = caches["0"].layers[i], caches["1"].layers[i]
-        assert isinstance(lb, HybridLayer) and lb.pools.kernel_tokens
+        assert isinstance(lb, HybridLayer) and all(lb.pools.part_kernels)
+        plan = lb.pools.decode_plan(torch.zeros(1, 4, 64, device=device), DecodeConfig(score="bf16"))
+        assert plan is not None and plan.covered and plan.layout.bits == (kb, vb)
         assert lb.key_codec.bits == kb and lb.value_codec.bits == vb
         for pa, pb, nb in zip(la.pools.body, lb.pools.body, (kb, vb)):
             assert pb["codes"].shape[-1] == 64 * nb // 8

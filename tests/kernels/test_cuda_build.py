@@ -25,10 +25,10 @@ def _spills(source, macros: list[str], cubin, fast_math: bool) -> list[int]:
 
 
 def test_min_blocks_table_matches_the_config():
-    from rotkv.kernels.decode import DecodeConfig, _min_blocks
+    from rotkv.kernels.plan import DecodeConfig, min_blocks
 
     for d, ng, minb in DEFAULT_VARIANTS:
-        assert _min_blocks(DecodeConfig(), d, ng) == minb
+        assert min_blocks(DecodeConfig(), d, ng) == minb
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

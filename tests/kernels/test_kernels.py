@@ -12,6 +12,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from rotkv.cache.paged import Bf16PagePool, Int2PagePool, PageTable, lengths_from_table  # noqa: E402
+from rotkv.kernels.body import PagedBody, TokenPart  # noqa: E402
 from rotkv.kernels.decode import DecodeConfig, decode_attention  # noqa: E402
 from rotkv.kernels.dequant import dequant_dense  # noqa: E402
 from rotkv.kernels.reference import decode_reference, dequant_rows, quant_write_reference  # noqa: E402
@@ -24,9 +25,14 @@ cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
 def _pool_bufs(np_, h, p, d, g, device, bits=2):
-    return (torch.full((np_, h, p, d * bits // 8), 0xAB, dtype=torch.uint8, device=device),
-            torch.full((np_, h, p, d // g), 7.0, dtype=torch.float16, device=device),
-            torch.full((np_, h, p, d // g), 7.0, dtype=torch.float16, device=device))
+    """A body part filled with poison (codes 0xAB, scale and lo 7.0)."""
+    return TokenPart(torch.full((np_, h, p, d * bits // 8), 0xAB, dtype=torch.uint8, device=device),
+                     torch.full((np_, h, p, d // g), 7.0, dtype=torch.float16, device=device),
+                     torch.full((np_, h, p, d // g), 7.0, dtype=torch.float16, device=device), bits, g, d)
+
+
+def _to(part, device):
+    return TokenPart(*(t.to(device) for t in part.tensors), part.bits, part.group_size, part.head_dim)
 
 
 def _rows(t, h, d, device, seed):
@@ -55,34 +61,34 @@ def _check_write(d, g, clip, rotate, t, device, seed=0, bits=2, backend=None, ro
     mean = (torch.randn(h, d, generator=torch.Generator().manual_seed(seed)) * 0.5).to(device) if rotate else None
     slots = torch.randperm(np_ * p, generator=torch.Generator().manual_seed(seed))[:t].to(device)
     got, want = _pool_bufs(np_, h, p, d, g, device, bits), _pool_bufs(np_, h, p, d, g, device, bits)
-    quant_write(x, slots, *got, rot=rot, mean=mean, clip=clip, backend=backend, rot_precision=rot_precision)
+    quant_write(x, slots, got, rot=rot, mean=mean, clip=clip, backend=backend, rot_precision=rot_precision)
     # the reference runs on the CPU: PyTorch's CUDA division by a Python scalar multiplies by the
     # reciprocal, so the quantizer's fp32 scale can differ by an ulp on a GPU (then its fp16 one too)
-    want_cpu = tuple(t.cpu() for t in want)
-    quant_write_reference(x.cpu(), slots.cpu(), *want_cpu, rot=None if rot is None else rot.cpu(),
-                          mean=None if mean is None else mean.cpu(), clip=clip, group_size=g)
-    want = tuple(t.to(device) for t in want_cpu)
+    want_cpu = _to(want, "cpu")
+    quant_write_reference(x.cpu(), slots.cpu(), want_cpu, rot=None if rot is None else rot.cpu(),
+                          mean=None if mean is None else mean.cpu(), clip=clip)
+    want = _to(want_cpu, device)
     # untouched slots keep their poison, written ones equal the reference
     untouched = torch.ones(np_ * p, dtype=torch.bool, device=device)
     untouched[slots] = False
-    assert (got[0].permute(0, 2, 1, 3).reshape(np_ * p, -1)[untouched] == 0xAB).all()
-    codes_mismatch = (unpack(got[0], bits) != unpack(want[0], bits)).float().mean().item()
+    assert (got.codes.permute(0, 2, 1, 3).reshape(np_ * p, -1)[untouched] == 0xAB).all()
+    codes_mismatch = (unpack(got.codes, bits) != unpack(want.codes, bits)).float().mean().item()
     if rotate and device != "cpu" and rot_precision == "bf16":
         # one bf16 product: R rounded to 8 bits of mantissa moves some values across a code boundary
         assert codes_mismatch < 5e-2, codes_mismatch
-        deq_got, deq_want = dequant_rows(*got, bits), dequant_rows(*want, bits)
-        step = want[1].float().repeat_interleave(g, dim=-1)
+        deq_got, deq_want = dequant_rows(*got.tensors, bits, g), dequant_rows(*want.tensors, bits, g)
+        step = want.scale.float().repeat_interleave(g, dim=-1)
         assert ((deq_got - deq_want).abs() <= 1.01 * step + 1e-2).all()
     elif rotate and device != "cpu":
         # the kernel rotates in 3xTF32 (Triton) or with R as two bf16 parts (CUDA, about 2^-17 of
         # each value), the reference in fp32: codes, and fp16 scales more often (11 bits), may round
         # the other way at ties
         assert codes_mismatch < 2e-3, codes_mismatch
-        assert (got[1] != want[1]).float().mean().item() < 1e-2
-        assert (got[2] != want[2]).float().mean().item() < 1e-2
+        assert (got.scale != want.scale).float().mean().item() < 1e-2
+        assert (got.lo != want.lo).float().mean().item() < 1e-2
     else:
         assert codes_mismatch == 0.0
-        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+        assert torch.equal(got.scale, want.scale) and torch.equal(got.lo, want.lo)
     return codes_mismatch
 
 
@@ -107,13 +113,13 @@ def test_quant_write_tf32_rotation_close_to_reference(device, monkeypatch):
     rot = torch.stack([random_orthogonal(128, i) for i in range(2)]).to(device)
     slots = torch.arange(64, device=device)
     got, want = _pool_bufs(6, 2, 16, 128, 64, device), _pool_bufs(6, 2, 16, 128, 64, device)
-    quant_write(x, slots, *got, rot=rot, clip=0.96)
-    want = tuple(t.cpu() for t in want)
-    quant_write_reference(x.cpu(), slots.cpu(), *want, rot=rot.cpu(), clip=0.96, group_size=64)
-    mism = (unpack(got[0], 2).cpu() != unpack(want[0], 2)).float().mean().item()
+    quant_write(x, slots, got, rot=rot, clip=0.96)
+    want = _to(want, "cpu")
+    quant_write_reference(x.cpu(), slots.cpu(), want, rot=rot.cpu(), clip=0.96)
+    mism = (unpack(got.codes, 2).cpu() != unpack(want.codes, 2)).float().mean().item()
     assert mism < 2e-2, mism
     with pytest.raises(ValueError, match="rot_precision"):
-        write_mod.quant_write(x, slots, *got, rot=rot, rot_precision="fp8")
+        write_mod.quant_write(x, slots, got, rot=rot, rot_precision="fp8")
 
 
 @cuda_only
@@ -148,14 +154,19 @@ def test_quant_write_backend_choices(device):
     x = torch.randn(4, 2, 64, device=device, dtype=torch.bfloat16)
     bufs = _pool_bufs(2, 2, 16, 64, 64, device)
     with pytest.raises(ValueError, match="write backend"):
-        quant_write(x, torch.arange(4), *bufs, backend="tpu")
+        quant_write(x, torch.arange(4), bufs, backend="tpu")
     with pytest.raises(ValueError, match="Triton option"):
-        quant_write(x, torch.arange(4), *bufs, rot=torch.eye(64).expand(2, 64, 64), backend="cuda", rot_precision="tf32")
+        quant_write(x, torch.arange(4), bufs, rot=torch.eye(64).expand(2, 64, 64), backend="cuda", rot_precision="tf32")
     with pytest.raises(ValueError, match="CUDA option"):
-        quant_write(x, torch.arange(4), *bufs, backend="triton", rot_precision="bf16")
+        quant_write(x, torch.arange(4), bufs, backend="triton", rot_precision="bf16")
     if device == "cpu":
         with pytest.raises(ValueError, match="not on CUDA"):
-            quant_write(x, torch.arange(4), *bufs, backend="cuda")
+            quant_write(x, torch.arange(4), bufs, backend="cuda")
+    # parts the kernels do not store: a width outside rotkv.quant.widths.KERNEL_WIDTHS, fp32 metadata
+    with pytest.raises(ValueError, match=r"widths \[2, 4\], got 8"):
+        quant_write(x, torch.arange(4), TokenPart.zeros(2, 2, 16, 64, 8, 64, torch.float32, device))
+    with pytest.raises(ValueError, match="fp16 metadata"):
+        quant_write(x, torch.arange(4), TokenPart.zeros(2, 2, 16, 64, 2, 64, torch.float32, device))
 
 
 def test_clip_rank():
@@ -178,12 +189,11 @@ def _build(lens, tier_lens, h, d, g, p, pt, device, seed=0, bits=(2, 2)):
         sl = tab.append(tab.add_request(), n).to(device)
         k = (torch.randn(n, h, d, generator=gen) + 0.5).to(device)
         v = torch.randn(n, h, d, generator=gen).to(device)
-        quant_write_reference(k, sl, *pool.tensors("k"), group_size=g, clip=0.96)
-        quant_write_reference(v, sl, *pool.tensors("v"), group_size=g, clip=0.92)
+        quant_write_reference(k, sl, pool.part("k"), clip=0.96)
+        quant_write_reference(v, sl, pool.part("v"), clip=0.92)
         sl2 = ttab.append(ttab.add_request(), tn).to(device)
         tpool.write(sl2, torch.randn(tn, h, d, generator=gen).to(device), torch.randn(tn, h, d, generator=gen).to(device))
-    body = (*pool.tensors("k"), *pool.tensors("v"))
-    return body, tab.tensors(device), (tpool.k, tpool.v), ttab.tensors(device), max(lens), max(tier_lens)
+    return pool.body, tab.tensors(device), (tpool.k, tpool.v), ttab.tensors(device), max(lens), max(tier_lens)
 
 
 DECODE_CASES = [  # (body lens, tier lens, kv heads, n_rep, head_dim, group, page, qk_int8)
@@ -208,7 +218,7 @@ def _check_decode(lens, tier_lens, h, rep, d, g, p, int8, device, cfg=None, seed
     cfg = cfg or DecodeConfig(qk_int8=int8, block_n=32, block_t=16, target_programs=8, min_split_tokens=32, v2=v2,
                               score="int8" if int8 else "bf16")
     out = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg)
-    ref = decode_reference(q.float(), body[:3], body[3:], table, tier[0], tier[1], ttable)
+    ref = decode_reference(q.float(), body, table, tier[0], tier[1], ttable)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     assert torch.isfinite(out).all()
     assert err < (2e-2 if int8 else 1e-2), err
@@ -239,13 +249,13 @@ def test_decode_mixed_bits_matches_reference(lens, tier_lens, h, rep, d, g, p, i
 def test_dequant_dense_int4_matches_reference(bits, device):
     body, table, *_ = _build([37, 20], [0, 0], 2, 64, 32, 16, 16, device, bits=bits)
     lens = lengths_from_table(table[0], table[2], 16).tolist()
-    for part, nbits in ((body[:3], bits[0]), (body[3:], bits[1])):
+    for part in body.parts:
         out = torch.full((2, 2, 37, 64), float("nan"), device=device)
-        dequant_dense(*part, *table, 37, out, block=16)
+        dequant_dense(part, *table, 37, out, block=16)
         for b, n in enumerate(lens):
             idx = table[1][table[0][b]:table[0][b + 1]].long()
-            rows = [t[idx].permute(1, 0, 2, 3).reshape(2, -1, t.shape[-1])[:, :n] for t in part]
-            assert torch.equal(out[b, :, :n], dequant_rows(*rows, bits=nbits))
+            rows = [t[idx].permute(1, 0, 2, 3).reshape(2, -1, t.shape[-1])[:, :n] for t in part.tensors]
+            assert torch.equal(out[b, :, :n], dequant_rows(*rows, part.bits, part.group_size))
 
 
 @cuda_only
@@ -322,7 +332,7 @@ def test_decode_cuda_fused_merge_matches_unfused_and_survives_graph_replays(dtyp
     assert ((a.float() - b.float()).norm() / b.float().norm()).item() < tol
     c = run(DecodeConfig(backend="cuda", score="int8", cuda_target_warps=512, cuda_fuse="block"))
     assert ((c.float() - b.float()).norm() / b.float().norm()).item() < tol
-    ref = decode_reference(q.float(), body[:3], body[3:], table, tier[0], tier[1], ttable)
+    ref = decode_reference(q.float(), body, table, tier[0], tier[1], ttable)
     assert ((a.float() - ref).norm() / ref.norm()).item() < 2e-2
     out = torch.empty_like(q)
     decode_attention(q, body, table, ml, tier, ttable, tml, cfg=fused, out=out)  # warm-up outside the capture
@@ -354,7 +364,7 @@ def test_decode_cuda_fused_merge_falls_back_past_512_slots():
     per, n = decode_mod._splits(ml, 1, 32, 8192, 32)
     assert -(-n // 4) > 512  # the case this test is about
     out = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg)
-    ref = decode_reference(q.float(), body[:3], body[3:], table, tier[0], tier[1], ttable)
+    ref = decode_reference(q.float(), body, table, tier[0], tier[1], ttable)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
 
 
@@ -364,9 +374,10 @@ def test_decode_cuda_kernel_refuses_what_it_cannot_run():
     q = torch.randn(1, 2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="page size"):
         decode_attention(q, body, table, ml, tier, ttable, tml, cfg=DecodeConfig(backend="cuda"))
-    from rotkv.kernels import decode as decode_mod
+    from rotkv.kernels import plan as plan_mod
 
-    decode_mod._CUDA_WARNED.clear()  # the warning is given once per reason and process
+    plan_mod._CUDA_WARNED.clear()  # the warning is given once per reason and process
+    plan_mod.clear_plans()
     with pytest.warns(UserWarning, match="page size"):  # auto: falls back to Triton
         # score="int8": at head_dim 64 "auto" scores in bf16, which only the Triton kernel does (no CUDA attempt)
         decode_attention(q, body, table, ml, tier, ttable, tml,
@@ -379,10 +390,10 @@ def test_decode_tier_only_and_body_only(device):
     q = torch.randn(1, 2, 64).to(device, torch.bfloat16)
     cfg = DecodeConfig(block_n=32, block_t=16, target_programs=4, min_split_tokens=16)
     out = decode_attention(q, None, None, 0, tier, ttable, tml, cfg=cfg)
-    ref = decode_reference(q.float(), None, None, None, tier[0], tier[1], ttable)
+    ref = decode_reference(q.float(), None, None, tier[0], tier[1], ttable)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
     out = decode_attention(q, body, table, ml, cfg=cfg)
-    ref = decode_reference(q.float(), body[:3], body[3:], table)
+    ref = decode_reference(q.float(), body, table)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
@@ -392,19 +403,19 @@ def test_decode_rejects_small_groups(device):
     table = PageTable(pool)
     table.append(table.add_request(), 4)
     with pytest.raises(ValueError, match="group_size"):
-        decode_attention(q, (*pool.tensors("k"), *pool.tensors("v")), table.tensors(device), 4)
+        decode_attention(q, pool.body, table.tensors(device), 4)
 
 
 def test_dequant_dense_matches_reference(device):
     body, table, *_ = _build([37, 20], [0, 0], 2, 64, 32, 16, 16, device)
     out = torch.full((2, 2, 37, 64), float("nan"), device=device)
-    dequant_dense(*body[:3], *table, 37, out, block=16)
+    dequant_dense(body.k, *table, 37, out, block=16)
     lens = lengths_from_table(table[0], table[2], 16).tolist()
     assert torch.isnan(out[1, :, 20:]).all()  # past the shorter request: untouched
     for b, n in enumerate(lens):
         idx = table[1][table[0][b]:table[0][b + 1]].long()
-        rows = [t[idx].permute(1, 0, 2, 3).reshape(2, -1, t.shape[-1])[:, :n] for t in body[:3]]
-        assert torch.equal(out[b, :, :n], dequant_rows(*rows))
+        rows = [t[idx].permute(1, 0, 2, 3).reshape(2, -1, t.shape[-1])[:, :n] for t in body.k.tensors]
+        assert torch.equal(out[b, :, :n], dequant_rows(*rows, 2, 32))
 
 
 @cuda_only
@@ -419,13 +430,13 @@ def test_decode_int64_offsets():
     sl = table.append(table.add_request(), n).cuda()
     assert sl.min().item() // p * (h * p * d // 4) >= 2**31  # first code byte past int32
     k, v = torch.randn(n, h, d, device="cuda"), torch.randn(n, h, d, device="cuda")
-    quant_write(k, sl, *pool.tensors("k"))
-    quant_write(v, sl, *pool.tensors("v"))
+    quant_write(k, sl, pool.part("k"))
+    quant_write(v, sl, pool.part("v"))
     q = torch.randn(1, 4 * h, d, device="cuda", dtype=torch.bfloat16)
     tt = table.tensors("cuda")
-    ref = decode_reference(q.float(), pool.tensors("k"), pool.tensors("v"), tt)
+    ref = decode_reference(q.float(), pool.body, tt)
     for cfg in (DecodeConfig(backend="triton"), DecodeConfig(backend="triton", v2=True), DecodeConfig(backend="cuda")):
-        out = decode_attention(q, (*pool.tensors("k"), *pool.tensors("v")), tt, n, cfg=cfg)
+        out = decode_attention(q, pool.body, tt, n, cfg=cfg)
         assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2, cfg
 
 

@@ -8,32 +8,33 @@ import torch
 from rotkv.kernels import cuda_decode, cuda_write
 from rotkv.kernels import nvcc as nvcc_build
 from rotkv.kernels import prebuild
-from rotkv.kernels.decode import DecodeConfig, _cuda_variant
+from rotkv.kernels.plan import DecodeConfig
+from rotkv.kernels.plan import cuda_variant as _cuda_variant
 
 NVCC = nvcc_build.nvcc_path()
 
 
 def test_plan_follows_the_default_paths():
-    builds, notes = prebuild.plan(128, 64)
+    builds, notes = prebuild.builds(128, 64)
     assert [b.stem for b in builds] == ["int2_decode", "quant_write", "quant_write"]
     assert dict(builds[0].macros) == cuda_decode._macros(_cuda_variant(DecodeConfig(), 128, 2))
     assert {dict(b.macros)["ROTKV_SPLIT"] for b in builds[1:]} == {1, cuda_write.PRECISIONS["bf16x2"]}
     assert notes == []
     # head_dim 64 scores in bf16 through Triton: no decode build, and a note that says so
-    builds, notes = prebuild.plan(64, 64)
+    builds, notes = prebuild.builds(64, 64)
     assert [b.stem for b in builds] == ["quant_write", "quant_write"] and "bf16" in notes[0]
     # INT4 pages and shapes outside the CUDA kernels
-    assert [b.stem for b in prebuild.plan(128, 64, bits=4)[0]] == ["quant_write", "quant_write"]
-    assert prebuild.plan(96, 32)[0] == [] and len(prebuild.plan(96, 32)[1]) == 2
-    assert [b.stem for b in prebuild.plan(128, 64, rotate=False)[0]] == ["int2_decode", "quant_write"]
+    assert [b.stem for b in prebuild.builds(128, 64, bits=4)[0]] == ["quant_write", "quant_write"]
+    assert prebuild.builds(96, 32)[0] == [] and len(prebuild.builds(96, 32)[1]) == 2
+    assert [b.stem for b in prebuild.builds(128, 64, rotate=False)[0]] == ["int2_decode", "quant_write"]
     with pytest.raises(ValueError, match="divide"):
-        prebuild.plan(100, 64)
+        prebuild.builds(100, 64)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 def test_loaders_find_the_prebuilt_libraries(tmp_path, monkeypatch):
     monkeypatch.setenv("ROTKV_CACHE_DIR", str(tmp_path))
-    builds, _ = prebuild.plan(128, 64)
+    builds, _ = prebuild.builds(128, 64)
     done = prebuild.build(builds, "90", jobs=2, progress=False)
     assert [fresh for *_, fresh in done] == [True] * 3 and all(p.exists() for _, p, _ in done)
     files = sorted(tmp_path.iterdir())
@@ -41,6 +42,7 @@ def test_loaders_find_the_prebuilt_libraries(tmp_path, monkeypatch):
     monkeypatch.setattr(nvcc_build, "arch", lambda device: "90")
     monkeypatch.setattr(nvcc_build.subprocess, "run", lambda *a, **k: pytest.fail("nvcc ran again"))
     monkeypatch.setattr(nvcc_build, "_LIBS", {})
+    monkeypatch.setattr(nvcc_build, "_LOADED", {})
     dev = torch.device("cpu")
     cuda_decode.build(dev, _cuda_variant(DecodeConfig(), 128, 2))
     for split in (1, 2):

@@ -1,0 +1,176 @@
+"""The quantized paged body as the kernels read it: a typed part for keys and one for values.
+
+A part holds the tensors of one storage format with a leading page dimension
+``[pages, kv_heads, P, ...]`` and states its widths once; the kernels, their references and the
+plans read ``bits`` and ``group_size`` from it and never derive them from byte counts. A new
+storage format (a sparse side table, a codebook) is a new part type plus its kernels; the cache
+hands the kernels a :class:`PagedBody` whatever its parts are.
+
+- :class:`TokenPart`: per-token groups (``rotkv.quant.quantizer``): ``codes [pages, H, P,
+  D*bits/8]`` uint8, planar packed (``rotkv.quant.packing``), and ``scale, lo [pages, H, P, D/G]``
+  in the metadata dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rotkv.quant.widths import QUANT_WIDTHS, check_width
+
+
+def _row_bytes(head_dim: int, bits: int) -> int:
+    return head_dim * bits // 8  # INT3 is bit-sliced: 2 + 1 bits, 3 * D / 8 bytes as well
+
+
+@dataclass(frozen=True, eq=False)
+class TokenPart:
+    """Keys or values in per-token groups of ``group_size`` dims at ``bits`` bits; see the module
+    docstring for the shapes. Checked at construction."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    lo: torch.Tensor
+    bits: int
+    group_size: int
+    head_dim: int
+
+    format = "token"
+
+    def __post_init__(self):
+        check_width(self.bits, "bits", QUANT_WIDTHS)
+        d, g = self.head_dim, self.group_size
+        if g <= 0 or d <= 0 or d % g:
+            raise ValueError(f"`group_size` ({g}) has to divide head_dim ({d})")
+        if self.codes.dim() != 4 or self.codes.dtype != torch.uint8:
+            raise ValueError(f"codes must be uint8 [pages, heads, page, bytes], got {self.codes.dtype} "
+                             f"{tuple(self.codes.shape)}")
+        if self.codes.shape[-1] != _row_bytes(d, self.bits):
+            raise ValueError(f"codes rows of {self.codes.shape[-1]} bytes do not hold {d} dims at {self.bits} bits "
+                             f"({_row_bytes(d, self.bits)} bytes)")
+        want = (*self.codes.shape[:-1], d // g)
+        if tuple(self.scale.shape) != want or tuple(self.lo.shape) != want:
+            raise ValueError(f"scale and lo must be {want} (group size {g}), got {tuple(self.scale.shape)} and "
+                             f"{tuple(self.lo.shape)}")
+        if self.scale.dtype != self.lo.dtype or not self.scale.dtype.is_floating_point:
+            raise ValueError(f"scale and lo must share one float dtype, got {self.scale.dtype} and {self.lo.dtype}")
+        if not (self.codes.device == self.scale.device == self.lo.device):
+            raise ValueError("codes, scale and lo must be on one device")
+
+    @classmethod
+    def zeros(cls, pages: int, kv_heads: int, page_size: int, head_dim: int, bits: int, group_size: int,
+              meta: torch.dtype = torch.float16, device: str | torch.device = "cpu") -> TokenPart:
+        """An empty (zeroed) part of ``pages`` pages."""
+        shape = (pages, kv_heads, page_size)
+        return cls(torch.zeros(*shape, _row_bytes(head_dim, bits), dtype=torch.uint8, device=device),
+                   torch.zeros(*shape, head_dim // group_size, dtype=meta, device=device),
+                   torch.zeros(*shape, head_dim // group_size, dtype=meta, device=device), bits, group_size, head_dim)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.codes, self.scale, self.lo
+
+    @property
+    def groups(self) -> int:
+        """Groups per head vector (``D / G``)."""
+        return self.head_dim // self.group_size
+
+    @property
+    def meta(self) -> torch.dtype:
+        return self.scale.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token of one head: codes plus scale and lo."""
+        return self.codes.shape[-1] + 2 * self.groups * self.scale.element_size()
+
+
+@dataclass(frozen=True)
+class BodyLayout:
+    """What a kernel plan reads of a body: shapes, widths, group sizes, metadata dtypes, and whether
+    every tensor is contiguous and 16-byte aligned (the CUDA kernel's vector loads). No tensors:
+    hashable, the key of ``rotkv.kernels.plan``'s cache."""
+
+    head_dim: int
+    kv_heads: int
+    page_size: int
+    num_pages: int
+    bits: tuple[int, int]
+    group_sizes: tuple[int, int]
+    metas: tuple[torch.dtype, torch.dtype]
+    formats: tuple[str, str]
+    aligned: bool
+    device_type: str
+
+
+@dataclass(frozen=True, eq=False)
+class PagedBody:
+    """The quantized body of one layer's page pool: ``k`` and ``v`` parts over the same pages,
+    heads, page size and head_dim (their widths and group sizes may differ; a kernel that needs
+    them alike says so in its plan)."""
+
+    k: TokenPart
+    v: TokenPart
+    layout: BodyLayout = field(init=False, repr=False)
+
+    def __post_init__(self):
+        for name, part in (("k", self.k), ("v", self.v)):
+            if not isinstance(part, TokenPart):
+                raise TypeError(f"`{name}` must be a body part (TokenPart), got {type(part).__name__}")
+        kc, vc = self.k.codes, self.v.codes
+        if kc.shape[:3] != vc.shape[:3] or self.k.head_dim != self.v.head_dim:
+            raise ValueError(f"K and V parts must share pages, heads, page size and head_dim, got "
+                             f"{tuple(kc.shape[:3])}/{self.k.head_dim} and {tuple(vc.shape[:3])}/{self.v.head_dim}")
+        if kc.device != vc.device:
+            raise ValueError(f"K and V parts must be on one device, got {kc.device} and {vc.device}")
+        aligned = all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in self.tensors())
+        # the parts never change (a grown pool builds a new body): the layout is worked out once
+        object.__setattr__(self, "layout", BodyLayout(
+            self.k.head_dim, kc.shape[1], kc.shape[2], kc.shape[0], (self.k.bits, self.v.bits),
+            (self.k.group_size, self.v.group_size), (self.k.meta, self.v.meta), (self.k.format, self.v.format),
+            aligned, kc.device.type))
+
+    @classmethod
+    def zeros(cls, pages: int, kv_heads: int, page_size: int, head_dim: int, bits: tuple[int, int],
+              group_size: int, meta: torch.dtype = torch.float16, device: str | torch.device = "cpu") -> PagedBody:
+        return cls(*(TokenPart.zeros(pages, kv_heads, page_size, head_dim, b, group_size, meta, device) for b in bits))
+
+    @property
+    def parts(self) -> tuple[TokenPart, TokenPart]:
+        return self.k, self.v
+
+    @property
+    def bits(self) -> tuple[int, int]:
+        return self.k.bits, self.v.bits
+
+    @property
+    def group_size(self) -> int:
+        """The group size of K and V; a ValueError where they differ."""
+        if self.k.group_size != self.v.group_size:
+            raise ValueError(f"K and V must share the group size (got {self.k.group_size} and {self.v.group_size})")
+        return self.k.group_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.head_dim
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.codes.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.codes.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.codes.shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.codes.device
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """``(k_codes, k_scale, k_lo, v_codes, v_scale, v_lo)``: the kernels' pointer order."""
+        return (*self.k.tensors, *self.v.tensors)

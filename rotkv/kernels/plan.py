@@ -1,0 +1,523 @@
+"""Which kernel runs a call: decided once per shape and configuration, then looked up.
+
+flashinfer's split: ``plan()`` sees the shapes, dtypes and configuration and picks the kernel;
+the call only runs it. Every decision of whether a kernel covers a call lives here:
+
+- :func:`plan_decode`: the decode attention of one step (``rotkv.kernels.decode``): the CUDA body
+  kernel, the Triton v1 / v2 body kernels, or none (the caller runs its PyTorch reference); used
+  by the cache layer, its CUDA graph (which captures the plan's kernel) and the benchmarks;
+- :func:`plan_write`: the quantize-on-write kernel (``rotkv.kernels.write``): CUDA or Triton;
+- :func:`decode_builds_for` / :func:`write_builds_for`: the CUDA builds the default plans run at
+  one attention shape, without a GPU (``rotkv build-kernels``, ``rotkv.kernels.prebuild``).
+
+Plans are cached per (body layout, query heads, device, configuration): a decode step looks one
+up in a dict. The widths come from ``rotkv.quant.widths``; nothing here needs triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from rotkv.kernels.body import BodyLayout, PagedBody, TokenPart
+from rotkv.quant.widths import CUDA_DECODE_WIDTHS, KERNEL_WIDTHS
+
+CUDA_HEAD_DIMS = (64, 128, 256)  # the CUDA kernels' instantiations
+CUDA_MIN_CAPABILITY = (8, 0)  # mma.sync int8 m16n8k32, movmatrix, redux.sync, bf16 mma.sync
+MAX_CUDA_REP = 8  # the CUDA decode kernel's GQA group
+
+
+@functools.lru_cache(maxsize=1)
+def interpreting() -> bool:
+    """Triton runs under its interpreter (``TRITON_INTERPRET``, the CPU tests; read once: Triton
+    reads it when the kernels are defined)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _device_key(t: torch.Tensor) -> tuple:
+    """(device type, index, compute capability, interpreting): a plan's device part."""
+    if t.is_cuda:
+        index = t.get_device()
+        return "cuda", index, _capability(index), interpreting()
+    return t.device.type, None, (0, 0), interpreting()
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tuning knobs of :func:`decode_attention` (defaults chosen by ``benchmarks/bench_decode.py``)."""
+
+    block_n: int = 64  # INT2 tokens per inner step
+    block_t: int = 32  # bf16 tokens per inner step
+    target_programs: int = 1024  # split so that B * H_kv * splits reaches about this many
+    min_split_tokens: int = 256
+    qk_int8: bool = True  # int8 query . codes for the scores; used when head_dim >= 128 (int8 MMA K >= 32)
+    use_asm: bool | None = None  # None: inline PTX on a GPU, portable code under the interpreter
+    num_warps: int = 1  # one warp per program was fastest on the H200 (docs/kernels.md)
+    num_stages: int = 2
+    v2: bool = False  # the (plane, head)-row kernel `_int2_part_v2` (int8 scores at any head_dim)
+    # INT2 body kernel: "cuda" (rotkv/kernels/cuda/int2_decode.cu, built with nvcc on first use),
+    # "triton", or "auto" (CUDA where it is supported and builds, else Triton)
+    backend: str = "auto"
+    cuda_tiles: int = 1  # 16-token tiles per softmax step of the CUDA kernel
+    cuda_min_blocks: int | None = None  # __launch_bounds__ min blocks of 4 warps per SM; None: 4 (128
+    # registers) at head_dim <= 128 with <= 2 groups, 3 with more groups, 2 at head_dim 256
+    # auto: bodies under this many token-heads (B * H_kv * max_len) take the Triton v2 kernel with
+    # small_block_n-token blocks and small_num_warps warps (one launch fewer; faster at B=1, 4K on the
+    # H200): the plan's "small" launch (DecodePlan.small), chosen per call by the work
+    small_work: int = 65536
+    small_block_n: int = 128
+    small_num_warps: int = 4
+    cuda_target_warps: int = 2048  # CUDA kernel: split so that B * H_kv * splits reaches about this
+    cuda_min_split_tokens: int = 64
+    # CUDA kernel's partials: "none" (one per split, merged by the Triton merge kernel), "block" (the
+    # 4 warps of a block, 4 splits of one request and KV head, merge theirs in shared memory: 4x
+    # fewer partials for the merge kernel), or "all" (also the last block of each request and KV
+    # head merges every partial and the tier's, launched first, into the output: no merge launch;
+    # measured slower on the H200, docs/kernels.md)
+    cuda_fuse: str = "block"
+    # merge kernel: partial slots per step, and dims per program where B * Hq < 1024 (else all D)
+    merge_chunk: int = 128  # 128: one step for the ~70 slots of B = 1, 128K (2.55x against 2.46x at 64)
+    merge_slice: int = 32
+    # CUDA kernel: two register buffers, the next step's loads issued before this step's math
+    # (with cuda_tiles=1 the fastest variant measured from B = 8 on, docs/kernels.md)
+    cuda_prefetch: bool = True
+    # CUDA kernel: the value product in fp16 (0x6400 | code bits = 1024 + 4^i c, every plane in place,
+    # one LOP3 per operand register, p * s_v by HMUL2) instead of bf16 (byte permutes, plane 3
+    # shifted); 4-6% faster from B = 8 on at 32K-128K on the H200 (docs/kernels.md)
+    cuda_value_f16: bool = True
+    # CUDA kernel: every this many steps (a power of two) the value accumulators drop their
+    # magic-number offset (0: only at the end). The tensor cores' truncation error grows with the
+    # accumulators' size; without it the fp16 path's output error was 8x the bf16 path's, with 8 it
+    # is within 15% of it (docs/kernels.md)
+    cuda_value_flush: int = 8
+    # scores of the quantized body: "int8" (query quantized to int8 per head: the CUDA kernel, and
+    # the Triton kernels where qk_int8 applies), "bf16" (query kept bf16, codes as bf16; Triton
+    # only), or "auto": bf16 at head_dim <= 64 unless backend == "cuda" (top-1 agreement on
+    # SmolLM2, D 64: 0.984 with bf16 scores against 0.938 with the int8 query; docs/kernels.md)
+    score: str = "auto"
+
+    def __post_init__(self):
+        if self.backend not in ("auto", "cuda", "triton"):
+            raise ValueError(f"backend must be 'auto', 'cuda' or 'triton', got {self.backend!r}")
+        if self.score not in ("auto", "bf16", "int8"):
+            raise ValueError(f"score must be 'auto', 'bf16' or 'int8', got {self.score!r}")
+        if self.cuda_fuse not in ("none", "block", "all"):
+            raise ValueError(f"cuda_fuse must be 'none', 'block' or 'all', got {self.cuda_fuse!r}")
+        if not 0 <= self.cuda_value_flush <= 4096 or self.cuda_value_flush & (self.cuda_value_flush - 1):
+            raise ValueError(f"cuda_value_flush must be 0 or a power of two up to 4096, got {self.cuda_value_flush}")
+        if not 1 <= self.cuda_tiles <= 8:
+            raise ValueError(f"cuda_tiles must be in 1..8, got {self.cuda_tiles}")
+        if self.cuda_min_blocks is not None and not 1 <= self.cuda_min_blocks <= 8:
+            raise ValueError(f"cuda_min_blocks must be None or in 1..8, got {self.cuda_min_blocks}")
+        for name, v in (("merge_chunk", self.merge_chunk), ("merge_slice", self.merge_slice)):
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+        for name in ("block_n", "block_t", "target_programs", "min_split_tokens", "cuda_target_warps",
+                     "cuda_min_split_tokens", "small_block_n", "small_num_warps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def resolve_score(cfg: DecodeConfig, head_dim: int) -> str:
+    """The score variant a call runs: ``cfg.score``, or for "auto" bf16 at head_dim <= 64 (unless
+    the CUDA backend, int8 only, is asked for) and int8 above."""
+    if cfg.score != "auto":
+        return cfg.score
+    return "bf16" if head_dim <= 64 and cfg.backend != "cuda" else "int8"
+
+
+def min_blocks(cfg: DecodeConfig, d: int, ng: int) -> int:
+    """4 blocks of 4 warps per SM (128 registers) where that does not spill (nvcc -Xptxas -v)."""
+    if cfg.cuda_min_blocks is not None:
+        return cfg.cuda_min_blocks
+    if d <= 128 and ng <= 2:
+        return 4
+    return 3 if d <= 128 else 2
+
+
+def cuda_variant(cfg: DecodeConfig, d: int, ng: int) -> tuple[int, int, int, int, int, int, int]:
+    """The CUDA kernel build a call runs: (head_dim, groups, tiles, min blocks, prefetch, fp16 values,
+    value flush); prefetch as cfg.cuda_prefetch, except at head_dim 256 with 8 groups, where the
+    second buffer spills."""
+    return (d, ng, cfg.cuda_tiles, min_blocks(cfg, d, ng), int(cfg.cuda_prefetch and not (d >= 256 and ng >= 8)),
+            int(cfg.cuda_value_f16), cfg.cuda_value_flush)
+
+
+def shape_reason(head_dim: int, group_size: int) -> str | None:
+    """Why the CUDA kernels (decode and write) do not cover this head_dim / group size, or None."""
+    if head_dim not in CUDA_HEAD_DIMS:
+        return f"head_dim {head_dim} not in {CUDA_HEAD_DIMS}"
+    if group_size % 32:
+        return f"group_size {group_size} is not a multiple of 32"
+    return None
+
+
+# ---- coverage: pure functions of a layout (no tensors, no GPU) -----------------------------------
+def part_reason(bits: int, meta: torch.dtype, fmt: str = "token") -> str | None:
+    """Why the Triton kernels (write, dequant, decode) and the CUDA write kernel do not read a body
+    part, or None: token parts of a kernel width with fp16 metadata."""
+    if fmt != "token":
+        return f"the kernels read token parts, not {fmt}"
+    if bits not in KERNEL_WIDTHS:
+        return f"the kernels read widths {list(KERNEL_WIDTHS)}, got {bits}"
+    if meta != torch.float16:
+        return f"the kernels read fp16 metadata, got {meta}"
+    return None
+
+
+def triton_decode_reason(layout: BodyLayout) -> str | None:
+    """Why the Triton decode kernels do not read this body, or None."""
+    for name, b, meta, fmt in zip("KV", layout.bits, layout.metas, layout.formats):
+        why = part_reason(b, meta, fmt)
+        if why:
+            return f"{name}: {why}"
+    gk, gv = layout.group_sizes
+    if gk != gv:
+        return f"K and V must share the group size (got {gk} and {gv})"
+    if 4 * gk < layout.head_dim:  # a head quarter (one 2-bit plane) lies inside one group
+        return f"the Triton decode kernel needs group_size >= head_dim / 4 ({layout.head_dim // 4}), got {gk}"
+    return None
+
+
+def cuda_decode_reason(layout: BodyLayout, rep: int, score: str, capability: tuple[int, int] = (9, 0)) -> str | None:
+    """Why the CUDA decode body kernel does not read this body, or None (nvcc and the build aside)."""
+    if any(b not in CUDA_DECODE_WIDTHS for b in layout.bits) or score != "int8":
+        return (f"the CUDA decode kernel reads INT2 K and V with int8 scores, got bits {layout.bits}, "
+                f"score {score!r}")
+    if capability < CUDA_MIN_CAPABILITY:
+        return "needs compute capability 8.0+ (mma.sync int8 m16n8k32, movmatrix)"
+    gk, gv = layout.group_sizes
+    if gk != gv or any(m != torch.float16 for m in layout.metas) or any(f != "token" for f in layout.formats):
+        return "K and V need token parts with one group size and fp16 metadata"
+    why = shape_reason(layout.head_dim, gk)
+    if why:
+        return why
+    if layout.page_size % 16:
+        return f"page size {layout.page_size} is not a multiple of 16"
+    if rep > MAX_CUDA_REP:
+        return f"GQA group {rep} > {MAX_CUDA_REP}"
+    if layout.num_pages * layout.kv_heads * layout.page_size >= 2**32:
+        return "the pool has 2^32 or more token rows (the kernel indexes rows in 32 bits)"
+    if not layout.aligned:
+        return "body tensors must be contiguous and 16-byte aligned"
+    return None
+
+
+_DEFAULT = DecodeConfig()
+
+
+# ---- decode ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Launch:
+    """One way to run a decode call: the body kernel (``"cuda"`` or ``"triton"``), the knobs it runs
+    with, and the variant switches the launcher passes on."""
+
+    kernel: str
+    cfg: DecodeConfig
+    v2: bool = False  # Triton: the (plane, head)-row kernel
+    qk_int8: bool = False  # Triton: int8 query . codes for the scores
+    cuda_variant: tuple | None = None
+
+    @property
+    def name(self) -> str:
+        if self.kernel == "cuda":
+            return f"cuda {self.cuda_variant}"
+        return f"triton {'v2' if self.v2 else 'v1'} n{self.cfg.block_n} w{self.cfg.num_warps}"
+
+
+_CUDA_WARNED: set = set()
+
+
+class DecodePlan:
+    """The kernels of a decode call at one layout, query-head count, device and config.
+
+    ``covered``: a kernel reads this body (else ``why`` says why not and the caller runs its
+    reference). ``launch(work)`` is the launch for ``work = B * H_kv * max_len`` token-heads:
+    ``small`` (Triton v2, ``cfg.small_*``) below ``cfg.small_work`` where the config lets the plan
+    choose (backend "auto" on CUDA), else ``main``. ``main`` is the CUDA body kernel where it
+    covers the call and builds, else Triton; the CUDA library is built (or loaded) the first time
+    ``main`` is asked for, once per plan.
+    """
+
+    def __init__(self, layout: BodyLayout | None, hq: int, head_dim: int, device: tuple, cfg: DecodeConfig):
+        dev_type, index, capability, interp = device
+        self.layout, self.hq, self.head_dim, self.device, self.cfg = layout, hq, head_dim, device, cfg
+        self.score = resolve_score(cfg, head_dim)
+        on_cuda = dev_type == "cuda"
+        if cfg.backend == "cuda" and not on_cuda:
+            raise ValueError("backend='cuda' needs CUDA tensors")
+        if layout is None:  # the tier alone
+            self.rep, self.triton_why, self.cuda_why, self.cuda_expected = hq, None, "no body", True
+        else:
+            if layout.head_dim != head_dim:
+                raise ValueError(f"the body's head_dim {layout.head_dim} is not the query's {head_dim}")
+            if hq % layout.kv_heads:
+                raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({layout.kv_heads})")
+            self.rep = hq // layout.kv_heads
+            self.triton_why = triton_decode_reason(layout)
+            # expected reasons (the config or the device): no warning; the others are warned about once
+            self.cuda_expected = True
+            if cfg.backend == "triton":
+                self.cuda_why = "backend='triton'"
+            elif interp or not on_cuda:
+                self.cuda_why = "not on CUDA"
+            else:
+                self.cuda_why = cuda_decode_reason(layout, self.rep, self.score, capability)
+                self.cuda_expected = (self.cuda_why is not None
+                                      and self.cuda_why.startswith("the CUDA decode kernel reads"))
+                if self.cuda_why is None and _nvcc_path() is None:
+                    self.cuda_why = "nvcc not found"
+            if cfg.backend == "cuda" and self.cuda_why:
+                if self.cuda_expected:
+                    raise ValueError(self.cuda_why)
+                raise ValueError(f"the CUDA INT2 decode kernel cannot run here: {self.cuda_why}")
+        self.covered = self.triton_why is None or self.cuda_why is None
+        self.why = None if self.covered else self.triton_why
+        p = layout.page_size if layout is not None else 16
+        self.small = None
+        self.small_below = 0
+        if (cfg.backend == "auto" and layout is not None and on_cuda and self.triton_why is None):
+            small = dataclasses.replace(cfg, backend="triton", v2=True, block_n=cfg.small_block_n,
+                                        num_warps=cfg.small_num_warps)
+            self.small, self.small_below = self._triton(small, p), cfg.small_work
+        self._main: Launch | None = None
+        self._tier = self._triton(cfg, p)  # no body tokens: the tier kernel alone
+
+    @property
+    def bits(self) -> tuple[int, int]:
+        return self.layout.bits if self.layout is not None else (2, 2)
+
+    def _triton(self, cfg: DecodeConfig, page_size: int) -> Launch:
+        bits = self.layout.bits if self.layout is not None else (2, 2)
+        # v2 reads a page in power-of-2 chunks, INT2 only; INT4 K or V runs v1
+        v2 = cfg.v2 and page_size & (page_size - 1) == 0 and bits == (2, 2)
+        qk_int8 = self.score == "int8" and cfg.qk_int8 and (self.head_dim >= 128 or v2)
+        return Launch("triton", cfg, v2, qk_int8)
+
+    @property
+    def main(self) -> Launch:
+        if self._main is None:
+            self._main = self._resolve_main()
+        return self._main
+
+    def _resolve_main(self) -> Launch:
+        cfg, layout = self.cfg, self.layout
+        p = layout.page_size if layout is not None else 16
+        why = self.cuda_why
+        if why is None:
+            variant = cuda_variant(cfg, self.head_dim, self.head_dim // layout.group_sizes[0])
+            try:
+                from rotkv.kernels import cuda_decode
+
+                cuda_decode.build(torch.device("cuda", self.device[1]), variant)
+                return Launch("cuda", cfg, cuda_variant=variant)
+            except RuntimeError as e:
+                why = str(e)
+                if cfg.backend == "cuda":
+                    raise ValueError(f"the CUDA INT2 decode kernel cannot run here: {why}") from e
+        if self.triton_why is not None:
+            raise ValueError(self.triton_why if why is None or self.cuda_expected else f"{self.triton_why} ({why})")
+        if layout is not None and not self.cuda_expected and why not in _CUDA_WARNED:
+            _CUDA_WARNED.add(why)
+            warnings.warn(f"rotkv: CUDA INT2 decode kernel not used ({why}); using the Triton kernel", stacklevel=5)
+        return self._triton(cfg, p)
+
+    def launch(self, work: int) -> Launch:
+        """The launch for a call over ``work`` token-heads of body (``B * H_kv * max_len``)."""
+        if self.small is not None and work < self.small_below:
+            return self.small
+        return self.main if work > 0 else self._tier
+
+    def describe(self) -> str:
+        """One line: what runs (the CUDA kernel named as planned, before its first build)."""
+        if not self.covered:
+            return f"reference (no kernel: {self.why})"
+        if self._main is not None:
+            main = self._main.name
+        elif self.cuda_why is None:
+            main = f"cuda {cuda_variant(self.cfg, self.head_dim, self.head_dim // self.layout.group_sizes[0])}"
+        else:
+            main = f"{self._tier.name} ({self.cuda_why})"
+        if self.small is not None:
+            return f"{self.small.name} below {self.small_below} token-heads, else {main}"
+        return main
+
+
+def _nvcc_path():
+    from rotkv.kernels.nvcc import nvcc_path
+
+    return nvcc_path()
+
+
+_DECODE_PLANS: dict = {}  # (id(layout), Hq, D, device, id(cfg)) -> (layout, cfg, plan)
+_EQUAL: dict = {}  # (layout, Hq, D, device, cfg) -> plan
+
+
+def plan_decode(q: torch.Tensor, body: PagedBody | None, cfg: DecodeConfig | None = None) -> DecodePlan:
+    """The decode plan of a call with query ``q [B, Hq, D]`` over ``body`` (None: the tier alone):
+    cached per (body layout, Hq, D, device, config); raises ValueError for a config the call cannot
+    run (``backend="cuda"`` where the CUDA kernel does not cover it, mismatched heads)."""
+    cfg = cfg or _DEFAULT
+    layout = body.layout if body is not None else None
+    # keyed by the layout's and the config's identity (hashing them costs more than the rest of the
+    # lookup); the entry holds both, so their ids stay theirs while it lives
+    key = (id(layout), q.shape[1], q.shape[-1], _device_key(q), id(cfg))
+    hit = _DECODE_PLANS.get(key)
+    if hit is not None:
+        return hit[2]
+    # an equal layout and config seen before (another body of the same shape, an equal config object)
+    eq_key = (layout, *key[1:4], cfg)
+    plan = _EQUAL.get(eq_key)
+    if plan is None:
+        plan = DecodePlan(layout, q.shape[1], q.shape[-1], key[3], cfg)
+    if len(_DECODE_PLANS) >= 4096:  # a long-lived process over many shapes: start over
+        _DECODE_PLANS.clear(), _EQUAL.clear()
+    _EQUAL[eq_key] = plan
+    _DECODE_PLANS[key] = (layout, cfg, plan)
+    return plan
+
+
+def clear_plans() -> None:
+    """Forget every cached plan (tests; a changed environment such as ROTKV_NVCC)."""
+    _DECODE_PLANS.clear()
+    _EQUAL.clear()
+    _write_plan.cache_clear()
+
+
+# ---- write -------------------------------------------------------------------------------------
+CUDA_PRECISIONS = ("bf16x2", "bf16")
+TRITON_PRECISIONS = ("tf32x3", "tf32")
+WRITE_BACKENDS = ("auto", "cuda", "triton")
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """The write kernel of a call: ``kernel`` "cuda" or "triton", the rotation precision and warps."""
+
+    kernel: str
+    rot_precision: str
+    num_warps: int
+
+
+def cuda_write_reason(head_dim: int, group_size: int, dtype: torch.dtype, rotate: bool, rot_precision: str,
+                      num_warps: int, capability: tuple[int, int] = (9, 0)) -> str | None:
+    """Why the CUDA write kernel does not cover a write of this shape, or None (layout only: the
+    input's strides and nvcc are checked by :func:`plan_write`)."""
+    from rotkv.kernels import cuda_write
+
+    if capability < CUDA_MIN_CAPABILITY:
+        return "needs compute capability 8.0+ (redux.sync, bf16 mma.sync)"
+    why = shape_reason(head_dim, group_size)
+    if why:
+        return why
+    if dtype not in cuda_write.DTYPES or (rotate and dtype != torch.bfloat16):
+        return f"input dtype {dtype} (bf16, or fp16/fp32 without rotation)"
+    if rotate and rot_precision not in cuda_write.PRECISIONS:
+        return f"rot_precision {rot_precision!r} is not one of {list(cuda_write.PRECISIONS)}"
+    if rotate and cuda_write.smem(head_dim, cuda_write.PRECISIONS[rot_precision], num_warps) > cuda_write.SMEM_LIMIT:
+        return f"R and the product tiles need more than {cuda_write.SMEM_LIMIT} bytes of shared memory"
+    return None
+
+
+def plan_write(x: torch.Tensor, part: TokenPart, rotate: bool, clip: float, backend: str | None = None,
+               rot_precision: str | None = None, num_warps: int | None = None) -> WritePlan:
+    """The write kernel that stores ``x [T, H, D]`` into ``part``; cached per shape and options.
+
+    backend: "auto" (default, or ``ROTKV_WRITE_BACKEND``): the CUDA kernel for a rotating or
+    clipping write where it covers the call (where it measured faster on the H200), else Triton;
+    "cuda" raises where it does not cover the call. Raises ValueError for options that contradict."""
+    backend = backend or os.environ.get("ROTKV_WRITE_BACKEND", "auto")
+    # what varies per call beyond the shape: the input's strides and alignment (the rotating kernel
+    # reads bf16 pairs) and the pool's contiguity
+    x_ok = x.stride(-1) == 1 and not (rotate and (x.stride(0) % 2 or x.stride(1) % 2 or x.data_ptr() % 4))
+    part_ok = all(t.is_contiguous() for t in part.tensors)
+    return _write_plan(x.shape[-1], part.group_size, x.dtype, _device_key(x), x_ok, part_ok, rotate, clip < 1.0,
+                       backend, rot_precision, num_warps)
+
+
+@functools.lru_cache(maxsize=4096)
+def _write_plan(d, g, dtype, device, x_ok, part_ok, rotate, clipping, backend, rot_precision, num_warps) -> WritePlan:
+    from rotkv.kernels import cuda_write
+
+    if backend not in WRITE_BACKENDS:
+        raise ValueError(f"the write backend must be one of {list(WRITE_BACKENDS)}, got {backend!r}")
+    if rot_precision is not None and rot_precision not in TRITON_PRECISIONS + CUDA_PRECISIONS:
+        raise ValueError(f"rot_precision must be one of {list(TRITON_PRECISIONS + CUDA_PRECISIONS)}, "
+                         f"got {rot_precision!r}")
+    if backend == "triton" and rot_precision in CUDA_PRECISIONS:
+        raise ValueError(f"rot_precision={rot_precision!r} is a CUDA option; the Triton kernel takes "
+                         f"{list(TRITON_PRECISIONS)}")
+    # the plain unclipped write is Triton's (0.13 against 0.19 ms at 32K tokens x 8 heads on the H200)
+    wanted = backend == "cuda" or rot_precision in CUDA_PRECISIONS or (backend == "auto" and (rotate or clipping))
+    if wanted and rot_precision not in TRITON_PRECISIONS:
+        prec = rot_precision or "bf16x2"
+        warps = num_warps or cuda_write.default_warps(d, prec, rotate)
+        dev_type, _, capability, _ = device
+        if dev_type != "cuda":
+            why = "not on CUDA"
+        else:
+            why = cuda_write_reason(d, g, dtype, rotate, prec, warps, capability)
+            if why is None and not x_ok:
+                why = "x must have a contiguous last dim (and even strides, 4-byte aligned, to rotate)"
+            if why is None and not part_ok:
+                why = "pool tensors must be contiguous"
+            if why is None and _nvcc_path() is None:
+                why = "nvcc not found"
+        if why is None:
+            return WritePlan("cuda", prec, warps)
+        if backend == "cuda" or rot_precision in CUDA_PRECISIONS:
+            what = "backend='cuda'" if backend == "cuda" else f"rot_precision={rot_precision!r}"
+            raise ValueError(f"{what} needs the CUDA write kernel, which does not cover this call: {why}")
+    elif backend == "cuda":
+        raise ValueError(f"rot_precision={rot_precision!r} is a Triton option; the CUDA kernel takes "
+                         f"{list(CUDA_PRECISIONS)}")
+    return WritePlan("triton", rot_precision or "tf32x3", num_warps or 4)
+
+
+# ---- ahead-of-time builds ------------------------------------------------------------------------
+def decode_builds_for(head_dim: int, group_size: int, bits: int = 2,
+                      cfg: DecodeConfig | None = None) -> tuple[tuple | None, str | None]:
+    """(CUDA decode variant, None) where the default plan runs the CUDA body kernel for a body of
+    this shape (page size 16, GQA group <= 8, on an sm_80+ GPU), else (None, a note on what runs)."""
+    cfg = cfg or DecodeConfig()
+    layout = BodyLayout(head_dim, 1, 16, 1, (bits, bits), (group_size, group_size), (torch.float16,) * 2,
+                        ("token", "token"), True, "cuda")
+    score = resolve_score(cfg, head_dim)
+    if bits not in CUDA_DECODE_WIDTHS:
+        return None, f"decode: INT{bits} pages run the Triton kernel"
+    if score != "int8":
+        return None, (f"decode: at head_dim {head_dim} the default scores in {score} through the Triton kernel "
+                      "(DecodeConfig(score='int8') would run the CUDA kernel)")
+    why = cuda_decode_reason(layout, 1, score)
+    if why:
+        return None, f"decode: {why} (Triton runs)"
+    return cuda_variant(cfg, head_dim, head_dim // group_size), None
+
+
+def write_builds_for(head_dim: int, group_size: int, rotate: bool = True,
+                     rot_precision: str = "bf16x2") -> tuple[list[tuple[bool, str, int]], str | None]:
+    """The CUDA write builds the default plan runs at this shape: ([(rotating, precision, warps)],
+    None), or ([], a note) where Triton runs. ``rotate``: the preset rotates keys or values (the
+    rotating variant runs as well as the plain one, which flushes tiers and clips)."""
+    from rotkv.kernels import cuda_write
+
+    why = shape_reason(head_dim, group_size)
+    if why:
+        return [], f"write: {why} (Triton runs)"
+    out = []
+    for rot in ((True, False) if rotate else (False,)):
+        warps = cuda_write.default_warps(head_dim, rot_precision, rot)
+        why = cuda_write_reason(head_dim, group_size, torch.bfloat16, rot, rot_precision, warps)
+        if why is None:
+            out.append((rot, rot_precision, warps))
+    return out, None

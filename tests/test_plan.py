@@ -1,0 +1,100 @@
+"""The kernel plans (rotkv.kernels.plan): one decision per shape and config, cached; the plans
+the cache layer, the CUDA graph and `rotkv build-kernels` use. Pure Python: no GPU, no triton."""
+
+import pytest
+import torch
+
+from rotkv.kernels import plan as P
+from rotkv.kernels.body import BodyLayout, PagedBody, TokenPart
+
+CUDA_DEV = ("cuda", 0, (9, 0), False)  # an H200, as a plan's device key (nothing runs on it here)
+
+
+def _layout(d=128, g=64, bits=(2, 2), page=16, heads=2, meta=torch.float16, aligned=True):
+    return BodyLayout(d, heads, page, 8, bits, (g, g), (meta, meta), ("token", "token"), aligned, "cuda")
+
+
+def test_plans_are_cached_per_layout_heads_device_and_config():
+    body = PagedBody.zeros(4, 2, 16, 64, (2, 2), 32)
+    q = torch.zeros(1, 6, 64)
+    a = P.plan_decode(q, body, P.DecodeConfig(score="bf16"))
+    same = PagedBody.zeros(4, 2, 16, 64, (2, 2), 32)  # another body of the same layout, an equal config
+    assert P.plan_decode(torch.ones(3, 6, 64), same, P.DecodeConfig(score="bf16")) is a
+    assert P.plan_decode(q, body, P.DecodeConfig(score="int8")) is not a
+    assert P.plan_decode(torch.zeros(1, 4, 64), body, P.DecodeConfig(score="bf16")) is not a
+    # a grown pool is a new layout (its row count matters to the CUDA kernel)
+    assert P.plan_decode(q, PagedBody.zeros(5, 2, 16, 64, (2, 2), 32), P.DecodeConfig(score="bf16")) is not a
+
+
+def test_cpu_plans():
+    q = torch.zeros(2, 8, 128)
+    for bits in ((2, 2), (4, 2), (2, 4), (4, 4)):
+        plan = P.plan_decode(q, PagedBody.zeros(4, 2, 16, 128, bits, 64), P.DecodeConfig())
+        assert plan.covered and plan.small is None and plan.launch(10**6).kernel == "triton"
+        assert plan.launch(10**6).v2 is False  # DecodeConfig().v2 is off; v2 reads INT2 only anyway
+    tier_only = P.plan_decode(q, None, P.DecodeConfig())
+    assert tier_only.covered and tier_only.launch(0).kernel == "triton"
+    # bodies no decode kernel reads: the caller runs its reference, and decode_attention says why
+    int8_k = PagedBody(TokenPart.zeros(4, 2, 16, 128, 8, 64, torch.float32), TokenPart.zeros(4, 2, 16, 128, 2, 64))
+    for body, why in ((int8_k, "K: the kernels read widths [2, 4], got 8"),
+                      (PagedBody.zeros(4, 2, 16, 128, (2, 2), 16), "group_size >= head_dim / 4 (32), got 16"),
+                      (PagedBody(TokenPart.zeros(4, 2, 16, 128, 2, 64), TokenPart.zeros(4, 2, 16, 128, 2, 32)),
+                       "share the group size")):
+        plan = P.plan_decode(q, body, P.DecodeConfig())
+        assert not plan.covered and why in plan.why and plan.describe().startswith("reference")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        P.plan_decode(q, PagedBody.zeros(4, 2, 16, 128, (2, 2), 64), P.DecodeConfig(backend="cuda"))
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        P.plan_decode(torch.zeros(1, 3, 128), PagedBody.zeros(4, 2, 16, 128, (2, 2), 64), P.DecodeConfig())
+
+
+def test_cuda_plan_names_its_launches():
+    # the small-work launch is the plan's, stated in the config (no silent rewrite of the caller's config)
+    cfg = P.DecodeConfig()
+    plan = P.DecodePlan(_layout(), 8, 128, CUDA_DEV, cfg)
+    assert plan.covered and plan.cuda_why in (None, "nvcc not found")
+    small = plan.launch(cfg.small_work - 1)
+    assert (small.kernel, small.v2, small.cfg.block_n, small.cfg.num_warps) == ("triton", True, 128, 4)
+    assert small.qk_int8 and plan.small_below == cfg.small_work
+    assert cfg.block_n == 64 and plan.cfg is cfg  # the caller's config is untouched
+    assert "below 65536 token-heads" in plan.describe()
+    # INT4 K: the small launch is Triton v1; no small launch where Triton cannot read the body
+    assert P.DecodePlan(_layout(bits=(4, 2)), 8, 128, CUDA_DEV, cfg).launch(10).v2 is False
+    int2_small_groups = P.DecodePlan(_layout(d=256, g=32), 8, 256, CUDA_DEV, cfg)
+    assert int2_small_groups.small is None and int2_small_groups.triton_why is not None
+    assert int2_small_groups.covered == (int2_small_groups.cuda_why is None)
+    # what the CUDA body kernel does not take, and why
+    for layout, rep, why in ((_layout(page=8), 4, "page size 8"), (_layout(), 12, "GQA group 12"),
+                             (_layout(d=96, g=32), 4, "head_dim 96"), (_layout(aligned=False), 4, "aligned"),
+                             (_layout(bits=(4, 2)), 4, "INT2 K and V")):
+        assert why in P.cuda_decode_reason(layout, rep, "int8")
+    assert "compute capability" in P.cuda_decode_reason(_layout(), 4, "int8", (7, 5))
+    assert P.cuda_decode_reason(_layout(), 4, "bf16").startswith("the CUDA decode kernel reads")
+    with pytest.raises(ValueError, match="page size 8"):
+        P.DecodePlan(_layout(page=8), 8, 128, CUDA_DEV, P.DecodeConfig(backend="cuda"))
+    triton_only = P.DecodePlan(_layout(), 8, 128, CUDA_DEV, P.DecodeConfig(backend="triton"))
+    assert triton_only.small is None and triton_only.launch(10**7).kernel == "triton"
+
+
+def test_write_plans():
+    x = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    part = TokenPart.zeros(2, 2, 16, 64, 2, 64)
+    assert P.plan_write(x, part, rotate=True, clip=0.9) == P.WritePlan("triton", "tf32x3", 4)
+    wp = P.plan_write(x, part, rotate=False, clip=1.0, backend="triton", num_warps=2)
+    assert wp == P.WritePlan("triton", "tf32x3", 2)
+    with pytest.raises(ValueError, match="not on CUDA"):
+        P.plan_write(x, part, rotate=False, clip=1.0, backend="cuda")
+    with pytest.raises(ValueError, match="write backend"):
+        P.plan_write(x, part, rotate=False, clip=1.0, backend="tpu")
+    assert P.part_reason(2, torch.float16) is None and "fp16" in P.part_reason(4, torch.float32)
+    assert "widths" in P.part_reason(3, torch.float16)
+
+
+def test_build_lists_follow_the_plans():
+    assert P.decode_builds_for(128, 64) == (P.cuda_variant(P.DecodeConfig(), 128, 2), None)
+    assert P.decode_builds_for(128, 64, bits=4)[1] == "decode: INT4 pages run the Triton kernel"
+    assert "bf16" in P.decode_builds_for(64, 64)[1]
+    assert "head_dim 96" in P.decode_builds_for(96, 32)[1]
+    writes, note = P.write_builds_for(128, 64)
+    assert note is None and [w[0] for w in writes] == [True, False]
+    assert P.write_builds_for(128, 16) == ([], "write: group_size 16 is not a multiple of 32 (Triton runs)")
