@@ -17,13 +17,13 @@ r1=$?; echo "prebuild rc=$r1"; tail -2 $OUT/prebuild.log
 timeout 190 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py \
   -k "not cuda_kernel_matches or 2048-block-True or 2048-none-False" > $OUT/kernels.log 2>&1
 r2=$?; echo "kernels rc=$r2"; grep -E "passed|failed|FAILED|Error" $OUT/kernels.log | tail -12
-timeout 140 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_backend.py tests/kernels/test_prebuild.py \
+timeout 170 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_backend.py tests/kernels/test_prebuild.py tests/test_device.py tests/test_assembly.py \
   tests/test_plan.py tests/test_paged_body.py tests/test_imports.py tests/test_paged_cache.py -s > $OUT/cache.log 2>&1
 r3=$?; echo "cache rc=$r3"; grep -E "passed|failed|FAILED|Error|smollm2 kernel" $OUT/cache.log | tail -12
 timeout 50 python3 -m rotkv.cli generate --model $ROTKV_GGUF --prompt "Name three primary colors." --cuda-graph \
   --json --max-new-tokens 24 > $OUT/generate.log 2>&1
 r4=$?; echo "generate rc=$r4"; tail -1 $OUT/generate.log
-python3 - "$r1" "$r2" "$r3" "$r4" "$(git rev-parse --short HEAD)" "$(( $(date +%s) - t0 ))" <<'PY'
+python3 - "$r1" "$r2" "$r3" "$r4" "${ROTKV_COMMIT:-$(git rev-parse --short HEAD)}" "$(( $(date +%s) - t0 ))" <<'PY'
 import json, sys
 r = dict(zip(["prebuild", "kernels", "cache", "generate"], map(int, sys.argv[1:5])))
 out = {"commit": sys.argv[5], "seconds": int(sys.argv[6]), "rc": r, "ok": not any(r.values())}
