@@ -398,12 +398,14 @@ def test_decode_tier_only_and_body_only(device):
 
 
 def test_decode_rejects_small_groups(device):
+    # the Triton kernels read head quarters inside one group (G >= D/4); smaller groups are the CUDA
+    # kernel's (which the plan picks on a GPU), so a Triton-only call must refuse them
     pool = Int2PagePool(2, 1, 256, 16, 32, device=device)
     q = torch.zeros(1, 1, 256, device=device)
     table = PageTable(pool)
     table.append(table.add_request(), 4)
     with pytest.raises(ValueError, match="group_size"):
-        decode_attention(q, pool.body, table.tensors(device), 4)
+        decode_attention(q, pool.body, table.tensors(device), 4, cfg=DecodeConfig(backend="triton"))
 
 
 def test_dequant_dense_matches_reference(device):
