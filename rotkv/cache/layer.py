@@ -159,16 +159,22 @@ class HybridLayer(CacheLayerMixin):
         self.pools.fit(self.state.tier_free.capacity, self.state.body_free.capacity)
         rot = self.rotation
         kr, vr = rot.keys(k_new).to(self.tier_dtype), rot.values(v_new).to(self.tier_dtype)
-        qr = rot.queries(query)
         if len(steps) == 1 and steps[0].decode:
-            out = self._step(steps[0], qr, kr, vr, scaling)  # [B, Hq, 1, D]
-        else:
-            out = torch.zeros(b, hq, q, d, dtype=torch.float32, device=query.device)
-            for step in steps:
-                o = self._step(step, qr, kr, vr, scaling)
-                rows, j, pos = step.device_query_out(self.device)
-                out[rows, :, pos] = o[rows, :, j].float()
-        return rot.outputs(out.float()).transpose(1, 2).to(query.dtype)
+            out = self._step(steps[0], query, kr, vr, scaling)  # [B, Hq, 1, D]
+            return rot.outputs(out.float()).transpose(1, 2).to(query.dtype)
+        # a prefill: queries are rotated and outputs turned back one step (chunk) at a time, and the
+        # call's output is written in the query dtype: no float32 buffer of the whole call
+        out = None
+        for step in steps:
+            o = rot.outputs(self._step(step, query, kr, vr, scaling).float())  # [B, Hq, C, D]
+            if len(steps) == 1 and o.shape[2] == q and bool((step.query_count == q).all()):
+                return o.transpose(1, 2).to(query.dtype)  # the step is the whole call: no copy
+            if out is None:
+                out = query.new_zeros(b, q, hq, d)
+            rows, j, pos = step.device_query_out(self.device)
+            out[rows, pos] = o[rows, :, j].to(query.dtype)
+            del o
+        return out
 
     def _attend_static(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """A decode step on fixed buffers (planned and loaded by ``rotkv.cache.graph``): no host
@@ -198,13 +204,14 @@ class HybridLayer(CacheLayerMixin):
             raise ValueError("rotkv supports left padding only: the attention mask has a hole or right padding")
         return counts.numpy().astype(np.int64)
 
-    def _step(self, step: Step, qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _step(self, step: Step, query: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Write the step's tokens, attend its queries (``query``: the call's, not rotated), flush."""
         rows, pos, slots = step.device_write(self.device)
         self.pools.write_tier(slots, kr[rows, :, pos], vr[rows, :, pos])
-        if step.decode and self._kernel_ok(qr):
-            o = self._attend_kernel(step, qr[:, :, 0], scaling)[:, :, None]
+        if step.decode and self._kernel_ok(query):
+            o = self._attend_kernel(step, self.rotation.queries(query[:, :, -1]), scaling)[:, :, None]
         else:
-            o = self._attend_dense(step, qr, scaling)
+            o = self._attend_dense(step, query, scaling)
         if len(step.flush):
             self.pools.flush(*step.device_flush(self.device))
         return o
@@ -222,31 +229,29 @@ class HybridLayer(CacheLayerMixin):
                                 (self.pools.tier_k, self.pools.tier_v), t.tier, t.tier_max, sm_scale=scaling,
                                 cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad).float()
 
-    def _attend_dense(self, step: Step, qr: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Dense attention of the step's queries: body dequantized once, tier gathered, one SDPA."""
+    def _attend_dense(self, step: Step, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Dense attention of the step's queries ``[B, Hq, C, D]`` (float32 on the CPU, bf16 on the
+        GPU): per group of rows (:func:`row_groups`: the dequantized history of one group stays within
+        ``ROTKV_PREFILL_HISTORY_MB``), the body dequantized once and the tier gathered into one K and
+        one V buffer, then one SDPA (flash, lower-right causal, when the rows hold the same tokens)."""
         dev = self.device
         # bf16 SDPA on the GPU (the tier's own precision), float32 elsewhere (the CPU reference)
-        cdt = torch.bfloat16 if (qr.is_cuda and self.tier_dtype != torch.float32) else torch.float32
-        pg, off = step.cached(("tier_index", dev), lambda: self._tier_index(step.tier_pages, step.tier_tokens))
-        tk, tv = self.pools.tier_dense(pg, off, cdt)  # [B, H, Lt, D]
-        nb = int(step.body_count.max(initial=0))
-        if self.spec.quantized and nb:
-            pages = step.cached(("body_pages", dev), lambda: torch.from_numpy(
-                np.ascontiguousarray(step.body_pages[:, :nb])).to(dev))
-            t = step.device_tables(dev, self.state) if self.pools.can_dequant_kernel else None
-            run = step.cached("run", lambda: _consecutive_run(step.body_pages, nb))
-            bk, bv = self.pools.body_dense(pages, cdt, table=t.body if t is not None else None, run=run)
-        else:
-            nb = 0
-            bk = bv = None
-        b, hq, _, d = qr.shape
+        cdt = torch.bfloat16 if (query.is_cuda and self.tier_dtype != torch.float32) else torch.float32
+        b, hq, _, d = query.shape
+        nb = int(step.body_count.max(initial=0)) if self.spec.quantized else 0
+        lt = max(int(step.tier_tokens.max(initial=0)), 1)
         # a decode step whose rows all hold the same tokens needs no mask (the common, unpadded case):
         # scores of the body and the tier apart, one softmax, no concatenated copy of K and V
         uniform = step.cached("uniform", lambda: step.decode and bool(
             (step.tier_tokens == step.tier_tokens[0]).all() and (step.body_count == step.body_count[0]).all()))
         if uniform:
+            pg, off = step.cached(("tier_index", dev), lambda: self._tier_index(step.tier_pages, step.tier_tokens))
+            tk, tv = self.pools.tier_dense(pg, off, cdt)  # [B, H, Lt, D]
+            bk = bv = None
+            if nb:
+                bk, bv = self._body(step, 0, b, nb, cdt)
             h = tk.shape[1]
-            qh = qr[:, :, -1:].to(cdt).reshape(b, h, hq // h, d) * scaling
+            qh = self.rotation.queries(query[:, :, -1:]).to(cdt).reshape(b, h, hq // h, d) * scaling
             parts = [(bk, bv)] if bk is not None else []
             parts.append((tk, tv))
             s = torch.cat([qh @ k.transpose(-1, -2) for k, _ in parts], -1).softmax(-1)
@@ -255,13 +260,54 @@ class HybridLayer(CacheLayerMixin):
                 o = o + s[..., i:i + k.shape[2]] @ v
                 i += k.shape[2]
             return o.reshape(b, hq, 1, d)
-        k, v = (torch.cat([bk, tk], 2), torch.cat([bv, tv], 2)) if bk is not None else (tk, tv)
-        mask = step.cached(("mask", dev, nb), lambda: _mask(step, self.spec.page_size, nb, tk.shape[2], dev))
-        if mask is None:  # rows alike, queries = the last keys: lower-right causal, no mask tensor
-            mask = causal_lower_right(step.query_pos.shape[1], k.shape[2])
+        c = step.query_pos.shape[1]
+        out = torch.empty(b, hq, c, d, dtype=cdt, device=dev)
         qpos = step.device_query(dev)
-        qc = qr.gather(2, qpos[:, None, :, None].expand(-1, hq, -1, d)).to(cdt)
-        return F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=scaling, enable_gqa=hq != k.shape[1])
+        mask = step.cached(("mask", dev, nb), lambda: _mask(step, self.spec.page_size, nb, lt, dev))
+        per_row = 2 * self.kv_heads * (nb * self.spec.page_size + lt) * d * torch.empty(0, dtype=cdt).element_size()
+        for r0, r1 in row_groups(b, per_row):
+            k, v = self._history(step, r0, r1, nb, lt, cdt)
+            qc = self.rotation.queries(query[r0:r1].gather(2, qpos[r0:r1, None, :, None].expand(-1, hq, -1, d))).to(cdt)
+            m = mask[r0:r1] if mask is not None else None
+            out[r0:r1] = _sdpa(qc, k, v, m, scaling)
+            del k, v, qc
+        return out
+
+    def _body(self, step: Step, r0: int, r1: int, nb: int, cdt, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The body pages of rows ``r0:r1`` dequantized ``[r, H, nb * P, D]`` (into the first ``nb * P``
+        positions of ``out``'s buffers if given)."""
+        dev = self.device
+        sub = step.body_pages[r0:r1, :nb]
+        pages = step.cached(("body_pages", dev, r0, r1), lambda: torch.from_numpy(np.ascontiguousarray(sub)).to(dev))
+        table = None
+        if self.pools.can_dequant_kernel:
+            from rotkv.cache.plan import page_table
+
+            bc = step.body_count[r0:r1]
+            table = step.cached(("body_table", dev, r0, r1), lambda: page_table(
+                step.body_pages[r0:r1], bc, np.where(bc > 0, self.spec.page_size, 0), dev))
+        run = step.cached(("run", r0, r1), lambda: _consecutive_run(sub, nb))
+        return self.pools.body_dense(pages, cdt, table=table, run=run, out=out)
+
+    def _history(self, step: Step, r0: int, r1: int, nb: int, lt: int, cdt) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[r, H, nb * P + lt, D]`` of rows ``r0:r1``: the dequantized body, then
+        the tier (sink and window, the step's own tokens included), in one buffer each."""
+        dev, p = self.device, self.spec.page_size
+        h, d = self.kv_heads, self.head_dim
+        pg, off = step.cached(("tier_index", dev), lambda: self._tier_index(step.tier_pages, step.tier_tokens))
+        k = torch.empty(r1 - r0, h, nb * p + lt, d, dtype=cdt, device=dev)
+        v = torch.empty_like(k)
+        if nb:
+            if not (step.body_count[r0:r1] == nb).all():
+                # the dequantizer leaves a short row's tail untouched: zeros, so that masked keys
+                # never carry NaN from uninitialized memory into the weighted sum (0 * NaN)
+                k[:, :, : nb * p].zero_()
+                v[:, :, : nb * p].zero_()
+            self._body(step, r0, r1, nb, cdt, out=(k, v))  # writes positions [0, nb * P)
+        tk, tv = self.pools.tier_dense(pg[r0:r1], off[r0:r1], cdt)
+        k[:, :, nb * p:] = tk
+        v[:, :, nb * p:] = tv
+        return k, v
 
     # ---- accounting ------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -280,6 +326,38 @@ class HybridLayer(CacheLayerMixin):
             "elements": 2 * tokens * self.kv_heads * self.head_dim,
             "body_elements": 2 * body_tokens * self.kv_heads * self.head_dim,
         }
+
+
+PREFILL_HISTORY_MB = 2048  # default bound of one row group's dequantized history (K and V), MiB
+
+
+def row_groups(rows: int, bytes_per_row: int, budget_mb: int | None = None) -> list[tuple[int, int]]:
+    """``[(r0, r1), ...]``: rows in groups whose K and V history (``bytes_per_row`` each row) fit in
+    ``budget_mb`` MiB (``ROTKV_PREFILL_HISTORY_MB``, default :data:`PREFILL_HISTORY_MB`); at least one
+    row per group."""
+    import os
+
+    if budget_mb is None:
+        budget_mb = int(os.environ.get("ROTKV_PREFILL_HISTORY_MB", PREFILL_HISTORY_MB))
+    if budget_mb < 1:
+        raise ValueError(f"ROTKV_PREFILL_HISTORY_MB has to be >= 1 but got {budget_mb}")
+    per = max(1, (budget_mb << 20) // max(bytes_per_row, 1))
+    return [(r0, min(r0 + per, rows)) for r0 in range(0, rows, per)]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """SDPA of ``q [B, Hq, C, D]`` over ``k, v [B, H, L, D]`` (GQA when H < Hq). ``mask`` None: causal
+    aligned to the bottom right (the queries are the last C keys): on CUDA in bf16/fp16, the flash
+    kernel directly (its ``is_causal`` is lower-right, and it reads grouped heads natively; the
+    ``causal_lower_right`` bias of PyTorch only reaches it without GQA), else the bias."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+            and torch.backends.cuda.flash_sdp_enabled()):
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal=True, scale=scale)[0]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale,
+                                          enable_gqa=gqa)
 
 
 def _consecutive_run(pages: np.ndarray, n: int) -> int | None:

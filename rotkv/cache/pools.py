@@ -99,32 +99,42 @@ class LayerPools:
         return k["codes"], k["scale"], k["lo"], v["codes"], v["scale"], v["lo"]
 
     def body_dense(self, pages: torch.Tensor, dtype, table: tuple | None = None,
-                   use_mirror: bool = True, run: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   use_mirror: bool = True, run: int | None = None,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized ``[B, H, N * P, D]`` keys and values of the body pages ``pages [B, N]``
         (trailing entries of short rows are read but masked by the caller): from the mirror, by
-        the Triton dequantizer over ``table``, or by the codec's decoder. ``run``: the first page
-        when ``pages`` is one row of consecutive ids (read from the mirror as a view)."""
+        the Triton dequantizer over ``table`` (which leaves a short row's trailing entries
+        untouched), or by the codec's decoder. ``run``: the first page when ``pages`` is one row of
+        consecutive ids (read from the mirror as a view). ``out``: ``(k, v)`` contiguous ``[B, H, >= N * P,
+        D]`` buffers of ``dtype`` whose first ``N * P`` positions are written; returned as they are."""
         b, n = pages.shape
         h, p, d = self.kv_heads, self.page, self.head_dim
         if n == 0 or self.codecs[0] is None:
             empty = torch.zeros(b, h, 0, d, dtype=dtype, device=self.device)
-            return empty, empty
-        if self.mirror is not None and use_mirror:
-            if run is not None:  # one row whose pages are consecutive: a view, no copy
-                return tuple(m[:, run:run + n].reshape(1, h, n * p, d).to(dtype) for m in self.mirror)
-            return tuple(m[:, pages].transpose(0, 1).reshape(b, h, n * p, d).to(dtype) for m in self.mirror)
-        if table is not None:
+            return out if out is not None else (empty, empty)
+        if table is not None and not (self.mirror is not None and use_mirror):
             from rotkv.kernels.dequant import dequant_dense
 
-            out = []
-            for parts in self.body:
-                o = torch.empty(b, h, n * p, d, dtype=dtype, device=self.device)
-                out.append(dequant_dense(parts["codes"], parts["scale"], parts["lo"], *table, n * p, o))
-            return tuple(out)
-        flat = pages.reshape(-1)
-        return tuple(codec.decode({k: t[flat] for k, t in parts.items()}).reshape(b, n, h, p, d)
-                     .permute(0, 2, 1, 3, 4).reshape(b, h, n * p, d).to(dtype)
-                     for parts, codec in zip(self.body, self.codecs))
+            if out is None:
+                out = tuple(torch.empty(b, h, n * p, d, dtype=dtype, device=self.device) for _ in range(2))
+            for parts, o in zip(self.body, out):
+                dequant_dense(parts["codes"], parts["scale"], parts["lo"], *table, n * p, o)
+            return out
+        if self.mirror is not None and use_mirror:
+            if run is not None:  # one row whose pages are consecutive: a view, no copy
+                res = tuple(m[:, run:run + n].reshape(1, h, n * p, d).to(dtype) for m in self.mirror)
+            else:
+                res = tuple(m[:, pages].transpose(0, 1).reshape(b, h, n * p, d).to(dtype) for m in self.mirror)
+        else:
+            flat = pages.reshape(-1)
+            res = tuple(codec.decode({k: t[flat] for k, t in parts.items()}).reshape(b, n, h, p, d)
+                        .permute(0, 2, 1, 3, 4).reshape(b, h, n * p, d).to(dtype)
+                        for parts, codec in zip(self.body, self.codecs))
+        if out is None:
+            return res
+        for o, r in zip(out, res):
+            o[:, :, : n * p].copy_(r)
+        return out
 
     def flush(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Quantize tier pages ``src`` into body pages ``dst`` (keys and values): on CUDA one call

@@ -13,6 +13,10 @@ RANDOM_SHAPES = {
     "qwen3-8b": dict(num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, intermediate_size=12288, vocab_size=151936, rope_theta=1e6,
                      max_position_embeddings=131072),
+    # SmolLM2-135M (the default model): speed and memory without its weights
+    "smollm2": dict(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                    intermediate_size=1536, vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
+                    tie_word_embeddings=True),
 }
 
 
