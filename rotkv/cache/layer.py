@@ -205,16 +205,48 @@ class HybridLayer(CacheLayerMixin):
         return counts.numpy().astype(np.int64)
 
     def _step(self, step: Step, query: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Write the step's tokens, attend its queries (``query``: the call's, not rotated), flush."""
+        """Run one step: ``query`` the call's (not rotated), ``kr, vr`` the call's rotated keys and
+        values in the tier dtype. A prefill step attends over the stored tokens and its own (from
+        ``kr, vr``), then stores (:meth:`store`); a decode step writes its token to the tier,
+        attends, then flushes."""
+        if step.direct:
+            o = self._attend_dense(step, query, scaling, own=(kr, vr))
+            self.store(step, lambda r, p: (kr[r, :, p], vr[r, :, p]))
+            return o
         rows, pos, slots = step.device_write(self.device)
         self.pools.write_tier(slots, kr[rows, :, pos], vr[rows, :, pos])
         if step.decode and self._kernel_ok(query):
-            o = self._attend_kernel(step, self.rotation.queries(query[:, :, -1]), scaling)[:, :, None]
+            o = self._attend_kernel(step, self.rotation.queries(query[:, :, -1:])[:, :, 0], scaling)[:, :, None]
         else:
             o = self._attend_dense(step, query, scaling)
         if len(step.flush):
             self.pools.flush(*step.device_flush(self.device))
         return o
+
+    def store(self, step: Step, take) -> None:
+        """Store a prefill step's tokens: the pages that leave the window are assembled from the
+        stored tier and the new tokens and quantized into the body, then the new tokens that stay
+        are written to the tier. ``take(rows, pos)``: the rotated keys and values ``[N, H, D]`` (tier
+        dtype) of new tokens by batch row and call position."""
+        dev, p = self.device, self.spec.page_size
+        if len(step.flush):
+            old_slots, old_at, new_rows, new_pos, new_at, dst = step.device_flush_tokens(dev)
+            shape = (len(step.flush) * p, self.kv_heads, self.head_dim)
+            xk = torch.empty(shape, dtype=self.tier_dtype, device=dev)
+            xv = torch.empty_like(xk)
+            if len(old_slots):
+                pg, off = old_slots // p, old_slots % p
+                xk[old_at] = self.pools.tier_k[pg, :, off]
+                xv[old_at] = self.pools.tier_v[pg, :, off]
+            if len(new_rows):
+                k, v = take(new_rows, new_pos)
+                xk[new_at] = k
+                xv[new_at] = v
+            self.pools.flush_tokens(xk, xv, dst)
+            del xk, xv
+        rows, pos, slots = step.device_write(dev)
+        if len(slots):
+            self.pools.write_tier(slots, *take(rows, pos))
 
     def _kernel_ok(self, q: torch.Tensor) -> bool:
         return kernels.enabled(q) and (not self.spec.quantized or self.pools.kernel_tokens)
@@ -229,17 +261,18 @@ class HybridLayer(CacheLayerMixin):
                                 (self.pools.tier_k, self.pools.tier_v), t.tier, t.tier_max, sm_scale=scaling,
                                 cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad).float()
 
-    def _attend_dense(self, step: Step, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _attend_dense(self, step: Step, query: torch.Tensor, scaling: float, own=None) -> torch.Tensor:
         """Dense attention of the step's queries ``[B, Hq, C, D]`` (float32 on the CPU, bf16 on the
-        GPU): per group of rows (:func:`row_groups`: the dequantized history of one group stays within
-        ``ROTKV_PREFILL_HISTORY_MB``), the body dequantized once and the tier gathered into one K and
-        one V buffer, then one SDPA (flash, lower-right causal, when the rows hold the same tokens)."""
+        GPU). ``own``: the call's rotated ``(keys, values)``, whose step tokens a prefill step reads
+        (they are not in the tier yet). Per group of rows (:func:`row_groups`: the history of one
+        group stays within ``ROTKV_PREFILL_HISTORY_MB``) the body is dequantized once and the tier
+        and the own tokens gathered into one K and one V buffer, then one SDPA (flash, lower-right
+        causal, when the rows hold the same tokens)."""
         dev = self.device
         # bf16 SDPA on the GPU (the tier's own precision), float32 elsewhere (the CPU reference)
         cdt = torch.bfloat16 if (query.is_cuda and self.tier_dtype != torch.float32) else torch.float32
         b, hq, _, d = query.shape
         nb = int(step.body_count.max(initial=0)) if self.spec.quantized else 0
-        lt = max(int(step.tier_tokens.max(initial=0)), 1)
         # a decode step whose rows all hold the same tokens needs no mask (the common, unpadded case):
         # scores of the body and the tier apart, one softmax, no concatenated copy of K and V
         uniform = step.cached("uniform", lambda: step.decode and bool(
@@ -261,12 +294,15 @@ class HybridLayer(CacheLayerMixin):
                 i += k.shape[2]
             return o.reshape(b, hq, 1, d)
         c = step.query_pos.shape[1]
+        lt = int(step.tier_tokens.max(initial=0)) if own is not None else max(int(step.tier_tokens.max(initial=0)), 1)
+        nown = c if own is not None else 0
         out = torch.empty(b, hq, c, d, dtype=cdt, device=dev)
         qpos = step.device_query(dev)
-        mask = step.cached(("mask", dev, nb), lambda: _mask(step, self.spec.page_size, nb, lt, dev))
-        per_row = 2 * self.kv_heads * (nb * self.spec.page_size + lt) * d * torch.empty(0, dtype=cdt).element_size()
+        mask = step.cached(("mask", dev, nb), lambda: _mask(step, self.spec.page_size, nb, lt, dev, nown))
+        size = torch.empty(0, dtype=cdt).element_size()
+        per_row = 2 * self.kv_heads * (nb * self.spec.page_size + lt + nown) * d * size
         for r0, r1 in row_groups(b, per_row):
-            k, v = self._history(step, r0, r1, nb, lt, cdt)
+            k, v = self._history(step, r0, r1, nb, lt, cdt, own)
             qc = self.rotation.queries(query[r0:r1].gather(2, qpos[r0:r1, None, :, None].expand(-1, hq, -1, d))).to(cdt)
             m = mask[r0:r1] if mask is not None else None
             out[r0:r1] = _sdpa(qc, k, v, m, scaling)
@@ -289,13 +325,14 @@ class HybridLayer(CacheLayerMixin):
         run = step.cached(("run", r0, r1), lambda: _consecutive_run(sub, nb))
         return self.pools.body_dense(pages, cdt, table=table, run=run, out=out)
 
-    def _history(self, step: Step, r0: int, r1: int, nb: int, lt: int, cdt) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[r, H, nb * P + lt, D]`` of rows ``r0:r1``: the dequantized body, then
-        the tier (sink and window, the step's own tokens included), in one buffer each."""
+    def _history(self, step: Step, r0: int, r1: int, nb: int, lt: int, cdt, own=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[r, H, nb * P + lt (+ C), D]`` of rows ``r0:r1`` in one buffer each: the
+        dequantized body, the tier (sink and window), and with ``own`` the step's own tokens
+        (``C`` of them, from the call's rotated keys and values)."""
         dev, p = self.device, self.spec.page_size
         h, d = self.kv_heads, self.head_dim
-        pg, off = step.cached(("tier_index", dev), lambda: self._tier_index(step.tier_pages, step.tier_tokens))
-        k = torch.empty(r1 - r0, h, nb * p + lt, d, dtype=cdt, device=dev)
+        c = step.query_pos.shape[1] if own is not None else 0
+        k = torch.empty(r1 - r0, h, nb * p + lt + c, d, dtype=cdt, device=dev)
         v = torch.empty_like(k)
         if nb:
             if not (step.body_count[r0:r1] == nb).all():
@@ -304,9 +341,15 @@ class HybridLayer(CacheLayerMixin):
                 k[:, :, : nb * p].zero_()
                 v[:, :, : nb * p].zero_()
             self._body(step, r0, r1, nb, cdt, out=(k, v))  # writes positions [0, nb * P)
-        tk, tv = self.pools.tier_dense(pg[r0:r1], off[r0:r1], cdt)
-        k[:, :, nb * p:] = tk
-        v[:, :, nb * p:] = tv
+        if lt:
+            pg, off = step.cached(("tier_index", dev), lambda: self._tier_index(step.tier_pages, step.tier_tokens))
+            tk, tv = self.pools.tier_dense(pg[r0:r1], off[r0:r1], cdt)
+            k[:, :, nb * p: nb * p + lt] = tk
+            v[:, :, nb * p: nb * p + lt] = tv
+        if c:
+            qpos = step.device_query(dev)[r0:r1, None, :, None].expand(-1, h, -1, d)
+            k[:, :, nb * p + lt:] = own[0][r0:r1].gather(2, qpos)
+            v[:, :, nb * p + lt:] = own[1][r0:r1].gather(2, qpos)
         return k, v
 
     # ---- accounting ------------------------------------------------------------------------------
@@ -368,25 +411,32 @@ def _consecutive_run(pages: np.ndarray, n: int) -> int | None:
     return first if (pages[0, :n] == np.arange(first, first + n)).all() else None
 
 
-def _mask(step: Step, page: int, body_pages: int, tier_len: int, device) -> torch.Tensor | None:
-    """``[B, 1, C, body_pages * page + tier_len]`` bool: which keys each query of the step may read,
-    built on the device; None when every row holds the same tokens and every query is real (then
-    the step's queries are the last keys of every row: lower-right causal)."""
+def _mask(step: Step, page: int, body_pages: int, tier_len: int, device, own: int = 0) -> torch.Tensor | None:
+    """``[B, 1, C, body_pages * page + tier_len + own]`` bool: which keys each query of the step may
+    read, built on the device; None when every row holds the same tokens and every query is real
+    (then the step's queries are the last keys of every row: lower-right causal). ``own`` > 0 (a
+    prefill step): the tier part holds the stored tokens only and the last ``own`` (= C) keys are
+    the step's own tokens; else the tier part ends with them."""
     c = step.query_pos.shape[1]
     alike = all((a == a[0]).all() for a in (step.body_count, step.tier_tokens, step.tier_before))
-    if alike and (step.query_count == c).all() and step.tier_tokens[0] == step.tier_before[0] + c \
-            and step.body_count[0] == body_pages and step.tier_tokens[0] == tier_len:
+    if alike and (step.query_count == c).all() and step.body_count[0] == body_pages \
+            and step.tier_tokens[0] == tier_len and (own or step.tier_tokens[0] == step.tier_before[0] + c):
         return None
     small = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
     body_len = body_pages * page
-    keys = torch.arange(body_len + tier_len, device=device)
+    keys = torch.arange(body_len + tier_len + own, device=device)
     j = torch.arange(c, device=device)
     in_body = keys < body_len
+    in_tier = (keys >= body_len) & (keys < body_len + tier_len)
     t = keys - body_len  # tier index of a tier key
     body_ok = in_body[None, None, :] & (keys[None, None, :] < small(step.body_count)[:, None, None] * page)
-    tier_ok = (~in_body[None, None, :] & (t[None, None, :] < small(step.tier_tokens)[:, None, None])
+    tier_ok = (in_tier[None, None, :] & (t[None, None, :] < small(step.tier_tokens)[:, None, None])
                & (t[None, None, :] <= small(step.tier_before)[:, None, None] + j[None, :, None]))
     m = body_ok | tier_ok
+    if own:
+        o = keys - body_len - tier_len  # own index of an own key
+        m |= ((o >= 0)[None, None, :] & (o[None, None, :] <= j[None, :, None])
+              & (o[None, None, :] < small(step.query_count)[:, None, None]))
     # queries that are not real (ragged last chunks) read key 0 so that no row is empty (output unused)
     m[:, :, 0] |= j[None, :] >= small(step.query_count)[:, None]
     return m[:, None]

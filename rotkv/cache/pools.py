@@ -137,19 +137,23 @@ class LayerPools:
         return out
 
     def flush(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Quantize tier pages ``src`` into body pages ``dst`` (keys and values): on CUDA one call
-        of the fused write kernel each (INT2/INT4 token codec), else the codec's reference encoder."""
+        """Quantize tier pages ``src`` into body pages ``dst`` (keys and values)."""
         n, h, p, d = len(src), self.kv_heads, self.page, self.head_dim
-        for tier, parts, codec, i in zip((self.tier_k, self.tier_v), self.body, self.codecs, (0, 1)):
-            x = tier[src]  # [n, H, P, D]
+        self.flush_tokens(*(t[src].transpose(1, 2).reshape(n * p, h, d) for t in (self.tier_k, self.tier_v)), dst)
+
+    def flush_tokens(self, xk: torch.Tensor, xv: torch.Tensor, dst: torch.Tensor) -> None:
+        """Quantize the tokens ``xk, xv [n * P, H, D]`` (page ``i`` of ``dst``: tokens ``i*P .. i*P+P-1``)
+        into body pages ``dst``: on CUDA one call of the fused write kernel each (INT2/INT4 token
+        codec), else the codec's reference encoder."""
+        n, h, p, d = len(dst), self.kv_heads, self.page, self.head_dim
+        for x, parts, codec, i in zip((xk, xv), self.body, self.codecs, (0, 1)):
             if self.kernel_tokens and kernels.enabled(x):
                 from rotkv.kernels.write import quant_write
 
                 slots = (dst[:, None] * p + torch.arange(p, device=dst.device)[None]).reshape(-1)
-                quant_write(x.transpose(1, 2).reshape(n * p, h, d), slots, parts["codes"], parts["scale"], parts["lo"],
-                            clip=codec.clip)
+                quant_write(x, slots, parts["codes"], parts["scale"], parts["lo"], clip=codec.clip)
             else:
-                enc = codec.encode(x.float())
+                enc = codec.encode(x.reshape(n, p, h, d).transpose(1, 2).float())
                 for name, t in enc.items():
                     parts[name][dst] = t
                 if self.mirror is not None:
