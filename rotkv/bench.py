@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from rotkv.generation import BatchRun, generate_batch
+from rotkv.generation import DEFAULT_PREFILL_TOKENS, BatchRun, generate_batch
 
 
 @dataclass
@@ -91,10 +91,12 @@ def _clean(dev) -> None:
 
 
 def run_method(model, method: str, ids: torch.Tensor, new_tokens: int, artifact: str | None = None,
-               overrides: dict | None = None, prefill_chunk: int | None = None) -> tuple[BatchRun, dict]:
+               overrides: dict | None = None, prefill_chunk: int | None = None,
+               prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> tuple[BatchRun, dict]:
     """One measured run; returns the timings and the memory / size figures. ``prefill_chunk``:
     tokens per row per prefill call (rotkv's caches: also their attention chunk; default: the
-    preset's, 4096 for transformers' DynamicCache); hf-static-compile prefills through
+    preset's, 4096 for transformers' DynamicCache), at most ``prefill_tokens`` per call over the
+    batch (:func:`rotkv.generation.prefill_chunk_of`); hf-static-compile prefills through
     ``model.generate`` in one call (transformers' own path, unchanged)."""
     from transformers import DynamicCache
 
@@ -120,7 +122,8 @@ def run_method(model, method: str, ids: torch.Tensor, new_tokens: int, artifact:
                 extra["prefill_chunk"] = prefill_chunk
             cache = RotkvCache(model, preset, artifact, check_finite=False, **extra)
             graph = flag == "graph"
-        run = generate_batch(model, ids, cache, new_tokens, cuda_graph=graph, prefill_chunk=prefill_chunk)
+        run = generate_batch(model, ids, cache, new_tokens, cuda_graph=graph, prefill_chunk=prefill_chunk,
+                             prefill_tokens=prefill_tokens)
         if method == "hf-dynamic":
             kv, bpe = _hf_kv_bytes(cache), 16.0
         else:
@@ -162,7 +165,7 @@ def _static_compiled(model, ids: torch.Tensor, new_tokens: int):
 
 def bench(model, model_id: str, methods: list[str], batches: list[int], contexts: list[int], new_tokens: int = 32,
           artifact: str | None = None, overrides: dict | None = None, progress=None, on_row=None,
-          prefill_chunk: int | None = None) -> list[Row]:
+          prefill_chunk: int | None = None, prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> list[Row]:
     """Every (batch, context) with every method; each measured after one warm-up run.
     ``on_row(rows)`` is called after every cell (the CLI writes its JSON there, so a crash keeps
     what was measured)."""
@@ -177,9 +180,9 @@ def bench(model, model_id: str, methods: list[str], batches: list[int], contexts
         ids = prompts(vocab, b, c)
         try:
             if (m, b) not in warmed:
-                run_method(model, m, ids[:, : min(c, 1024)], 4, artifact, overrides, prefill_chunk)
+                run_method(model, m, ids[:, : min(c, 1024)], 4, artifact, overrides, prefill_chunk, prefill_tokens)
                 warmed.add((m, b))
-            run, mem = run_method(model, m, ids, new_tokens, artifact, overrides, prefill_chunk)
+            run, mem = run_method(model, m, ids, new_tokens, artifact, overrides, prefill_chunk, prefill_tokens)
         except Exception as e:  # noqa: BLE001 - one failing method must not lose the others' rows
             _clean(dev)
             why = "out of memory" if isinstance(e, torch.cuda.OutOfMemoryError) else f"failed: {type(e).__name__}: {e}"
@@ -287,7 +290,8 @@ class CapacityRow:
 
 def capacity(model, model_id: str, methods: list[str], context: int, new_tokens: int = 256, start: int = 1,
              limit: int | None = None, max_tries: int | None = None, artifact: str | None = None,
-             overrides: dict | None = None, prefill_chunk: int | None = None, on_row=None) -> list[CapacityRow]:
+             overrides: dict | None = None, prefill_chunk: int | None = None, on_row=None,
+             prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> list[CapacityRow]:
     """:func:`max_batch` of every method at ``context``: each try is a full ``generate`` (real
     prefill of random prompts + ``new_tokens`` greedy tokens); memory is freed between tries."""
     dev = model.device
@@ -296,7 +300,7 @@ def capacity(model, model_id: str, methods: list[str], context: int, new_tokens:
         def attempt(b, m=m):
             try:
                 return run_method(model, m, prompts(model.config.vocab_size, b, context), new_tokens, artifact, overrides,
-                                  prefill_chunk)
+                                  prefill_chunk, prefill_tokens)
             finally:
                 _clean(dev)
 

@@ -44,17 +44,24 @@ def encode_prompt(tokenizer, text: str, chat: bool = True) -> torch.Tensor:
 
 
 DEFAULT_PREFILL_CHUNK = 4096  # tokens per row per model call for caches without a spec (transformers' own)
+DEFAULT_PREFILL_TOKENS = 65536  # tokens per model call over the whole batch (the activations' bound)
 
 
-def prefill_chunk_of(cache, chunk: int | None = None) -> int:
-    """The model-level prefill chunk: ``chunk`` if given, else the cache's own attention chunk
-    (``CacheSpec.prefill_chunk``, so every model call is one attention step of the cache and the
-    stored history is dequantized once per layer per call), else :data:`DEFAULT_PREFILL_CHUNK`."""
+def prefill_chunk_of(cache, chunk: int | None = None, rows: int = 1, max_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> int:
+    """The model-level prefill chunk (tokens per row per call): ``chunk`` if given, else the cache's
+    own attention chunk (``CacheSpec.prefill_chunk``, so every model call is one attention step of
+    the cache and the stored history is dequantized once per layer per call), else
+    :data:`DEFAULT_PREFILL_CHUNK`; then at most ``max_tokens // rows`` (not below 16), so that one
+    call of a large batch holds at most about ``max_tokens`` tokens of activations (None: no bound)."""
     if chunk is None:
         spec = getattr(cache, "spec", None)
         chunk = getattr(spec, "prefill_chunk", None) or DEFAULT_PREFILL_CHUNK
     if int(chunk) < 1:
         raise ValueError(f"the prefill chunk has to be >= 1 but got {chunk}")
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise ValueError(f"the prefill token budget has to be >= 1 but got {max_tokens}")
+        chunk = min(int(chunk), max(16, max_tokens // max(rows, 1)))
     return int(chunk)
 
 
@@ -66,9 +73,10 @@ def _keeps_logits(model) -> bool:
 
 @torch.no_grad()
 def prefill(model, ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
-            chunk: int | None = None) -> torch.Tensor:
+            chunk: int | None = None, max_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> torch.Tensor:
     """Run ``ids [B, n]`` through the model into ``cache`` in calls of ``chunk`` tokens per row
-    (default: :func:`prefill_chunk_of`) and return the logits of the last position ``[B, vocab]``.
+    (:func:`prefill_chunk_of`: the cache's chunk by default, at most ``max_tokens // B``) and
+    return the logits of the last position ``[B, vocab]``.
 
     Each call asks for the last position's logits only (``logits_to_keep=1``), so the activations
     are those of one chunk (``B * chunk`` tokens), never of the whole prompt. ``attention_mask``
@@ -81,7 +89,7 @@ def prefill(model, ids: torch.Tensor, cache, attention_mask: torch.Tensor | None
     b, n = ids.shape
     if n < 1:
         raise ValueError("prefill needs at least one token")
-    chunk = prefill_chunk_of(cache, chunk)
+    chunk = prefill_chunk_of(cache, chunk, b, max_tokens)
     past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
     kw = {cache_kwarg(model): cache}
     if _keeps_logits(model):
@@ -139,6 +147,24 @@ def generate(model, tokenizer, ids: torch.Tensor, cache: RotkvCache, max_new_tok
     return Generated(text, new, ids.shape[1], prefill_s, rate)
 
 
+def reserve(cache, rows: int, tokens: int) -> None:
+    """Grow a fresh rotkv cache's free lists to what ``rows`` rows of ``tokens`` tokens need (body
+    pages, and tier pages for sink + window + a page, or every token for an unquantized preset), so
+    the pools are allocated once at their size instead of growing by 25% steps (each a copy, and
+    up to a quarter of the pool unused). Does nothing for other caches or a cache in use."""
+    st = getattr(cache, "state", None)
+    if st is None or not hasattr(st, "tier_free") or st.rows or st.seen:
+        return
+    p = st.page
+    if st.quantized:
+        tier = st.sink_pages + -(-(st.window + p) // p) + 1
+        body = -(-tokens // p)
+    else:
+        tier, body = -(-(st.pad + tokens) // p) + 1, 0
+    st.tier_free.grow(rows * tier)
+    st.body_free.grow(max(1, rows * body))
+
+
 @dataclass
 class BatchRun:
     """Greedy tokens ``[B, new]`` and the timings of a batched run (seconds; steps synchronized)."""
@@ -162,10 +188,12 @@ def _sync(device) -> float:
 
 @torch.no_grad()
 def generate_batch(model, ids: torch.Tensor, cache, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
-                   cuda_graph: bool = False, prefill_chunk: int | None = None) -> BatchRun:
+                   cuda_graph: bool = False, prefill_chunk: int | None = None,
+                   prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> BatchRun:
     """Prefill ``ids [B, L]`` (left padded where ``attention_mask`` says so) into ``cache`` in
-    chunks of ``prefill_chunk`` tokens per row (:func:`prefill`), then decode greedily one token
-    per row per step.
+    chunks of ``prefill_chunk`` tokens per row, at most ``prefill_tokens`` per call (:func:`prefill`),
+    then decode greedily one token per row per step. A fresh rotkv cache first reserves its pages
+    for ``L + max_new_tokens`` tokens per row (:func:`reserve`), so its pools are sized once.
 
     ``cache`` is any transformers cache (rotkv's or transformers' own). With ``cuda_graph=True``
     (a RotkvCache on CUDA) the decode step is captured once and replayed (``rotkv.cache.graph``).
@@ -174,8 +202,9 @@ def generate_batch(model, ids: torch.Tensor, cache, max_new_tokens: int, attenti
     ids = ids.to(dev)
     kw = cache_kwarg(model)
     mask = attention_mask.to(dev) if attention_mask is not None else None
+    reserve(cache, ids.shape[0], ids.shape[1] + max_new_tokens)
     t0 = _sync(dev)
-    tok = prefill(model, ids, cache, mask, prefill_chunk).argmax(-1)
+    tok = prefill(model, ids, cache, mask, prefill_chunk, prefill_tokens).argmax(-1)
     prefill_s = _sync(dev) - t0
     lengths = (mask.long().sum(-1) if mask is not None else torch.full((ids.shape[0],), ids.shape[1], device=dev))
     graph = None

@@ -234,3 +234,16 @@ def test_cuda_prefill_matches_the_cpu_reference(padded, rep):
         pages = torch.as_tensor(st.body_pages[row, :st.body_count[row]])
         diff = (rk["codes"][pages] != gk["codes"][pages.cuda()].cpu()).float().mean().item()
         assert diff < 2e-2, diff  # bf16 vs float32 inputs: codes at rounding ties differ
+
+
+def test_token_budget_and_page_reservation(tiny_llama):
+    assert prefill_chunk_of(None, 4096, rows=64, max_tokens=65536) == 1024
+    assert prefill_chunk_of(None, 4096, rows=4, max_tokens=65536) == 4096
+    assert prefill_chunk_of(None, 4096, rows=10_000, max_tokens=65536) == 16
+    assert prefill_chunk_of(None, 4096, rows=64, max_tokens=None) == 4096
+    cache = RotkvCache(tiny_llama, "quarot-int2", **SMALL)
+    generate_batch(tiny_llama, _ids(2, 70), cache, 5, prefill_tokens=64)  # chunk 32 per row
+    st = cache.state
+    # reserved once: body ceil(75 / 4) pages a row, tier sink page + (window + page) / page + 1
+    assert st.body_free.capacity == 2 * 19 and st.tier_free.capacity == 2 * (1 + 3 + 1)
+    assert st.body_free.used <= st.body_free.capacity and cache.get_seq_length() == 74

@@ -36,6 +36,9 @@ def register(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prefill tokens per row per model call (rotkv: also the cache's attention chunk; default: "
                         "the preset's prefill_chunk, 4096 for transformers' DynamicCache)")
+    p.add_argument("--prefill-tokens", type=int, default=65536,
+                   help="at most this many prefill tokens per model call over the batch (the per-row chunk shrinks "
+                        "for large batches, bounding the activations; default 65536)")
     p.add_argument("--max-batch", action="store_true",
                    help="capacity: the largest batch whose generate (real prefill + --new-tokens) fits, per method "
                         "and --context, by doubling then bisection; writes capacity-<UTC time>.json")
@@ -70,7 +73,7 @@ def run(args) -> int:
         raise ValueError(f"--new-tokens has to be >= 2 but got {args.new_tokens}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk has to be >= 1 but got {args.prefill_chunk}")
-    for name in ("start", "limit", "max_tries"):
+    for name in ("start", "limit", "max_tries", "prefill_tokens"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')} has to be >= 1 but got {v}")
@@ -89,7 +92,7 @@ def run(args) -> int:
 
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
             "methods": methods, "overrides": cache_overrides(args), "prompts": "random token ids",
-            "prefill_chunk": args.prefill_chunk}
+            "prefill_chunk": args.prefill_chunk, "prefill_tokens": args.prefill_tokens}
     kind = "capacity" if args.max_batch else "generate"
     out = args.out or os.path.join("benchmarks", "results", time.strftime(f"{kind}-%Y%m%d-%H%M.json", time.gmtime()))
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
@@ -99,13 +102,15 @@ def run(args) -> int:
             done = list(rows)
             rows += bench.capacity(model, model_id, methods, c, args.new_tokens, args.start, args.limit, args.max_tries,
                                    args.artifact, cache_overrides(args), args.prefill_chunk,
-                                   on_row=lambda r, done=done: bench.write(done + r, out, meta))
+                                   on_row=lambda r, done=done: bench.write(done + r, out, meta),
+                                   prefill_tokens=args.prefill_tokens)
             bench.write(rows, out, meta)
         print(bench.capacity_table(rows))
         print(f"wrote {out}")
         return 0
     rows = bench.bench(model, model_id, methods, args.batch, args.context, args.new_tokens, args.artifact,
-                       cache_overrides(args), on_row=lambda r: bench.write(r, out, meta), prefill_chunk=args.prefill_chunk)
+                       cache_overrides(args), on_row=lambda r: bench.write(r, out, meta), prefill_chunk=args.prefill_chunk,
+                       prefill_tokens=args.prefill_tokens)
     bench.write(rows, out, meta)
     print(bench.table(rows))
     print(f"wrote {out}")
