@@ -163,6 +163,13 @@ def summary(peak, sweep, cap, job) -> str:
                              f"prefill / best bf16 prefill = {q.prefill_s / best:.3f}")
     if cap:
         lines += ["", bench.capacity_table(cap)]
+        bf = [r for r in cap if "int2" not in r.method]
+        q = [r for r in cap if "int2" in r.method]
+        if bf and q:
+            best = max(bf, key=lambda r: r.max_batch)
+            lines.append(f"capacity: INT2 {q[0].max_batch} ({'exact' if q[0].exact else 'at least'}) vs best bf16 "
+                         f"{best.method} {best.max_batch} ({'exact' if best.exact else f'below {best.failed_at}' if best.failed_at else 'at least'}): "
+                         f"{q[0].max_batch / max(best.max_batch, 1):.2f}x")
     if job:
         lines += ["", "| job method | concurrent | waves | prefill s | decode s | job s | job x bf16 | steady x bf16 | fill |",
                   "|---|---|---|---|---|---|---|---|---|"]
@@ -182,7 +189,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=8, help="new tokens of the peak and sweep runs")
     ap.add_argument("--capacity-new-tokens", type=int, default=64)
     ap.add_argument("--bf16-start", type=int, default=16)
-    ap.add_argument("--bf16-tries", type=int, default=3)
+    ap.add_argument("--bf16-tries", type=int, default=6)
     ap.add_argument("--static-start", type=int, default=8)
     ap.add_argument("--static-tries", type=int, default=2)
     ap.add_argument("--int2-tries", type=int, default=1)
@@ -217,6 +224,9 @@ def main(argv=None) -> int:
         print(f"section {name}: {time.perf_counter() - t0:.0f} s", flush=True)
         free()
     text = summary(peak, sweep, cap, job)
+    import rotkv.cache.layer as layer_mod
+
+    text += f"\n\nflash lower-right path: {'ok' if layer_mod._FLASH_FAILED is False else layer_mod._FLASH_FAILED}"
     with open(os.path.join(a.out, "summary.md"), "w") as f:
         f.write(text + "\n")
     print(text)

@@ -14,9 +14,11 @@ earlier chunks and to their own tokens at tier precision. Keys are stored ``(k -
 values ``v R_V``.
 
 Each forward call is planned once for all layers (:meth:`PageState.plan`); a layer then runs,
-per step: one batched write of the new tokens into the tier pool, one attention over every row
-(on CUDA, a decode step is one call of the split-K kernel over the page tables), and one batched
-flush of the pages that leave the window (the fused write kernel on CUDA).
+per step: a decode step writes its token into the tier pool, attends (on CUDA one call of the
+split-K kernel over the page tables) and flushes the page that leaves the window (the fused write
+kernel on CUDA); a prefill step attends over the stored tokens and its own (taken from the call),
+then quantizes the pages that leave the window straight from the stored tier and the call, and
+writes only the tokens that stay into the tier (:meth:`HybridLayer.store`).
 """
 
 from __future__ import annotations
@@ -388,6 +390,9 @@ def row_groups(rows: int, bytes_per_row: int, budget_mb: int | None = None) -> l
     return [(r0, min(r0 + per, rows)) for r0 in range(0, rows, per)]
 
 
+_FLASH_FAILED: str | bool = False  # why the direct flash call failed once (then the bias path is used)
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """SDPA of ``q [B, Hq, C, D]`` over ``k, v [B, H, L, D]`` (GQA when H < Hq). ``mask`` None: causal
     aligned to the bottom right (the queries are the last C keys): on CUDA in bf16/fp16, the flash
@@ -396,9 +401,19 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     gqa = q.shape[1] != k.shape[1]
     if mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    global _FLASH_FAILED
     if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
-            and torch.backends.cuda.flash_sdp_enabled()):
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal=True, scale=scale)[0]
+            and torch.backends.cuda.flash_sdp_enabled() and not _FLASH_FAILED):
+        try:
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal=True, scale=scale)[0]
+        except RuntimeError as e:  # this build's flash kernel refuses the shapes: the bias, said once
+            if "out of memory" in str(e):
+                raise
+            _FLASH_FAILED = f"{type(e).__name__}: {e}"[:200]
+            import warnings
+
+            warnings.warn(f"rotkv prefill: flash attention refused ({_FLASH_FAILED}); using SDPA with a "
+                          "lower-right causal bias from now on", RuntimeWarning, stacklevel=2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale,
                                           enable_gqa=gqa)
 
