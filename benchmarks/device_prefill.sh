@@ -18,7 +18,7 @@ PART=${PART:-1}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 if [ "$PART" = 1 ]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_prefill.py tests/test_paged_cache.py \
-    tests/kernels/test_backend.py "tests/kernels/test_kernels.py::test_dequant_dense_into_a_longer_buffer" \
+    tests/kernels/test_backend.py tests/kernels/test_prefill_kernels.py "tests/kernels/test_kernels.py::test_dequant_dense_into_a_longer_buffer" \
     "tests/kernels/test_kernels.py::test_dequant_dense_matches_reference" tests/test_capacity.py \
     -k "not smollm2 and not cli_max_batch" > "$OUT/tests.log" 2>&1
   echo "tests rc=$?"; grep -E "passed|failed|FAILED|Error |assert" "$OUT/tests.log" | tail -12
