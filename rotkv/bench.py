@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from rotkv.generation import BatchRun, generate_batch
+from rotkv.generation import DEFAULT_PREFILL_TOKENS, BatchRun, generate_batch
 
 
 @dataclass
@@ -91,8 +91,13 @@ def _clean(dev) -> None:
 
 
 def run_method(model, method: str, ids: torch.Tensor, new_tokens: int, artifact: str | None = None,
-               overrides: dict | None = None) -> tuple[BatchRun, dict]:
-    """One measured run; returns the timings and the memory / size figures."""
+               overrides: dict | None = None, prefill_chunk: int | None = None,
+               prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> tuple[BatchRun, dict]:
+    """One measured run; returns the timings and the memory / size figures. ``prefill_chunk``:
+    tokens per row per prefill call (rotkv's caches: also their attention chunk; default: the
+    preset's, 4096 for transformers' DynamicCache), at most ``prefill_tokens`` per call over the
+    batch (:func:`rotkv.generation.prefill_chunk_of`); hf-static-compile prefills through
+    ``model.generate`` in one call (transformers' own path, unchanged)."""
     from transformers import DynamicCache
 
     from rotkv.cache import RotkvCache
@@ -112,9 +117,13 @@ def run_method(model, method: str, ids: torch.Tensor, new_tokens: int, artifact:
             graph = False
         else:
             preset, _, flag = method.removeprefix("rotkv:").partition("+")
-            cache = RotkvCache(model, preset, artifact, check_finite=False, **(overrides or {}))
+            extra = dict(overrides or {})
+            if prefill_chunk:
+                extra["prefill_chunk"] = prefill_chunk
+            cache = RotkvCache(model, preset, artifact, check_finite=False, **extra)
             graph = flag == "graph"
-        run = generate_batch(model, ids, cache, new_tokens, cuda_graph=graph)
+        run = generate_batch(model, ids, cache, new_tokens, cuda_graph=graph, prefill_chunk=prefill_chunk,
+                             prefill_tokens=prefill_tokens)
         if method == "hf-dynamic":
             kv, bpe = _hf_kv_bytes(cache), 16.0
         else:
@@ -155,7 +164,8 @@ def _static_compiled(model, ids: torch.Tensor, new_tokens: int):
 
 
 def bench(model, model_id: str, methods: list[str], batches: list[int], contexts: list[int], new_tokens: int = 32,
-          artifact: str | None = None, overrides: dict | None = None, progress=None, on_row=None) -> list[Row]:
+          artifact: str | None = None, overrides: dict | None = None, progress=None, on_row=None,
+          prefill_chunk: int | None = None, prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> list[Row]:
     """Every (batch, context) with every method; each measured after one warm-up run.
     ``on_row(rows)`` is called after every cell (the CLI writes its JSON there, so a crash keeps
     what was measured)."""
@@ -170,9 +180,9 @@ def bench(model, model_id: str, methods: list[str], batches: list[int], contexts
         ids = prompts(vocab, b, c)
         try:
             if (m, b) not in warmed:
-                run_method(model, m, ids[:, : min(c, 1024)], 4, artifact, overrides)
+                run_method(model, m, ids[:, : min(c, 1024)], 4, artifact, overrides, prefill_chunk, prefill_tokens)
                 warmed.add((m, b))
-            run, mem = run_method(model, m, ids, new_tokens, artifact, overrides)
+            run, mem = run_method(model, m, ids, new_tokens, artifact, overrides, prefill_chunk, prefill_tokens)
         except Exception as e:  # noqa: BLE001 - one failing method must not lose the others' rows
             _clean(dev)
             why = "out of memory" if isinstance(e, torch.cuda.OutOfMemoryError) else f"failed: {type(e).__name__}: {e}"
@@ -188,6 +198,139 @@ def bench(model, model_id: str, methods: list[str], batches: list[int], contexts
         if on_row:
             on_row(rows)
     return rows
+
+
+def is_oom(e: BaseException | None) -> bool:
+    """An out-of-memory error of the GPU: the allocator's, or one that a library (a CUDA call, the
+    compiler) raised with its message or as the cause of its own error."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower():
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+@dataclass
+class Capacity:
+    """The outcome of :func:`max_batch`: the largest batch that ran (0: none), the smallest that ran
+    out of memory (None: none did), every try ``(batch, ok)`` in order, and the successful run's result."""
+
+    max_batch: int
+    failed_at: int | None
+    tries: list
+    result: object = None
+
+    @property
+    def exact(self) -> bool:
+        """True when the search closed: ``failed_at == max_batch + 1``."""
+        return self.failed_at is not None and self.failed_at == self.max_batch + 1
+
+
+def max_batch(try_batch, start: int = 1, limit: int | None = None, max_tries: int | None = None,
+              on_try=None) -> Capacity:
+    """The largest batch for which ``try_batch(batch)`` returns without running out of memory: from
+    ``start``, doubling while it succeeds, then bisecting between the largest success and the
+    smallest failure. ``limit``: never try more than this (reaching it ends the search);
+    ``max_tries``: stop after this many tries (then ``exact`` may be False: the answer lies in
+    ``[max_batch, failed_at)``). Any other error propagates. ``on_try(batch, ok, result)`` is called
+    after every try (the caller frees memory there)."""
+    if start < 1:
+        raise ValueError(f"start has to be >= 1 but got {start}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit has to be >= 1 but got {limit}")
+    lo, hi, tries, best = 0, None, [], None
+    b = min(start, limit) if limit else start
+    while True:
+        try:
+            result, ok = try_batch(b), True
+        except Exception as e:  # noqa: BLE001 - only an out-of-memory error is an answer
+            if not is_oom(e):
+                raise
+            result, ok = None, False
+        tries.append((b, ok))
+        if on_try:
+            on_try(b, ok, result)
+        if ok:
+            lo, best = b, result
+        else:
+            hi = b
+        if hi is None and limit is not None and lo >= limit:
+            break
+        if hi is not None and hi - lo <= 1:
+            break
+        if max_tries is not None and len(tries) >= max_tries:
+            break
+        b = lo * 2 if hi is None else (lo + hi) // 2
+        if limit is not None:
+            b = min(b, limit)
+    return Capacity(lo, hi, tries, best)
+
+
+@dataclass
+class CapacityRow:
+    method: str
+    model: str
+    layers: int
+    context: int
+    new_tokens: int
+    max_batch: int
+    failed_at: int | None
+    exact: bool
+    tries: list
+    peak_gb: float
+    prefill_s: float
+    step_ms: float
+    prefill_chunk: int | None
+    gpu: str
+    commit: str
+    note: str = ""
+
+
+def capacity(model, model_id: str, methods: list[str], context: int, new_tokens: int = 256, start: int = 1,
+             limit: int | None = None, max_tries: int | None = None, artifact: str | None = None,
+             overrides: dict | None = None, prefill_chunk: int | None = None, on_row=None,
+             prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> list[CapacityRow]:
+    """:func:`max_batch` of every method at ``context``: each try is a full ``generate`` (real
+    prefill of random prompts + ``new_tokens`` greedy tokens); memory is freed between tries."""
+    dev = model.device
+    rows = []
+    for m in methods:
+        def attempt(b, m=m):
+            try:
+                return run_method(model, m, prompts(model.config.vocab_size, b, context), new_tokens, artifact, overrides,
+                                  prefill_chunk, prefill_tokens)
+            finally:
+                _clean(dev)
+
+        def log(b, ok, result, m=m):
+            _clean(dev)  # after the except clause: the failed try's frames (and tensors) are gone
+            print(f"capacity {m} @ {context}: batch {b} {'ok' if ok else 'out of memory'}", flush=True)
+
+        try:
+            cap = max_batch(attempt, start, limit, max_tries, on_try=log)
+            note = ""
+        except Exception as e:  # noqa: BLE001 - one failing method must not lose the others' rows
+            _clean(dev)
+            cap, note = Capacity(0, None, []), f"failed: {type(e).__name__}: {e}"[:300]
+        run, mem = cap.result if cap.result is not None else (None, {"peak_gb": float("nan")})
+        rows.append(CapacityRow(m, model_id, model.config.num_hidden_layers, context, new_tokens, cap.max_batch,
+                                cap.failed_at, cap.exact, cap.tries, round(mem["peak_gb"], 3),
+                                round(run.prefill_s, 4) if run else float("nan"), round(run.step_ms, 3) if run else float("nan"),
+                                prefill_chunk, device_name(dev), commit(), note))
+        if on_row:
+            on_row(rows)
+    return rows
+
+
+def capacity_table(rows: list[CapacityRow]) -> str:
+    out = ["| method | context | max batch | exact | peak GB | prefill s | step ms | tries |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tries = " ".join(f"{b}{'+' if ok else 'x'}" for b, ok in r.tries)
+        out.append(f"| {r.method} | {r.context} | {r.max_batch} | {r.exact} | {r.peak_gb} | {r.prefill_s} | {r.step_ms} | "
+                   f"{tries} |")
+    return "\n".join(out)
 
 
 def write(rows: list[Row], path: str, meta: dict) -> None:

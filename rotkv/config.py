@@ -30,7 +30,10 @@ class CacheSpec:
     sink, window: tokens kept unquantized at the start (per row, first real tokens) and at the end.
     page_size: tokens leave the window in blocks of this many (the GPU pool's page size).
     prefill_chunk: a prefill longer than this is processed in chunks, each attending to the
-        quantized cache of the earlier ones.
+        quantized cache of the earlier ones (its own tokens at tier precision); also the tokens
+        per row of each model call of rotkv's prefill (``rotkv.generation.prefill``), so that a
+        call is one attention step and the stored history is dequantized once per layer and call.
+        4096 by default (was 512; see docs/serving.md, "Prefill memory").
     rotation: one of ``ROTATIONS``: a data-free rotation of the registry (identity, hadamard, random)
         or artifact (calibrated: OSCAR, OptR, ...).
     rotate_values: rotate values as well as keys (by R_V on write, R_V^T on the output).
@@ -65,7 +68,7 @@ class CacheSpec:
     sink: int = 64
     window: int = 256
     page_size: int = 16
-    prefill_chunk: int = 512
+    prefill_chunk: int = 4096
     rotation: str = "identity"
     rotate_values: bool = True
     clip_k: float = 1.0

@@ -43,24 +43,97 @@ def encode_prompt(tokenizer, text: str, chat: bool = True) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt").input_ids
 
 
+DEFAULT_PREFILL_CHUNK = 4096  # tokens per row per model call for caches without a spec (transformers' own)
+DEFAULT_PREFILL_TOKENS = 65536  # tokens per model call over the whole batch (the activations' bound)
+
+
+def prefill_chunk_of(cache, chunk: int | None = None, rows: int = 1, max_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> int:
+    """The model-level prefill chunk (tokens per row per call): ``chunk`` if given, else the cache's
+    own attention chunk (``CacheSpec.prefill_chunk``, so every model call is one attention step of
+    the cache and the stored history is dequantized once per layer per call), else
+    :data:`DEFAULT_PREFILL_CHUNK`; then at most ``max_tokens // rows`` (not below 16), so that one
+    call of a large batch holds at most about ``max_tokens`` tokens of activations (None: no bound)."""
+    if chunk is None:
+        spec = getattr(cache, "spec", None)
+        chunk = getattr(spec, "prefill_chunk", None) or DEFAULT_PREFILL_CHUNK
+    if int(chunk) < 1:
+        raise ValueError(f"the prefill chunk has to be >= 1 but got {chunk}")
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise ValueError(f"the prefill token budget has to be >= 1 but got {max_tokens}")
+        chunk = min(int(chunk), max(16, max_tokens // max(rows, 1)))
+    return int(chunk)
+
+
+def _keeps_logits(model) -> bool:
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 @torch.no_grad()
-def prefill(model, ids: torch.Tensor, cache) -> None:
-    """Run ``ids [1, n]`` through the model into the cache (chunked inside the cache)."""
-    model(input_ids=ids.to(model.device), use_cache=True, **{cache_kwarg(model): cache})
+def prefill(model, ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
+            chunk: int | None = None, max_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> torch.Tensor:
+    """Run ``ids [B, n]`` through the model into ``cache`` in calls of ``chunk`` tokens per row
+    (:func:`prefill_chunk_of`: the cache's chunk by default, at most ``max_tokens // B``) and
+    return the logits of the last position ``[B, vocab]``.
+
+    Each call asks for the last position's logits only (``logits_to_keep=1``), so the activations
+    are those of one chunk (``B * chunk`` tokens), never of the whole prompt. ``attention_mask``
+    (left padding) covers the tokens already in the cache and ``ids``: ``[B, past + n]``. Chunks
+    are counted from the start of the call, so a left-padded row's first chunk holds fewer of its
+    own tokens (each chunk still attends to the stored, quantized cache of the earlier ones).
+    """
+    dev = model.device
+    ids = ids.to(dev)
+    b, n = ids.shape
+    if n < 1:
+        raise ValueError("prefill needs at least one token")
+    chunk = prefill_chunk_of(cache, chunk, b, max_tokens)
+    past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+    kw = {cache_kwarg(model): cache}
+    if _keeps_logits(model):
+        kw["logits_to_keep"] = 1
+    mask = attention_mask.to(dev) if attention_mask is not None else None
+    if mask is not None:
+        if mask.shape != (b, past + n):
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, expected [batch, cached + new tokens] = "
+                             f"{[b, past + n]}")
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+    else:
+        pos = torch.arange(past, past + n, device=dev)[None].expand(b, -1)
+    logits = None
+    for c0 in range(0, n, chunk):
+        c1 = min(c0 + chunk, n)
+        out = model(input_ids=ids[:, c0:c1], attention_mask=mask[:, : past + c1] if mask is not None else None,
+                    position_ids=pos[:, c0:c1], use_cache=True, **kw)
+        logits = out.logits[:, -1]
+        del out
+    return logits
 
 
 @torch.no_grad()
 def generate(model, tokenizer, ids: torch.Tensor, cache: RotkvCache, max_new_tokens: int = 64,
              do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-             context: torch.Tensor | None = None) -> Generated:
-    """Generate after ``ids``. If ``context`` (a prefix of ids) is given, it is prefilled first, so the
-    rest of the prompt (the question) is its own chunk and reads the stored, quantized context."""
+             context: torch.Tensor | None = None, prefill_chunk: int | None = None) -> Generated:
+    """Generate after ``ids [1, n]``. The prompt is prefilled in chunks of ``prefill_chunk`` tokens
+    (default: the cache's ``prefill_chunk``), so the prefill's memory is one chunk's: every whole
+    chunk but the last by :func:`prefill`, then ``model.generate`` runs the last (at most one chunk,
+    last-position logits only) and decodes; the chunk boundaries are those of one call chunked by
+    the cache. If ``context`` (a prefix of ids) is given, it is prefilled on its own first, so the
+    rest of the prompt (the question) starts its own chunk and reads the stored, quantized context."""
     ids = ids.to(model.device)
     t0 = time.perf_counter()
+    done = 0
     if context is not None:
         if not torch.equal(ids[:, : context.shape[1]].cpu(), context.cpu()):
             raise ValueError("`context` must be a prefix of the prompt ids")
-        prefill(model, context, cache)
+        prefill(model, context, cache, chunk=prefill_chunk)
+        done = context.shape[1]
+    chunk = prefill_chunk_of(cache, prefill_chunk)
+    whole = done + (ids.shape[1] - done - 1) // chunk * chunk  # the last chunk is left to model.generate
+    if whole > done:
+        prefill(model, ids[:, done:whole], cache, chunk=chunk)
     clock = _StepClock()
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if do_sample else dict(do_sample=False)
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
@@ -72,6 +145,24 @@ def generate(model, tokenizer, ids: torch.Tensor, cache: RotkvCache, max_new_tok
     rate = steps / (clock.times[-1] - clock.times[0]) if steps > 0 else 0.0
     text = tokenizer.decode(new, skip_special_tokens=True)
     return Generated(text, new, ids.shape[1], prefill_s, rate)
+
+
+def reserve(cache, rows: int, tokens: int) -> None:
+    """Grow a fresh rotkv cache's free lists to what ``rows`` rows of ``tokens`` tokens need (body
+    pages, and tier pages for sink + window + a page, or every token for an unquantized preset), so
+    the pools are allocated once at their size instead of growing by 25% steps (each a copy, and
+    up to a quarter of the pool unused). Does nothing for other caches or a cache in use."""
+    st = getattr(cache, "state", None)
+    if st is None or not hasattr(st, "tier_free") or st.rows or st.seen:
+        return
+    p = st.page
+    if st.quantized:
+        tier = st.sink_pages + -(-(st.window + p) // p) + 1
+        body = -(-tokens // p)
+    else:
+        tier, body = -(-(st.pad + tokens) // p) + 1, 0
+    st.tier_free.grow(rows * tier)
+    st.body_free.grow(max(1, rows * body))
 
 
 @dataclass
@@ -97,9 +188,12 @@ def _sync(device) -> float:
 
 @torch.no_grad()
 def generate_batch(model, ids: torch.Tensor, cache, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
-                   cuda_graph: bool = False) -> BatchRun:
-    """Prefill ``ids [B, L]`` (left padded where ``attention_mask`` says so) into ``cache`` in one
-    call, then decode greedily one token per row per step.
+                   cuda_graph: bool = False, prefill_chunk: int | None = None,
+                   prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> BatchRun:
+    """Prefill ``ids [B, L]`` (left padded where ``attention_mask`` says so) into ``cache`` in
+    chunks of ``prefill_chunk`` tokens per row, at most ``prefill_tokens`` per call (:func:`prefill`),
+    then decode greedily one token per row per step. A fresh rotkv cache first reserves its pages
+    for ``L + max_new_tokens`` tokens per row (:func:`reserve`), so its pools are sized once.
 
     ``cache`` is any transformers cache (rotkv's or transformers' own). With ``cuda_graph=True``
     (a RotkvCache on CUDA) the decode step is captured once and replayed (``rotkv.cache.graph``).
@@ -108,10 +202,9 @@ def generate_batch(model, ids: torch.Tensor, cache, max_new_tokens: int, attenti
     ids = ids.to(dev)
     kw = cache_kwarg(model)
     mask = attention_mask.to(dev) if attention_mask is not None else None
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0) if mask is not None else None
+    reserve(cache, ids.shape[0], ids.shape[1] + max_new_tokens)
     t0 = _sync(dev)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{kw: cache})
-    tok = out.logits[:, -1].argmax(-1)
+    tok = prefill(model, ids, cache, mask, prefill_chunk, prefill_tokens).argmax(-1)
     prefill_s = _sync(dev) - t0
     lengths = (mask.long().sum(-1) if mask is not None else torch.full((ids.shape[0],), ids.shape[1], device=dev))
     graph = None

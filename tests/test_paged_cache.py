@@ -129,14 +129,15 @@ def test_beam_search_copies_pages(tiny_llama):
     assert len(pages) == len(set(pages))
 
 
-def test_a_long_prefill_needs_one_chunk_of_tier_pages():
-    """Pages that leave the window are reused by the next chunk of the same call: the tier pool
-    holds sink + window + one chunk per row, not the whole prompt."""
-    st = PageState(sink=16, window=64, page_size=16, quantized=True, chunk=128)
+@pytest.mark.parametrize("chunk", [128, 4096])
+def test_a_long_prefill_needs_no_tier_pages_for_its_chunks(chunk):
+    """A prefill step's tokens that leave the window go straight to the body: the tier pool holds
+    sink + window (+ one page) per row whatever the chunk, not the chunk and not the prompt."""
+    st = PageState(sink=16, window=64, page_size=16, quantized=True, chunk=chunk)
     st.reset(4)
     st.plan(4096, np.full(4, 4096))
-    per_row = 1 + (64 + 16 + 128) // 16 + 2
-    assert st.tier_free.capacity <= 4 * per_row * 5 // 4 + 16
+    per_row = 1 + (64 + 16 - 1) // 16  # the sink page, the window's W..W+P-1 tokens
+    assert st.tier_free.capacity <= 4 * per_row
     assert st.body_count.tolist() == [(4096 - 16 - 64) // 16] * 4
 
 

@@ -14,9 +14,11 @@ earlier chunks and to their own tokens at tier precision. Keys are stored ``(k -
 values ``v R_V``.
 
 Each forward call is planned once for all layers (:meth:`PageState.plan`); a layer then runs,
-per step: one batched write of the new tokens into the tier pool, one attention over every row
-(on CUDA, a decode step is one call of the split-K kernel over the page tables), and one batched
-flush of the pages that leave the window (the fused write kernel on CUDA).
+per step: a decode step writes its token into the tier pool, attends (on CUDA one call of the
+split-K kernel over the page tables) and flushes the page that leaves the window (the fused write
+kernel on CUDA); a prefill step attends over the stored tokens and its own (taken from the call),
+then quantizes the pages that leave the window straight from the stored tier and the call, and
+writes only the tokens that stay into the tier (:meth:`HybridLayer.store`).
 """
 
 from __future__ import annotations
@@ -123,16 +125,22 @@ class HybridLayer(RotkvLayer):
         self.pools.fit(self.state.tier_free.capacity, self.state.body_free.capacity)
         rot = self.rotation
         kr, vr = rot.keys(k_new).to(self.tier_dtype), rot.values(v_new).to(self.tier_dtype)
-        qr = rot.queries(query)
         if len(steps) == 1 and steps[0].decode:
-            out = self._step(steps[0], qr, kr, vr, scaling)  # [B, Hq, 1, D]
-        else:
-            out = torch.zeros(b, hq, q, d, dtype=torch.float32, device=query.device)
-            for step in steps:
-                o = self._step(step, qr, kr, vr, scaling)
-                rows, j, pos = step.device_query_out(self.device)
-                out[rows, :, pos] = o[rows, :, j].float()
-        return rot.outputs(out.float()).transpose(1, 2).to(query.dtype)
+            out = self._step(steps[0], query, kr, vr, scaling)  # [B, Hq, 1, D]
+            return rot.outputs(out.float()).transpose(1, 2).to(query.dtype)
+        # a prefill: queries are rotated and outputs turned back one step (chunk) at a time, and the
+        # call's output is written in the query dtype: no float32 buffer of the whole call
+        out = None
+        for step in steps:
+            o = rot.outputs(self._step(step, query, kr, vr, scaling).float())  # [B, Hq, C, D]
+            if len(steps) == 1 and o.shape[2] == q and bool((step.query_count == q).all()):
+                return o.transpose(1, 2).to(query.dtype)  # the step is the whole call: no copy
+            if out is None:
+                out = query.new_zeros(b, q, hq, d)
+            rows, j, pos = step.device_query_out(self.device)
+            out[rows, pos] = o[rows, :, j].to(query.dtype)
+            del o
+        return out
 
     def _attend_static(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """A decode step on fixed buffers (planned and loaded by ``rotkv.cache.graph``): no host
@@ -157,17 +165,53 @@ class HybridLayer(RotkvLayer):
                              tier_start=self.state.pad, plan=plan)
         return rot.outputs(o.float()[:, :, None]).transpose(1, 2).to(query.dtype)
 
-    def _step(self, step: Step, qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _step(self, step: Step, query: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Run one step: ``query`` the call's (not rotated), ``kr, vr`` the call's rotated keys and
+        values in the tier dtype. A prefill step attends over the stored tokens and its own (from
+        ``kr, vr``), then stores (:meth:`store`); a decode step writes its token to the tier,
+        attends (the planned kernel where one reads the body), then flushes."""
+        if step.direct:
+            o = self._attend_dense(step, query, scaling, own=(kr, vr))
+            self.store(step, lambda r, p: (kr[r, :, p], vr[r, :, p]))
+            return o
         rows, pos, slots = step.device_write(self.device)
         self.pools.write_tier(slots, kr[rows, :, pos], vr[rows, :, pos])
-        plan = self.pools.decode_plan(qr[:, :, 0], kernels.decode_config(self.decode_score)) if step.decode else None
+        plan = None
+        if step.decode and kernels.enabled(query):
+            qr = self.rotation.queries(query[:, :, -1:])[:, :, 0]
+            plan = self.pools.decode_plan(qr, kernels.decode_config(self.decode_score))
         if plan is not None:
-            o = self._attend_kernel(step, qr[:, :, 0], scaling, plan)[:, :, None]
+            o = self._attend_kernel(step, qr, scaling, plan)[:, :, None]
         else:
-            o = self._attend_dense(step, qr, scaling)
+            o = self._attend_dense(step, query, scaling)
         if len(step.flush):
             self.pools.flush(*step.device_flush(self.device))
         return o
+
+    def store(self, step: Step, take) -> None:
+        """Store a prefill step's tokens: the pages that leave the window are assembled from the
+        stored tier and the new tokens and quantized into the body, then the new tokens that stay
+        are written to the tier. ``take(rows, pos)``: the rotated keys and values ``[N, H, D]`` (tier
+        dtype) of new tokens by batch row and call position."""
+        dev, p = self.device, self.spec.page_size
+        if len(step.flush):
+            old_slots, old_at, new_rows, new_pos, new_at, dst = step.device_flush_tokens(dev)
+            shape = (len(step.flush) * p, self.kv_heads, self.head_dim)
+            xk = torch.empty(shape, dtype=self.tier_dtype, device=dev)
+            xv = torch.empty_like(xk)
+            if len(old_slots):
+                pg, off = old_slots // p, old_slots % p
+                xk[old_at] = self.pools.tier_k[pg, :, off]
+                xv[old_at] = self.pools.tier_v[pg, :, off]
+            if len(new_rows):
+                k, v = take(new_rows, new_pos)
+                xk[new_at] = k
+                xv[new_at] = v
+            self.pools.flush_tokens(xk, xv, dst)
+            del xk, xv
+        rows, pos, slots = step.device_write(dev)
+        if len(slots):
+            self.pools.write_tier(slots, *take(rows, pos))
 
     def _attend_kernel(self, step: Step, q: torch.Tensor, scaling: float, plan) -> torch.Tensor:
         """One decode token of every row: the planned split-K kernel over the body and tier page tables."""
@@ -182,31 +226,30 @@ class HybridLayer(RotkvLayer):
                                 cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad,
                                 plan=plan).float()
 
-    def _attend_dense(self, step: Step, qr: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Dense attention of the step's queries: body dequantized once, tier gathered, one SDPA."""
+    def _attend_dense(self, step: Step, query: torch.Tensor, scaling: float, own=None) -> torch.Tensor:
+        """Dense attention of the step's queries ``[B, Hq, C, D]`` (float32 on the CPU, bf16 on the
+        GPU). ``own``: the call's rotated ``(keys, values)``, whose step tokens a prefill step reads
+        (they are not in the tier yet). Per group of rows (:func:`row_groups`: the history of one
+        group stays within ``ROTKV_PREFILL_HISTORY_MB``) the body is dequantized once and the tier
+        and the own tokens gathered into one K and one V buffer, then one SDPA (flash, lower-right
+        causal, when the rows hold the same tokens)."""
         dev = self.device
         # bf16 SDPA on the GPU (the tier's own precision), float32 elsewhere (the CPU reference)
-        cdt = torch.bfloat16 if (qr.is_cuda and self.tier_dtype != torch.float32) else torch.float32
-        pg, off = step.cached(("tier_index", dev), lambda: self._tier_index(step.tier_pages, step.tier_tokens))
-        tk, tv = self.pools.tier_dense(pg, off, cdt)  # [B, H, Lt, D]
-        nb = int(step.body_count.max(initial=0))
-        if self.spec.quantized and nb:
-            pages = step.cached(("body_pages", dev), lambda: torch.from_numpy(
-                np.ascontiguousarray(step.body_pages[:, :nb])).to(dev))
-            t = step.device_tables(dev, self.state) if self.pools.dequant_kernel else None
-            run = step.cached("run", lambda: _consecutive_run(step.body_pages, nb))
-            bk, bv = self.pools.body_dense(pages, cdt, table=t.body if t is not None else None, run=run)
-        else:
-            nb = 0
-            bk = bv = None
-        b, hq, _, d = qr.shape
+        cdt = torch.bfloat16 if (query.is_cuda and self.tier_dtype != torch.float32) else torch.float32
+        b, hq, _, d = query.shape
+        nb = int(step.body_count.max(initial=0)) if self.spec.quantized else 0
         # a decode step whose rows all hold the same tokens needs no mask (the common, unpadded case):
         # scores of the body and the tier apart, one softmax, no concatenated copy of K and V
         uniform = step.cached("uniform", lambda: step.decode and bool(
             (step.tier_tokens == step.tier_tokens[0]).all() and (step.body_count == step.body_count[0]).all()))
         if uniform:
+            pg, off = step.cached(("tier_index", dev), lambda: self._tier_index(step.tier_pages, step.tier_tokens))
+            tk, tv = self.pools.tier_dense(pg, off, cdt)  # [B, H, Lt, D]
+            bk = bv = None
+            if nb:
+                bk, bv = self._body(step, 0, b, nb, cdt)
             h = tk.shape[1]
-            qh = qr[:, :, -1:].to(cdt).reshape(b, h, hq // h, d) * scaling
+            qh = self.rotation.queries(query[:, :, -1:]).to(cdt).reshape(b, h, hq // h, d) * scaling
             parts = [(bk, bv)] if bk is not None else []
             parts.append((tk, tv))
             s = torch.cat([qh @ k.transpose(-1, -2) for k, _ in parts], -1).softmax(-1)
@@ -215,13 +258,64 @@ class HybridLayer(RotkvLayer):
                 o = o + s[..., i:i + k.shape[2]] @ v
                 i += k.shape[2]
             return o.reshape(b, hq, 1, d)
-        k, v = (torch.cat([bk, tk], 2), torch.cat([bv, tv], 2)) if bk is not None else (tk, tv)
-        mask = step.cached(("mask", dev, nb), lambda: _mask(step, self.spec.page_size, nb, tk.shape[2], dev))
-        if mask is None:  # rows alike, queries = the last keys: lower-right causal, no mask tensor
-            mask = causal_lower_right(step.query_pos.shape[1], k.shape[2])
+        c = step.query_pos.shape[1]
+        lt = int(step.tier_tokens.max(initial=0)) if own is not None else max(int(step.tier_tokens.max(initial=0)), 1)
+        nown = c if own is not None else 0
+        out = torch.empty(b, hq, c, d, dtype=cdt, device=dev)
         qpos = step.device_query(dev)
-        qc = qr.gather(2, qpos[:, None, :, None].expand(-1, hq, -1, d)).to(cdt)
-        return F.scaled_dot_product_attention(qc, k, v, attn_mask=mask, scale=scaling, enable_gqa=hq != k.shape[1])
+        mask = step.cached(("mask", dev, nb), lambda: _mask(step, self.spec.page_size, nb, lt, dev, nown))
+        size = torch.empty(0, dtype=cdt).element_size()
+        per_row = 2 * self.kv_heads * (nb * self.spec.page_size + lt + nown) * d * size
+        for r0, r1 in row_groups(b, per_row):
+            k, v = self._history(step, r0, r1, nb, lt, cdt, own)
+            qc = self.rotation.queries(query[r0:r1].gather(2, qpos[r0:r1, None, :, None].expand(-1, hq, -1, d))).to(cdt)
+            m = mask[r0:r1] if mask is not None else None
+            out[r0:r1] = _sdpa(qc, k, v, m, scaling)
+            del k, v, qc
+        return out
+
+    def _body(self, step: Step, r0: int, r1: int, nb: int, cdt, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The body pages of rows ``r0:r1`` dequantized ``[r, H, nb * P, D]`` (into the first ``nb * P``
+        positions of ``out``'s buffers if given)."""
+        dev = self.device
+        sub = step.body_pages[r0:r1, :nb]
+        pages = step.cached(("body_pages", dev, r0, r1), lambda: torch.from_numpy(np.ascontiguousarray(sub)).to(dev))
+        table = None
+        if self.pools.dequant_kernel:
+            from rotkv.cache.plan import page_table
+
+            bc = step.body_count[r0:r1]
+            table = step.cached(("body_table", dev, r0, r1), lambda: page_table(
+                step.body_pages[r0:r1], bc, np.where(bc > 0, self.spec.page_size, 0), dev))
+        run = step.cached(("run", r0, r1), lambda: _consecutive_run(sub, nb))
+        return self.pools.body_dense(pages, cdt, table=table, run=run, out=out)
+
+    def _history(self, step: Step, r0: int, r1: int, nb: int, lt: int, cdt, own=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[r, H, nb * P + lt (+ C), D]`` of rows ``r0:r1`` in one buffer each: the
+        dequantized body, the tier (sink and window), and with ``own`` the step's own tokens
+        (``C`` of them, from the call's rotated keys and values)."""
+        dev, p = self.device, self.spec.page_size
+        h, d = self.kv_heads, self.head_dim
+        c = step.query_pos.shape[1] if own is not None else 0
+        k = torch.empty(r1 - r0, h, nb * p + lt + c, d, dtype=cdt, device=dev)
+        v = torch.empty_like(k)
+        if nb:
+            if not (step.body_count[r0:r1] == nb).all():
+                # the dequantizer leaves a short row's tail untouched: zeros, so that masked keys
+                # never carry NaN from uninitialized memory into the weighted sum (0 * NaN)
+                k[:, :, : nb * p].zero_()
+                v[:, :, : nb * p].zero_()
+            self._body(step, r0, r1, nb, cdt, out=(k, v))  # writes positions [0, nb * P)
+        if lt:
+            pg, off = step.cached(("tier_index", dev), lambda: self._tier_index(step.tier_pages, step.tier_tokens))
+            tk, tv = self.pools.tier_dense(pg[r0:r1], off[r0:r1], cdt)
+            k[:, :, nb * p: nb * p + lt] = tk
+            v[:, :, nb * p: nb * p + lt] = tv
+        if c:
+            qpos = step.device_query(dev)[r0:r1, None, :, None].expand(-1, h, -1, d)
+            k[:, :, nb * p + lt:] = own[0][r0:r1].gather(2, qpos)
+            v[:, :, nb * p + lt:] = own[1][r0:r1].gather(2, qpos)
+        return k, v
 
     # ---- accounting ------------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -242,6 +336,51 @@ class HybridLayer(RotkvLayer):
         }
 
 
+PREFILL_HISTORY_MB = 2048  # default bound of one row group's dequantized history (K and V), MiB
+
+
+def row_groups(rows: int, bytes_per_row: int, budget_mb: int | None = None) -> list[tuple[int, int]]:
+    """``[(r0, r1), ...]``: rows in groups whose K and V history (``bytes_per_row`` each row) fit in
+    ``budget_mb`` MiB (``ROTKV_PREFILL_HISTORY_MB``, default :data:`PREFILL_HISTORY_MB`); at least one
+    row per group."""
+    import os
+
+    if budget_mb is None:
+        budget_mb = int(os.environ.get("ROTKV_PREFILL_HISTORY_MB", PREFILL_HISTORY_MB))
+    if budget_mb < 1:
+        raise ValueError(f"ROTKV_PREFILL_HISTORY_MB has to be >= 1 but got {budget_mb}")
+    per = max(1, (budget_mb << 20) // max(bytes_per_row, 1))
+    return [(r0, min(r0 + per, rows)) for r0 in range(0, rows, per)]
+
+
+_FLASH_FAILED: str | bool = False  # why the direct flash call failed once (then the bias path is used)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """SDPA of ``q [B, Hq, C, D]`` over ``k, v [B, H, L, D]`` (GQA when H < Hq). ``mask`` None: causal
+    aligned to the bottom right (the queries are the last C keys): on CUDA in bf16/fp16, the flash
+    kernel directly (its ``is_causal`` is lower-right, and it reads grouped heads natively; the
+    ``causal_lower_right`` bias of PyTorch only reaches it without GQA), else the bias."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    global _FLASH_FAILED
+    if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+            and torch.backends.cuda.flash_sdp_enabled() and not _FLASH_FAILED):
+        try:
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal=True, scale=scale)[0]
+        except RuntimeError as e:  # this build's flash kernel refuses the shapes: the bias, said once
+            if "out of memory" in str(e):
+                raise
+            _FLASH_FAILED = f"{type(e).__name__}: {e}"[:200]
+            import warnings
+
+            warnings.warn(f"rotkv prefill: flash attention refused ({_FLASH_FAILED}); using SDPA with a "
+                          "lower-right causal bias from now on", RuntimeWarning, stacklevel=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale,
+                                          enable_gqa=gqa)
+
+
 def _consecutive_run(pages: np.ndarray, n: int) -> int | None:
     """The first page id when the batch is one row whose ``n`` body pages are consecutive, else None."""
     if pages.shape[0] != 1:
@@ -250,25 +389,32 @@ def _consecutive_run(pages: np.ndarray, n: int) -> int | None:
     return first if (pages[0, :n] == np.arange(first, first + n)).all() else None
 
 
-def _mask(step: Step, page: int, body_pages: int, tier_len: int, device) -> torch.Tensor | None:
-    """``[B, 1, C, body_pages * page + tier_len]`` bool: which keys each query of the step may read,
-    built on the device; None when every row holds the same tokens and every query is real (then
-    the step's queries are the last keys of every row: lower-right causal)."""
+def _mask(step: Step, page: int, body_pages: int, tier_len: int, device, own: int = 0) -> torch.Tensor | None:
+    """``[B, 1, C, body_pages * page + tier_len + own]`` bool: which keys each query of the step may
+    read, built on the device; None when every row holds the same tokens and every query is real
+    (then the step's queries are the last keys of every row: lower-right causal). ``own`` > 0 (a
+    prefill step): the tier part holds the stored tokens only and the last ``own`` (= C) keys are
+    the step's own tokens; else the tier part ends with them."""
     c = step.query_pos.shape[1]
     alike = all((a == a[0]).all() for a in (step.body_count, step.tier_tokens, step.tier_before))
-    if alike and (step.query_count == c).all() and step.tier_tokens[0] == step.tier_before[0] + c \
-            and step.body_count[0] == body_pages and step.tier_tokens[0] == tier_len:
+    if alike and (step.query_count == c).all() and step.body_count[0] == body_pages \
+            and step.tier_tokens[0] == tier_len and (own or step.tier_tokens[0] == step.tier_before[0] + c):
         return None
     small = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
     body_len = body_pages * page
-    keys = torch.arange(body_len + tier_len, device=device)
+    keys = torch.arange(body_len + tier_len + own, device=device)
     j = torch.arange(c, device=device)
     in_body = keys < body_len
+    in_tier = (keys >= body_len) & (keys < body_len + tier_len)
     t = keys - body_len  # tier index of a tier key
     body_ok = in_body[None, None, :] & (keys[None, None, :] < small(step.body_count)[:, None, None] * page)
-    tier_ok = (~in_body[None, None, :] & (t[None, None, :] < small(step.tier_tokens)[:, None, None])
+    tier_ok = (in_tier[None, None, :] & (t[None, None, :] < small(step.tier_tokens)[:, None, None])
                & (t[None, None, :] <= small(step.tier_before)[:, None, None] + j[None, :, None]))
     m = body_ok | tier_ok
+    if own:
+        o = keys - body_len - tier_len  # own index of an own key
+        m |= ((o >= 0)[None, None, :] & (o[None, None, :] <= j[None, :, None])
+              & (o[None, None, :] < small(step.query_count)[:, None, None]))
     # queries that are not real (ragged last chunks) read key 0 so that no row is empty (output unused)
     m[:, :, 0] |= j[None, :] >= small(step.query_count)[:, None]
     return m[:, None]

@@ -23,10 +23,12 @@ the steps on their own pools; nothing in a step depends on the layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class FreeList:
@@ -72,14 +74,27 @@ class FreeList:
 
 @dataclass
 class Flush:
-    """Window pages that leave for the body: ``rows[i]``'s tier page ``src[i]`` becomes body page ``dst[i]``."""
+    """Pages that leave the window for the body pages ``dst``.
+
+    A decode step's flush moves whole tier pages: ``rows[i]``'s tier page ``src[i]`` becomes body
+    page ``dst[i]``. A prefill step's flush (``direct``) takes the leaving tokens from where they
+    are: the flushed pages' tokens, in order (page ``i`` of ``dst`` is tokens ``i*P .. i*P+P-1``),
+    are either stored tier tokens (``old_slots``, at ``old_at``) or the step's own new tokens
+    (batch row ``new_rows``, call position ``new_pos``, at ``new_at``), which never enter the tier.
+    """
 
     rows: np.ndarray
     src: np.ndarray
     dst: np.ndarray
+    old_slots: np.ndarray = field(default_factory=lambda: _EMPTY)
+    old_at: np.ndarray = field(default_factory=lambda: _EMPTY)
+    new_rows: np.ndarray = field(default_factory=lambda: _EMPTY)
+    new_pos: np.ndarray = field(default_factory=lambda: _EMPTY)
+    new_at: np.ndarray = field(default_factory=lambda: _EMPTY)
+    direct: bool = False
 
     def __len__(self) -> int:
-        return len(self.src)
+        return len(self.dst)
 
 
 @dataclass
@@ -107,6 +122,10 @@ class Step:
     body_count: np.ndarray
     flush: Flush
     decode: bool  # one new real token per row
+    # a prefill step (every step that is not a decode step): the tier tables are the stored tier
+    # before the step (``tier_tokens == tier_before``); the step's own tokens are read from the call
+    # by its attention, then the flush and the write (of the own tokens that stay in the tier) run
+    direct: bool = False
 
     def __post_init__(self):
         self._cache: dict = {}
@@ -134,8 +153,14 @@ class Step:
         return self.cached(("query_out", device), make)
 
     def device_flush(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tier pages, body pages) of the flush, int64 on ``device``."""
+        """(tier pages, body pages) of a decode step's flush, int64 on ``device``."""
         return self.cached(("flush", device), lambda: (_dev(self.flush.src, device), _dev(self.flush.dst, device)))
+
+    def device_flush_tokens(self, device) -> tuple[torch.Tensor, ...]:
+        """A prefill step's flush on ``device``: (old_slots, old_at, new_rows, new_pos, new_at, dst)."""
+        f = self.flush
+        return self.cached(("flush_tokens", device), lambda: tuple(
+            _dev(a, device) for a in (f.old_slots, f.old_at, f.new_rows, f.new_pos, f.new_at, f.dst)))
 
     def device_tables(self, device, state: "PageState") -> "Tables":
         """The page tables of the body and the tier (int32, flashinfer's vocabulary) on ``device``."""
@@ -236,9 +261,10 @@ class PageState:
         c = self.chunk
         n_steps = max(1, -(-int(counts.max(initial=0)) // c))
         first = q - counts  # call position of each row's first real token
+        decode = q == 1 and bool((counts == 1).all())
         for k in range(n_steps):
             n = np.clip(counts - k * c, 0, c)
-            steps.append(self._step(first + k * c, n, q, decode=(q == 1 and bool((counts == 1).all()))))
+            steps.append(self._step(first + k * c, n, q, decode=True) if decode else self._prefill_step(first + k * c, n, q))
         self.seen += q
         self.plan_steps = steps
         return steps
@@ -282,6 +308,77 @@ class PageState:
         step = Step(rows, start[rows] + j, slots, qpos, n.copy(), self.tier_pages.copy(), after.copy(), before,
                     self.body_pages.copy(), self.body_count.copy(), self._flush(), decode)
         return step
+
+    def _prefill_step(self, start: np.ndarray, n: np.ndarray, q: int) -> Step:
+        """A prefill step of ``n[b]`` new tokens per row (call positions ``start[b] + j``).
+
+        Planned with the flush folded in: the tokens that leave the window at the end of the step
+        go from where they are (the stored tier, or the call) straight to the body, and only the
+        new tokens that stay (sink, the new window) get tier slots. So the tier pool needs room for
+        sink + window + one page per row, not for the chunk: the chunk is held once, by the layer
+        that runs, in the call's own key and value tensors.
+        """
+        p, pad, sink, rows = self.page, self.pad, self.sink, self.rows
+        before = self.tier_tokens.copy()
+        old_pages, body_pages, body_count = self.tier_pages.copy(), self.body_pages.copy(), self.body_count.copy()
+        after = before + n
+        if self.quantized:
+            win = after - np.minimum(after, sink)
+            k = np.where(win >= self.window + p, (win - self.window) // p, 0)
+        else:
+            k = np.zeros(rows, dtype=np.int64)
+        # the flush: body pages for tokens sink .. sink + k*P - 1 of every row
+        total = int(k.sum())
+        flush = Flush(_EMPTY, _EMPTY, _EMPTY, direct=True)
+        if total:
+            dst = self.body_free.alloc(total)
+            frow = np.repeat(np.arange(rows), k)
+            foff = np.arange(total) - np.repeat(np.cumsum(k) - k, k)
+            self.body_pages = self._widen(self.body_pages, int((self.body_count + k).max()))
+            self.body_pages[frow, self.body_count[frow] + foff] = dst
+            self.body_count = self.body_count + k
+            kt = k * p
+            trow = np.repeat(np.arange(rows), kt)
+            t = sink + np.arange(total * p) - np.repeat(np.cumsum(kt) - kt, kt)  # tier index of each leaving token
+            at = np.arange(total * p)
+            old = t < before[trow]
+            tpos = pad + t[old]
+            flush = Flush(_EMPTY, _EMPTY, dst, old_pages[trow[old], tpos // p] * p + tpos % p, at[old],
+                          trow[~old], start[trow[~old]] + t[~old] - before[trow[~old]], at[~old], direct=True)
+        # the tier after the step: sink pages, the stored window pages that stay (moved up by the
+        # flushed ones, which are freed), new pages for the rest
+        used_old = self.tier_used_pages(before)
+        old_window = np.maximum(used_old - self.sink_pages, 0)
+        gone = np.minimum(k, old_window)
+        grow = np.repeat(np.arange(rows), gone)
+        self.tier_free.free(old_pages[grow, self.sink_pages + np.arange(int(gone.sum())) - np.repeat(np.cumsum(gone) - gone, gone)])
+        final = after - k * p
+        need = self.tier_used_pages(final)
+        width = max(int(need.max(initial=0)), 1)
+        col = np.arange(width)[None, :]
+        src_col = np.where(col < self.sink_pages, col, col + k[:, None])
+        keep = (src_col < used_old[:, None]) & (col < need[:, None])
+        fresh = ~keep & (col < need[:, None])
+        pages = np.zeros((rows, max(width, self.tier_pages.shape[1])), dtype=np.int64)
+        wide = self._widen(old_pages, int(src_col.max(initial=0)) + 1)
+        pages[:, :width] = np.where(keep, np.take_along_axis(wide, src_col, 1), 0)
+        nfresh = int(fresh.sum())
+        if nfresh:
+            r, c = np.nonzero(fresh)
+            pages[r, c] = self.tier_free.alloc(nfresh)
+        self.tier_pages, self.tier_tokens = pages, final
+        # the new tokens that stay: slots at their place after the flush
+        wrow = np.repeat(np.arange(rows), n)
+        j = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        t = before[wrow] + j
+        stay = (t < sink) | (t >= sink + k[wrow] * p)
+        wrow, j, t = wrow[stay], j[stay], t[stay]
+        tpos = pad + np.where(t < sink, t, t - k[wrow] * p)
+        slots = pages[wrow, tpos // p] * p + tpos % p
+        cmax = int(n.max(initial=0))
+        qpos = np.minimum(start[:, None] + np.arange(max(cmax, 1))[None, :], q - 1)  # past a row's end: unused
+        return Step(wrow, start[wrow] + j, slots, qpos, n.copy(), old_pages, before, before, body_pages, body_count,
+                    flush, decode=False, direct=True)
 
     def _flush(self) -> Flush:
         """Whole window pages beyond ``window + page - 1`` tokens leave for the body."""

@@ -113,44 +113,61 @@ class LayerPools:
 
     # ---- body ------------------------------------------------------------------------------------
     def body_dense(self, pages: torch.Tensor, dtype, table: tuple | None = None,
-                   use_mirror: bool = True, run: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   use_mirror: bool = True, run: int | None = None,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized ``[B, H, N * P, D]`` keys and values of the body pages ``pages [B, N]``
         (trailing entries of short rows are read but masked by the caller): from the mirror, by
-        the Triton dequantizer over ``table``, or by the codec's decoder. ``run``: the first page
-        when ``pages`` is one row of consecutive ids (read from the mirror as a view)."""
+        the Triton dequantizer over ``table`` (which leaves a short row's trailing entries
+        untouched), or by the codec's decoder. ``run``: the first page when ``pages`` is one row of
+        consecutive ids (read from the mirror as a view). ``out``: ``(k, v)`` contiguous ``[B, H, >= N * P,
+        D]`` buffers of ``dtype`` whose first ``N * P`` positions are written; returned as they are."""
         b, n = pages.shape
         h, p, d = self.kv_heads, self.page, self.head_dim
         if n == 0 or self.codecs[0] is None:
             empty = torch.zeros(b, h, 0, d, dtype=dtype, device=self.device)
-            return empty, empty
-        if self.mirror is not None and use_mirror:
-            if run is not None:  # one row whose pages are consecutive: a view, no copy
-                return tuple(m[:, run:run + n].reshape(1, h, n * p, d).to(dtype) for m in self.mirror)
-            return tuple(m[:, pages].transpose(0, 1).reshape(b, h, n * p, d).to(dtype) for m in self.mirror)
-        if table is not None:
+            return out if out is not None else (empty, empty)
+        if table is not None and not (self.mirror is not None and use_mirror):
             from rotkv.kernels.dequant import dequant_dense
 
-            return tuple(dequant_dense(part, *table, n * p, torch.empty(b, h, n * p, d, dtype=dtype,
-                                                                        device=self.device))
-                         for part in self.paged.parts)
-        flat = pages.reshape(-1)
-        return tuple(codec.decode({k: t[flat] for k, t in parts.items()}).reshape(b, n, h, p, d)
-                     .permute(0, 2, 1, 3, 4).reshape(b, h, n * p, d).to(dtype)
-                     for parts, codec in zip(self.body, self.codecs))
+            if out is None:
+                out = tuple(torch.empty(b, h, n * p, d, dtype=dtype, device=self.device) for _ in range(2))
+            for part, o in zip(self.paged.parts, out):
+                dequant_dense(part, *table, n * p, o)
+            return out
+        if self.mirror is not None and use_mirror:
+            if run is not None:  # one row whose pages are consecutive: a view, no copy
+                res = tuple(m[:, run:run + n].reshape(1, h, n * p, d).to(dtype) for m in self.mirror)
+            else:
+                res = tuple(m[:, pages].transpose(0, 1).reshape(b, h, n * p, d).to(dtype) for m in self.mirror)
+        else:
+            flat = pages.reshape(-1)
+            res = tuple(codec.decode({k: t[flat] for k, t in parts.items()}).reshape(b, n, h, p, d)
+                        .permute(0, 2, 1, 3, 4).reshape(b, h, n * p, d).to(dtype)
+                        for parts, codec in zip(self.body, self.codecs))
+        if out is None:
+            return res
+        for o, r in zip(out, res):
+            o[:, :, : n * p].copy_(r)
+        return out
 
     def flush(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Quantize tier pages ``src`` into body pages ``dst`` (keys and values): on CUDA one call
-        of the fused write kernel each (INT2/INT4 token codec), else the codec's reference encoder."""
+        """Quantize tier pages ``src`` into body pages ``dst`` (keys and values)."""
         n, h, p, d = len(src), self.kv_heads, self.page, self.head_dim
-        for tier, parts, codec, i in zip((self.tier_k, self.tier_v), self.body, self.codecs, (0, 1)):
-            x = tier[src]  # [n, H, P, D]
+        self.flush_tokens(*(t[src].transpose(1, 2).reshape(n * p, h, d) for t in (self.tier_k, self.tier_v)), dst)
+
+    def flush_tokens(self, xk: torch.Tensor, xv: torch.Tensor, dst: torch.Tensor) -> None:
+        """Quantize the tokens ``xk, xv [n * P, H, D]`` (page ``i`` of ``dst``: tokens ``i*P .. i*P+P-1``)
+        into body pages ``dst``: on CUDA one call of the fused write kernel each (INT2/INT4 token
+        codec), else the codec's reference encoder."""
+        n, h, p, d = len(dst), self.kv_heads, self.page, self.head_dim
+        for x, parts, codec, i in zip((xk, xv), self.body, self.codecs, (0, 1)):
             if self.part_kernels[i] and kernels.enabled(x):
                 from rotkv.kernels.write import quant_write
 
                 slots = (dst[:, None] * p + torch.arange(p, device=dst.device)[None]).reshape(-1)
-                quant_write(x.transpose(1, 2).reshape(n * p, h, d), slots, self.paged.parts[i], clip=codec.clip)
+                quant_write(x, slots, self.paged.parts[i], clip=codec.clip)
             else:
-                enc = codec.encode(x.float())
+                enc = codec.encode(x.reshape(n, p, h, d).transpose(1, 2).float())
                 for name, t in enc.items():
                     parts[name][dst] = t
                 if self.mirror is not None:

@@ -13,6 +13,10 @@ RANDOM_SHAPES = {
     "qwen3-8b": dict(num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, intermediate_size=12288, vocab_size=151936, rope_theta=1e6,
                      max_position_embeddings=131072),
+    # SmolLM2-135M (the default model): speed and memory without its weights
+    "smollm2": dict(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                    intermediate_size=1536, vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
+                    tie_word_embeddings=True),
 }
 
 
@@ -29,6 +33,19 @@ def register(sub) -> None:
     p.add_argument("--random", choices=sorted(RANDOM_SHAPES), default=None,
                    help="a random-weight model of this real shape instead of --model")
     p.add_argument("--layers", type=int, default=None, help="with --random: fewer layers than the real model")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill tokens per row per model call (rotkv: also the cache's attention chunk; default: "
+                        "the preset's prefill_chunk, 4096 for transformers' DynamicCache)")
+    p.add_argument("--prefill-tokens", type=int, default=65536,
+                   help="at most this many prefill tokens per model call over the batch (the per-row chunk shrinks "
+                        "for large batches, bounding the activations; default 65536)")
+    p.add_argument("--max-batch", action="store_true",
+                   help="capacity: the largest batch whose generate (real prefill + --new-tokens) fits, per method "
+                        "and --context, by doubling then bisection; writes capacity-<UTC time>.json")
+    p.add_argument("--start", type=int, default=1, help="with --max-batch: the first batch tried")
+    p.add_argument("--limit", type=int, default=None, help="with --max-batch: the largest batch tried")
+    p.add_argument("--max-tries", type=int, default=None,
+                   help="with --max-batch: stop after this many tries per method (the row says exact: false)")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/generate-<UTC time>.json)")
     p.set_defaults(func=run)
 
@@ -54,6 +71,12 @@ def run(args) -> int:
 
     if args.new_tokens < 2:
         raise ValueError(f"--new-tokens has to be >= 2 but got {args.new_tokens}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise ValueError(f"--prefill-chunk has to be >= 1 but got {args.prefill_chunk}")
+    for name in ("start", "limit", "max_tries", "prefill_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} has to be >= 1 but got {v}")
     for name in ("batch", "context"):
         if min(getattr(args, name)) < 1:
             raise ValueError(f"--{name} values have to be >= 1")
@@ -65,14 +88,29 @@ def run(args) -> int:
     else:
         loaded = load_model(args.model, device=device)
         model, model_id = loaded.model, loaded.model_id
-    out = args.out or os.path.join("benchmarks", "results", time.strftime("generate-%Y%m%d-%H%M.json", time.gmtime()))
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     import transformers
 
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-            "methods": methods, "overrides": cache_overrides(args), "prompts": "random token ids"}
+            "methods": methods, "overrides": cache_overrides(args), "prompts": "random token ids",
+            "prefill_chunk": args.prefill_chunk, "prefill_tokens": args.prefill_tokens}
+    kind = "capacity" if args.max_batch else "generate"
+    out = args.out or os.path.join("benchmarks", "results", time.strftime(f"{kind}-%Y%m%d-%H%M.json", time.gmtime()))
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    if args.max_batch:
+        rows = []
+        for c in args.context:
+            done = list(rows)
+            rows += bench.capacity(model, model_id, methods, c, args.new_tokens, args.start, args.limit, args.max_tries,
+                                   args.artifact, cache_overrides(args), args.prefill_chunk,
+                                   on_row=lambda r, done=done: bench.write(done + r, out, meta),
+                                   prefill_tokens=args.prefill_tokens)
+            bench.write(rows, out, meta)
+        print(bench.capacity_table(rows))
+        print(f"wrote {out}")
+        return 0
     rows = bench.bench(model, model_id, methods, args.batch, args.context, args.new_tokens, args.artifact,
-                       cache_overrides(args), on_row=lambda r: bench.write(r, out, meta))
+                       cache_overrides(args), on_row=lambda r: bench.write(r, out, meta), prefill_chunk=args.prefill_chunk,
+                       prefill_tokens=args.prefill_tokens)
     bench.write(rows, out, meta)
     print(bench.table(rows))
     print(f"wrote {out}")
