@@ -425,9 +425,9 @@ def test_dequant_dense_into_a_longer_buffer(device):
     stride is the buffer's length, the tail (where the tier goes) is left as it was."""
     body, table, *_ = _build([37, 20], [0, 0], 2, 64, 32, 16, 16, device)
     want = torch.zeros(2, 2, 37, 64, device=device)
-    dequant_dense(*body[:3], *table, 37, want, block=16)
+    dequant_dense(body.k, *table, 37, want, block=16)
     out = torch.full((2, 2, 37 + 11, 64), 7.0, device=device)
-    dequant_dense(*body[:3], *table, 37, out, block=16)
+    dequant_dense(body.k, *table, 37, out, block=16)
     assert torch.equal(out[0, :, :37], want[0]) and torch.equal(out[1, :, :20], want[1, :, :20])
     assert (out[:, :, 37:] == 7).all() and (out[1, :, 20:] == 7).all()
 
