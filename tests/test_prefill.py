@@ -205,8 +205,11 @@ def test_cuda_prefill_matches_the_cpu_reference(padded, rep):
     rot = build_rotations("hadamard", 1, h, d)[0]
     gen = torch.Generator().manual_seed(0)
     n = 300
-    ks, vs = torch.randn(b, h, n, d, generator=gen), torch.randn(b, h, n, d, generator=gen)
-    qs = torch.randn(b, h * rep, n, d, generator=gen)
+    # inputs on the bf16 grid, so both sides quantize the same numbers: with float32 inputs the
+    # CPU's own bf16 path is 3.2% off its float32 path (INT2 codes flip at rounding ties), with
+    # bf16-exact inputs 0.16% (measured on this test's inputs)
+    ks, vs = (torch.randn(b, h, n, d, generator=gen).bfloat16().float() for _ in range(2))
+    qs = torch.randn(b, h * rep, n, d, generator=gen).bfloat16().float()
     real = None
     if padded:
         real = torch.ones(b, n, dtype=torch.bool)
@@ -236,7 +239,7 @@ def test_cuda_prefill_matches_the_cpu_reference(padded, rep):
     for row in range(b):
         pages = torch.as_tensor(st.body_pages[row, :st.body_count[row]])
         diff = (rk["codes"][pages] != gk["codes"][pages.cuda()].cpu()).float().mean().item()
-        assert diff < 2e-2, diff  # bf16 vs float32 inputs: codes at rounding ties differ
+        assert diff < 2e-2, diff  # bf16 vs float32 arithmetic: codes at rounding ties may differ
 
 
 def test_token_budget_and_page_reservation(tiny_llama):
