@@ -15,13 +15,12 @@ CUDA-graph replays with the L2 flushed (``bench_decode.time_ms``). Writes
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-from pathlib import Path
 
 import torch
 
 from benchmarks.bench_decode import git_commit, make_bf16_pages, time_ms
+from benchmarks.results_io import write_results
 from rotkv.kernels.body import PagedBody, TokenPart
 from rotkv.kernels.decode import DecodeConfig, decode_attention
 
@@ -100,10 +99,7 @@ def main(argv=None) -> int:
     ]
     for b, length in [(1, 4096), (8, 4096), (1, 32768), (8, 32768)]:
         run("score", b, length, 9, 3, 64, 64, score_variants, dev, gen, rows, base)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
-    out = Path(args.out or Path(__file__).parent / "results" / f"mixed-{stamp}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+    write_results("mixed", rows, out=args.out)
     print(f"\n{'kind':<5} {'B':>2} {'L':>6} {'impl':<16} {'ms':>8} {'TB/s':>5} {'x bf16':>6}")
     for r in rows:
         print(f"{r['kind']:<5} {r['batch']:>2} {r['context']:>6} {r['impl']:<16} {r['ms']:8.4f} "

@@ -3,7 +3,7 @@
 Times ``quant_write`` for K (mean subtraction, rotation by R_K, clip 0.96) plus V (clip 0.92)
 as the median of CUDA events with a cold L2, against a device-to-device copy measured in the same
 run. Bytes: the bf16 input read plus codes, scales and lo written (R_K and the mean, 0.5 MB, are
-left out). Writes ``benchmarks/results/write-<YYYYMMDD-HHMM>.json``.
+left out). Writes ``benchmarks/results/write-<YYYYMMDD-HHMM>.json`` (``results_io.write_results``).
 
     PYTHONPATH=. python benchmarks/bench_write.py
 """
@@ -11,16 +11,15 @@ left out). Writes ``benchmarks/results/write-<YYYYMMDD-HHMM>.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 import os
-from pathlib import Path
 
 import torch
 from triton.testing import do_bench
 
 from benchmarks.bench_decode import git_commit
+from benchmarks.results_io import write_results
 from rotkv.kernels.body import TokenPart
 from rotkv.kernels.write import quant_write
 from rotkv.rotations.identity import random_orthogonal
@@ -102,10 +101,7 @@ def main(argv=None) -> int:
                          fraction_of_copy=nbytes / ms / 1e9 / copy_tbs, gpu=gpu, commit=commit)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
-    out = Path(args.out or Path(__file__).parent / "results" / f"write-{stamp}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+    write_results("write", rows, out=args.out)
     print(f"\n{'impl':<24} {'backend':<6} {'switches':<18} {'b':>1} {'rot':<6} {'D':>4} {'bt':>3} {'w':>2} {'ms':>8} {'TB/s':>6} {'copy':>5}")
     for r in rows:
         print(f"{r['impl']:<24} {r['backend']:<6} {r['switches']:<18} {r['bits']:>1} {r['rot_precision']:<6} {r['head_dim']:>4} "

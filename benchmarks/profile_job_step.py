@@ -14,16 +14,14 @@ Writes benchmarks/results/jobprof-<UTC time>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_job import build_model, fill_synthetic  # noqa: E402
+from results_io import write_results  # noqa: E402
 
 from rotkv.bench import commit, device_name  # noqa: E402
 from rotkv.cache import RotkvCache  # noqa: E402
@@ -93,11 +91,7 @@ def main(argv=None) -> int:
     res = dict(shape=args.shape, requests=args.requests, context=args.context, preset=args.preset,
                step_ms=full, replay_ms=replay, kernel_ms=total / 1e3, kernels=dict(rows), gpu=device_name(dev),
                commit=commit())
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
-    out = Path(args.out or Path(__file__).parent / "results" / f"jobprof-{stamp}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    print(f"wrote {out}")
+    write_results("jobprof", res, out=args.out)
     return 0
 
 

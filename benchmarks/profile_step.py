@@ -15,24 +15,22 @@ norms and elementwise, copies), so that what costs INT2 more than bf16 is read o
     python benchmarks/profile_step.py --shape smollm2 --requests 64 --context 8192
     python benchmarks/profile_step.py --shape qwen3-8b --layers 8 --requests 4 --context 32768
 
-Writes benchmarks/results/stepprof-<shape>-<UTC time>.json.
+Writes benchmarks/results/stepprof-<UTC time>-<shape>.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import os
 import re
 import sys
-from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_job import build_model, fill_synthetic  # noqa: E402
+from results_io import write_results  # noqa: E402
 
 from rotkv.bench import commit, device_name  # noqa: E402
 from rotkv.cache import RotkvCache  # noqa: E402
@@ -151,13 +149,9 @@ def main(argv=None) -> int:
         print(f"top kernels, {r['preset']}:")
         for name, k in list(r["kernels"].items())[:8]:
             print(f"  {k['us']:9.1f} us {k['calls']:5.1f}x  [{k['category']}] {name[:90]}")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
-    out = Path(a.out or Path(__file__).parent / "results" / f"stepprof-{a.shape}-{stamp}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(shape=a.shape, layers=shape["num_hidden_layers"], requests=a.requests,
+    write_results("stepprof", dict(shape=a.shape, layers=shape["num_hidden_layers"], requests=a.requests,
                                    context=a.context, results=res, gpu=device_name(model.device), commit=commit()),
-                              indent=1))
-    print(f"wrote {out}")
+                  tag=a.shape, out=a.out)
     return 0
 
 

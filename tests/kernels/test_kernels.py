@@ -11,7 +11,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from rotkv.cache.paged import Bf16PagePool, Int2PagePool, PageTable, lengths_from_table  # noqa: E402
+from paged_fixture import Bf16PagePool, Int2PagePool, PageTable, lengths_from_table  # noqa: E402
 from rotkv.kernels.body import PagedBody, TokenPart  # noqa: E402
 from rotkv.kernels.decode import DecodeConfig, decode_attention  # noqa: E402
 from rotkv.kernels.dequant import dequant_dense  # noqa: E402

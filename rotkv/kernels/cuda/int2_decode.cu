@@ -22,7 +22,7 @@
 // group (G % 32 == 0). Value rows of one m16 tile cover 16 dims of one plane inside 32 consecutive
 // dims, so they share a group too.
 //
-// Layout (as rotkv.cache.paged.Int2PagePool): codes [NP, H, P, D/4] u8, scale/lo [NP, H, P, D/G]
+// Layout (as Int2PagePool, tests/kernels/paged_fixture.py): codes [NP, H, P, D/4] u8, scale/lo [NP, H, P, D/G]
 // fp16, page table kv_indptr [B+1], kv_indices, kv_last_page_len [B] (int32), P % 16 == 0.
 // Output: unnormalized partials o [B, HQ, NS, D] fp32, running max m and sum l [B, HQ, NS]
 // (base 2: the query scale carries log2 e), merged by the Triton merge kernel.

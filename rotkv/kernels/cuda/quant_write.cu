@@ -24,7 +24,7 @@
 // in fp32 and subtracted after the product. The fp32 product tile goes through shared memory into
 // the strided layout.
 //
-// Layout of the pool (rotkv.cache.paged.Int2PagePool): codes [NP, H, P, D * BITS / 8] u8,
+// Layout of the pool (Int2PagePool, tests/kernels/paged_fixture.py): codes [NP, H, P, D * BITS / 8] u8,
 // scale/lo [NP, H, P, D / G] fp16; row of (token, head) = (page * H + h) * P + offset, slot =
 // page * P + offset.
 

@@ -11,7 +11,7 @@ All methods run in lockstep on the same chunks; each chunk's logits are scored a
 next tokens (NLL) and against an exact fp32 cache without a budget (KL(ref || method)).
 Writes a JSON with the totals and, per chunk, each method's bytes, stored tokens and widths.
 
-    python benchmarks/pmkvq_equal_memory.py --context 1024 --continuation 6144 \\
+    python benchmarks/archive/pmkvq_equal_memory.py --context 1024 --continuation 6144 \\
         --artifact identity=pm_identity.safetensors --artifact oscar=pm_oscar.safetensors \\
         --out docs/results/pmkvq_equal_memory.json
 """

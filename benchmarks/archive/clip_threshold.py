@@ -15,7 +15,7 @@ distribution from the uncached model's over ``--kl-new`` decoded tokens after th
 (``rotkv.calibrate.keybits.decode_kl``). The result is the mean over layers (attn-error), tokens (KL)
 and windows, with a 95% CI over windows of the paired difference against the exact rank::
 
-    python benchmarks/clip_threshold.py --artifact oscar.safetensors   # from `rotkv calibrate --method oscar`
+    python benchmarks/archive/clip_threshold.py --artifact oscar.safetensors   # from `rotkv calibrate --method oscar`
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from rotkv.calibrate.corpus import token_chunks  # noqa: E402
 from rotkv.calibrate.keybits import _logp, decode_kl  # noqa: E402

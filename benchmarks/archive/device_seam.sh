@@ -8,7 +8,7 @@
 #   3. the cache on CUDA: kernel path == reference path, CUDA-graph decode == eager, mixed widths,
 #      SmolLM2 teacher-forced through the CUDA / Triton / auto plans; prebuild loaders; the plans;
 #   4. one CUDA-graph generate of SmolLM2 (the plan captured in the graph).
-# Run: OUT=/tmp/out bash benchmarks/device_seam.sh   (ROTKV_GGUF: the SmolLM2 .gguf, as before)
+# Run: OUT=/tmp/out bash benchmarks/archive/device_seam.sh   (ROTKV_GGUF: the SmolLM2 .gguf, as before)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p $OUT benchmarks/results
 t0=$(date +%s)

@@ -1,4 +1,6 @@
-"""Stand-alone page pools and a page table, in the layout the kernels read (kernel tests, benchmarks).
+"""Stand-alone page pools and a page table, in the layout the kernels read (for the kernel tests).
+
+Was ``rotkv.cache.paged``; only tests/kernels/test_kernels.py uses it.
 
 The cache itself keeps its pages in ``rotkv.cache.pools`` (one per layer) and its page lists in
 ``rotkv.cache.plan`` (shared by the layers); both use the layout described here.

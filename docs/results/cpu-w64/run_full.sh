@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# How docs/results was produced (SmolLM2-135M-Instruct, CPU, transformers 5.24, torch 2.13):
+# How docs/results/cpu-w64 was produced (SmolLM2-135M-Instruct, CPU, transformers 5.24, torch 2.13):
 # the full profile, split over parallel single-thread processes by method (results are cached per method,
 # task and length, so the processes share one output folder), then one --report-only pass that merges
 # every method into results.json, report.md, README_section.md and the plots.
 #
-#   bash docs/results/run_full.sh [ARTIFACT_DIR]          # run from the repository root
+#   bash docs/results/cpu-w64/run_full.sh [ARTIFACT_DIR]          # run from the repository root
 #
 # One thread per process: on a busy CPU, torch's default (every core, OpenMP spin-waiting) was 10x slower.
 # Peers: pip install 'rotkv[peers]' (optimum-quanto compiles its CPU extension on first use: needs a C++
 # compiler and a few minutes).
 set -euo pipefail
 ART=${1:-artifacts}
-OUT=docs/results
+OUT=docs/results/cpu-w64
 mkdir -p "$ART"
 # Artifacts. oscar: the calibration defaults. optr: fewer tokens and steps than the defaults (8192 / 20
 # instead of 16384 / 80), which would have taken about 100 minutes on the shared CPU of this run.

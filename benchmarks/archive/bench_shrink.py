@@ -11,7 +11,7 @@ timed at that body size. Cost per generated token = layers x sum of shrink times
 
 Timing: medians over ``--repeats`` after ``--warmup``, CUDA events on the GPU. Needs only torch:
 
-    PYTHONPATH=. python benchmarks/bench_shrink.py --device cpu --out bench_shrink_cpu.json
+    PYTHONPATH=. python benchmarks/archive/bench_shrink.py --device cpu --out bench_shrink_cpu.json
 """
 
 from __future__ import annotations

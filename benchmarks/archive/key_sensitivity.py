@@ -6,7 +6,7 @@ PM-KVQ's first-order bound (rotkv.rotations.pmkvq), keys only: for layer l,
 summed over calibration chunks (never the evaluation text). Prints the layers ranked by gain and the
 ``k_bits`` string for the top N.
 
-Usage: python benchmarks/key_sensitivity.py --artifact oscar.safetensors --top 10 --out ks.json
+Usage: python benchmarks/archive/key_sensitivity.py --artifact oscar.safetensors --top 10 --out ks.json
 """
 
 from __future__ import annotations

@@ -1,0 +1,157 @@
+"""Write benchmarks/results/INDEX.md: the current (newest) file of each benchmark kind.
+
+    python benchmarks/results_index.py            # rewrite INDEX.md
+    python benchmarks/results_index.py --check    # exit 1 if INDEX.md differs from what it would write
+
+Kind: the longest known prefix of the file name (``KINDS``; ``decode-d64`` before ``decode``), else
+the part before the first ``-YYYYMMDD``, else the part before the first ``-``; a JSON whose ``gpu`` field
+is ``cpu`` makes a kind of its own (``generate (cpu)``).
+Commit: the JSON's ``commit`` field (first row of a list), else a 7-40 digit hex part of the name.
+Date: the JSON's ``utc`` field (``results_io.write_results``), else the name's ``YYYYMMDD[-HHMM]``.
+Newest: the commit's committer date in git where git knows the commit (names were given by the clock
+of whichever machine fetched them, so they do not order runs), else the date above; then the date
+above. Files of a kind that tie on both are all current (e.g. one profile per shape at one commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+KINDS = ("breakdown", "capacity", "clip-threshold", "decode", "decode-d64", "decode-error", "generate", "job",
+         "jobprof", "mixed", "ncu-decode", "ncu-write", "sass-decode", "seam_figures", "stepprof", "tests-cuda",
+         "write")
+SUFFIXES = (".json", ".log", ".txt")
+_DATE = re.compile(r"(?:^|[-_])(20\d{6})(?:-(\d{4})(?=[-_.]|$))?")
+_HEX = re.compile(r"(?:^|[-_])([0-9a-f]{7,40})(?=[-_.]|$)")
+
+
+def kind_of(name: str) -> str:
+    stem = name.rsplit(".", 1)[0]
+    known = [k for k in KINDS if stem == k or stem.startswith(k + "-") or stem.startswith(k + "_")]
+    if known:
+        return max(known, key=len)
+    m = re.search(r"-20\d{6}", stem)
+    return stem[:m.start()] if m else stem.split("-")[0]
+
+
+def _first(data, key):
+    """``key`` of a dict (or of its ``meta``, or of the first of its ``rows``), or of a list's first row."""
+    if isinstance(data, dict):
+        if data.get(key) is not None:
+            return data[key]
+        for inner in (data.get("meta"), data.get("rows"), data.get("results")):
+            v = _first(inner, key) if isinstance(inner, (dict, list)) else None
+            if v is not None:
+                return v
+        return None
+    if isinstance(data, list) and data and isinstance(data[0], dict):
+        return data[0].get(key)
+    return None
+
+
+def read_stamp(path: Path) -> tuple[str | None, str | None, str | None]:
+    """(commit, date, device) of one result file: JSON fields where present, else the name."""
+    commit = utc = gpu = None
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = None
+        commit, utc, gpu = _first(data, "commit"), _first(data, "utc"), _first(data, "gpu")
+    name = path.name
+    if not commit:
+        hexes = [h for h in _HEX.findall(name.rsplit(".", 1)[0]) if not h.isdigit()]
+        commit = hexes[0] if hexes else None
+    if commit:
+        commit = str(commit).split()[0][:7]
+    if not utc:
+        m = _DATE.search(name)
+        if m:
+            d, t = m.group(1), m.group(2)
+            utc = f"{d[:4]}-{d[4:6]}-{d[6:]}" + (f" {t[:2]}:{t[2:]}" if t else "")
+    return commit, utc, gpu
+
+
+def commit_dates(commits: set[str], root: Path) -> dict[str, str]:
+    """Committer dates (ISO, UTC) of the commits git knows; the rest are left out."""
+    out = {}
+    for c in sorted(commits):
+        if not re.fullmatch(r"[0-9a-f]{7,40}", c):
+            continue
+        r = subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%cd", "--date=format-local:%Y-%m-%d %H:%M:%S",
+                            c, "--"], capture_output=True, text=True, env={**os.environ, "TZ": "UTC"})
+        if r.returncode == 0 and r.stdout.strip():
+            out[c] = r.stdout.strip()
+    return out
+
+
+def result_files(results: Path = RESULTS) -> list[Path]:
+    return sorted(p for p in results.iterdir() if p.is_file() and p.suffix in SUFFIXES)
+
+
+def build(results: Path = RESULTS) -> tuple[str, bool]:
+    """INDEX.md's text, and whether git knew every commit named (else the order fell back on dates)."""
+    files = result_files(results)
+    stamps = {p.name: read_stamp(p) for p in files}
+    dates = commit_dates({c for c, _, _ in stamps.values() if c}, results)
+    complete = all(c in dates for c, _, _ in stamps.values() if c and re.fullmatch(r"[0-9a-f]{7}", c))
+    by_kind: dict[str, list[str]] = {}
+    for p in files:
+        gpu = stamps[p.name][2]
+        by_kind.setdefault(kind_of(p.name) + (" (cpu)" if gpu == "cpu" else ""), []).append(p.name)
+
+    def key(name):
+        c, d, _ = stamps[name]
+        return (dates[c] if c in dates else (d or ""), d or "")
+
+    lines = ["# Benchmark results: the current file of each kind", "",
+             "Generated by `python benchmarks/results_index.py` (do not edit; `tests/test_results_index.py`",
+             "fails when this file is stale). Current = newest by the commit's date in git, else by the file's",
+             "date (JSON `utc`, else the name), then by that date; ties are all current. Commit and date as the file gives them",
+             "(JSON fields, else the name). What each kind measures: `benchmarks/README.md`; the device",
+             "scripts that produced them: `benchmarks/archive/README.md`.", "",
+             f"{len(files)} files, {len(by_kind)} kinds.", "",
+             "| kind | current file | commit | date | older files |", "| --- | --- | --- | --- | --- |"]
+    for kind in sorted(by_kind):
+        names = sorted(by_kind[kind], key=lambda n: (key(n), n))
+        top = key(names[-1])
+        current = [n for n in names if key(n) == top]
+        for i, n in enumerate(current):
+            c, d, _ = stamps[n]
+            older = str(len(names) - len(current)) if i == 0 else ""
+            lines.append(f"| {kind if i == 0 else ''} | [{n}]({n}) | {c or '-'} | {d or '-'} | {older} |")
+    lines += ["", "## All files", ""]
+    for kind in sorted(by_kind):
+        lines.append(f"- {kind}: " + ", ".join(f"`{n}`" for n in sorted(by_kind[kind], key=lambda n: (key(n), n))))
+    return "\n".join(lines) + "\n", complete
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--check", action="store_true", help="compare with INDEX.md instead of writing it")
+    a = ap.parse_args(argv)
+    results = Path(a.results)
+    text, complete = build(results)
+    if not complete:
+        print("warning: git does not know every commit named; those files are ordered by date", file=sys.stderr)
+    index = results / "INDEX.md"
+    if a.check:
+        same = index.exists() and index.read_text() == text
+        print("INDEX.md is current" if same else "INDEX.md is stale: run python benchmarks/results_index.py")
+        return 0 if same else 1
+    index.write_text(text)
+    print(f"wrote {index}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
