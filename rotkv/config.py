@@ -10,6 +10,12 @@ import numbers
 from dataclasses import dataclass
 
 META_NAMES = ("float16", "float8", "float32")
+
+
+class RotkvWarning(UserWarning):
+    """A value rotkv changed or ignored (the CLI prints it as ``rotkv <command>: warning: ...``)."""
+
+
 KEY_WIDTHS = (2, 3, 4, 8)  # per-layer key widths (`k_bits`); 3 bits is bit-sliced (rotkv.quant.packing)
 ROTATIONS = ("identity", "hadamard", "random", "artifact")
 CODECS = ("token", "kivi")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -10,7 +13,7 @@ import numpy as np
 
 from rotkv.cache.layer import HybridLayer
 from rotkv.cache.plan import PageState
-from rotkv.config import CacheSpec, get_preset, parse_layer_bits
+from rotkv.config import CacheSpec, RotkvWarning, get_preset, parse_layer_bits
 from rotkv.hf import compat
 from rotkv.hf.attention import install
 from rotkv.hf.models import check_supported, mean_centering_blocker, sliding_layers
@@ -21,6 +24,8 @@ from rotkv.rotations.registry import build_rotations
 
 
 def resolve_spec(spec: CacheSpec | str, **overrides) -> CacheSpec:
+    if not isinstance(spec, (str, CacheSpec)):
+        raise TypeError(f"spec has to be a preset name (e.g. 'quarot-int2') or a CacheSpec, not {spec!r}")
     return get_preset(spec, **overrides) if isinstance(spec, str) else spec.replace(**overrides)
 
 
@@ -29,6 +34,7 @@ def layer_rotations(model, spec: CacheSpec, artifact: Artifact | str | None) -> 
     if spec.needs_artifact:
         if artifact is None:
             method = spec.method or (spec.name.split("-")[0] if spec.name != "custom" else "oscar")
+            method = spec.name if spec.k_bits == "artifact" else method
             raise ValueError(
                 f"preset {spec.name!r} needs a calibration artifact (rotations, key means, clip ratios); make one with "
                 f"`rotkv calibrate --method {method} --out {method}.safetensors` and pass --artifact {method}.safetensors"
@@ -77,12 +83,23 @@ class RotkvCache(Cache):
 
     def __init__(self, model, spec: CacheSpec | str = "quarot-int2", artifact: Artifact | str | None = None,
                  check_finite: bool = True, layer_bits=None, decode_score: str | None = None, **overrides):
+        if not hasattr(model, "config"):
+            raise TypeError(f"model has to be a transformers model (with a config), not {type(model).__name__}")
+        if artifact is not None and not isinstance(artifact, (str, os.PathLike, Artifact)):
+            raise TypeError(f"artifact has to be a file path, an Artifact or None, not {type(artifact).__name__}")
         check_supported(model)
         self.spec = resolve_spec(spec, **overrides)
         num_layers, kv_heads, head_dim = model_geometry(model.config)
         self.head_dim, self.kv_heads = head_dim, kv_heads
+        self.check_finite = check_finite
         if self.spec.quantized:
             check_group(self.spec.resolved_group(head_dim), head_dim)
+            if (overrides.get("group_size") or 0) > head_dim:  # asked for (a preset's default is clamped quietly)
+                warnings.warn(f"group_size {self.spec.group_size} is larger than head_dim {head_dim}: "
+                              f"using {head_dim}", RotkvWarning, stacklevel=2)
+        if artifact is not None and not self.spec.needs_artifact and self.spec.budget_tokens is None:
+            warnings.warn(f"the artifact is not used by preset {self.spec.name!r} (rotation {self.spec.rotation!r})",
+                          RotkvWarning, stacklevel=2)
         if self.spec.k_bits and self.spec.k_bits != "artifact":
             bad = sorted(i for i in parse_layer_bits(self.spec.k_bits) if i >= num_layers)
             if bad:
@@ -96,7 +113,7 @@ class RotkvCache(Cache):
         if self.spec.k_bits == "artifact":
             if self.artifact is None or "k_bits" not in self.artifact.tensors:
                 raise ValueError("`k_bits`='artifact' needs an artifact with per-layer key widths (`k_bits`); make one with "
-                                 "`python -m rotkv.calibrate.keybits --base-artifact A --layers N --out B`")
+                                 f"`rotkv calibrate --method {self.spec.name} --out {self.spec.name}.safetensors`")
             artifact_bits = [int(b) for b in self.artifact.tensors["k_bits"].tolist()]
         windows = sliding_layers(model)
         sp = self.spec
@@ -129,6 +146,26 @@ class RotkvCache(Cache):
         super().__init__(layers=layers)
         self.rotation_bytes = sum(r.nbytes for r in rotations)
         install(model)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' entry (the model calls it once per layer and forward); checks what a direct
+        call can get wrong: the layer index, the shapes ``[B, kv_heads, q, head_dim]`` and, with
+        ``check_finite``, NaN/Inf (nothing is stored then)."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise IndexError(f"layer_idx has to be an int in [0, {len(self.layers) - 1}] but got {layer_idx!r}")
+        want = (self.kv_heads, self.head_dim)
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or (t.shape[1], t.shape[3]) != want \
+                    or not t.is_floating_point():
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} has to be a float tensor [batch, {want[0]}, tokens, {want[1]}] "
+                                 f"(kv_heads, head_dim of layer {layer_idx}) but got {shape}")
+        if key_states.shape[:3] != value_states.shape[:3]:
+            raise ValueError(f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} "
+                             "differ in batch or tokens")
+        if self.check_finite and not bool(torch.isfinite(key_states).all() & torch.isfinite(value_states).all()):
+            raise ValueError(f"layer {layer_idx}: the new key/value states contain NaN or Inf; nothing was stored")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # ---- batch edits: one page-list edit, then every layer copies the pages it must ---------------
     def _select_rows(self, index) -> None:

@@ -56,7 +56,7 @@ def early_artifact(command: str, spec, path: str | None):
 
     if path is None:
         if spec.needs_artifact:
-            method = spec.method or "oscar"
+            method = spec.name if spec.k_bits == "artifact" else (spec.method or "oscar")
             raise UsageError(f"--artifact: preset {spec.name!r} needs a calibration artifact; make one with "
                              f"`rotkv calibrate --method {method} --out {method}.safetensors`")
         return None
