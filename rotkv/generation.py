@@ -46,7 +46,7 @@ def encode_prompt(tokenizer, text: str, chat: bool = True) -> torch.Tensor:
 @torch.no_grad()
 def prefill(model, ids: torch.Tensor, cache) -> None:
     """Run ``ids [1, n]`` through the model into the cache (chunked inside the cache)."""
-    model(input_ids=ids.to(model.device), use_cache=True, **{cache_kwarg(model): cache})
+    model(input_ids=ids.to(model.device), use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
 
 
 @torch.no_grad()
@@ -110,8 +110,8 @@ def generate_batch(model, ids: torch.Tensor, cache, max_new_tokens: int, attenti
     mask = attention_mask.to(dev) if attention_mask is not None else None
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0) if mask is not None else None
     t0 = _sync(dev)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{kw: cache})
-    tok = out.logits[:, -1].argmax(-1)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **{kw: cache})
+    tok = out.logits[:, -1].argmax(-1)  # logits_to_keep: not [B, L, vocab] float32 (4 GB at 20K tokens here)
     prefill_s = _sync(dev) - t0
     lengths = (mask.long().sum(-1) if mask is not None else torch.full((ids.shape[0],), ids.shape[1], device=dev))
     graph = None
