@@ -10,8 +10,9 @@ compilation) and once measured:
 - ``rotkv:<preset>`` eager and ``rotkv:<preset>+graph`` (the decode step in a CUDA graph).
 
 Rows: method, batch, context, prefill_s, step_ms (median decode step, the first excluded),
-tok_per_s (batch / step), peak_gb (peak allocated GPU memory over the run), cache_gb (GPU memory
-the cache holds once it is filled), kv_bytes and bits_per_element (the cache's own accounting),
+tok_per_s (batch / step), peak_gb (peak allocated GPU memory over the run; on the CPU the process's
+peak resident memory), cache_gb (GPU memory the cache holds once it is filled; on the CPU the growth
+of resident memory, which the allocator may not return: a coarse figure), kv_bytes and bits_per_element (the cache's own accounting),
 gpu, commit.
 """
 
@@ -79,8 +80,27 @@ def _hf_kv_bytes(cache) -> int:
     return total
 
 
+def _proc_status(field: str) -> float:
+    """A ``/proc/self/status`` memory field (VmRSS, VmHWM) in GB; NaN where there is none (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return float("nan")
+
+
 def _mem(dev) -> float:
-    return torch.cuda.memory_allocated(dev) / 1e9 if dev.type == "cuda" else 0.0
+    """GB held: allocated GPU memory, or on the CPU the process's resident memory (VmRSS)."""
+    return torch.cuda.memory_allocated(dev) / 1e9 if dev.type == "cuda" else _proc_status("VmRSS")
+
+
+def _peak(dev) -> float:
+    """GB at the peak since :func:`_clean`: allocated GPU memory, or on the CPU the process's peak
+    resident memory (VmHWM, reset by _clean where the kernel allows it, else the process's peak)."""
+    return torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else _proc_status("VmHWM")
 
 
 def _clean(dev) -> None:
@@ -88,6 +108,12 @@ def _clean(dev) -> None:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
+        except OSError:
+            pass
 
 
 def run_method(model, method: str, ids: torch.Tensor, new_tokens: int, artifact: str | None = None,
@@ -130,7 +156,7 @@ def run_method(model, method: str, ids: torch.Tensor, new_tokens: int, artifact:
             st = cache.stats()
             kv, bpe = int(st["kv_bytes"]), float(st["bits_per_element"])
     held = _mem(dev) - base
-    peak = torch.cuda.max_memory_allocated(dev) / 1e9 if dev.type == "cuda" else 0.0
+    peak = _peak(dev)
     del cache
     _clean(dev)
     return run, {"peak_gb": peak, "cache_gb": held, "kv_bytes": kv, "bits_per_element": bpe}

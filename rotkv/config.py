@@ -13,6 +13,12 @@ from rotkv.quant.widths import KEY_WIDTHS, WIDTHS  # noqa: F401 (KEY_WIDTHS: the
 from rotkv.rotations import registry
 
 META_NAMES = ("float16", "float8", "float32")
+
+
+class RotkvWarning(UserWarning):
+    """A value rotkv changed or ignored (the CLI prints it as ``rotkv <command>: warning: ...``)."""
+
+
 # a CacheSpec's rotations: the registry's data-free ones, and "artifact" for every calibrated method
 ROTATIONS = (*registry.data_free(), "artifact")
 CODECS = ("token", "kivi")
@@ -50,7 +56,7 @@ class CacheSpec:
     shift, anchor: progressive only; see rotkv.quant.progressive.
     k_bits: per-layer key widths that differ from ``bits``, as ``"LAYERS:BITS"`` items joined by ``,``
         (``"15-24:4"``: the keys of layers 15 to 24 at 4 bits; values keep ``bits``), or ``"artifact"``:
-        the artifact's ``k_bits`` tensor (``python -m rotkv.calibrate.keybits``). Key layers at a
+        the artifact's ``k_bits`` tensor (``python -m rotkv.cli.keybits``). Key layers at a
         width other than ``bits`` are not clipped (clip ratios are fitted for ``bits``). None: every
         layer at ``bits``. Counted in the measured bits like everything else.
     meta_k, meta_v: dtype of each key / value group's scale and lo: ``float16``, ``float8`` (e4m3,
@@ -235,7 +241,7 @@ PRESETS: dict[str, CacheSpec] = {
         name="optr-int2", bits=2, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="optr"
     ),
     # the recommended INT2 preset (docs/results/accuracy.md): OSCAR, with the keys of the most sensitive
-    # layers at 4 bits (the artifact's `k_bits`, python -m rotkv.calibrate.keybits), fp8 value metadata
+    # layers at 4 bits (the artifact's `k_bits`, python -m rotkv.cli.keybits), fp8 value metadata
     # and a 16-token sink + 32-token window to pay for them: ~3.1 measured bits per element at 2K tokens
     # (at 32K+ tokens a larger window costs little: --window 256)
     "oscar-mix": CacheSpec(
@@ -271,7 +277,7 @@ def artifact_file(spec: CacheSpec | str, base: bool = False) -> str:
 
     ``<method>.safetensors``, the artifact of its calibration method (:func:`calibration_method`;
     ``oscar-int2`` reads ``oscar.safetensors``), or for a preset that takes per-layer key widths from its
-    artifact (``k_bits="artifact"``) its own ``<preset>.safetensors`` (``python -m rotkv.calibrate.keybits``),
+    artifact (``k_bits="artifact"``) its own ``<preset>.safetensors`` (``python -m rotkv.cli.keybits``),
     made from the method's file (``base=True`` names that one).
     """
     spec = get_preset(spec) if isinstance(spec, str) else spec

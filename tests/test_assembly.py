@@ -78,5 +78,5 @@ def test_bad_inputs_fail_before_any_layer(tiny_llama):
         RotkvCache(tiny_llama, "pmkvq", decode_score="bf16", **BASE)
     with pytest.raises(ValueError, match=r"`k_bits` names layers \[5\]"):
         plan_cache(tiny_llama, CacheSpec(bits=2, k_bits="5:4", **BASE))
-    with pytest.raises(ValueError, match="needs a calibration artifact.*--method oscar --out oscar.safetensors"):
+    with pytest.raises(ValueError, match="needs a calibration artifact.*--method oscar-mix --out oscar-mix.safetensors"):
         plan_cache(tiny_llama, get_preset("oscar-mix", **BASE))

@@ -126,9 +126,9 @@ def test_nan_in_states_is_refused_and_nothing_else_changes():
     pages = layer.state.tier_free.used, layer.state.body_free.used
     k = torch.randn(1, H, P, D)
     k[0, 1, 2, 3] = float("nan")
-    layer.update(k, k)
-    with pytest.raises(ValueError, match="NaN or Inf"):
-        layer.attend(torch.randn(1, H, P, D), None, 0.25)
+    with pytest.raises(ValueError, match="NaN or Inf"):  # refused where it arrives (the update)
+        layer.update(k, k)
+    assert layer.pending is None
     assert torch.equal(layer.read(0)[0], before)
     assert (layer.state.tier_free.used, layer.state.body_free.used) == pages
     assert layer.get_seq_length() == S + W + P

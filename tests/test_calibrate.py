@@ -194,3 +194,35 @@ def test_key_widths_are_chosen_by_measured_gain(tiny_llama, tmp_path):
     assert gains.shape == (2,) and np.isfinite(gains).all() and base > 0
     tensors, _ = with_key_bits(art, gains, 1)
     assert tensors["k_bits"].tolist()[int(np.argmax(gains))] == 4 and sorted(tensors["k_bits"].tolist()) == [2, 4]
+
+
+@pytest.mark.parametrize("prune", [False, True])
+def test_grouped_key_width_runs_match_the_lone_runs(tiny_llama, tmp_path, prune):
+    """The key-width search runs every cache variant and window as rows of one batch (the first
+    prefill chunk once; with prune, the run of layer l skips the layers below l): the per-token KL
+    of each (variant, window) is that of its lone run."""
+    from rotkv.cache import RotkvCache
+    from rotkv.calibrate.keybits import _logp, decode_kl, grouped_decode_kl
+    from rotkv.config import get_preset
+    from rotkv.rotations.artifact import load_artifact
+    from test_cache_model import write_random_artifact
+
+    path = tmp_path / "a.safetensors"
+    write_random_artifact(tiny_llama, path)
+    art = load_artifact(str(path))
+    spec = get_preset("quarot-int2", rotation="artifact", group_size=16)
+    kw = dict(sink=4, window=8, prefill_chunk=32)
+    variants = [{}, {"k_bits": "0:4"}, {"k_bits": "1:4"}]
+    torch.manual_seed(1)
+    ids = torch.randint(1, 120, (2, 96 + 8))
+    length, new = 96, 8
+    ref = torch.stack([_logp(tiny_llama, ids[w:w + 1, :length + new - 1], keep=new) for w in range(2)])
+    grouped = grouped_decode_kl(tiny_llama, [RotkvCache(tiny_llama, spec, art, **kw, **v) for v in variants], ids,
+                                length, new, 32, ref, first=[None, 0, 1] if prune else None)
+    assert grouped.shape == (3, 2, new)
+    for j, v in enumerate(variants):
+        for w in range(2):
+            lone = decode_kl(tiny_llama, lambda: RotkvCache(tiny_llama, spec, art, **kw, **v), ids[w:w + 1], length,
+                             new, 32, ref[w])
+            torch.testing.assert_close(grouped[j, w], lone, rtol=1e-3, atol=1e-6)
+    assert (grouped[1:] != grouped[0]).any()  # the variants differ: the runs did not share their caches

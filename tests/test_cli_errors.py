@@ -275,3 +275,213 @@ def test_build_kernels_needs_arch_without_a_gpu(no_model, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     rc, _, err = run_cli(capsys, "build-kernels", "--model", "smollm2")
     assert_user_error(rc, err, "--arch", "no CUDA GPU")
+
+
+# ---- first contact, round 3: every case is a clean error or a stated result ---------------------------------
+def test_version_names_the_commit_in_a_checkout(capsys):
+    import os
+
+    import rotkv
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    out = capsys.readouterr().out.strip()
+    assert e.value.code == 0 and out.startswith(f"rotkv {rotkv.__version__}")
+    if os.path.exists(os.path.join(os.path.dirname(os.path.dirname(rotkv.__file__)), ".git")):
+        assert "(git " in out
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--prompt", "hi", "--temperature", "0.5"], ["--temperature 0.5 has no effect without --sample"]),
+    (["--prompt", "hi", "--top-p", "0.5"], ["--top-p 0.5 has no effect without --sample"]),
+    (["--prompt", "hi", "--preset", "oscar-mix"], ["rotkv calibrate --method oscar-mix"]),
+])
+def test_generate_ignored_flags_and_oscar_mix_hint(no_model, capsys, argv, needles):
+    rc, _, err = run_cli(capsys, "generate", *argv)
+    assert_user_error(rc, err, *needles)
+
+
+def test_generate_plain_oscar_artifact_for_oscar_mix_fails_before_the_model(no_model, capsys, oscar):
+    rc, _, err = run_cli(capsys, "generate", "--prompt", "hi", "--preset", "oscar-mix", "--artifact", oscar,
+                         "--group-size", "16")
+    assert_user_error(rc, err, "k_bits", "rotkv calibrate --method oscar-mix")
+
+
+def test_inspect_check_preset_runs_generates_contract(tiny, capsys, oscar, tmp_path):
+    """inspect --check --preset oscar-mix refuses what generate refuses: an artifact without key widths."""
+    rc, out, err = run_cli(capsys, "inspect", oscar, "--check", "--preset", "oscar-mix")
+    assert_user_error(rc, err, "k_bits", "per-layer key widths")
+    mixed = write_artifact(tiny, tmp_path / "mix.safetensors", tensors={"k_bits": torch.tensor([4, 2], dtype=torch.int32),
+                                                                        "k_gain": torch.tensor([0.1, 0.0])})
+    rc, out, err = run_cli(capsys, "inspect", mixed, "--check", "--preset", "oscar-mix")
+    assert rc == 0 and "preset oscar-mix: matches" in out, err
+
+
+def test_over_long_prompt_is_refused_unless_allowed(tiny, capsys):
+    from rotkv.cli.errors import UsageError
+    from rotkv.cli.generate import check_length
+
+    check_length(tiny, 4000, 96, False)  # 4096: the tiny model's context, exactly
+    with pytest.raises(UsageError, match="longer than the model's context of 4096 tokens.*--allow-long"):
+        check_length(tiny, 4000, 97, False)
+    check_length(tiny, 10000, 64, True)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rotkv generate: warning:") and len(err.splitlines()) == 1 and "--allow-long" in err
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--threads", "0"], ["--threads has to be >= 1"]),
+    (["--samples", "0"], ["--samples has to be >= 1"]),
+    (["--lengths", "0"], ["--lengths", ">= 256", "'0'"]),
+    (["--lengths", "1024,-5"], ["--lengths", "'-5'"]),
+    (["--lengths", "abc"], ["--lengths", "'abc' is not a number"]),
+    (["--lengths", "nll=1K", "foo=2K"], ["--lengths", "unknown task 'foo'"]),
+    (["--depths", "x"], ["--depths"]),
+])
+def test_eval_user_errors_before_the_model(no_model, capsys, tmp_path, argv, needles):
+    rc, _, err = run_cli(capsys, "eval", "--out", str(tmp_path / "e"), *argv)
+    assert_user_error(rc, err, *needles)
+
+
+def test_demo_code_has_to_be_digits(no_model, capsys):
+    rc, _, err = run_cli(capsys, "demo", "--code", "abc")
+    assert_user_error(rc, err, "--code has to be digits", "'abc'")
+
+
+def test_demo_makes_a_requested_missing_artifact(no_model, capsys, tmp_path):
+    rc, _, err = run_cli(capsys, "demo", "--artifact-dir", str(tmp_path), "--presets", "bf16,oscar-mix")
+    assert f"oscar-mix: no oscar-mix.safetensors in {tmp_path}: it is calibrated" in err
+    assert "skipping optr-int2" in err and "rotkv calibrate --method optr" in err
+    assert rc == 1 and "ModelLoaded" in err  # then the model loads, and the artifact is made
+
+
+def test_model_folder_without_weights_or_tokenizer_names_the_path(no_model, capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    rc, _, err = run_cli(capsys, "generate", "--prompt", "hi", "--model", str(tmp_path))
+    assert_user_error(rc, err, f"--model {tmp_path}", "no weights")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    rc, _, err = run_cli(capsys, "generate", "--prompt", "hi", "--model", str(tmp_path))
+    assert_user_error(rc, err, f"--model {tmp_path}", "no tokenizer")
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--methods", "rotkv:foo"], ["--methods rotkv:foo", "unknown preset 'foo'"]),
+    (["--methods", "vllm"], ["--methods", "unknown method 'vllm'"]),
+    (["--methods", "rotkv:quarot-int2+graph", "--device", "cpu"], ["+graph needs CUDA"]),
+    (["--methods", "hf-static-compile", "--device", "cpu"], ["hf-static-compile needs CUDA"]),
+    (["--methods", "rotkv:oscar-int2"], ["--artifact", "oscar-int2"]),
+    (["--random", "qwen3-8b", "--layers", "0"], ["--layers has to be >= 1"]),
+    (["--layers", "2"], ["--layers applies to --random"]),
+    (["--new-tokens", "1"], ["--new-tokens"]),
+])
+def test_bench_user_errors_before_the_model(no_model, capsys, argv, needles):
+    rc, _, err = run_cli(capsys, "bench", *argv)
+    assert_user_error(rc, err, *needles)
+
+
+def test_bench_predicts_memory_before_building_a_random_model(no_model, capsys, monkeypatch):
+    monkeypatch.setattr("rotkv.cli.bench.available_gb", lambda device: 16.0)
+    monkeypatch.setattr("rotkv.cli.bench._random_model", lambda *a: (_ for _ in ()).throw(ModelLoaded("built")))
+    rc, _, err = run_cli(capsys, "bench", "--random", "qwen3-8b", "--device", "cpu")
+    assert_user_error(rc, err, "--random qwen3-8b", "32.8 GB", "16.0 GB free", "--layers N")
+    rc, _, err = run_cli(capsys, "bench", "--random", "qwen3-8b", "--layers", "2", "--device", "cpu")
+    assert rc == 1 and "built" in err  # 2 layers fit: it goes on to build
+
+
+def test_bench_fails_when_a_method_fails_and_reports_cpu_memory(tiny, capsys, monkeypatch, tmp_path):
+    import json
+
+    other = make_tiny_llama(seed=1)  # an artifact made for another model: refused when the cache is built
+    art = write_artifact(other, tmp_path / "oscar.safetensors")
+    monkeypatch.setattr("rotkv.hf.models.load_model", lambda *a, **k: Loaded(tiny, ByteTokenizer(), "tiny"))
+    out = tmp_path / "b.json"
+    rc, stdout, err = run_cli(capsys, "bench", "--methods", "hf-dynamic", "rotkv:oscar-int2", "--artifact", art,
+                              "--group-size", "16", "--batch", "1", "--context", "16", "--new-tokens", "2",
+                              "--device", "cpu", "--out", str(out))
+    assert rc == 1
+    assert "rotkv bench: error: rotkv:oscar-int2 at batch 1 x 16:" in err and "made for another model" in err
+    rows = {r["method"]: r for r in json.load(open(out))["rows"]}
+    assert rows["hf-dynamic"]["peak_gb"] > 0.01  # the process's resident memory, not 0.0
+
+
+def test_export_refuses_an_artifact_without_rotations(tiny, capsys, tmp_path):
+    from rotkv.rotations.artifact import load_artifact, save_artifact
+
+    art = load_artifact(write_artifact(tiny, tmp_path / "a.safetensors"))
+    tensors = {k: v for k, v in art.tensors.items() if not k.startswith(("R_K.", "R_V."))}
+    tensors["bits"] = torch.tensor([2, 4], dtype=torch.int32)
+    save_artifact(str(tmp_path / "pmkvq.safetensors"), tensors, dict(art.meta) | {"method": "pmkvq"})
+    rc, _, err = run_cli(capsys, "export", "--format", "oscar", "--artifact", str(tmp_path / "pmkvq.safetensors"),
+                         "--out", str(tmp_path / "x"))
+    assert_user_error(rc, err, "holds no rotations", "'pmkvq'")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--key-layers", "0"], ["--key-layers has to be in [1, 30]", "got 0"]),
+    (["--key-layers", "100"], ["--key-layers has to be in [1, 30]", "got 100"]),
+    (["--key-windows", "0"], ["--key-windows has to be >= 1"]),
+    (["--base-artifact", "/no/such.safetensors"], ["artifact file not found"]),
+])
+def test_calibrate_oscar_mix_user_errors_before_the_model(no_model, capsys, tmp_path, argv, needles):
+    rc, _, err = run_cli(capsys, "calibrate", "--method", "oscar-mix", "--out", str(tmp_path / "m.safetensors"), *argv)
+    assert_user_error(rc, err, *needles)
+
+
+def test_calibrate_oscar_mix_checks_the_base_artifact(no_model, capsys, tiny, tmp_path):
+    optr = write_artifact(tiny, tmp_path / "optr.safetensors", method="optr")
+    rc, _, err = run_cli(capsys, "calibrate", "--method", "oscar-mix", "--base-artifact", optr,
+                         "--out", str(tmp_path / "m.safetensors"))
+    assert_user_error(rc, err, "--base-artifact", "method: artifact 'optr' vs preset 'oscar'")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(bytes(range(256)) * 8)
+    rc, _, err = run_cli(capsys, "calibrate", "--method", "oscar-mix", "--base-artifact", str(junk),
+                         "--out", str(tmp_path / "m.safetensors"))
+    assert_user_error(rc, err, "cannot read artifact")
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--base-artifact", "/no/such.safetensors", "--layers", "10"], ["artifact file not found"]),
+    (["--layers", "0"], ["--layers has to be in [1, 30]"]),
+    (["--layers", "100"], ["--layers has to be in [1, 30]"]),
+])
+def test_keybits_alias_follows_the_cli_rules(no_model, capsys, tmp_path, argv, needles):
+    from rotkv.cli.keybits import main as keybits
+
+    rc = keybits(["--out", str(tmp_path / "m.safetensors"), *argv])
+    assert_user_error(rc, capsys.readouterr().err.strip(), *needles)
+
+
+def test_keybits_alias_unknown_flag_and_read_only_out(no_model, capsys, tmp_path):
+    import os
+
+    from rotkv.cli.keybits import main as keybits
+
+    with pytest.raises(SystemExit) as e:
+        keybits(["--out", str(tmp_path / "m.safetensors"), "--preset", "foo"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "--preset" in err
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    os.chmod(ro, 0o500)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as a user who can write anywhere")
+        rc = keybits(["--out", str(ro / "m.safetensors")])
+        assert_user_error(rc, capsys.readouterr().err.strip(), "--out", "not writable")
+    finally:
+        os.chmod(ro, 0o700)
+
+
+def test_rotkv_warnings_print_as_one_cli_line(capsys, monkeypatch):
+    import warnings
+
+    from rotkv.config import RotkvWarning
+
+    def load_model(*a, **k):
+        warnings.warn("group_size 128 is larger than head_dim 64: using 64", RotkvWarning)
+        raise ModelLoaded("stop here")
+
+    monkeypatch.setattr("rotkv.hf.models.load_model", load_model)
+    rc, _, err = run_cli(capsys, "generate", "--prompt", "hi")
+    assert rc == 1 and "rotkv generate: warning: group_size 128 is larger than head_dim 64: using 64" in err

@@ -77,9 +77,11 @@ def test_artifact_names_and_missing_artifact(tmp_path):
     assert m is None and why == "no oscar"
     m, why = resolve("quarot-int2", 16, 64, None)
     assert why is None and m.overrides == {"sink": 16, "window": 64} and m.bpe_nominal == 2.0
-    # a preset with per-layer key widths reads its own artifact, and says how to make it
-    m, why = resolve("oscar-mix", 16, 32, str(tmp_path), calibrate=lambda method, path: "not called")
-    assert m is None and "rotkv.calibrate.keybits" in why and "oscar-mix.safetensors" in why
+    # a preset with per-layer key widths reads its own artifact: made when missing, or says how to make it
+    m, why = resolve("oscar-mix", 16, 32, str(tmp_path), calibrate=lambda method, path: f"made {method} at {path}")
+    assert m is None and why == f"made oscar-mix at {tmp_path / 'oscar-mix.safetensors'}"
+    m, why = resolve("oscar-mix", 16, 32, str(tmp_path))
+    assert m is None and "rotkv calibrate --method oscar-mix" in why and "oscar-mix.safetensors" in why
     (tmp_path / "oscar-mix.safetensors").write_bytes(b"")
     m, why = resolve("oscar-mix", 16, 32, str(tmp_path))
     assert why is None and m.artifact == str(tmp_path / "oscar-mix.safetensors")

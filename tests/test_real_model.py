@@ -71,13 +71,30 @@ def test_left_padded_batch_on_the_real_model(smollm2):
     for row, x in ((0, a), (1, b)):
         alone = model.generate(input_ids=x[None], attention_mask=torch.ones(1, len(x), dtype=torch.long), **gen,
                                **{cache_kwarg(model): RotkvCache(model, "quarot-int2", **kw)})
-        assert torch.equal(batch.sequences[row, 150:], alone.sequences[0, len(x):])
-        # the same tokens are stored; the batched attention rounds differently from one row's (keys
-        # padded to the longest row, a mask instead of a causal bias), and INT2 rounding can turn a
-        # last-bit difference into another code (the rotation's GEMM also differs with the rows it
-        # holds), so the logits agree to a tolerance, not bitwise (measured: up to 0.022)
-        diff = (batch.scores[0][row] - alone.scores[0][0]).abs().max().item()
-        assert diff < 5e-2, diff
+        assert_same_greedy(batch.sequences[row, 150:].tolist(), [s[row] for s in batch.scores],
+                           alone.sequences[0, len(x):].tolist(), [s[0] for s in alone.scores])
+
+
+# The batched forward is not bitwise the lone one on the CPU: the GEMMs (the model's and the
+# rotation's) block their reductions by the rows they hold and by the thread count, the batched
+# attention pads keys to the longest row, and INT2 rounding can turn a last-bit difference into
+# another code. What holds is a bound on the logits; measured max |batch - alone| over 6 steps,
+# both rows, bf16 and quarot-int2, at OMP_NUM_THREADS 1, 2 and 4: 0.018 (earlier runs: 0.022).
+BATCH_LOGIT_TOL = 5e-2
+
+
+def assert_same_greedy(tokens, scores, ref_tokens, ref_scores, tol=BATCH_LOGIT_TOL):
+    """Greedy tokens agree with the reference up to the first step where the reference's top-2
+    margin is under 2 * tol (a near-tie the bound allows to flip); the logits agree within ``tol``
+    at every step up to and including that one (after it the two runs have other prefixes)."""
+    for step, (t, r, s, rs) in enumerate(zip(tokens, ref_tokens, scores, ref_scores)):
+        diff = (s.float() - rs.float()).abs().max().item()
+        assert diff < tol, f"step {step}: logits differ by {diff:.4f} (bound {tol})"
+        top = rs.float().topk(2).values
+        margin = (top[0] - top[1]).item()
+        if margin < 2 * tol:
+            return  # a near-tie: either token is a correct greedy choice within the bound
+        assert t == r, f"step {step}: token {t} vs {r} with a top-2 margin of {margin:.3f} (> 2 x {tol})"
 
 
 def test_generate_cli_json(smollm2, monkeypatch, capsys):

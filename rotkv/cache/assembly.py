@@ -85,6 +85,8 @@ class CachePlan:
 
 def resolve_spec(spec: CacheSpec | str, **overrides) -> CacheSpec:
     """A CacheSpec from a preset name or a spec, with field overrides (``sink=16, window=64``)."""
+    if not isinstance(spec, (str, CacheSpec)):
+        raise TypeError(f"spec has to be a preset name (e.g. 'quarot-int2') or a CacheSpec, not {spec!r}")
     return get_preset(spec, **overrides) if isinstance(spec, str) else spec.replace(**overrides)
 
 
@@ -94,7 +96,8 @@ def layer_rotations(model, spec: CacheSpec, artifact: Artifact | str | None) -> 
     layers, kv_heads, head_dim = model_geometry(model.config)
     if spec.needs_artifact:
         if artifact is None:
-            method, name = calibration_method(spec), artifact_file(spec, base=True)
+            own = spec.k_bits == "artifact"  # its own artifact (`rotkv calibrate --method <preset>`)
+            method, name = (spec.name if own else calibration_method(spec)), artifact_file(spec, base=not own)
             raise ValueError(
                 f"preset {spec.name!r} needs a calibration artifact (rotations, key means, clip ratios); make one with "
                 f"`rotkv calibrate --method {method} --out {name}` and pass --artifact {name}"
@@ -162,7 +165,7 @@ def plan_cache(model, spec: CacheSpec, artifact: Artifact | str | None = None, l
     if spec.k_bits == "artifact":
         if art is None or "k_bits" not in art.tensors:
             raise ValueError("`k_bits`='artifact' needs an artifact with per-layer key widths (`k_bits`); make one with "
-                             "`python -m rotkv.calibrate.keybits --base-artifact A --layers N --out B`")
+                             f"`rotkv calibrate --method {spec.name} --out {artifact_file(spec)}`")
         artifact_bits = [int(b) for b in art.tensors["k_bits"].tolist()]
     budgeted = spec.budget_tokens is not None
     if budgeted and art is None and artifact is not None:  # rotation-free budgeted presets read only `bits`

@@ -56,6 +56,9 @@ class RotkvLayer(CacheLayerMixin):
         The returned key tensor carries a reference to this layer, which is how the registered
         attention function finds the cache (transformers does not pass the cache to it).
         """
+        if getattr(self, "check_finite", False) and not bool(torch.isfinite(key_states).all()
+                                                             & torch.isfinite(value_states).all()):
+            raise ValueError(f"layer {self.layer_idx}: the new key/value states contain NaN or Inf; nothing was stored")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.batch_rows:

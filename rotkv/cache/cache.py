@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import numpy as np
 import torch
 from transformers.cache_utils import Cache
@@ -10,7 +13,7 @@ from rotkv.cache.assembly import CachePlan, build_layer, plan_cache, resolve_spe
 from rotkv.cache.layer import HybridLayer
 from rotkv.cache.plan import PageState
 from rotkv.cache.progressive import ProgressiveLayer
-from rotkv.config import DEFAULT_PRESET, CacheSpec
+from rotkv.config import DEFAULT_PRESET, CacheSpec, RotkvWarning
 from rotkv.hf.attention import install
 from rotkv.rotations.artifact import Artifact
 
@@ -36,18 +39,47 @@ class RotkvCache(Cache):
 
     def __init__(self, model, spec: CacheSpec | str = DEFAULT_PRESET, artifact: Artifact | str | None = None,
                  check_finite: bool = True, layer_bits=None, decode_score: str | None = None, **overrides):
+        if not hasattr(model, "config"):
+            raise TypeError(f"model has to be a transformers model (with a config), not {type(model).__name__}")
+        if artifact is not None and not isinstance(artifact, (str, os.PathLike, Artifact)):
+            raise TypeError(f"artifact has to be a file path, an Artifact or None, not {type(artifact).__name__}")
+        artifact = os.fspath(artifact) if isinstance(artifact, os.PathLike) else artifact
         spec = resolve_spec(spec, **overrides)
+        if artifact is not None and not spec.needs_artifact and spec.budget_tokens is None:
+            warnings.warn(f"the artifact is not used by preset {spec.name!r} (rotation {spec.rotation!r})",
+                          RotkvWarning, stacklevel=2)
         if decode_score is not None and spec.budget_tokens is not None:
             raise ValueError("decode_score picks the paged layers' decode kernel; a spec with `budget_tokens` "
                              "has per-row layers, which run no kernel")
         self.plan: CachePlan = plan_cache(model, spec, artifact, layer_bits)
         self.spec, self.artifact = spec, self.plan.artifact
         self.head_dim, self.kv_heads = self.plan.head_dim, self.plan.kv_heads
+        if spec.quantized and (overrides.get("group_size") or 0) > self.head_dim:  # asked for (a preset's is clamped quietly)
+            warnings.warn(f"group_size {spec.group_size} is larger than head_dim {self.head_dim}: using {self.head_dim}",
+                          RotkvWarning, stacklevel=2)
         self.state = PageState(spec.sink, spec.window, spec.page_size, spec.quantized, spec.prefill_chunk)
         super().__init__(layers=[build_layer(lp, self.plan, model.dtype, self.state, check_finite, decode_score)
                                  for lp in self.plan.layers])
         self.rotation_bytes = self.plan.rotation_bytes
         install(model)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' entry (the model calls it once per layer and forward); checks what a direct
+        call can get wrong: the layer index and the shapes ``[B, kv_heads, q, head_dim]`` (NaN/Inf:
+        the layers' ``check_finite``; nothing is stored then)."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise IndexError(f"layer_idx has to be an int in [0, {len(self.layers) - 1}] but got {layer_idx!r}")
+        want = (self.kv_heads, self.head_dim)
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or (t.shape[1], t.shape[3]) != want \
+                    or not t.is_floating_point():
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} has to be a float tensor [batch, {want[0]}, tokens, {want[1]}] "
+                                 f"(kv_heads, head_dim of layer {layer_idx}) but got {shape}")
+        if key_states.shape[:3] != value_states.shape[:3]:
+            raise ValueError(f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} "
+                             "differ in batch or tokens")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # ---- batch edits: one page-list edit, then every layer copies the pages it must ---------------
     def _select_rows(self, index) -> None:

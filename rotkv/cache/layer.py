@@ -119,9 +119,6 @@ class HybridLayer(RotkvLayer):
         b, hq, q, d = query.shape
         counts = self._counts(real, b, q)
         steps = self.state.steps_for(self.layer_idx, q, counts)
-        if self.check_finite and not bool(torch.isfinite(k_new).all() & torch.isfinite(v_new).all()):
-            self.state.rollback()  # nothing is stored: the cache stays as it was
-            raise ValueError(f"layer {self.layer_idx}: the new key/value states contain NaN or Inf; nothing was stored")
         self.pools.fit(self.state.tier_free.capacity, self.state.body_free.capacity)
         rot = self.rotation
         kr, vr = rot.keys(k_new).to(self.tier_dtype), rot.values(v_new).to(self.tier_dtype)

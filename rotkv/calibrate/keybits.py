@@ -11,19 +11,24 @@ layers with the largest gains get 4-bit keys: the artifact written is the base a
 A first-order, gradient-based ranking (PM-KVQ's bound, keys only) picked worse layers on SmolLM2
 (docs/results/accuracy.md), hence the forward-only measurement here: L + 1 cache runs per window.
 
-    python -m rotkv.calibrate.keybits --base-artifact oscar.safetensors --layers 10 --out oscar-mix.safetensors
+    rotkv calibrate --method oscar-mix --out oscar-mix.safetensors    # OSCAR base + key widths, one command
+    rotkv calibrate --method oscar-mix --base-artifact oscar.safetensors --out oscar-mix.safetensors
+
+(``python -m rotkv.cli.keybits --base-artifact A --layers N --out B`` is an alias of the second.)
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from rotkv.cache.layer import HybridLayer
 from rotkv.hf import compat
 
 
@@ -47,9 +52,168 @@ def decode_kl(model, make_cache, ids: torch.Tensor, length: int, new: int, chunk
     return (ref.exp() * (ref - lp)).sum(-1).clamp_min(0)
 
 
+class _RowsLayer(CacheLayerMixin):
+    """One model layer of :class:`_RowGroups`: row group j of the batch goes to ``layers[j]``.
+
+    With ``shared`` set (the first prefill chunk, whose attention reads only its own tokens at tier
+    precision, so every group computes the same), the batch holds one group's rows: each layer
+    stores them and the first one's attention output is returned. Otherwise the batch holds the
+    rows of the groups active at this layer (:meth:`_RowGroups.active`), in order."""
+
+    def __init__(self, layers, owner, idx: int):
+        super().__init__()
+        self.layers, self.owner, self.idx = layers, owner, idx
+        self.is_sliding = getattr(layers[0], "is_sliding", False)
+        self.rotkv = isinstance(layers[0], HybridLayer)
+
+    def lazy_initialization(self, key_states, value_states):  # the group layers initialize themselves
+        pass
+
+    def _parts(self, n: int):
+        if self.owner.shared:
+            return [(layer, slice(None)) for layer in self.layers]
+        active = self.owner.active(self.idx)
+        if n % len(active):
+            raise ValueError(f"{n} rows do not split into {len(active)} groups")
+        w = n // len(active)
+        return [(self.layers[j], slice(a * w, (a + 1) * w)) for a, j in enumerate(active)]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.is_initialized = True
+        outs = [layer.update(key_states[s], value_states[s], *args, **kwargs)
+                for layer, s in self._parts(key_states.shape[0])]
+        if self.rotkv:  # the attention function stores them, through attend()
+            key_states._rotkv_layer = self
+            return key_states, value_states
+        if self.owner.shared:
+            return outs[0]
+        return torch.cat([k for k, _ in outs]), torch.cat([v for _, v in outs])
+
+    def attend(self, query, real, scaling):
+        outs = [layer.attend(query[s], None if real is None else real[s], scaling)
+                for layer, s in self._parts(query.shape[0])]
+        return outs[0] if self.owner.shared else torch.cat(outs)
+
+    def get_seq_length(self):
+        return self.layers[0].get_seq_length()
+
+    def get_mask_sizes(self, query_length):
+        return self.layers[0].get_mask_sizes(query_length)
+
+    def get_max_length(self):
+        return -1
+
+
+class _RowGroups(Cache):
+    """Several caches run as one batch: rows ``[j * W, (j + 1) * W)`` are cache j's, so the model's
+    GEMMs serve every cache variant at once (the key-width search's L + 1 runs in one forward).
+
+    ``first``: per group, the first layer at which it differs from group 0 (None: everywhere). Below
+    that layer its rows compute what group 0's compute, so :meth:`prune` runs each decoder layer on
+    the groups that differ there only and copies group 0's rows for the others."""
+
+    def __init__(self, caches, first=None):
+        self.shared = False
+        self.first = first or [0] * len(caches)
+        super().__init__(layers=[_RowsLayer([c.layers[i] for c in caches], self, i) for i in range(len(caches[0].layers))])
+
+    def active(self, layer: int) -> list[int]:
+        return [j for j, f in enumerate(self.first) if j == 0 or f is None or f <= layer]
+
+    @contextmanager
+    def prune(self, model, rows_per_group: int):
+        """Hooks on the decoder layers: layer i sees the rows of :meth:`active` (i) only."""
+        g, w = len(self.first), rows_per_group
+        hooks = []
+
+        def pick(i):
+            idx = torch.tensor(self.active(i))
+            src = torch.tensor([self.active(i).index(j) if j in self.active(i) else 0 for j in range(g)])
+
+            def pre(module, args, kwargs):
+                if self.shared:
+                    return None
+                h = args[0]
+                return (h.view(g, w, *h.shape[1:])[idx].reshape(-1, *h.shape[1:]), *args[1:]), kwargs
+
+            def post(module, args, kwargs, out):
+                if self.shared:
+                    return None
+                h = out[0] if isinstance(out, tuple) else out
+                full = h.view(len(idx), w, *h.shape[1:])[src].reshape(g * w, *h.shape[1:])
+                return (full, *out[1:]) if isinstance(out, tuple) else full
+            return pre, post
+
+        for i, layer in enumerate(decoder_layers(model)):
+            pre, post = pick(i)
+            hooks.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+            hooks.append(layer.register_forward_hook(post, with_kwargs=True))
+        try:
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The decoder layers (the modules holding each self-attention module), by layer index."""
+    from rotkv.hf.models import attention_modules
+
+    attn = {id(m): m.layer_idx for m in attention_modules(model)}
+    layers = [m for m in model.modules() if id(getattr(m, "self_attn", None)) in attn]
+    return sorted(layers, key=lambda m: attn[id(m.self_attn)])
+
+
+def _chunk_logp(model, ids, cache):
+    kw = {compat.cache_kwarg(model): cache}
+    return torch.log_softmax(model(input_ids=ids, logits_to_keep=1, **kw).logits[:, -1].float(), -1)
+
+
+@torch.inference_mode()
+def grouped_decode_kl(model, caches, ids: torch.Tensor, length: int, new: int, chunk: int,
+                      ref: torch.Tensor, first=None, progress: bool = False) -> torch.Tensor:
+    """Per-token KL(ref || cache j) ``[len(caches), W, new]`` of ``W`` windows ``ids [W, >= length + new - 1]``
+    through every cache at once (the rows of cache j are the windows, in order); ``ref [W, new, V]``.
+
+    The same runs as :func:`decode_kl` per (cache, window): the context prefilled in chunks of
+    ``chunk``, then ``new - 1`` teacher-forced decode steps. The first chunk runs once for all
+    caches (its attention reads only its own tokens, before anything is quantized). ``first``: per
+    cache, the first layer where it differs from cache 0 (None: anywhere), see :class:`_RowGroups`;
+    a model with sliding-window layers runs every row at every layer."""
+    from rotkv.hf.models import sliding_layers
+
+    g, w = len(caches), ids.shape[0]
+    if first is not None and any(x is not None for x in sliding_layers(model)):
+        first = None
+    rows = _RowGroups(caches, first)
+    rep = lambda x: x.repeat(g, 1)  # noqa: E731
+    lps = None
+    bar = tqdm(total=-(-length // chunk) + new - 1, desc=f"key widths ({g} runs x {w} windows)", unit="forward",
+               disable=not progress)
+    with rows.prune(model, w) if first is not None else nullcontext():
+        for c0 in range(0, length, chunk):
+            part = ids[:, c0:min(c0 + chunk, length)]
+            rows.shared = c0 == 0
+            lp = _chunk_logp(model, part if rows.shared else rep(part), rows)
+            lps = [lp.repeat(g, 1) if rows.shared else lp]
+            bar.update()
+        rows.shared = False
+        for t in range(new - 1):
+            lps.append(_chunk_logp(model, rep(ids[:, length + t:length + t + 1]), rows))
+            bar.update()
+    bar.close()
+    lp = torch.stack(lps, 1).view(g, w, new, -1)  # [G, W, new, V]
+    return (ref.exp()[None] * (ref[None] - lp)).sum(-1).clamp_min(0)
+
+
 def layer_gains(loaded, artifact, preset: str = "oscar-int2", length: int = 1024, new: int = 32, windows: int = 2,
-                chunk: int = 512, sink: int = 16, window: int = 64, files=None, progress: bool = True) -> tuple[np.ndarray, float]:
-    """(gain ``[L]``: mean KL of the preset minus mean KL with layer l's keys at 4 bits, the preset's mean KL)."""
+                chunk: int = 512, sink: int = 16, window: int = 64, files=None, progress: bool = True,
+                prune: bool = True) -> tuple[np.ndarray, float]:
+    """(gain ``[L]``: mean KL of the preset minus mean KL with layer l's keys at 4 bits, the preset's mean KL).
+
+    The L + 1 cache runs of every window go through the model as one batch, the windows as rows of
+    each run (:func:`grouped_decode_kl`): the first prefill chunk runs once, and with ``prune`` the
+    run of layer l skips layers below l, where it computes what the preset's run computes."""
     from rotkv.cache import RotkvCache
     from rotkv.calibrate.corpus import token_chunks
     from rotkv.hf.models import sliding_layers
@@ -64,21 +228,18 @@ def layer_gains(loaded, artifact, preset: str = "oscar-int2", length: int = 1024
     if stream.shape[1] < windows * span:
         raise ValueError(f"the calibration text has {stream.shape[1]} tokens, fewer than {windows} windows of {span}")
     starts = [w * (stream.shape[1] - span) // max(windows - 1, 1) for w in range(windows)]
+    ids = torch.stack([stream[0, s:s + span] for s in starts])  # [W, span]
     kw = dict(sink=sink, window=window, prefill_chunk=chunk)
     runs = [None] + cached
-    kl = {r: [] for r in runs}
-    bar = tqdm(total=len(runs) * windows, desc="key widths", disable=not progress)
-    for s in starts:
-        ids = stream[:, s:s + span]
-        ref = _logp(model, ids[:, :span - 1], keep=new)
-        for r in runs:
-            extra = {} if r is None else {"k_bits": f"{r}:4"}
-            kl[r].append(decode_kl(model, lambda: RotkvCache(model, preset, artifact, **kw, **extra), ids, length, new,
-                                   chunk, ref))
-            bar.update()
-    bar.close()
-    base = torch.cat(kl[None]).mean().item()
-    gains = np.array([base - torch.cat(kl[i]).mean().item() if i in kl else float("-inf") for i in range(n_layers)])
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(input_ids=ids[:, :span - 1], use_cache=False,
+                                      logits_to_keep=new).logits[:, -new:].float(), -1)  # [W, new, V]
+    caches = [RotkvCache(model, preset, artifact, **kw, **({} if r is None else {"k_bits": f"{r}:4"})) for r in runs]
+    out = grouped_decode_kl(model, caches, ids, length, new, chunk, ref, first=runs if prune else None,
+                            progress=progress)
+    kl = dict(zip(runs, out))
+    base = kl[None].mean().item()
+    gains = np.array([base - kl[i].mean().item() if i in kl else float("-inf") for i in range(n_layers)])
     return gains, base
 
 
@@ -93,39 +254,50 @@ def with_key_bits(artifact, gains: np.ndarray, layers: int, **info) -> tuple[dic
     return tensors, meta
 
 
-def main(argv=None) -> int:
-    from rotkv.hf.models import load_model
-    from rotkv.rotations.artifact import load_artifact, save_artifact, validate_artifact
+def default_layers(num_layers: int) -> int:
+    """The number of layers whose keys get 4 bits by default: a third (10 of SmolLM2's 30, the
+    ``oscar-mix`` preset's measured setting, docs/results/accuracy.md)."""
+    return max(1, round(num_layers / 3))
 
-    ap = argparse.ArgumentParser(prog="python -m rotkv.calibrate.keybits", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="smollm2 (default), a .gguf file or a local HF model directory")
-    ap.add_argument("--base-artifact", required=True, help="the rotation artifact of --preset (e.g. oscar.safetensors)")
-    ap.add_argument("--preset", default="oscar-int2", help="the preset whose key widths are chosen (default: oscar-int2)")
-    ap.add_argument("--layers", type=int, required=True, help="how many layers get 4-bit keys")
-    ap.add_argument("--out", required=True, help="output .safetensors (the base artifact plus k_bits and k_gain)")
-    ap.add_argument("--length", type=int, default=1024, help="context tokens per window (default 1024)")
-    ap.add_argument("--new-tokens", type=int, default=32, help="decode tokens scored per window (default 32)")
-    ap.add_argument("--windows", type=int, default=2, help="windows of calibration text (default 2)")
-    ap.add_argument("--data", nargs="+", default=None, help="text files (default: the built-in calibration corpus)")
-    ap.add_argument("--device", default="cpu")
-    args = ap.parse_args(argv)
-    loaded = load_model(args.model, device=args.device, dtype=torch.float32)
-    art = load_artifact(args.base_artifact)
-    validate_artifact(art, loaded.model)
-    if not 0 <= args.layers <= loaded.model.config.num_hidden_layers:
-        raise ValueError(f"`--layers` has to be in [0, {loaded.model.config.num_hidden_layers}] but got {args.layers}")
+
+def check_layers(layers: int | None, num_layers: int, flag: str = "--layers") -> int:
+    """``layers`` (default :func:`default_layers`) in [1, num_layers]; else a ValueError naming ``flag``."""
+    if layers is None:
+        return default_layers(num_layers)
+    if not 1 <= layers <= num_layers:
+        raise ValueError(f"{flag} has to be in [1, {num_layers}] (the model's layers) but got {layers}")
+    return layers
+
+
+def calibrate_mix(loaded, base=None, layers: int | None = None, preset: str = "oscar-int2", length: int = 1024,
+                  new: int = 32, windows: int = 2, files=None, tokens: int | None = None, progress: bool = True,
+                  log=print) -> tuple[dict, dict]:
+    """(tensors, metadata) of a complete ``oscar-mix`` artifact: the base artifact (an Artifact, a
+    path, or None: OSCAR calibrated here with the defaults, ``tokens`` calibration tokens) plus the
+    per-layer key widths measured on it (:func:`layer_gains`, :func:`with_key_bits`)."""
+    from rotkv.rotations.artifact import Artifact, load_artifact, validate_artifact
+
     t0 = time.time()
-    gains, base = layer_gains(loaded, art, args.preset, args.length, args.new_tokens, args.windows, files=args.data)
-    tensors, meta = with_key_bits(art, gains, args.layers, preset=args.preset, length=args.length,
-                                  new_tokens=args.new_tokens, windows=args.windows, base_kl=f"{base:.5f}",
-                                  seconds=f"{time.time() - t0:.0f}")
-    save_artifact(args.out, tensors, meta)
+    if base is None:
+        from rotkv.calibrate.run import CalibConfig, calibrate
+
+        log("calibrating the OSCAR base (rotations, key means, clip ratios) ...")
+        cfg = CalibConfig(method="oscar", tokens=tokens or 16384, files=files, progress=progress)
+        tensors, meta = calibrate(loaded, cfg)
+        base = Artifact(tensors, meta, "(calibrated in memory)", sum(t.numel() * t.element_size() for t in tensors.values()))
+    elif isinstance(base, str):
+        base = load_artifact(base)
+    validate_artifact(base, loaded.model)
+    t1 = time.time()
+    n_layers = check_layers(layers, loaded.model.config.num_hidden_layers)
+    log(f"measuring per-layer key widths ({windows} windows of {length} + {new} tokens) ...")
+    gains, kl = layer_gains(loaded, base, preset, length, new, windows, files=files, progress=progress)
+    tensors, meta = with_key_bits(base, gains, n_layers, preset=preset, length=length, new_tokens=new,
+                                  windows=windows, base_kl=f"{kl:.5f}", seconds=f"{time.time() - t1:.0f}")
     order = [i for i in np.argsort(-gains).tolist() if np.isfinite(gains[i])]
-    print(f"{args.preset} KL {base:.4f} on calibration text; gains by layer (best first): "
-          + ", ".join(f"{i}:{gains[i]:+.4f}" for i in order))
-    print(f"wrote {args.out}: 4-bit keys in layers {sorted(order[:args.layers])}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    meta["keybits_layers"] = ",".join(str(i) for i in sorted(order[:n_layers]))
+    meta["mix_seconds"] = f"{time.time() - t0:.0f}"
+    log(f"{preset} KL {kl:.4f} on calibration text; gains by layer (best first): "
+        + ", ".join(f"{i}:{gains[i]:+.4f}" for i in order))
+    log(f"4-bit keys in layers {meta['keybits_layers']} (key widths {float(meta['keybits_seconds']):.0f} s)")
+    return tensors, meta

@@ -33,8 +33,37 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def version() -> str:
+    """``rotkv X.Y.Z``, with the commit (and ``-dirty``) when rotkv runs from a git checkout."""
+    import os
+    import subprocess
+
+    import rotkv
+
+    out = f"rotkv {rotkv.__version__}"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(rotkv.__file__)))
+    if os.path.exists(os.path.join(root, ".git")):
+        try:
+            git = lambda *a: subprocess.run(["git", "-C", root, *a], capture_output=True, text=True,  # noqa: E731
+                                            timeout=10, check=True).stdout.strip()
+            out += f" (git {git('rev-parse', '--short', 'HEAD')}"
+            out += "-dirty)" if git("status", "--porcelain", "--untracked-files=no") else ")"
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return out
+
+
+class _Version(argparse.Action):
+    """--version, computed only when asked (it runs git)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version())
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="rotkv", description="Rotated INT2 KV cache for LLM inference")
+    p.add_argument("--version", action=_Version, nargs=0, help="print the version (and git commit) and exit")
     p.add_argument("--debug", action="store_true", help="print the traceback of a failure (also: ROTKV_DEBUG=1)")
     sub = p.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
@@ -45,7 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    from rotkv.cli.errors import warn
+    from rotkv.config import RotkvWarning
+
     args = build_parser().parse_args(argv)
+    shown = warnings.showwarning
+
+    def show(message, category, *a, **k):  # rotkv's own warnings as `rotkv <command>: warning: ...`
+        if issubclass(category, RotkvWarning):
+            warn(args.command, str(message))
+        else:
+            shown(message, category, *a, **k)
+
+    warnings.showwarning = show
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -53,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # user errors: one line, exit 2; anything else: one line and the --debug hint, exit 1
         return report(args.command, e, debug_requested(args))
+    finally:
+        warnings.showwarning = shown
 
 
 if __name__ == "__main__":

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from rotkv.cli.common import add_cache_args, add_model_args, cache_overrides
+from rotkv.cli.errors import UsageError
+from rotkv.config import PRESETS
 
 DEFAULT_METHODS = ["hf-dynamic", "hf-static-compile", "rotkv:bf16", "rotkv:quarot-int2", "rotkv:quarot-int2+graph"]
 # random-weight models of real shapes (Llama architecture): name -> LlamaConfig fields
@@ -63,26 +66,97 @@ def _random_model(name: str, layers: int | None, device: str):
     return model, f"random:{name}" + (f" ({layers} layers)" if layers else "")
 
 
-def run(args) -> int:
+def random_param_count(name: str, layers: int | None) -> int:
+    """Parameters of the random model (embeddings and head untied, as LlamaForCausalLM builds it)."""
+    f = dict(RANDOM_SHAPES[name])
+    n_layers = layers or f["num_hidden_layers"]
+    h, d, kv, q, inter, vocab = (f["hidden_size"], f["head_dim"], f["num_key_value_heads"], f["num_attention_heads"],
+                                 f["intermediate_size"], f["vocab_size"])
+    per_layer = h * d * (2 * q + 2 * kv) + 3 * h * inter + 2 * h
+    return n_layers * per_layer + 2 * vocab * h + h
+
+
+def available_gb(device: str) -> float:
+    """Memory a new model can take here: free GPU memory, or the CPU's MemAvailable."""
     import torch
 
-    from rotkv import bench
-    from rotkv.hf.models import load_model
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0] / 1e9
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return float("inf")
+
+
+def check_args(args) -> tuple[str, list[str]]:
+    """Every check that needs no model: (device, methods)."""
+    import torch
+
+    from rotkv.cli.common import cache_spec, early_artifact
+    from rotkv.cli.errors import check_device, check_model
 
     if args.new_tokens < 2:
-        raise ValueError(f"--new-tokens has to be >= 2 but got {args.new_tokens}")
+        raise UsageError(f"--new-tokens has to be >= 2 but got {args.new_tokens}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
-        raise ValueError(f"--prefill-chunk has to be >= 1 but got {args.prefill_chunk}")
+        raise UsageError(f"--prefill-chunk has to be >= 1 but got {args.prefill_chunk}")
     for name in ("start", "limit", "max_tries", "prefill_tokens"):
         v = getattr(args, name)
         if v is not None and v < 1:
-            raise ValueError(f"--{name.replace('_', '-')} has to be >= 1 but got {v}")
+            raise UsageError(f"--{name.replace('_', '-')} has to be >= 1 but got {v}")
     for name in ("batch", "context"):
         if min(getattr(args, name)) < 1:
-            raise ValueError(f"--{name} values have to be >= 1")
+            raise UsageError(f"--{name} values have to be >= 1 but got {min(getattr(args, name))}")
+    check_device(args.device)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    methods = args.methods or [m for m in DEFAULT_METHODS if device == "cuda" or not
+    cuda = device.startswith("cuda")
+    methods = args.methods or [m for m in DEFAULT_METHODS if cuda or not
                                (m == "hf-static-compile" or m.endswith("+graph"))]
+    for m in methods:
+        if m == "hf-dynamic":
+            continue
+        if m == "hf-static-compile" or m.endswith("+graph"):
+            if not cuda:
+                raise UsageError(f"--methods {m} needs CUDA (this run is on {device})")
+        if m == "hf-static-compile":
+            continue
+        preset, _, flag = m.removeprefix("rotkv:").partition("+")
+        if not m.startswith("rotkv:") or flag not in ("", "graph"):
+            raise UsageError(f"--methods: unknown method {m!r}; use hf-dynamic, hf-static-compile, rotkv:<preset> "
+                             "or rotkv:<preset>+graph")
+        if preset not in PRESETS:
+            raise UsageError(f"--methods {m}: unknown preset {preset!r}; available: {sorted(PRESETS)}")
+        spec = cache_spec(preset, cache_overrides(args))
+        if spec.needs_artifact or args.artifact:
+            early_artifact("bench", spec, args.artifact)
+    if args.layers is not None:
+        if not args.random:
+            raise UsageError("--layers applies to --random models only")
+        if args.layers < 1:
+            raise UsageError(f"--layers has to be >= 1 but got {args.layers}")
+    if args.random:
+        # the model is built in float32 (then cast to bf16 on CUDA): 4 bytes a parameter at the peak
+        gb = random_param_count(args.random, args.layers) * 4 / 1e9
+        free = available_gb(device)
+        if gb > 0.9 * free:
+            layer_gb = (random_param_count(args.random, 2) - random_param_count(args.random, 1)) * 4 / 1e9
+            raise UsageError(f"--random {args.random}: building it takes {gb:.1f} GB (float32 weights), more than the "
+                             f"{free:.1f} GB free on {device}; pass --layers N (about {layer_gb:.2f} GB a layer)")
+    else:
+        check_model(args.model)
+    return device, methods
+
+
+def run(args) -> int:
+    from rotkv import bench
+    from rotkv.hf.models import load_model
+
+    device, methods = check_args(args)
+    import torch
+
     if args.random:
         model, model_id = _random_model(args.random, args.layers, device)
     else:
@@ -114,4 +188,10 @@ def run(args) -> int:
     bench.write(rows, out, meta)
     print(bench.table(rows))
     print(f"wrote {out}")
+    failed = [r for r in rows if r.note]
+    for r in failed:
+        print(f"rotkv bench: error: {r.method} at batch {r.batch} x {r.context}: {r.note}", file=sys.stderr)
+    if failed:
+        print(f"rotkv bench: {len(failed)} of {len(rows)} runs failed (NaN rows in the table)", file=sys.stderr)
+        return 1
     return 0

@@ -13,9 +13,10 @@ def register(sub) -> None:
     p = sub.add_parser("calibrate", help=f"calibrate rotations ({', '.join(registry.rotation_fits())}) "
                                          "into a safetensors artifact")
     p.add_argument("--model", default=None, help="smollm2 (default), a .gguf file or a local HF model directory")
-    p.add_argument("--method", default=None, choices=registry.calibrated(),
+    p.add_argument("--method", default=None, choices=registry.calibrated() + [MIX],
                    help=f"{'/'.join(widths)}: per-layer final widths for progressive precision (see --base-artifact); "
-                        "required unless --refit-clip")
+                        f"{MIX}: the recommended preset's complete artifact, OSCAR plus per-layer key widths "
+                        "(--key-layers); required unless --refit-clip")
     p.add_argument("--refit-clip", default=None, metavar="ARTIFACT",
                    help="keep this artifact's rotations and key means, re-fit only its clip ratios for --bits and "
                         "--group-size (the deliberate override of the preset/artifact contract)")
@@ -37,11 +38,61 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=80, help="OptR Adam steps per phase")
     p.add_argument("--no-clip-search", action="store_true", help="store clip ratios 1.0 (no clipping)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, or auto (cuda when available)")
-    pm = p.add_argument_group("pmkvq")
-    pm.add_argument("--base-artifact", default=None, help="pmkvq: an artifact whose rotations the widths are fitted for")
+    pm = p.add_argument_group("pmkvq and oscar-mix")
+    pm.add_argument("--base-artifact", default=None,
+                    help="pmkvq: an artifact whose rotations the widths are fitted for; oscar-mix: an OSCAR artifact "
+                         "to measure the key widths on (default: calibrate it first)")
     pm.add_argument("--budget-bpe", type=float, default=3.5, help="pmkvq: mean body bits per element the widths may use")
     pm.add_argument("--stretch", type=int, default=4, help="pmkvq: positional interpolation factor s")
+    mix = p.add_argument_group("oscar-mix (per-layer key widths: the decode KL with one layer's keys at 4 bits)")
+    mix.add_argument("--key-layers", type=int, default=None, help="layers whose keys get 4 bits (default: a third)")
+    mix.add_argument("--key-length", type=int, default=1024, help="context tokens per window (default 1024)")
+    mix.add_argument("--key-new-tokens", type=int, default=32, help="decode tokens scored per window (default 32)")
+    mix.add_argument("--key-windows", type=int, default=2, help="windows of calibration text (default 2)")
     p.set_defaults(func=run)
+
+
+MIX = "oscar-mix"  # not a rotation method: the oscar-mix preset's artifact (rotkv.calibrate.keybits)
+
+
+def check_mix_args(args):
+    """--method oscar-mix: every check that needs no model (the base artifact, --key-*)."""
+    from rotkv.calibrate.keybits import check_layers
+    from rotkv.hf.models import peek_geometry
+
+    for flag in ("key_length", "key_new_tokens", "key_windows"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} has to be >= 1 but got {getattr(args, flag)}")
+    if args.key_new_tokens < 2:
+        raise UsageError(f"--key-new-tokens has to be >= 2 but got {args.key_new_tokens}")
+    layers = None
+    if args.base_artifact:
+        from rotkv.config import PRESETS
+        from rotkv.rotations.artifact import check_contract, load_artifact
+
+        art = load_artifact(args.base_artifact)
+        try:
+            check_contract(art, PRESETS["oscar-int2"])
+        except ValueError as e:
+            raise UsageError(f"--base-artifact: {e}") from None
+        layers = int(art.meta["num_layers"])
+    else:
+        from rotkv.calibrate.run import CalibConfig
+
+        try:
+            CalibConfig(method="oscar", tokens=args.tokens or 16384, files=args.data)
+        except ValueError as e:
+            raise UsageError(str(e).replace("`tokens`", "--tokens")) from None
+    geometry = peek_geometry(args.model)
+    if geometry is not None:
+        layers = geometry[0]
+    if layers is not None:
+        try:
+            check_layers(args.key_layers, layers, "--key-layers")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    elif args.key_layers is not None and args.key_layers < 1:
+        raise UsageError(f"--key-layers has to be >= 1 but got {args.key_layers}")
 
 
 def check_args(args):
@@ -61,6 +112,8 @@ def check_args(args):
         from rotkv.cli.errors import read_text_file
 
         read_text_file(path, "--data")
+    if args.method == MIX:
+        return check_mix_args(args)
     if args.refit_clip:
         from rotkv.calibrate.refit import check_refittable
         from rotkv.rotations.artifact import load_artifact
@@ -106,6 +159,8 @@ def run(args) -> int:
     checked = check_args(args)
     if args.refit_clip:
         return refit(args, checked)
+    if args.method == MIX:
+        return mix(args)
     if registry.get(args.method).widths:
         import argparse
 
@@ -142,5 +197,29 @@ def refit(args, artifact) -> int:
     save_artifact(args.out, tensors, meta)
     print(f"wrote {args.out}: clip ratios of {args.refit_clip} re-fitted for bits {meta['bits']}, "
           f"group_size {meta['group_size']} in {meta['refit_seconds']} s")
+    print(load_artifact(args.out).summary())
+    return 0
+
+
+def mix(args) -> int:
+    """``--method oscar-mix``: the OSCAR base (calibrated here unless --base-artifact) plus per-layer key widths."""
+    import sys
+    import time
+
+    import torch
+
+    from rotkv.calibrate.keybits import calibrate_mix
+    from rotkv.hf.models import load_model
+    from rotkv.rotations.artifact import load_artifact, save_artifact
+
+    t0 = time.time()
+    loaded = load_model(args.model, device=args.device)
+    tensors, meta = calibrate_mix(loaded, args.base_artifact, args.key_layers, length=args.key_length,
+                                  new=args.key_new_tokens, windows=args.key_windows, files=args.data, tokens=args.tokens,
+                                  log=lambda m: print(m, file=sys.stderr, flush=True))
+    save_artifact(args.out, tensors, meta)
+    base = f"base {args.base_artifact}" if args.base_artifact else f"OSCAR calibrated in {meta.get('calib_seconds', '?')} s"
+    print(f"wrote {args.out}: {MIX} ({base}; 4-bit keys in layers {meta['keybits_layers']}, measured in "
+          f"{meta['keybits_seconds']} s; total {time.time() - t0:.0f} s, {torch.get_num_threads()} threads)")
     print(load_artifact(args.out).summary())
     return 0

@@ -57,8 +57,9 @@ def early_artifact(command: str, spec, path: str | None):
 
     if path is None:
         if spec.needs_artifact:
+            method = spec.name if spec.k_bits == "artifact" else calibration_method(spec)
             raise UsageError(f"--artifact: preset {spec.name!r} needs a calibration artifact; make one with "
-                             f"`rotkv calibrate --method {calibration_method(spec)} --out {artifact_file(spec, base=True)}`")
+                             f"`rotkv calibrate --method {method} --out {artifact_file(spec)}`")
         return None
     if not spec.needs_artifact and spec.budget_tokens is None:
         warn(command, f"--artifact {path} is not used by preset {spec.name!r} (rotation {spec.rotation!r})")

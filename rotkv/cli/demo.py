@@ -6,7 +6,7 @@ import os
 
 from rotkv.cli.common import add_model_args, cache_spec, early_artifact
 from rotkv.cli.errors import UsageError, check_device, check_model, warn
-from rotkv.config import artifact_file
+from rotkv.config import PRESETS, artifact_file
 
 DEFAULT_PRESETS = ["bf16", "int4", "kivi-2", "naive-int2", "quarot-int2"]
 NEEDLE = "The secret code of the blue vault is {code}."
@@ -73,7 +73,9 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:
         raise UsageError(f"--presets: unknown preset(s) {unknown}; available: {sorted(PRESETS)}")
-    artifacts = {}
+    artifacts, to_make = {}, {}
+    if not args.code.isdigit():
+        raise UsageError(f"--code has to be digits (the fact the model is asked to repeat) but got {args.code!r}")
     if args.artifact_dir:
         if not os.path.isdir(args.artifact_dir):
             raise UsageError(f"--artifact-dir {args.artifact_dir} is not a folder")
@@ -90,15 +92,21 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
                     presets.append(preset)
                 artifacts[preset] = path
             elif preset not in presets:
-                how = (f"python -m rotkv.calibrate.keybits --base-artifact {os.path.join(args.artifact_dir, artifact_file(preset, base=True))} "
-                       f"--layers 10 --out {path}" if spec.k_bits == "artifact" else f"rotkv calibrate --method {method} --out {path}")
-                warn("demo", f"skipping {preset}: no {os.path.basename(path)} in {args.artifact_dir} (make one with `{how}`)")
+                how = f"rotkv calibrate --method {preset if spec.k_bits == 'artifact' else method} --out {path}"
+                warn("demo", f"skipping {preset}: no {os.path.basename(path)} in {args.artifact_dir} (make one with "
+                             f"`{how}`, or name it in --presets to have it made)")
+            else:
+                artifacts[preset] = path
+                to_make[preset] = path
     overrides = {k: v for k, v in (("sink", args.sink), ("window", args.window)) if v is not None}
     for name in presets:
         if PRESETS[name].needs_artifact and name not in artifacts:
-            want = artifact_file(name, base=True)
-            raise UsageError(f"--presets {name} needs {want} in --artifact-dir "
-                             f"({args.artifact_dir or 'not given'}); make it with `rotkv calibrate`")
+            want = artifact_file(name)
+            raise UsageError(f"--presets {name} needs {want} in --artifact-dir (not given); pass --artifact-dir DIR "
+                             "(a missing artifact is calibrated into it) or make it with `rotkv calibrate`")
+        if name in to_make:  # made after the model loads (rotkv calibrate's defaults), then used
+            cache_spec(name, overrides)
+            continue
         early_artifact("demo", cache_spec(name, overrides), artifacts.get(name))
     if not args.artifact_dir:  # said once every check has passed (a user error stays one line)
         calibrated = sorted(p for p, spec in PRESETS.items()
@@ -106,17 +114,35 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
         if calibrated:
             warn("demo", f"not running the calibrated presets {', '.join(calibrated)}: they need artifacts; "
                          "make them with `rotkv calibrate` (docs/calibration.md) and pass --artifact-dir")
-    return presets, artifacts
+    for name, path in to_make.items():
+        warn("demo", f"{name}: no {os.path.basename(path)} in {args.artifact_dir}: it is calibrated with the defaults "
+                     f"into {path} first (a few minutes on a CPU)")
+    return presets, artifacts, to_make
+
+
+def make_artifacts(loaded, to_make: dict[str, str]) -> None:
+    """Calibrate the missing artifacts of the requested presets, as ``rotkv eval`` does."""
+    import sys
+
+    from rotkv.eval.methods import artifact_name
+    from rotkv.eval.run import calibrator
+
+    make = calibrator(loaded, lambda m: print(m, file=sys.stderr, flush=True))
+    for name, path in to_make.items():
+        why = make(name if PRESETS[name].k_bits == "artifact" else artifact_name(name), path)
+        if why:
+            raise RuntimeError(f"cannot make the artifact of {name}: {why}")
 
 
 def run(args) -> int:
-    presets, artifacts = check_args(args)
+    presets, artifacts, to_make = check_args(args)
     from rotkv.cache import RotkvCache
     from rotkv.generation import generate
     from rotkv.hf.models import load_model
 
     print(f"loading {args.model or 'SmolLM2-135M-Instruct'} ...", flush=True)
     loaded = load_model(args.model, device=args.device)
+    make_artifacts(loaded, to_make)
     ctx, ids = build_prompt(loaded.tokenizer, args.tokens, args.depth, args.code)
     print(f"context: {ctx.shape[1]} tokens with the fact at depth {args.depth:.0%}; "
           f"question: {ids.shape[1] - ctx.shape[1]} tokens, prefilled after the context so it reads the stored cache\n")

@@ -16,6 +16,7 @@ import sys
 import traceback
 
 USER_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "spiece.model")
 DEBUG_HINT = "run with --debug (or ROTKV_DEBUG=1) for the traceback"
 
 
@@ -117,4 +118,11 @@ def check_model(model: str | None) -> None:
     """The --model argument names a model that exists here (resolving it reads no weights)."""
     from rotkv.hf.models import resolve_model_path
 
-    resolve_model_path(model)
+    path, gguf, _ = resolve_model_path(model)
+    if gguf is None:  # a Hugging Face model directory: its weights and tokenizer files are there too
+        files = os.listdir(path)
+        if not any(f.endswith((".safetensors", ".bin", ".pt", ".pth")) or f.endswith(".safetensors.index.json")
+                   for f in files):
+            raise UsageError(f"--model {path}: no weights in that folder (model*.safetensors or pytorch_model*.bin)")
+        if not any(f in TOKENIZER_FILES for f in files):
+            raise UsageError(f"--model {path}: no tokenizer in that folder (one of {', '.join(TOKENIZER_FILES)})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from rotkv.cli.errors import resolve_device
+from rotkv.cli.errors import UsageError, resolve_device
 from rotkv.config import PRESETS
 
 
@@ -13,21 +13,43 @@ def _list(s: str | None) -> list[str] | None:
     return None if s is None else [x.strip() for x in s.split(",") if x.strip()]
 
 
+MIN_LENGTH = 256  # the smallest context the tasks are tested at (the smoke profile's)
+
+
 def parse_lengths(items: list[str] | None, tasks: list[str]) -> dict[str, list[int]] | None:
-    """``["2048,8192"]`` (every task) or ``["nll=2048,8192", "niah=1024,2048"]`` (per task); 1K/2K suffixes allowed."""
+    """``["2048,8192"]`` (every task) or ``["nll=2048,8192", "niah=1024,2048"]`` (per task); 1K/2K suffixes allowed.
+    A value that is not a whole number of tokens >= MIN_LENGTH, or an unknown task, is a UsageError naming --lengths."""
+    from rotkv.eval.config import TASKS
+
     if not items:
         return None
+
     def num(x: str) -> int:
         x = x.strip().lower()
-        return int(float(x[:-1]) * 1024) if x.endswith("k") else int(x)
+        try:
+            n = float(x[:-1]) * 1024 if x.endswith("k") else float(x)
+        except ValueError:
+            raise UsageError(f"--lengths: {x!r} is not a number of tokens (e.g. 2048 or 2K)") from None
+        if n != int(n) or n < MIN_LENGTH:
+            raise UsageError(f"--lengths values have to be whole numbers of tokens >= {MIN_LENGTH} but got {x!r}")
+        return int(n)
+
+    def nums(vals: str) -> list[int]:
+        out = [num(v) for v in vals.split(",") if v.strip()]
+        if not out:
+            raise UsageError(f"--lengths: no length in {vals!r}")
+        return out
+
     out: dict[str, list[int]] = {}
     for item in items:
         if "=" in item:
             task, vals = item.split("=", 1)
-            out[task.strip()] = [num(v) for v in vals.split(",") if v.strip()]
+            if task.strip() not in TASKS:
+                raise UsageError(f"--lengths: unknown task {task.strip()!r} in {item!r}; tasks: {', '.join(TASKS)}")
+            out[task.strip()] = nums(vals)
         else:
             for t in tasks:
-                out[t] = [num(v) for v in item.split(",") if v.strip()]
+                out[t] = nums(item)
     return out
 
 
@@ -64,6 +86,15 @@ def register(sub) -> None:
 
 def run(args) -> int:
     device = resolve_device(args.device)  # a bad device is a one-line error before anything loads
+    for flag in ("threads", "samples", "windows", "new_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} has to be >= 1 but got {value}")
+    if args.depths:
+        try:
+            [float(x) for x in _list(args.depths)]
+        except ValueError:
+            raise UsageError(f"--depths has to be numbers in [0, 1] like 0.1,0.5 but got {args.depths!r}") from None
     from rotkv.eval.config import TASKS, make_config
     from rotkv.eval.report import write_report
 
@@ -84,6 +115,8 @@ def run(args) -> int:
         from rotkv.eval.run import evaluate
 
         records = evaluate(cfg, args.out, log=lambda s: print(s, file=sys.stderr, flush=True))
+    if not records and not args.report_only:
+        raise RuntimeError("no method could run (each one's reason is above); nothing was evaluated")
     paths = write_report(args.out)
     print(f"{len(records)} records; wrote {os.path.join(args.out, 'results.json')}, " + ", ".join(paths))
     return 0

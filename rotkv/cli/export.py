@@ -33,6 +33,22 @@ def check_out_dir(path: str) -> None:
         raise UsageError(f"--out {path}: the folder {parent} is not writable")
 
 
+def check_exportable(art, path: str) -> None:
+    """OSCAR's format is K/V rotations (and clip ratios): refuse an artifact without rotations (a
+    ``pmkvq`` artifact holds per-layer widths only, which would be written as identity rotations),
+    and say what is left out of one whose widths OSCAR does not read."""
+    method = art.meta.get("method", "?")
+    if not any(k.startswith(("R_K.", "R_V.")) for k in art.tensors):
+        raise UsageError(f"--artifact {path} (method {method!r}) holds no rotations, only per-layer widths; OSCAR's "
+                         "format is rotations: export the artifact it was fitted on (its --base-artifact) instead")
+    dropped = [k for k in ("bits", "k_bits") if k in art.tensors]
+    if dropped:
+        from rotkv.cli.errors import warn
+
+        warn("export", f"{path} (method {method!r}): OSCAR reads rotations and clip ratios only; its per-layer "
+                       f"widths ({', '.join(dropped)}) are not exported")
+
+
 def run(args) -> int:
     if not os.path.exists(args.artifact):
         raise UsageError(f"--artifact {args.artifact}: no such file")
@@ -40,8 +56,11 @@ def run(args) -> int:
         raise UsageError(f"--artifact {args.artifact} is a directory, not a file")
     check_out_dir(args.out)
     from rotkv.integrations.oscar_export import export_oscar
+    from rotkv.rotations.artifact import load_artifact
 
-    paths = export_oscar(args.artifact, args.out)
+    art = load_artifact(args.artifact)
+    check_exportable(art, args.artifact)
+    paths = export_oscar(art, args.out)
     print(f"wrote {paths['k']}")
     print(f"wrote {paths['v']}")
     print(f"wrote {paths['env']} (source it: the OSCAR paths and clip ratios)")

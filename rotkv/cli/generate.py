@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from rotkv.cli.common import add_cache_args, add_model_args, cache_overrides, cache_spec, early_artifact, early_group_check
-from rotkv.cli.errors import UsageError, check_device, check_model, read_text_file
+from rotkv.cli.errors import UsageError, check_device, check_model, read_text_file, warn
 
 
 def register(sub) -> None:
@@ -17,8 +17,10 @@ def register(sub) -> None:
     src.add_argument("--prompt-file", help="file holding the prompt text")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--temperature", type=float, default=None, help="with --sample (default 0.7)")
+    p.add_argument("--top-p", type=float, default=None, help="with --sample (default 0.9)")
+    p.add_argument("--allow-long", action="store_true",
+                   help="run a prompt (plus --max-new-tokens) longer than the model's context instead of refusing it")
     p.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and the measured sizes")
     p.add_argument("--cuda-graph", action="store_true",
@@ -30,6 +32,11 @@ def check_args(args) -> str:
     """Every check that needs no model; returns the prompt text."""
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens has to be >= 1 but got {args.max_new_tokens}")
+    for flag, value in (("--temperature", args.temperature), ("--top-p", args.top_p)):
+        if value is not None and not args.sample:
+            raise UsageError(f"{flag} {value} has no effect without --sample (greedy decoding): add --sample or drop {flag}")
+    args.temperature = 0.7 if args.temperature is None else args.temperature
+    args.top_p = 0.9 if args.top_p is None else args.top_p
     if args.sample and not args.temperature > 0:
         raise UsageError(f"--temperature has to be > 0 but got {args.temperature}")
     if args.sample and not 0 < args.top_p <= 1:
@@ -51,6 +58,20 @@ def check_args(args) -> str:
     return prompt
 
 
+def check_length(model, prompt_tokens: int, new_tokens: int, allow_long: bool) -> None:
+    """Refuse a prompt that with its new tokens runs past the model's context (max_position_embeddings),
+    or with --allow-long say once that it does (the model's output degrades there)."""
+    ctx = getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "max_position_embeddings", None)
+    total = prompt_tokens + new_tokens
+    if not ctx or total <= ctx:
+        return
+    msg = (f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens {new_tokens} is {total} tokens, "
+           f"longer than the model's context of {ctx} tokens")
+    if not allow_long:
+        raise UsageError(f"{msg}; shorten it, or pass --allow-long to run it anyway")
+    warn("generate", f"{msg}: running it (--allow-long); expect degraded output past {ctx}")
+
+
 def run(args) -> int:
     prompt = check_args(args)
     from rotkv.cache import RotkvCache
@@ -62,6 +83,7 @@ def run(args) -> int:
     ids = encode_prompt(loaded.tokenizer, prompt, chat=not args.no_chat)
     if ids.shape[-1] == 0:
         raise UsageError("--prompt encodes to 0 tokens")
+    check_length(loaded.model, ids.shape[-1], args.max_new_tokens, args.allow_long)
     if args.cuda_graph:
         g = _generate_graph(loaded, ids, cache, args.max_new_tokens)
     else:

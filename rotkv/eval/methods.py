@@ -86,9 +86,11 @@ def resolve(name: str, sink: int | None, window: int | None, artifact_dir: str |
         path = os.path.join(artifact_dir, artifact_file(name))
         if PRESETS[name].k_bits == "artifact":  # its own artifact: the base rotation plus per-layer key widths
             if not os.path.exists(path):
-                base = os.path.join(artifact_dir, artifact_file(name, base=True))
-                return None, (f"artifact {path} is missing: make it with `python -m rotkv.calibrate.keybits "
-                              f"--base-artifact {base} --layers 10 --out {path}`")
+                if calibrate is None:
+                    return None, f"artifact {path} is missing: make it with `rotkv calibrate --method {name} --out {path}`"
+                why = calibrate(name, path)  # the base artifact beside it is made (or reused) first
+                if why:
+                    return None, why
             m.artifact = path
             return m, None
         if not os.path.exists(path):

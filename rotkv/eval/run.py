@@ -173,9 +173,21 @@ def calibrator(loaded, log):
             from rotkv.rotations.artifact import save_artifact
         except ImportError as e:
             return f"calibration is not available in this checkout ({e})"
-        log(f"calibrating {method} with the defaults into {path} ...")
-        tensors, meta = fit(loaded, CalibConfig(method=method))
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        from rotkv.config import PRESETS
+
+        if method in PRESETS and PRESETS[method].k_bits == "artifact":  # oscar-mix: base + key widths
+            from rotkv.calibrate.keybits import calibrate_mix
+            from rotkv.eval.methods import artifact_file
+
+            base = os.path.join(os.path.dirname(os.path.abspath(path)), artifact_file(method))
+            if not os.path.exists(base) and (why := calibrate(PRESETS[method].method, base)):
+                return why
+            log(f"measuring the per-layer key widths of {method} on {base} into {path} ...")
+            tensors, meta = calibrate_mix(loaded, base, log=log)
+        else:
+            log(f"calibrating {method} with the defaults into {path} ...")
+            tensors, meta = fit(loaded, CalibConfig(method=method))
         save_artifact(path, tensors, meta)
         return None
     return calibrate

@@ -281,7 +281,8 @@ def contract_diffs(artifact: Artifact, spec) -> list[str]:
     - method: only when ``spec.method`` is set (None accepts any), compared to :func:`base_method`;
     - bits: what the clip ratios were fitted for; not compared for an unquantized spec, nor for a
       progressive spec (``start_bits``) reading per-layer widths from the artifact's ``bits`` tensor;
-    - group_size: compared to ``spec.resolved_group(head_dim)``; not for an unquantized spec.
+    - group_size: compared to ``spec.resolved_group(head_dim)``; not for an unquantized spec;
+    - k_bits: a spec reading per-layer key widths from the artifact (``k_bits="artifact"``) needs them.
 
     A field the artifact does not record (hand-made files) is not compared.
     """
@@ -295,6 +296,9 @@ def contract_diffs(artifact: Artifact, spec) -> list[str]:
         want = spec.resolved_group(int(artifact.meta["head_dim"]))
         if "group_size" in artifact.meta and int(artifact.meta["group_size"]) != want:
             diffs.append(f"group_size: artifact {artifact.meta['group_size']} vs preset {want}")
+    if getattr(spec, "k_bits", None) == "artifact" and "k_bits" not in artifact.tensors:
+        diffs.append(f"k_bits: preset {spec.name!r} reads per-layer key widths from the artifact, which has none "
+                     f"(make them with `rotkv calibrate --method {spec.name}`)")
     return diffs
 
 
@@ -309,7 +313,7 @@ def check_contract(artifact: Artifact, spec) -> None:
     if not diffs:
         return
     hint = []
-    if any(not d.startswith("method") for d in diffs):
+    if any(not d.startswith(("method", "k_bits")) for d in diffs):
         g = spec.resolved_group(int(artifact.meta["head_dim"]))
         hint.append(f"re-fit its clip ratios with `rotkv calibrate --refit-clip {artifact.path or 'ARTIFACT'} "
                     f"--bits {spec.bits} --group-size {g} --out NEW.safetensors`")
