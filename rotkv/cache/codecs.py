@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from rotkv.kernels import backend as kernels
+from rotkv.quant.grid import check_grid, dequantize_grid, quantize_grid
+from rotkv.quant.outliers import merge_outliers, split_outliers
 from rotkv.quant.quantizer import QuantizedRows, check_group, dequantize, quantize
 
 
@@ -52,6 +54,40 @@ class ChannelCodec:
         p = parts["codes"].shape[-1] * 8 // self.bits
         q = QuantizedRows(parts["codes"], parts["scale"], parts["lo"], self.bits, p)
         return dequantize(q).transpose(-1, -2)
+
+
+class SparseTokenCodec:
+    """Dense-and-sparse (KVQuant): the ``count`` largest-magnitude entries of each page and KV head in an fp16
+    side table (``ovals`` fp16, ``oidx`` int16 flat positions), the rest zeroed there and quantized by the
+    token codec. The side table is a part of the page, so the pools count its bytes. PyTorch path only."""
+
+    def __init__(self, bits: int, group_size: int, clip: float, meta: str | None, count: int):
+        self.dense = TokenCodec(bits, group_size, clip, meta)
+        self.bits, self.group_size, self.clip, self.meta, self.count = bits, group_size, clip, meta, count
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        dense, vals, idx = split_outliers(x, self.count)
+        q = quantize(dense, self.bits, self.group_size, self.clip, self.meta)
+        return {"codes": q.codes, "scale": q.scale, "lo": q.lo, "ovals": vals, "oidx": idx}
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        return merge_outliers(self.dense.decode(parts), parts["ovals"], parts["oidx"])
+
+
+class GridTokenCodec:
+    """Per-token groups with a non-uniform grid per KV head (``grid [H, 2^b]`` in units of the group's range,
+    fitted at calibration: rotkv.quant.grid.lloyd_max); the bytes per token are the uniform codec's. PyTorch
+    path only."""
+
+    def __init__(self, bits: int, group_size: int, clip: float, meta: str | None, grid: torch.Tensor):
+        check_grid(grid, bits)
+        self.bits, self.group_size, self.clip, self.meta, self.grid = bits, group_size, clip, meta, grid.float()
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return quantize_grid(x, self.grid, self.bits, self.group_size, self.clip, self.meta)
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        return dequantize_grid(parts, self.grid, self.bits, self.group_size)
 
 
 def make_codecs(codec: str, bits: int, group_size: int, clip_k: float, clip_v: float, key_bits: int | None = None,
