@@ -13,6 +13,7 @@ from rotkv.kernels import backend as kernels
 from rotkv.quant.grid import check_grid, dequantize_grid, quantize_grid
 from rotkv.quant.outliers import merge_outliers, split_outliers
 from rotkv.quant.quantizer import QuantizedRows, check_group, dequantize, quantize
+from rotkv.quant.vq import decode_pq, encode_pq
 
 
 class TokenCodec:
@@ -88,6 +89,26 @@ class GridTokenCodec:
 
     def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         return dequantize_grid(parts, self.grid, self.bits, self.group_size)
+
+
+class PQCodec:
+    """Product-quantized rows (rotkv.quant.vq): per row an fp16 RMS scale and one uint8 centroid index per
+    sub-vector of a per-KV-head calibrated codebook ``[H, K, m]``, after a calibrated per-coordinate scale
+    ``sigma [H, D]``. PyTorch path only."""
+
+    def __init__(self, codebook: torch.Tensor, sigma: torch.Tensor):
+        self.codebook, self.sigma = codebook.float(), sigma.float()
+
+    @property
+    def table_bytes(self) -> int:
+        """The codebook and sigma in fp16 (what a deployment stores once per layer)."""
+        return (self.codebook.numel() + self.sigma.numel()) * 2
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return encode_pq(x, self.codebook, self.sigma)
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        return decode_pq(parts, self.codebook, self.sigma)
 
 
 def make_codecs(codec: str, bits: int, group_size: int, clip_k: float, clip_v: float, key_bits: int | None = None,

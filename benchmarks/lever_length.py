@@ -1,0 +1,191 @@
+"""Levers against oscar-mix at 2K and 8K, end to end (issue 24, step 2), at measured bits.
+
+The ``rotkv eval`` nll protocol through ``diagnose_int2.run_config`` (rotkv.eval.nll.score_window): held-out
+windows, the context prefilled in 512-token chunks through a RotkvCache of the preset (sink 16 / window 32
+for oscar-mix), then teacher-forced decode tokens, KL per token against the fp32 plain model. The
+reference log-probs are cached under ``--scratch`` (one plain forward per window, reused by every lever).
+Bits per element are measured from the cache's pools (every tier, code, scale, lo and side table), plus
+the per-layer grids for the grid levers.
+
+Levers (``+``-joined tokens of one config; a config is one run):
+  base                 the preset as it is
+  Konly / Vonly        diagnosis: only K (V in bf16) / only V (K in bf16) quantized
+  Ksp<N>[c<r>]         dense-and-sparse keys: the N largest |entries| of each 16 x 64 page and KV head in an
+                       fp16 side table (N=5: 0.5%, N=10: 1%); dense clip ratio r (default: the layer's)
+  Vsp<N>               the same for values
+  Kgrid / Vgrid        non-uniform per-head 2-bit grids (Lloyd-Max on calibration text) for keys / values
+  Kpq                  product-quantized keys in the 2-bit key layers: 4-dim sub-vectors, 256-entry codebook per
+                       (layer, KV head) fitted by k-means on calibration text, fp16 row scale (2.25 bits)
+  K4@<layers>          4-bit keys in exactly these layers (comma-free: 4.7.14), replacing the artifact's widths
+  K2@<layers>          2-bit keys (clipped at the layer's ratio) in these layers
+
+Usage: python benchmarks/lever_length.py --artifact A/oscar-mix.safetensors --length 2048 --windows 2 \
+           --configs base Kgrid Ksp10 --out docs/results/levers_length/L2048.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import diagnose_int2 as dx  # noqa: E402
+
+from rotkv.cache import RotkvCache  # noqa: E402
+from rotkv.cache.codecs import GridTokenCodec, PQCodec, SparseTokenCodec, TokenCodec  # noqa: E402
+from rotkv.cache.layer import HybridLayer  # noqa: E402
+
+
+def layers_of(text: str) -> set[int]:
+    return {int(x) for x in text.split(".") if x}
+
+
+def apply(cache, levers: list[str], grids: dict | None) -> int:
+    """Swap the codecs of ``cache``'s layers for the levers; returns constant extra bytes (grids)."""
+    extra = 0
+    for layer in cache.layers:
+        if not isinstance(layer, HybridLayer):
+            continue
+        i = layer.layer_idx
+        rot = layer.rotation_cpu
+        for lever in levers:
+            kc, vc = layer.key_codec, layer.value_codec
+            if lever == "base":
+                continue
+            if lever == "Konly":
+                layer.value_codec = dx.Bf16Codec()
+            elif lever == "Vonly":
+                layer.key_codec = dx.Bf16Codec()
+            elif lever.startswith(("Ksp", "Vsp")):
+                n, _, c = lever[3:].partition("c")
+                side = "key" if lever[0] == "K" else "value"
+                old = kc if side == "key" else vc
+                if old.bits != 2:
+                    continue  # only the 2-bit layers get a side table
+                clip = float(c) if c else old.clip
+                setattr(layer, f"{side}_codec", SparseTokenCodec(old.bits, old.group_size, clip, old.meta, int(n)))
+            elif lever in ("Kgrid", "Vgrid"):
+                side = "key" if lever[0] == "K" else "value"
+                old = kc if side == "key" else vc
+                if old.bits != 2:
+                    continue
+                g = grids[f"{side[0]}_grid"][i]
+                setattr(layer, f"{side}_codec", GridTokenCodec(old.bits, old.group_size, old.clip, old.meta, g))
+                extra += g.numel() * 2  # fp16 levels
+            elif lever == "Kpq":
+                if kc.bits != 2:
+                    continue
+                layer.key_codec = PQCodec(grids["pq_book"][i], grids["pq_sigma"][i])
+                extra += layer.key_codec.table_bytes
+            elif lever.startswith(("K4@", "K2@")):
+                bits = int(lever[1])
+                want = layers_of(lever[3:])
+                clip = rot.clip_k if rot.clip_k is not None else cache.spec.clip_k
+                if bits == 4 and i in want:
+                    layer.key_codec = TokenCodec(4, kc.group_size, 1.0, kc.meta)
+                elif bits == 4 and kc.bits == 4:  # layers not listed fall back to 2 bits
+                    layer.key_codec = TokenCodec(2, kc.group_size, clip, kc.meta)
+                elif bits == 2 and i in want:
+                    layer.key_codec = TokenCodec(2, kc.group_size, clip, kc.meta)
+            else:
+                raise ValueError(f"unknown lever {lever!r}")
+    return extra
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="oscar-mix")
+    ap.add_argument("--artifact", required=True)
+    ap.add_argument("--configs", nargs="+", default=["base"])
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--windows", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--grid-tokens", type=int, default=4096, help="calibration tokens for the grids")
+    ap.add_argument("--tag", default="", help="a label added to the run keys (e.g. the artifact's name)")
+    ap.add_argument("--scratch", default=".scratch/levers")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    from rotkv.config import get_preset
+    from rotkv.eval import nll
+    from rotkv.eval.config import builtin_eval_texts
+    from rotkv.eval.run import read_tokens
+    from rotkv.hf.models import load_model
+    from rotkv.rotations.artifact import load_artifact
+
+    loaded = load_model(None, device="cpu")
+    model, tok = loaded.model, loaded.tokenizer
+    spec = get_preset(args.preset)
+    art = load_artifact(args.artifact)
+    texts = builtin_eval_texts()
+    ids = torch.tensor([read_tokens(tok, texts)])
+    L, N = args.length, args.new_tokens
+    starts = nll.window_starts(ids.shape[1], L, N, args.windows)
+    os.makedirs(args.scratch, exist_ok=True)
+    refs = []
+    for s in starts:
+        path = os.path.join(args.scratch, f"ref_L{L}_s{s}_n{N}.pt")
+        if not os.path.exists(path):
+            torch.save(nll.reference(model, ids[:, s:s + L + N], L, N), path)
+        refs.append((s, torch.load(path)))
+    grids = {}
+    if any("grid" in c for c in args.configs):
+        gpath = os.path.join(args.scratch, f"grids_{os.path.basename(args.artifact)}_{args.grid_tokens}.pt")
+        if not os.path.exists(gpath):
+            from rotkv.calibrate.grids import fit_grids
+            t0 = time.time()
+            torch.save(fit_grids(model, tok, art, spec, args.grid_tokens), gpath)
+            print(f"grids fitted in {time.time() - t0:.0f} s", flush=True)
+        grids.update(torch.load(gpath))
+    if any("pq" in c for c in args.configs):
+        ppath = os.path.join(args.scratch, f"pq_{os.path.basename(args.artifact)}_{args.grid_tokens}.pt")
+        if not os.path.exists(ppath):
+            from rotkv.calibrate.grids import fit_pq_books
+            t0 = time.time()
+            torch.save(fit_pq_books(model, tok, art, spec, args.grid_tokens), ppath)
+            print(f"PQ codebooks fitted in {time.time() - t0:.0f} s", flush=True)
+        grids.update(torch.load(ppath))
+    ctx = dict(model=model, ids=ids, refs=refs, length=L, new_tokens=N, sink=spec.sink, window=spec.window,
+               artifacts={})
+    results = json.load(open(args.out)) if os.path.exists(args.out) else {"runs": {}}
+    results["settings"] = {"preset": args.preset, "artifact": args.artifact, "length": L, "new_tokens": N,
+                           "windows": args.windows, "starts": starts, "sink": spec.sink, "window": spec.window,
+                           "chunk": args.chunk, "texts": texts, "grid_tokens": args.grid_tokens}
+    for name in args.configs:
+        key = name + (f"/{args.tag}" if args.tag else "")
+        if key in results["runs"]:
+            continue
+        extra = [0]
+
+        def build(ctx_, preset, chunk, mod, win, name=name):
+            cache = RotkvCache(model, args.preset, art, prefill_chunk=chunk)
+            extra[0] = apply(cache, name.split("+"), grids)
+            return cache
+
+        dx.build_cache = build
+        t1 = time.time()
+        r = dx.run_config(ctx, args.preset, args.chunk, {})
+        elements = None
+        r["grid_bytes"] = extra[0]
+        if extra[0]:  # constant per-layer grids: add them to the measured bits (at this length)
+            elements = 2 * (L + N - 1) * model.config.num_key_value_heads * (model.config.hidden_size //
+                                                                             model.config.num_attention_heads) * model.config.num_hidden_layers
+            r["bpe"] += 8 * extra[0] / elements
+        r["seconds"] = round(time.time() - t1, 1)
+        results["runs"][key] = r
+        print(f"L{L} {key:36s} KL {r['kl']:.4f} +- {r['kl_ci95']:.4f} top1 {r['top1']:.3f} bits {r['bpe']:.3f} "
+              f"({r['seconds']:.0f} s)", flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
