@@ -33,10 +33,14 @@ import json
 import os
 import time
 
+import sys
+
 import torch
 
 from rotkv.cache.codecs import make_codecs
 from rotkv.config import get_preset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 BUCKETS = (0, 64, 256, 1024, 2048, 4096, 8192, 1 << 30)  # query-distance bucket edges (tokens)
 
@@ -87,9 +91,17 @@ class LayerQuant:
         self.kc, self.vc = make_codecs(spec.codec, spec.bits, g, ck, cv, key_bits, spec.meta_k, spec.meta_v)
         self.rot = rotation
 
-    def roundtrip(self, codec, x: torch.Tensor) -> torch.Tensor:
-        """``x [H, T, D]`` through the codec (T padded to whole pages of 16 is not needed: token codecs are per row)."""
-        return codec.decode(codec.encode(x[None]))[0]
+    def roundtrip(self, codec, x: torch.Tensor, start: int = 0, page: int = 16) -> torch.Tensor:
+        """``x [H, T, D]`` through the codec in pages of ``page`` tokens from ``start`` (the body's first token);
+        tokens before ``start`` and a last partial page are returned unchanged (they are never body tokens)."""
+        h, t, d = x.shape
+        n = (t - start) // page
+        out = x.clone()
+        if n > 0:
+            pages = x[:, start:start + n * page].reshape(h, n, page, d).transpose(0, 1)  # [nb, H, P, D]
+            y = codec.decode(codec.encode(pages)).transpose(0, 1).reshape(h, n * page, d)
+            out[:, start:start + n * page] = y
+        return out
 
 
 def attend(q, k, v, mask_body, kq, vq, scaling, quant_k: torch.Tensor | None, n_rep: int):
@@ -122,12 +134,13 @@ def rel(a, b) -> float:
 def analyse_layer(cap: dict, lq: LayerQuant, w_o, scaling, length, n, sink, window, page, exps, share_window=None):
     q = lq.rot.queries(cap["q"][None])[0]
     k, v = lq.rot.keys(cap["k"][None])[0], lq.rot.values(cap["v"][None])[0]
-    kq, vq = lq.roundtrip(lq.kc, k), lq.roundtrip(lq.vc, v)
+    kq, vq = lq.roundtrip(lq.kc, k, sink, page), lq.roundtrip(lq.vc, v, sink, page)
     hq, h = q.shape[0], k.shape[0]
     n_rep, total = hq // h, k.shape[1]
     bm = body_mask(length, n, total, sink, window, page)
     none = torch.zeros_like(bm)
-    ref, p_ref, s_ref, s_q = attend(q, k, v, none, k, v, scaling, none, n_rep)
+    ref, p_ref, s_ref, _ = attend(q, k, v, none, k, v, scaling, none, n_rep)
+    s_q = (q @ kq.repeat_interleave(n_rep, 0).transpose(-1, -2)) * scaling  # every key read quantized
     o_ref = layer_outputs(ref, lq.rot, w_o)
     res: dict = {}
 
@@ -137,6 +150,19 @@ def analyse_layer(cap: dict, lq: LayerQuant, w_o, scaling, length, n, sink, wind
 
     if "kv" in exps:
         res["both"], res["k_only"], res["v_only"] = err(bm, bm), err(bm, none), err(none, bm)
+    if "policy" in exps:  # deployable policies for the recent body: a larger bf16 window, or 4-bit recent keys
+        for w2 in (64, 128):
+            bm2 = body_mask(length, n, total, sink, w2, page)
+            res[f"both_window{w2}"] = err(bm2, bm2)
+        from rotkv.cache.codecs import TokenCodec
+        kc4 = TokenCodec(4, lq.kc.group_size, 1.0, getattr(lq.kc, "meta", None))
+        k4 = lq.roundtrip(kc4, k, sink, page)
+        qpos_ = torch.arange(length, length + n)[:, None]
+        dist_ = qpos_ - torch.arange(total)[None]
+        for r in (128, 256, 512):
+            recent = bm & (dist_ < r)
+            o, *_ = attend(q, k, v, bm, torch.where(recent.any(0)[None, :, None], k4, kq), vq, scaling, bm, n_rep)
+            res[f"both_recent4_{r}"] = rel(layer_outputs(o, lq.rot, w_o), o_ref)
     if "tiers" in exps and share_window is not None:
         bm2 = body_mask(length, n, total, sink, share_window, page)
         res["both_share"], res["k_only_share"] = err(bm2, bm2), err(bm2, none)
@@ -200,7 +226,11 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=None, help="default: the preset's")
     ap.add_argument("--share-of", type=int, default=2048, help="`tiers`: size the window to its bf16 share at this length")
     ap.add_argument("--exp", nargs="+", default=["kv", "buckets", "tiers", "stats", "rot"],
-                    choices=["kv", "buckets", "tiers", "stats", "rot"])
+                    choices=["kv", "buckets", "tiers", "stats", "rot", "policy"])
+    ap.add_argument("--levers", nargs="*", default=[],
+                    help="lever configs of lever_length.py (e.g. Kgrid Kpq Ksp10): K+V and K-only error per layer with them")
+    ap.add_argument("--grid-tokens", type=int, default=4096)
+    ap.add_argument("--add", action="store_true", help="compute --exp into existing records (merged per layer)")
     ap.add_argument("--capture-only", action="store_true", help="only capture (no artifact needed)")
     ap.add_argument("--scratch", default=".scratch/diag_length")
     ap.add_argument("--out", default="docs/results/diagnosis_length/length.json")
@@ -237,14 +267,51 @@ def main() -> None:
     runs = results.setdefault("runs", {})
     t0 = time.time()
     share = (sink + window) / args.share_of
+    def screen_levers(key, rec, caps, L):
+        """K+V and K-only error per layer of each --levers config, added to ``rec["levers"]``."""
+        import lever_length as ll
+        art = arts["main"]
+        tables = ll.load_tables(args.levers, model, tok, art, spec, args.grid_tokens, ".scratch/levers",
+                                os.path.basename(args.artifact))
+        bits = [int(b) for b in art.tensors["k_bits"].tolist()] if "k_bits" in art.tensors else None
+        for cfg_name in args.levers:
+            if cfg_name in rec.get("levers", {}):
+                continue
+            per, extra = {}, 0
+            for i, cap in enumerate(caps):
+                lq = LayerQuant(spec, art.layer_rotation(i), head_dim, spec.key_bits(i, bits))
+                lq.kc, lq.vc, e = ll.lever_codecs(cfg_name.split("+"), i, lq.kc, lq.vc, lq.rot, spec, tables)
+                extra += e
+                per[i] = analyse_layer(cap, lq, w_os[i], scalings[i], L, n, sink, window, page, {"kv"})
+            rec.setdefault("levers", {})[cfg_name] = {"layers": per, "table_bytes": extra}
+            print(f"{key} lever {cfg_name}: mean both {sum(r['both'] for r in per.values()) / len(per):.4f} "
+                  f"k_only {sum(r['k_only'] for r in per.values()) / len(per):.4f}", flush=True)
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+    from rotkv.eval import nll
     for L in args.lengths:
-        from rotkv.eval import nll
         starts = nll.window_starts(ids_all.shape[1], L, n, args.windows)
         for w, s in enumerate(starts):
             key = f"L{L}/w{w}"
-            if key in runs:
-                continue
             path = os.path.join(args.scratch, f"cap_L{L}_s{s}_n{n}.pt")
+            need_alt = key in runs and "alt" in arts and "layers_alt" not in runs[key]
+            if key in runs and args.add:
+                if os.path.exists(path):
+                    caps = torch.load(path)
+                art = arts["main"]
+                bits = [int(b) for b in art.tensors["k_bits"].tolist()] if "k_bits" in art.tensors else None
+                for i, cap in enumerate(caps):
+                    lq = LayerQuant(spec, art.layer_rotation(i), head_dim, spec.key_bits(i, bits))
+                    extra = analyse_layer(cap, lq, w_os[i], scalings[i], L, n, sink, window, page, set(args.exp))
+                    runs[key]["layers"][str(i) if str(i) in runs[key]["layers"] else i].update(extra)
+                save()
+                print(f"{key}: added {args.exp}", flush=True)
+            if key in runs and not args.levers and not need_alt:
+                continue
             if os.path.exists(path):
                 caps = torch.load(path)
             else:
@@ -254,25 +321,33 @@ def main() -> None:
                 print(f"captured {key} in {time.time() - t1:.0f} s", flush=True)
             if args.capture_only:
                 continue
-            share_window = max(window, round(share * L) - sink)
-            rec = {"start": s, "share_window": share_window, "layers": {}}
-            for name, art in arts.items():
+            if key not in runs:
+                share_window = max(window, round(share * L) - sink)
+                rec = {"start": s, "share_window": share_window, "layers": {}}
+                for name, art in arts.items():
+                    bits = [int(b) for b in art.tensors["k_bits"].tolist()] if "k_bits" in art.tensors else None
+                    per = {}
+                    for i, cap in enumerate(caps):
+                        lq = LayerQuant(spec, art.layer_rotation(i), head_dim, spec.key_bits(i, bits))
+                        exps = set(args.exp) if name == "main" else {"kv"}
+                        per[i] = analyse_layer(cap, lq, w_os[i], scalings[i], L, n, sink, window, page, exps, share_window)
+                    rec["layers" if name == "main" else "layers_alt"] = per
+                runs[key] = rec
+                print(f"{key}: mean both {sum(r['both'] for r in rec['layers'].values()) / len(caps):.4f} "
+                      f"k_only {sum(r['k_only'] for r in rec['layers'].values()) / len(caps):.4f} ({time.time() - t0:.0f} s)",
+                      flush=True)
+                save()
+            if need_alt:
+                art = arts["alt"]
                 bits = [int(b) for b in art.tensors["k_bits"].tolist()] if "k_bits" in art.tensors else None
-                per = {}
-                for i, cap in enumerate(caps):
-                    kb = spec.key_bits(i, bits)
-                    lq = LayerQuant(spec, art.layer_rotation(i), head_dim, kb)
-                    exps = set(args.exp) if name == "main" else {"kv"}
-                    per[i] = analyse_layer(cap, lq, w_os[i], scalings[i], L, n, sink, window, page, exps, share_window)
-                rec["layers" if name == "main" else "layers_alt"] = per
-            runs[key] = rec
-            print(f"{key}: mean both {sum(r['both'] for r in rec['layers'].values()) / len(caps):.4f} "
-                  f"k_only {sum(r['k_only'] for r in rec['layers'].values()) / len(caps):.4f} ({time.time() - t0:.0f} s)",
-                  flush=True)
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
-
+                runs[key]["layers_alt"] = {
+                    i: analyse_layer(cap, LayerQuant(spec, art.layer_rotation(i), head_dim, spec.key_bits(i, bits)),
+                                     w_os[i], scalings[i], L, n, sink, window, page, {"kv"})
+                    for i, cap in enumerate(caps)}
+                save()
+            if args.levers:
+                screen_levers(key, runs[key], caps, L)
+                save()
 
 if __name__ == "__main__":
     main()

@@ -45,56 +45,75 @@ def layers_of(text: str) -> set[int]:
     return {int(x) for x in text.split(".") if x}
 
 
-def apply(cache, levers: list[str], grids: dict | None) -> int:
-    """Swap the codecs of ``cache``'s layers for the levers; returns constant extra bytes (grids)."""
+def lever_codecs(levers: list[str], i: int, kc, vc, rot, spec, tables: dict):
+    """(key codec, value codec, constant extra bytes) of layer ``i`` after the levers; ``kc``/``vc`` the preset's."""
+    extra = 0
+    for lever in levers:
+        if lever == "base":
+            continue
+        if lever == "Konly":
+            vc = dx.Bf16Codec()
+        elif lever == "Vonly":
+            kc = dx.Bf16Codec()
+        elif lever.startswith(("Ksp", "Vsp")):
+            n, _, c = lever[3:].partition("c")
+            old = kc if lever[0] == "K" else vc
+            if old.bits != 2:
+                continue  # only the 2-bit layers get a side table
+            new = SparseTokenCodec(old.bits, old.group_size, float(c) if c else old.clip, old.meta, int(n))
+            kc, vc = (new, vc) if lever[0] == "K" else (kc, new)
+        elif lever in ("Kgrid", "Vgrid"):
+            old = kc if lever[0] == "K" else vc
+            if old.bits != 2:
+                continue
+            g = tables[f"{lever[0].lower()}_grid"][i]
+            new = GridTokenCodec(old.bits, old.group_size, old.clip, old.meta, g)
+            kc, vc = (new, vc) if lever[0] == "K" else (kc, new)
+            extra += g.numel() * 2  # fp16 levels
+        elif lever == "Kpq":
+            if kc.bits != 2:
+                continue
+            kc = PQCodec(tables["pq_book"][i], tables["pq_sigma"][i])
+            extra += kc.table_bytes
+        elif lever.startswith(("K4@", "K2@")):
+            bits, want = int(lever[1]), layers_of(lever[3:])
+            clip = rot.clip_k if rot.clip_k is not None else spec.clip_k
+            if bits == 4 and i in want:
+                kc = TokenCodec(4, kc.group_size, 1.0, kc.meta)
+            elif bits == 4 and kc.bits == 4:  # layers not listed fall back to 2 bits
+                kc = TokenCodec(2, kc.group_size, clip, kc.meta)
+            elif bits == 2 and i in want:
+                kc = TokenCodec(2, kc.group_size, clip, kc.meta)
+        else:
+            raise ValueError(f"unknown lever {lever!r}")
+    return kc, vc, extra
+
+
+def apply(cache, levers: list[str], tables: dict) -> int:
+    """Swap the codecs of ``cache``'s layers for the levers; returns constant extra bytes (grids, codebooks)."""
     extra = 0
     for layer in cache.layers:
-        if not isinstance(layer, HybridLayer):
-            continue
-        i = layer.layer_idx
-        rot = layer.rotation_cpu
-        for lever in levers:
-            kc, vc = layer.key_codec, layer.value_codec
-            if lever == "base":
-                continue
-            if lever == "Konly":
-                layer.value_codec = dx.Bf16Codec()
-            elif lever == "Vonly":
-                layer.key_codec = dx.Bf16Codec()
-            elif lever.startswith(("Ksp", "Vsp")):
-                n, _, c = lever[3:].partition("c")
-                side = "key" if lever[0] == "K" else "value"
-                old = kc if side == "key" else vc
-                if old.bits != 2:
-                    continue  # only the 2-bit layers get a side table
-                clip = float(c) if c else old.clip
-                setattr(layer, f"{side}_codec", SparseTokenCodec(old.bits, old.group_size, clip, old.meta, int(n)))
-            elif lever in ("Kgrid", "Vgrid"):
-                side = "key" if lever[0] == "K" else "value"
-                old = kc if side == "key" else vc
-                if old.bits != 2:
-                    continue
-                g = grids[f"{side[0]}_grid"][i]
-                setattr(layer, f"{side}_codec", GridTokenCodec(old.bits, old.group_size, old.clip, old.meta, g))
-                extra += g.numel() * 2  # fp16 levels
-            elif lever == "Kpq":
-                if kc.bits != 2:
-                    continue
-                layer.key_codec = PQCodec(grids["pq_book"][i], grids["pq_sigma"][i])
-                extra += layer.key_codec.table_bytes
-            elif lever.startswith(("K4@", "K2@")):
-                bits = int(lever[1])
-                want = layers_of(lever[3:])
-                clip = rot.clip_k if rot.clip_k is not None else cache.spec.clip_k
-                if bits == 4 and i in want:
-                    layer.key_codec = TokenCodec(4, kc.group_size, 1.0, kc.meta)
-                elif bits == 4 and kc.bits == 4:  # layers not listed fall back to 2 bits
-                    layer.key_codec = TokenCodec(2, kc.group_size, clip, kc.meta)
-                elif bits == 2 and i in want:
-                    layer.key_codec = TokenCodec(2, kc.group_size, clip, kc.meta)
-            else:
-                raise ValueError(f"unknown lever {lever!r}")
+        if isinstance(layer, HybridLayer):
+            layer.key_codec, layer.value_codec, e = lever_codecs(levers, layer.layer_idx, layer.key_codec,
+                                                                 layer.value_codec, layer.rotation_cpu, cache.spec, tables)
+            extra += e
     return extra
+
+
+def load_tables(configs, model, tok, art, spec, tokens: int, scratch: str, art_name: str) -> dict:
+    """The calibrated grids / PQ codebooks the configs need, fitted once on calibration text and cached."""
+    tables = {}
+    for what, fn in (("grid", "fit_grids"), ("pq", "fit_pq_books")):
+        if not any(what in c for c in configs):
+            continue
+        path = os.path.join(scratch, f"{what}_{art_name}_{tokens}.pt")
+        if not os.path.exists(path):
+            from rotkv.calibrate import grids as g
+            t0 = time.time()
+            torch.save(getattr(g, fn)(model, tok, art, spec, tokens), path)
+            print(f"{what} tables fitted in {time.time() - t0:.0f} s", flush=True)
+        tables.update(torch.load(path))
+    return tables
 
 
 def main() -> None:
@@ -106,6 +125,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--window", type=int, default=None, help="the bf16 window (default: the preset's)")
     ap.add_argument("--grid-tokens", type=int, default=4096, help="calibration tokens for the grids")
     ap.add_argument("--tag", default="", help="a label added to the run keys (e.g. the artifact's name)")
     ap.add_argument("--scratch", default=".scratch/levers")
@@ -135,37 +155,21 @@ def main() -> None:
         if not os.path.exists(path):
             torch.save(nll.reference(model, ids[:, s:s + L + N], L, N), path)
         refs.append((s, torch.load(path)))
-    grids = {}
-    if any("grid" in c for c in args.configs):
-        gpath = os.path.join(args.scratch, f"grids_{os.path.basename(args.artifact)}_{args.grid_tokens}.pt")
-        if not os.path.exists(gpath):
-            from rotkv.calibrate.grids import fit_grids
-            t0 = time.time()
-            torch.save(fit_grids(model, tok, art, spec, args.grid_tokens), gpath)
-            print(f"grids fitted in {time.time() - t0:.0f} s", flush=True)
-        grids.update(torch.load(gpath))
-    if any("pq" in c for c in args.configs):
-        ppath = os.path.join(args.scratch, f"pq_{os.path.basename(args.artifact)}_{args.grid_tokens}.pt")
-        if not os.path.exists(ppath):
-            from rotkv.calibrate.grids import fit_pq_books
-            t0 = time.time()
-            torch.save(fit_pq_books(model, tok, art, spec, args.grid_tokens), ppath)
-            print(f"PQ codebooks fitted in {time.time() - t0:.0f} s", flush=True)
-        grids.update(torch.load(ppath))
+    grids = load_tables(args.configs, model, tok, art, spec, args.grid_tokens, args.scratch, os.path.basename(args.artifact))
     ctx = dict(model=model, ids=ids, refs=refs, length=L, new_tokens=N, sink=spec.sink, window=spec.window,
                artifacts={})
     results = json.load(open(args.out)) if os.path.exists(args.out) else {"runs": {}}
     results["settings"] = {"preset": args.preset, "artifact": args.artifact, "length": L, "new_tokens": N,
-                           "windows": args.windows, "starts": starts, "sink": spec.sink, "window": spec.window,
+                           "windows": args.windows, "starts": starts, "sink": spec.sink, "window": args.window or spec.window,
                            "chunk": args.chunk, "texts": texts, "grid_tokens": args.grid_tokens}
     for name in args.configs:
-        key = name + (f"/{args.tag}" if args.tag else "")
+        key = name + (f"/{args.tag}" if args.tag else "") + (f"/w{args.window}" if args.window else "")
         if key in results["runs"]:
             continue
         extra = [0]
 
         def build(ctx_, preset, chunk, mod, win, name=name):
-            cache = RotkvCache(model, args.preset, art, prefill_chunk=chunk)
+            cache = RotkvCache(model, args.preset, art, prefill_chunk=chunk, window=args.window)
             extra[0] = apply(cache, name.split("+"), grids)
             return cache
 

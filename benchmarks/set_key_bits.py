@@ -26,7 +26,7 @@ def main() -> None:
     chosen = [int(x) for x in args.layers.split(",") if x.strip()]
     gains = np.zeros(art.num_layers)
     gains[chosen] = 1.0
-    tensors, meta = with_key_bits(art, gains, len(chosen), source="set_key_bits.py", layers=args.layers)
+    tensors, meta = with_key_bits(art, gains, len(chosen), source="set_key_bits.py", chosen=args.layers)
     save_artifact(args.out, tensors, meta)
     print(f"wrote {args.out}: 4-bit keys in layers {sorted(chosen)}")
 

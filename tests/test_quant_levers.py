@@ -141,3 +141,39 @@ def test_lever_codecs_in_a_hybrid_layer_store_read_and_count_their_bytes(kind):
     assert torch.allclose(k_read[:, S:S + body], ref, atol=1e-6)
     st = layer.stats()
     assert st["body_bytes"] == body * H * per_token + body * H * (D // 4 + 4)  # keys (lever) + INT2 values
+
+
+@pytest.mark.parametrize("table", ["grid", "pq"])
+def test_key_table_preset_path_reads_the_artifact_tables(tmp_path, table):
+    """A spec with ``k_table`` builds the calibrated key codec from the artifact for its 2-bit key layers only,
+    runs end to end through the model, and refuses an artifact without the tables."""
+    from rotkv.cache import RotkvCache
+    from rotkv.cache.codecs import PQCodec
+    from rotkv.config import get_preset
+    from rotkv.quant.vq import fit_pq
+    from rotkv_testing import make_tiny_llama, write_artifact
+
+    model = make_tiny_llama()
+    if table == "grid":
+        extra = {"k_grid": torch.tensor([0.1, 0.4, 0.6, 0.9]).expand(2, 2, 4).contiguous()}
+    else:
+        book, sigma = fit_pq(torch.randn(2, 512, 16), 4, 4, iters=3)
+        extra = {"pq_book": torch.stack([book, book]), "pq_sigma": torch.stack([sigma, sigma])}
+    extra["k_bits"] = torch.tensor([2, 4], dtype=torch.int32)
+    path = write_artifact(model, tmp_path / "a.safetensors", tensors=extra)
+    spec = get_preset("oscar-mix", method=None, k_table=table, sink=4, window=8, page_size=4, group_size=16)
+    cache = RotkvCache(model, spec, path)
+    want = GridTokenCodec if table == "grid" else PQCodec
+    assert isinstance(cache.layers[0].key_codec, want)
+    assert isinstance(cache.layers[1].key_codec, TokenCodec) and cache.layers[1].key_codec.bits == 4
+    ids = torch.randint(1, 128, (1, 60))
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache).logits
+    assert torch.isfinite(out).all() and cache.layers[0].state.body_count[0] > 0
+    bare = write_artifact(model, tmp_path / "b.safetensors", tensors={"k_bits": extra["k_bits"]})
+    with pytest.raises(ValueError, match="k_table"):
+        RotkvCache(model, spec, bare)
+    with pytest.raises(ValueError, match="k_table"):
+        get_preset("oscar-mix", k_table="lut")
+    with pytest.raises(ValueError, match="k_table"):
+        get_preset("int4", k_table=table)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from rotkv.cache.codecs import TokenCodec, make_codecs
+from rotkv.cache.codecs import TokenCodec, make_codecs, with_key_table
 import numpy as np
 
 from rotkv.cache.layer import HybridLayer
@@ -119,6 +119,7 @@ class RotkvCache(Cache):
                 codecs = make_codecs(self.spec.codec, self.spec.bits, self.spec.resolved_group(head_dim),
                                      r.clip_k or self.spec.clip_k, r.clip_v or self.spec.clip_v,
                                      self.spec.key_bits(i, artifact_bits), self.spec.meta_k, self.spec.meta_v)
+                codecs = with_key_table(self.spec, self.artifact, i, codecs)
                 if layer_bits is not None:
                     kc, vc = codecs
                     codecs = (TokenCodec(layer_bits[i][0], kc.group_size, kc.clip, kc.meta),

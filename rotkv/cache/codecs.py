@@ -122,3 +122,22 @@ def make_codecs(codec: str, bits: int, group_size: int, clip_k: float, clip_v: f
     if codec == "kivi":
         return ChannelCodec(bits), TokenCodec(bits, group_size, 1.0)
     raise ValueError(f"`codec` has to be one of ['token', 'kivi'] but got {codec!r}")
+
+
+def with_key_table(spec, artifact, layer: int, codecs):
+    """``codecs`` with the key codec of ``layer`` replaced by ``spec.k_table``'s calibrated format (from the
+    artifact's ``k_grid`` or ``pq_book``/``pq_sigma``) where the layer's keys are at ``spec.bits``."""
+    if spec.k_table is None or codecs is None:
+        return codecs
+    kc, vc = codecs
+    if kc.bits != spec.bits:
+        return codecs
+    names = {"grid": ("k_grid",), "pq": ("pq_book", "pq_sigma")}[spec.k_table]
+    missing = [n for n in names if artifact is None or n not in artifact.tensors]
+    if missing:
+        raise ValueError(f"`k_table`={spec.k_table!r} needs the artifact tensors {missing}; make them with "
+                         f"`python -m rotkv.calibrate.grids --table {spec.k_table} --base-artifact A --out B`")
+    t = [artifact.tensors[n][layer] for n in names]
+    if spec.k_table == "grid":
+        return GridTokenCodec(kc.bits, kc.group_size, kc.clip, kc.meta, t[0]), vc
+    return PQCodec(t[0], t[1]), vc
