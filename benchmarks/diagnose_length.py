@@ -214,6 +214,14 @@ def analyse_layer(cap: dict, lq: LayerQuant, w_o, scaling, length, n, sink, wind
     return res
 
 
+def merge(a: dict, b: dict) -> dict:
+    """``a`` updated by ``b`` recursively (dicts merged, other values from ``b``)."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="oscar-mix")
@@ -288,9 +296,13 @@ def main() -> None:
                   f"k_only {sum(r['k_only'] for r in per.values()) / len(per):.4f}", flush=True)
 
     def save():
+        """Merge into the file as it is on disk now (other runs of this script may have added to it)."""
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        disk = json.load(open(args.out)) if os.path.exists(args.out) else {}
+        merged = merge(disk, json.loads(json.dumps(results)))
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(merged, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
 
     from rotkv.eval import nll
     for L in args.lengths:

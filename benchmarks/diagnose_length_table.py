@@ -43,10 +43,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("json")
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--alt", default=None, help="a JSON with the `rot` experiment (layers_alt) made apart")
     args = ap.parse_args()
     res = json.load(open(args.json))
     pooled, per_layer = gather(res)
-    alt, _ = gather(res, "layers_alt")
+    alt, _ = gather(json.load(open(args.alt)) if args.alt else res, "layers_alt")
     Ls = sorted(pooled)
     buckets = res["settings"]["buckets"]
     print("Attention-output error after W_O (relative, mean over layers and windows, +- 95% over those):\n")

@@ -16,6 +16,14 @@ Levers (``+``-joined tokens of one config; a config is one run):
   Kgrid / Vgrid        non-uniform per-head 2-bit grids (Lloyd-Max on calibration text) for keys / values
   Kpq                  product-quantized keys in the 2-bit key layers: 4-dim sub-vectors, 256-entry codebook per
                        (layer, KV head) fitted by k-means on calibration text, fp16 row scale (2.25 bits)
+  R4@<R>               (emulation) a 4-bit key tier for the recent body: the bf16 window is widened to R tokens and
+                       every token written is fake-quantized on arrival (keys at 4 bits unclipped, values with the
+                       preset's value codec) in the stored basis, so the R most recent tokens read 4-bit keys and
+                       2-bit values, older ones the preset's body (2-bit keys quantized from the 4-bit ones). The 32
+                       newest tokens are thereby 4-bit too (pessimistic against a real bf16 32 + 4-bit tier). Bits:
+                       the base run's measured bits plus the analytic cost of that tier (keys of R - 32 tokens at
+                       4 + 32/G bits instead of the layer's width), printed as ``bpe``; the emulation's own measured
+                       bits (the tier counted as bf16) are kept as ``bpe_emulated``
   K4@<layers>          4-bit keys in exactly these layers (comma-free: 4.7.14), replacing the artifact's widths
   K2@<layers>          2-bit keys (clipped at the layer's ratio) in these layers
 
@@ -87,6 +95,38 @@ def lever_codecs(levers: list[str], i: int, kc, vc, rot, spec, tables: dict):
         else:
             raise ValueError(f"unknown lever {lever!r}")
     return kc, vc, extra
+
+
+def fake_tier(layer, spec):
+    """Wrap ``layer.update``: keys fake-quantized at 4 bits and values by the value codec, in the stored basis."""
+    from rotkv.quant.quantizer import fake_quantize
+    from rotkv.rotations.base import _per_head
+
+    rot, vc = layer.rotation_cpu, layer.value_codec
+    g = layer.key_codec.group_size
+    orig = layer.update
+
+    def update(k, v, *a, **kw):
+        kr = fake_quantize(rot.keys(k), 4, g, 1.0, spec.meta_k)
+        k2 = kr if rot.R_K is None else _per_head(kr, rot.R_K.transpose(-1, -2))
+        if rot.k_mean is not None:
+            k2 = k2 + rot.k_mean.unsqueeze(-2)
+        vr = rot.values(v)
+        shape = vr.shape
+        vq = vc.decode(vc.encode(vr.reshape(-1, *shape[-3:]))).reshape(shape)
+        v2 = vq if rot.R_V is None else _per_head(vq, rot.R_V.transpose(-1, -2))
+        return orig(k2.to(k.dtype), v2.to(v.dtype), *a, **kw)
+
+    layer.update = update
+
+
+def tier_bits(cache, r: int, tokens: int) -> float:
+    """Analytic extra bits per element of a 4-bit key tier for the R - window newest body tokens."""
+    layers = [l for l in cache.layers if isinstance(l, HybridLayer)]
+    n = min(max(r - cache.spec.window, 0), max(tokens - cache.spec.sink - cache.spec.window, 0))
+    g = layers[0].key_codec.group_size
+    extra = sum((4 + 32 / g) - (l.key_codec.bits + 32 / g) for l in layers)  # per token and head dim, keys only
+    return n * extra / (2 * tokens * len(layers))
 
 
 def apply(cache, levers: list[str], tables: dict) -> int:
@@ -168,9 +208,22 @@ def main() -> None:
             continue
         extra = [0]
 
-        def build(ctx_, preset, chunk, mod, win, name=name):
-            cache = RotkvCache(model, args.preset, art, prefill_chunk=chunk, window=args.window)
-            extra[0] = apply(cache, name.split("+"), grids)
+        levers = name.split("+")
+        r4 = [int(x[3:]) for x in levers if x.startswith("R4@")]
+        levers = [x for x in levers if not x.startswith("R4@")] or ["base"]
+        if r4 and levers != ["base"]:
+            raise SystemExit("R4@ is measured alone (its bits are the base run's plus the tier's)")
+        holder = {}
+
+        def build(ctx_, preset, chunk, mod, win, levers=levers, r4=r4):
+            window = r4[0] if r4 else args.window
+            cache = RotkvCache(model, args.preset, art, prefill_chunk=chunk, window=window)
+            extra[0] = apply(cache, levers, grids)
+            if r4:
+                for layer in cache.layers:
+                    if isinstance(layer, HybridLayer):
+                        fake_tier(layer, cache.spec)
+                holder["ref"] = RotkvCache(model, args.preset, art, prefill_chunk=chunk, window=args.window)
             return cache
 
         dx.build_cache = build
@@ -182,9 +235,15 @@ def main() -> None:
             elements = 2 * (L + N - 1) * model.config.num_key_value_heads * (model.config.hidden_size //
                                                                              model.config.num_attention_heads) * model.config.num_hidden_layers
             r["bpe"] += 8 * extra[0] / elements
+        if r4:  # the emulated tier is counted as bf16 by the pools: the real format's bits are the base run's
+            # measured bits (same length and windows; levers_length_table.py adds them) plus the tier's
+            r["bpe_emulated"] = r["bpe"]
+            r["tier_bits"] = tier_bits(holder["ref"], r4[0], L + N - 1)
+            r["bpe"] = None
         r["seconds"] = round(time.time() - t1, 1)
         results["runs"][key] = r
-        print(f"L{L} {key:36s} KL {r['kl']:.4f} +- {r['kl_ci95']:.4f} top1 {r['top1']:.3f} bits {r['bpe']:.3f} "
+        bits = r["bpe"] if r["bpe"] is not None else float("nan")
+        print(f"L{L} {key:36s} KL {r['kl']:.4f} +- {r['kl_ci95']:.4f} top1 {r['top1']:.3f} bits {bits:.3f} "
               f"({r['seconds']:.0f} s)", flush=True)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

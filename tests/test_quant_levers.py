@@ -177,3 +177,50 @@ def test_key_table_preset_path_reads_the_artifact_tables(tmp_path, table):
         get_preset("oscar-mix", k_table="lut")
     with pytest.raises(ValueError, match="k_table"):
         get_preset("int4", k_table=table)
+
+
+def test_longfit_refits_keys_only_and_matches_a_direct_fit(tmp_path):
+    """The long-sequence refit keeps R_V, clips and key widths; its key mean is the mean of the keys past the
+    sink and its R_K is OSCAR's rotation of the summed query covariance of all positions (a one-call fit)."""
+    from rotkv.calibrate.capture import capturing
+    from rotkv.calibrate.longfit import long_stats, refit
+    from rotkv.rotations.artifact import load_artifact
+    from rotkv.rotations.base import pooled
+    from rotkv.rotations.oscar import oscar_rotation
+    from rotkv_testing import char_tokenizer, make_tiny_llama, write_artifact
+
+    model, tok = make_tiny_llama(), char_tokenizer()
+    path = write_artifact(model, tmp_path / "a.safetensors", tensors={"k_bits": torch.tensor([2, 4], dtype=torch.int32)},
+                          sink="4", granularity="layer")
+    art = load_artifact(path)
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    tensors, meta = refit(model, tok, art, seq_len=96, sequences=2, call=32, files=[str(text)])
+    for k in ("R_V.0", "R_V.1", "clip_k", "clip_v", "k_bits"):
+        assert torch.equal(tensors[k], art.tensors[k])
+    assert meta["longfit_seq_len"] == "96"
+    # a direct fit: each 96-token sequence in one call (no cache); the chunked DynamicCache path must agree
+    chunks = [tok(text.read_text(), return_tensors="pt").input_ids[:, i * 96:(i + 1) * 96] for i in range(2)]
+    cq, ks, kn = {}, {}, {}
+
+    def rec(layer, q, k, v, out, probs):
+        g = q[0].double().reshape(2, -1, 16)
+        cq[layer] = cq.get(layer, 0) + torch.einsum("htd,hte->hde", g, g)
+        ks[layer] = ks.get(layer, 0) + k[0, :, 4:].double().sum(1)
+        kn[layer] = kn.get(layer, 0) + k.shape[2] - 4
+
+    with torch.no_grad(), capturing(model, rec):
+        for c in chunks:
+            model(c, use_cache=False)
+    for layer in range(2):
+        assert torch.allclose(tensors[f"k_mean.{layer}"], (ks[layer] / kn[layer]).float(), atol=1e-5)
+        want = oscar_rotation(pooled(cq[layer], "layer"))[:1]
+        got = tensors[f"R_K.{layer}"]
+        assert got.shape == art.tensors[f"R_K.{layer}"].shape
+        assert torch.allclose(got @ got.transpose(-1, -2), torch.eye(16).expand_as(got), atol=1e-5)
+        # eigenvectors are defined up to sign: compare the projectors of each rotated coordinate
+        assert torch.allclose(got.abs(), want.abs(), atol=1e-3)
+    c2, _, _ = long_stats(model, chunks, 4, 32)
+    assert torch.allclose(c2[0], cq[0], rtol=1e-6)
+    with pytest.raises(ValueError, match="seq_len"):
+        refit(model, tok, art, seq_len=16, sequences=1, call=32, files=[str(text)])

@@ -78,7 +78,7 @@ def kmeans(points: torch.Tensor, k: int, iters: int = 25, seed: int = 0) -> torc
     return c
 
 
-def fit_pq(x: torch.Tensor, sub_dim: int = 4, bits: int = 8, iters: int = 25, max_points: int = 65536,
+def fit_pq(x: torch.Tensor, sub_dim: int = 4, bits: int = 8, iters: int = 15, max_points: int = 16384,
            seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(codebook ``[H, 2^bits, sub_dim]``, sigma ``[H, D]``) from calibration rows ``x [H, T, D]``."""
     h, t, d = x.shape
