@@ -247,6 +247,13 @@ PRESETS: dict[str, CacheSpec] = {
         name="oscar-mix", bits=2, sink=16, window=32, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True,
         method="oscar", k_bits="artifact", meta_v="float8",
     ),
+    # oscar-mix with its key side (R_K, key means) refitted on 4K-token calibration sequences
+    # (python -m rotkv.calibrate.longfit on top of oscar-mix's artifact; docs/results/levers_length.md): the same
+    # storage format, bytes and kernels as oscar-mix; only the artifact differs
+    "oscar-mix-long": CacheSpec(
+        name="oscar-mix-long", bits=2, sink=16, window=32, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True,
+        method="oscar", k_bits="artifact", meta_v="float8",
+    ),
     # progressive precision: final widths from the artifact's `bits` (rotkv calibrate --method pmkvq),
     # else `bits` for every layer; each layer reaches its final width at budget_tokens
     "pmkvq": CacheSpec(name="pmkvq", bits=2, start_bits=16, budget_tokens=8192),

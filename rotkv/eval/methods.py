@@ -103,6 +103,10 @@ def resolve(name: str, sink: int | None, window: int | None, artifact_dir: str |
             path = os.path.join(artifact_dir, config_artifact_file(name, artifact_file(name)))
             if not os.path.exists(path):
                 base = os.path.join(artifact_dir, artifact_file(name))
+                if name == "oscar-mix-long":
+                    mix = os.path.join(artifact_dir, "oscar-mix.safetensors")
+                    return None, (f"artifact {path} is missing: make it with `python -m rotkv.calibrate.longfit "
+                                  f"--base-artifact {mix} --out {path}`")
                 return None, (f"artifact {path} is missing: make it with `python -m rotkv.calibrate.keybits "
                               f"--base-artifact {base} --layers 10 --out {path}`")
             m.artifact = path
