@@ -23,6 +23,7 @@ class RotkvWarning(UserWarning):
 ROTATIONS = (*registry.data_free(), "artifact")
 CODECS = ("token", "kivi")
 TIER_DTYPES = ("bfloat16", "float16", "float32", "model")
+KEY_TABLES = ("grid", "pq")  # calibrated key formats read from the artifact (rotkv.calibrate.grids)
 SHIFTS = ("equivalent", "rounded", "plain")  # progressive precision: how a body shrinks
 ANCHORS = ("final", "start")  # progressive precision: whose step the stored scale is
 
@@ -59,6 +60,11 @@ class CacheSpec:
         the artifact's ``k_bits`` tensor (``python -m rotkv.cli.keybits``). Key layers at a
         width other than ``bits`` are not clipped (clip ratios are fitted for ``bits``). None: every
         layer at ``bits``. Counted in the measured bits like everything else.
+    k_table: a calibrated key format for the layers whose keys are at ``bits``, read from the artifact
+        (``python -m rotkv.calibrate.grids``): ``grid`` (non-uniform per-head levels, ``k_grid``; the same
+        bytes per token as the uniform codec) or ``pq`` (product-quantized keys: ``pq_book`` codebooks of
+        4-dim sub-vectors and ``pq_sigma``; 2.25 bits per key element at head_dim 64). PyTorch path only.
+        None: the uniform quantizer.
     meta_k, meta_v: dtype of each key / value group's scale and lo: ``float16``, ``float8`` (e4m3,
         rounded towards covering the group) or ``float32``; None: fp16 for 2 and 4 bits, fp32 for 8.
     method: the calibration method an artifact must come from (``oscar``, ``optr``, ...; an artifact
@@ -91,6 +97,7 @@ class CacheSpec:
     k_bits: str | None = None
     meta_k: str | None = None
     meta_v: str | None = None
+    k_table: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -134,6 +141,12 @@ class CacheSpec:
                 raise ValueError(f"`{field}` has to be one of {list(META_NAMES)} or None but got {v!r}")
             if self.codec != "token" or self.start_bits is not None:
                 raise ValueError(f"`{field}` needs a fixed-width token codec (`codec`='token', no `start_bits`)")
+        if self.k_table is not None:
+            if self.k_table not in KEY_TABLES:
+                raise ValueError(f"`k_table` has to be one of {list(KEY_TABLES)} or None but got {self.k_table!r}")
+            if self.rotation != "artifact" or self.codec != "token" or self.start_bits is not None or self.bits != 2:
+                raise ValueError("`k_table` reads calibrated tables from an artifact: needs `rotation`='artifact', "
+                                 "`codec`='token', `bits`=2 and no `start_bits`")
         self._check_progressive()
 
     def key_bits(self, layer: int, artifact_bits: list[int] | None = None) -> int | None:
@@ -246,6 +259,13 @@ PRESETS: dict[str, CacheSpec] = {
     # (at 32K+ tokens a larger window costs little: --window 256)
     "oscar-mix": CacheSpec(
         name="oscar-mix", bits=2, sink=16, window=32, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True,
+        method="oscar", k_bits="artifact", meta_v="float8",
+    ),
+    # oscar-mix with its key side (R_K, key means) refitted on 4K-token calibration sequences
+    # (python -m rotkv.calibrate.longfit on top of oscar-mix's artifact; docs/results/levers_length.md): the same
+    # storage format, bytes and kernels as oscar-mix; only the artifact differs
+    "oscar-mix-long": CacheSpec(
+        name="oscar-mix-long", bits=2, sink=16, window=32, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True,
         method="oscar", k_bits="artifact", meta_v="float8",
     ),
     # progressive precision: final widths from the artifact's `bits` (rotkv calibrate --method pmkvq),

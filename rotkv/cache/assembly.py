@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from rotkv.cache.base import tier_dtype
-from rotkv.cache.codecs import TokenCodec, make_codecs
+from rotkv.cache.codecs import TokenCodec, make_codecs, with_key_table
 from rotkv.cache.layer import HybridLayer
 from rotkv.cache.plan import PageState
 from rotkv.cache.progressive import EvictingLayer, ProgressiveCodec, ProgressiveLayer, layer_budget
@@ -193,6 +193,7 @@ def plan_cache(model, spec: CacheSpec, artifact: Artifact | str | None = None, l
         if spec.quantized:
             codecs = make_codecs(spec.codec, spec.bits, g, clip_k, clip_v, spec.key_bits(i, artifact_bits),
                                  spec.meta_k, spec.meta_v)
+            codecs = with_key_table(spec, art, i, codecs)  # a calibrated key format (`k_table`), if any
             if layer_bits is not None:  # the widths change; clip ratios and metadata stay the spec's
                 kc, vc = codecs
                 codecs = (TokenCodec(layer_bits[i][0], kc.group_size, kc.clip, kc.meta),

@@ -10,7 +10,10 @@ from __future__ import annotations
 import torch
 
 from rotkv.kernels import backend as kernels
+from rotkv.quant.grid import check_grid, dequantize_grid, quantize_grid
+from rotkv.quant.outliers import merge_outliers, split_outliers
 from rotkv.quant.quantizer import QuantizedRows, check_group, dequantize, quantize
+from rotkv.quant.vq import decode_pq, encode_pq
 
 
 class TokenCodec:
@@ -54,6 +57,60 @@ class ChannelCodec:
         return dequantize(q).transpose(-1, -2)
 
 
+class SparseTokenCodec:
+    """Dense-and-sparse (KVQuant): the ``count`` largest-magnitude entries of each page and KV head in an fp16
+    side table (``ovals`` fp16, ``oidx`` int16 flat positions), the rest zeroed there and quantized by the
+    token codec. The side table is a part of the page, so the pools count its bytes. PyTorch path only."""
+
+    def __init__(self, bits: int, group_size: int, clip: float, meta: str | None, count: int):
+        self.dense = TokenCodec(bits, group_size, clip, meta)
+        self.bits, self.group_size, self.clip, self.meta, self.count = bits, group_size, clip, meta, count
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        dense, vals, idx = split_outliers(x, self.count)
+        q = quantize(dense, self.bits, self.group_size, self.clip, self.meta)
+        return {"codes": q.codes, "scale": q.scale, "lo": q.lo, "ovals": vals, "oidx": idx}
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        return merge_outliers(self.dense.decode(parts), parts["ovals"], parts["oidx"])
+
+
+class GridTokenCodec:
+    """Per-token groups with a non-uniform grid per KV head (``grid [H, 2^b]`` in units of the group's range,
+    fitted at calibration: rotkv.quant.grid.lloyd_max); the bytes per token are the uniform codec's. PyTorch
+    path only."""
+
+    def __init__(self, bits: int, group_size: int, clip: float, meta: str | None, grid: torch.Tensor):
+        check_grid(grid, bits)
+        self.bits, self.group_size, self.clip, self.meta, self.grid = bits, group_size, clip, meta, grid.float()
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return quantize_grid(x, self.grid, self.bits, self.group_size, self.clip, self.meta)
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        return dequantize_grid(parts, self.grid, self.bits, self.group_size)
+
+
+class PQCodec:
+    """Product-quantized rows (rotkv.quant.vq): per row an fp16 RMS scale and one uint8 centroid index per
+    sub-vector of a per-KV-head calibrated codebook ``[H, K, m]``, after a calibrated per-coordinate scale
+    ``sigma [H, D]``. PyTorch path only."""
+
+    def __init__(self, codebook: torch.Tensor, sigma: torch.Tensor):
+        self.codebook, self.sigma = codebook.float(), sigma.float()
+
+    @property
+    def table_bytes(self) -> int:
+        """The codebook and sigma in fp16 (what a deployment stores once per layer)."""
+        return (self.codebook.numel() + self.sigma.numel()) * 2
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return encode_pq(x, self.codebook, self.sigma)
+
+    def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        return decode_pq(parts, self.codebook, self.sigma)
+
+
 def make_codecs(codec: str, bits: int, group_size: int, clip_k: float, clip_v: float, key_bits: int | None = None,
                 meta_k: str | None = None, meta_v: str | None = None):
     """(key codec, value codec) for a CacheSpec codec name. ``key_bits``: the keys' own width (a
@@ -65,3 +122,22 @@ def make_codecs(codec: str, bits: int, group_size: int, clip_k: float, clip_v: f
     if codec == "kivi":
         return ChannelCodec(bits), TokenCodec(bits, group_size, 1.0)
     raise ValueError(f"`codec` has to be one of ['token', 'kivi'] but got {codec!r}")
+
+
+def with_key_table(spec, artifact, layer: int, codecs):
+    """``codecs`` with the key codec of ``layer`` replaced by ``spec.k_table``'s calibrated format (from the
+    artifact's ``k_grid`` or ``pq_book``/``pq_sigma``) where the layer's keys are at ``spec.bits``."""
+    if spec.k_table is None or codecs is None:
+        return codecs
+    kc, vc = codecs
+    if kc.bits != spec.bits:
+        return codecs
+    names = {"grid": ("k_grid",), "pq": ("pq_book", "pq_sigma")}[spec.k_table]
+    missing = [n for n in names if artifact is None or n not in artifact.tensors]
+    if missing:
+        raise ValueError(f"`k_table`={spec.k_table!r} needs the artifact tensors {missing}; make them with "
+                         f"`python -m rotkv.calibrate.grids --table {spec.k_table} --base-artifact A --out B`")
+    t = [artifact.tensors[n][layer] for n in names]
+    if spec.k_table == "grid":
+        return GridTokenCodec(kc.bits, kc.group_size, kc.clip, kc.meta, t[0]), vc
+    return PQCodec(t[0], t[1]), vc

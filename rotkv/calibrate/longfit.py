@@ -1,0 +1,104 @@
+"""OSCAR's key side refitted on long sequences (issue 24: "calibration on long sequences").
+
+``rotkv calibrate --method oscar`` fits R_K from the query covariance C_Q of 512-token chunks: it sees RoPE
+phases of at most 512 positions and the queries of short contexts. This refit keeps an artifact's value side
+(R_V), clip ratios and key widths (``k_bits``), and replaces per layer the key mean and ``R_K = U_Q H P_br``
+by the same OSCAR fit over calibration sequences of ``seq_len`` tokens: each sequence is prefilled in
+``call``-token calls through a DynamicCache with rotkv's capture attention, so the queries of every
+position 0..seq_len-1 enter C_Q (summed over the query heads of a KV head, then pooled as the base
+artifact's granularity) and every key past the sink enters the mean. Calibration text only.
+
+    python -m rotkv.calibrate.longfit --base-artifact oscar-mix.safetensors --seq-len 4096 --sequences 2 \
+        --out oscar-mix-long.safetensors
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+@torch.no_grad()
+def long_stats(model, chunks: list[torch.Tensor], sink: int = 16, call: int = 512):
+    """Per layer: (C_Q ``[H, D, D]`` float64 summed over each KV head's query heads, key sum ``[H, D]``, key count)."""
+    from transformers import DynamicCache
+
+    from rotkv.calibrate.capture import capturing
+    from rotkv.hf import compat
+
+    cq, ks, kn = {}, {}, {}
+    pos = [0]
+
+    def rec(layer, q, k, v, out, probs):
+        q0, k0 = q[0].double(), k[0].double()  # [Hq, t, D], [H, S, D]: S = the cache so far plus this call
+        h, t = k0.shape[0], q0.shape[1]
+        g = q0.reshape(h, -1, q0.shape[-1])  # KV head i reads query heads i*n_rep .. (i+1)*n_rep-1
+        cq[layer] = cq.get(layer, 0) + torch.einsum("htd,hte->hde", g, g).cpu()
+        skip = max(0, sink - pos[0])
+        ks[layer] = ks.get(layer, 0) + k0[:, -t:][:, skip:].sum(1).cpu()
+        kn[layer] = kn.get(layer, 0) + max(t - skip, 0)
+
+    dev = next(model.parameters()).device
+    with capturing(model, rec):
+        for ids in chunks:
+            cache = DynamicCache()
+            for c0 in range(0, ids.shape[1], call):
+                pos[0] = c0
+                model(input_ids=ids[:, c0:c0 + call].to(dev), use_cache=True, logits_to_keep=1,
+                      **{compat.cache_kwarg(model): cache})
+    return cq, ks, kn
+
+
+def refit(model, tokenizer, artifact, seq_len: int = 4096, sequences: int = 2, call: int = 512, files=None):
+    """(tensors, metadata) of ``artifact`` with R_K and the key means refitted on long sequences."""
+    from rotkv.calibrate.corpus import token_chunks
+    from rotkv.rotations.base import pooled
+    from rotkv.rotations.oscar import oscar_rotation
+
+    if seq_len < call or sequences < 1:
+        raise ValueError(f"`seq_len` has to be >= `call` ({call}) and `sequences` >= 1 but got {seq_len}, {sequences}")
+    chunks = token_chunks(tokenizer, files, seq_len * sequences, seq_len)
+    if chunks[0].shape[1] < seq_len:
+        raise ValueError(f"the calibration text is shorter than one sequence of {seq_len} tokens")
+    t0 = time.time()
+    cq, ks, kn = long_stats(model, chunks, int(artifact.meta.get("sink", 16)), call)
+    tensors = dict(artifact.tensors)
+    gran = artifact.meta.get("granularity", "layer")
+    for layer in cq:
+        old = tensors[f"R_K.{layer}"]
+        tensors[f"R_K.{layer}"] = oscar_rotation(pooled(cq[layer], gran))[:old.shape[0]].contiguous()
+        tensors[f"k_mean.{layer}"] = (ks[layer] / kn[layer]).float()
+    meta = dict(artifact.meta) | {"longfit_seq_len": str(seq_len), "longfit_tokens": str(sum(c.shape[1] for c in chunks)),
+                                  "longfit_seconds": f"{time.time() - t0:.0f}"}
+    return tensors, meta
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    from rotkv.hf.models import load_model
+    from rotkv.rotations.artifact import load_artifact, save_artifact, validate_artifact
+
+    ap = argparse.ArgumentParser(prog="python -m rotkv.calibrate.longfit", description=__doc__.split("\n")[0])
+    ap.add_argument("--base-artifact", required=True, help="an OSCAR artifact (e.g. oscar-mix.safetensors with key widths)")
+    ap.add_argument("--seq-len", type=int, default=4096, help="tokens per calibration sequence (default 4096)")
+    ap.add_argument("--sequences", type=int, default=2, help="calibration sequences (default 2)")
+    ap.add_argument("--data", nargs="+", default=None, help="text files (default: the built-in calibration corpus)")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    loaded = load_model(args.model, device=args.device, dtype=torch.float32)
+    art = load_artifact(args.base_artifact)
+    validate_artifact(art, loaded.model)
+    tensors, meta = refit(loaded.model, loaded.tokenizer, art, args.seq_len, args.sequences, files=args.data)
+    save_artifact(args.out, tensors, meta)
+    print(f"wrote {args.out}: R_K and key means refitted on {meta['longfit_tokens']} tokens in sequences of "
+          f"{args.seq_len} ({meta['longfit_seconds']} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
