@@ -25,7 +25,9 @@ def _choices(command: str, flag: str) -> list[str]:
 
 
 def test_cli_choices_are_the_registry():
-    assert _choices("calibrate", "--method") == registry.calibrated()
+    from rotkv.cli.calibrate import MIX  # the oscar-mix preset's artifact: OSCAR plus per-layer key widths
+
+    assert _choices("calibrate", "--method") == [*registry.calibrated(), MIX]
     assert _choices("calibrate", "--base") == registry.bases()
     assert set(registry.rotation_fits()) <= set(registry.calibrated())
 
