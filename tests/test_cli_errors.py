@@ -373,6 +373,7 @@ def test_model_folder_without_weights_or_tokenizer_names_the_path(no_model, caps
     (["--random", "qwen3-8b", "--layers", "0"], ["--layers has to be >= 1"]),
     (["--layers", "2"], ["--layers applies to --random"]),
     (["--new-tokens", "1"], ["--new-tokens"]),
+    (["--memory-gb", "8", "--device", "cpu"], ["--memory-gb", "needs CUDA"]),
 ])
 def test_bench_user_errors_before_the_model(no_model, capsys, argv, needles):
     rc, _, err = run_cli(capsys, "bench", *argv)

@@ -49,6 +49,9 @@ def register(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="with --max-batch: the largest batch tried")
     p.add_argument("--max-tries", type=int, default=None,
                    help="with --max-batch: stop after this many tries per method (the row says exact: false)")
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="CUDA only: cap this process's GPU memory at this many GB (torch's per-process memory "
+                        "fraction), as if the GPU were that size; with --max-batch, the capacity of a smaller card")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/generate-<UTC time>.json)")
     p.set_defaults(func=run)
 
@@ -113,6 +116,12 @@ def check_args(args) -> tuple[str, list[str]]:
     check_device(args.device)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
+    if args.memory_gb is not None:
+        if not cuda:
+            raise UsageError(f"--memory-gb caps GPU memory and needs CUDA (this run is on {device})")
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory / 1e9
+        if not 0 < args.memory_gb <= total:
+            raise UsageError(f"--memory-gb has to be in (0, {total:.1f}] (this GPU's memory) but got {args.memory_gb}")
     methods = args.methods or [m for m in DEFAULT_METHODS if cuda or not
                                (m == "hf-static-compile" or m.endswith("+graph"))]
     for m in methods:
@@ -157,6 +166,10 @@ def run(args) -> int:
     device, methods = check_args(args)
     import torch
 
+    if args.memory_gb is not None:
+        dev = torch.device(device)
+        torch.cuda.set_per_process_memory_fraction(args.memory_gb * 1e9 / torch.cuda.get_device_properties(dev).total_memory,
+                                                   dev)
     if args.random:
         model, model_id = _random_model(args.random, args.layers, device)
     else:
@@ -166,7 +179,8 @@ def run(args) -> int:
 
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
             "methods": methods, "overrides": cache_overrides(args), "prompts": "random token ids",
-            "prefill_chunk": args.prefill_chunk, "prefill_tokens": args.prefill_tokens}
+            "prefill_chunk": args.prefill_chunk, "prefill_tokens": args.prefill_tokens,
+            "memory_gb": args.memory_gb}
     kind = "capacity" if args.max_batch else "generate"
     out = args.out or os.path.join("benchmarks", "results", time.strftime(f"{kind}-%Y%m%d-%H%M.json", time.gmtime()))
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Issues 20-22 at the closing commit, on the H200, as one background run polled across device calls
+# (each call is at most 10 minutes; the run is about 20):
+#   bash benchmarks/device_close.sh start   # starts the run (setsid nohup), returns at once
+#   bash benchmarks/device_close.sh poll N  # waits up to N seconds, copies what is done to $OUT
+# Stages, each under its own timeout, results under ~/close (copied to $OUT by every poll):
+#   1. the GPU test set (kernels, paged cache, prefill, cache layer, capacity) -> tests-cuda.log
+#   2. the job benchmark with real prefill (Qwen3-8B shape, 36 layers, 32 x 32K, 256 new tokens)
+#   3. capacity of a 16 GB budget (`rotkv bench --max-batch --memory-gb 16`) at SmolLM2's shape, 8K
+#   4. `rotkv bench` rows of the decode-step issue: SmolLM2 64 x 8K, 1 x 4K; Qwen3-8B shape 8 layers 4 x 32K
+#   5. bench_decode.py (library default) at B 1/8/32 x 4K/32K/128K, and a D64 row set (9 q / 3 kv heads)
+set -u
+R=${RES:-$HOME/close}
+if [ "${1:-}" = start ]; then
+  mkdir -p "$R"
+  export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+  export ROTKV_COMMIT=${ROTKV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  setsid nohup bash "$0" run > "$R/run.log" 2>&1 < /dev/null &
+  echo "started $ROTKV_COMMIT"
+  exit 0
+fi
+if [ "${1:-}" = poll ]; then
+  end=$(( $(date +%s) + ${2:-500} ))
+  while [ "$(date +%s)" -lt "$end" ] && ! grep -q "^all done" "$R/run.log" 2>/dev/null; do sleep 10; done
+  mkdir -p "${OUT:-/tmp/out}" && cp -r "$R"/. "${OUT:-/tmp/out}/"
+  grep -E "^(stage|capacity|all done)|rc=|passed|failed" "$R/run.log" | tail -40
+  exit 0
+fi
+# run
+cd "$(dirname "$0")/.."
+stage() { echo "stage $1 start $(date +%T)"; }
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+stage tests
+timeout 300 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_prefill.py tests/test_cache_layer.py \
+  tests/test_paged_cache.py tests/test_capacity.py tests/kernels > "$R/tests-cuda.log" 2>&1
+echo "tests rc=$?"; tail -3 "$R/tests-cuda.log"
+stage job
+timeout 420 python3 benchmarks/bench_job.py --requests 32 --context 32768 --new-tokens 256 --layers 36 \
+  --out "$R/job-prefill.json" > "$R/job.log" 2>&1
+echo "job rc=$?"
+stage capacity
+for spec in "rotkv:quarot-int2+graph 256" "rotkv:bf16+graph 64" "hf-static-compile 64"; do
+  set -- $spec
+  timeout 300 python3 -m rotkv.cli bench --random smollm2 --max-batch --context 8192 --new-tokens 64 \
+    --memory-gb 16 --methods "$1" --start "$2" --max-tries 5 --out "$R/capacity-16gb-$(echo "$1" | tr ':+' '__').json" \
+    >> "$R/capacity.log" 2>&1
+  echo "capacity $1 rc=$?"
+done
+stage generate
+timeout 240 python3 -m rotkv.cli bench --random smollm2 --batch 64 --context 8192 --new-tokens 32 \
+  --methods rotkv:quarot-int2+graph rotkv:bf16+graph hf-static-compile --out "$R/generate-smollm2-64x8k.json" > "$R/generate.log" 2>&1
+echo "generate 64x8k rc=$?"
+timeout 150 python3 -m rotkv.cli bench --random smollm2 --batch 1 --context 4096 --new-tokens 64 \
+  --methods rotkv:quarot-int2+graph rotkv:bf16+graph hf-static-compile --out "$R/generate-smollm2-1x4k.json" >> "$R/generate.log" 2>&1
+echo "generate 1x4k rc=$?"
+timeout 200 python3 -m rotkv.cli bench --random qwen3-8b --layers 8 --batch 4 --context 32768 --new-tokens 32 \
+  --methods rotkv:quarot-int2+graph rotkv:bf16+graph hf-static-compile --out "$R/generate-qwen8l-4x32k.json" >> "$R/generate.log" 2>&1
+echo "generate qwen 8L 4x32k rc=$?"
+stage decode
+timeout 200 python3 benchmarks/bench_decode.py --batch 1 8 32 --context 4096 32768 131072 --out "$R/decode.json" > "$R/decode.log" 2>&1
+echo "decode rc=$?"
+timeout 120 python3 benchmarks/bench_decode.py --batch 1 8 64 --context 4096 8192 --q-heads 9 --kv-heads 3 --head-dim 64 \
+  --out "$R/decode-d64.json" >> "$R/decode.log" 2>&1
+echo "decode d64 rc=$?"
+echo "all done $(date +%T)"
