@@ -168,8 +168,9 @@ def run(args) -> int:
 
     if args.memory_gb is not None:
         dev = torch.device(device)
-        torch.cuda.set_per_process_memory_fraction(args.memory_gb * 1e9 / torch.cuda.get_device_properties(dev).total_memory,
-                                                   dev)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()  # the call needs an index
+        torch.cuda.set_per_process_memory_fraction(args.memory_gb * 1e9 / torch.cuda.get_device_properties(index).total_memory,
+                                                   index)
     if args.random:
         model, model_id = _random_model(args.random, args.layers, device)
     else:
