@@ -3,6 +3,7 @@
 # (each call is at most 10 minutes; the run is about 20):
 #   bash benchmarks/device_close.sh start   # starts the run (setsid nohup), returns at once
 #   bash benchmarks/device_close.sh poll N  # waits up to N seconds, copies what is done to $OUT
+#   STAGES="capacity" bash benchmarks/device_close.sh start   # only some stages (default: all five)
 # Stages, each under its own timeout, results under ~/close (copied to $OUT by every poll):
 #   1. the GPU test set (kernels, paged cache, prefill, cache layer, capacity) -> tests-cuda.log
 #   2. the job benchmark with real prefill (Qwen3-8B shape, 36 layers, 32 x 32K, 256 new tokens)
@@ -15,7 +16,7 @@ if [ "${1:-}" = start ]; then
   mkdir -p "$R"
   export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
   export ROTKV_COMMIT=${ROTKV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-  setsid nohup bash "$0" run > "$R/run.log" 2>&1 < /dev/null &
+  setsid nohup bash "$0" run >> "$R/run.log" 2>&1 < /dev/null &
   echo "started $ROTKV_COMMIT"
   exit 0
 fi
@@ -28,25 +29,27 @@ if [ "${1:-}" = poll ]; then
 fi
 # run
 cd "$(dirname "$0")/.."
+STAGES=${STAGES:-tests job capacity generate decode}
 stage() { echo "stage $1 start $(date +%T)"; }
+want() { case " $STAGES " in *" $1 "*) return 0;; *) return 1;; esac; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-stage tests
+if want tests; then stage tests
 timeout 300 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_prefill.py tests/test_cache_layer.py \
   tests/test_paged_cache.py tests/test_capacity.py tests/kernels > "$R/tests-cuda.log" 2>&1
-echo "tests rc=$?"; tail -3 "$R/tests-cuda.log"
-stage job
+echo "tests rc=$?"; tail -3 "$R/tests-cuda.log"; fi
+if want job; then stage job
 timeout 420 python3 benchmarks/bench_job.py --requests 32 --context 32768 --new-tokens 256 --layers 36 \
   --out "$R/job-prefill.json" > "$R/job.log" 2>&1
-echo "job rc=$?"
-stage capacity
+echo "job rc=$?"; fi
+if want capacity; then stage capacity
 for spec in "rotkv:quarot-int2+graph 256" "rotkv:bf16+graph 64" "hf-static-compile 64"; do
   set -- $spec
   timeout 300 python3 -m rotkv.cli bench --random smollm2 --max-batch --context 8192 --new-tokens 64 \
-    --memory-gb 16 --methods "$1" --start "$2" --max-tries 5 --out "$R/capacity-16gb-$(echo "$1" | tr ':+' '__').json" \
+    --memory-gb 16 --methods "$1" --start "$2" --max-tries ${CAP_TRIES:-5} --out "$R/capacity-16gb-$(echo "$1" | tr ':+' '__').json" \
     >> "$R/capacity.log" 2>&1
   echo "capacity $1 rc=$?"
-done
-stage generate
+done; fi
+if want generate; then stage generate
 timeout 240 python3 -m rotkv.cli bench --random smollm2 --batch 64 --context 8192 --new-tokens 32 \
   --methods rotkv:quarot-int2+graph rotkv:bf16+graph hf-static-compile --out "$R/generate-smollm2-64x8k.json" > "$R/generate.log" 2>&1
 echo "generate 64x8k rc=$?"
@@ -55,11 +58,11 @@ timeout 150 python3 -m rotkv.cli bench --random smollm2 --batch 1 --context 4096
 echo "generate 1x4k rc=$?"
 timeout 200 python3 -m rotkv.cli bench --random qwen3-8b --layers 8 --batch 4 --context 32768 --new-tokens 32 \
   --methods rotkv:quarot-int2+graph rotkv:bf16+graph hf-static-compile --out "$R/generate-qwen8l-4x32k.json" >> "$R/generate.log" 2>&1
-echo "generate qwen 8L 4x32k rc=$?"
-stage decode
+echo "generate qwen 8L 4x32k rc=$?"; fi
+if want decode; then stage decode
 timeout 200 python3 benchmarks/bench_decode.py --batch 1 8 32 --context 4096 32768 131072 --out "$R/decode.json" > "$R/decode.log" 2>&1
 echo "decode rc=$?"
 timeout 120 python3 benchmarks/bench_decode.py --batch 1 8 64 --context 4096 8192 --q-heads 9 --kv-heads 3 --head-dim 64 \
   --out "$R/decode-d64.json" >> "$R/decode.log" 2>&1
-echo "decode d64 rc=$?"
+echo "decode d64 rc=$?"; fi
 echo "all done $(date +%T)"
