@@ -50,7 +50,8 @@ def main(argv=None) -> int:
         ax.set_title(title)
     axes[0].legend(fontsize=8)
     gpu = next(iter(rows.values()))["gpu"]
-    fig.suptitle(f"SmolLM2-135M-Instruct, end to end on {gpu} ({', '.join(sorted({r['file'] for r in rows.values()}))})",
+    model = ", ".join(sorted({r.get("model", "SmolLM2-135M-Instruct") for r in rows.values()}))
+    fig.suptitle(f"{model}, end to end on {gpu} ({', '.join(sorted({r['file'] for r in rows.values()}))})",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(a.out, dpi=120)
