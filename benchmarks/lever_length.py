@@ -166,6 +166,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--window", type=int, default=None, help="the bf16 window (default: the preset's)")
+    ap.add_argument("--window-share", type=float, default=None,
+                    help="CacheSpec.window_share: the window grows to this share of each row (default: the preset's)")
     ap.add_argument("--grid-tokens", type=int, default=4096, help="calibration tokens for the grids")
     ap.add_argument("--tag", default="", help="a label added to the run keys (e.g. the artifact's name)")
     ap.add_argument("--scratch", default=".scratch/levers")
@@ -201,9 +203,11 @@ def main() -> None:
     results = json.load(open(args.out)) if os.path.exists(args.out) else {"runs": {}}
     results["settings"] = {"preset": args.preset, "artifact": args.artifact, "length": L, "new_tokens": N,
                            "windows": args.windows, "starts": starts, "sink": spec.sink, "window": args.window or spec.window,
-                           "chunk": args.chunk, "texts": texts, "grid_tokens": args.grid_tokens}
+                           "chunk": args.chunk, "texts": texts, "grid_tokens": args.grid_tokens,
+                           "window_share": args.window_share}
     for name in args.configs:
-        key = name + (f"/{args.tag}" if args.tag else "") + (f"/w{args.window}" if args.window else "")
+        key = name + (f"/{args.tag}" if args.tag else "") + (f"/w{args.window}" if args.window else "") + (
+            f"/s{args.window_share:g}" if args.window_share is not None else "")
         if key in results["runs"]:
             continue
         extra = [0]
@@ -217,7 +221,8 @@ def main() -> None:
 
         def build(ctx_, preset, chunk, mod, win, levers=levers, r4=r4):
             window = r4[0] if r4 else args.window
-            cache = RotkvCache(model, args.preset, art, prefill_chunk=chunk, window=window)
+            share = {} if args.window_share is None else {"window_share": args.window_share}
+            cache = RotkvCache(model, args.preset, art, prefill_chunk=chunk, window=window, **share)
             extra[0] = apply(cache, levers, grids)
             if r4:
                 for layer in cache.layers:

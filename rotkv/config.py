@@ -9,6 +9,8 @@ import dataclasses
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
+
 from rotkv.quant.widths import KEY_WIDTHS, WIDTHS  # noqa: F401 (KEY_WIDTHS: the per-layer key widths, `k_bits`)
 from rotkv.rotations import registry
 
@@ -28,6 +30,13 @@ SHIFTS = ("equivalent", "rounded", "plain")  # progressive precision: how a body
 ANCHORS = ("final", "start")  # progressive precision: whose step the stored scale is
 
 
+def window_at(window: int, share: float, tokens):
+    """``max(window, ceil(share * tokens))``: an int for a scalar ``tokens``, else an int64 array."""
+    t = np.asarray(tokens, dtype=np.int64)
+    out = np.maximum(window, np.ceil(t * share).astype(np.int64)) if share else np.full_like(t, window)
+    return int(out) if t.ndim == 0 else out
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """How one model's KV cache is stored.
@@ -35,6 +44,11 @@ class CacheSpec:
     bits: width of the quantized body, or None for no quantization (the ``bf16`` preset).
     group_size: dims per quantization group of a token's head vector; None means head_dim.
     sink, window: tokens kept unquantized at the start (per row, first real tokens) and at the end.
+    window_share: the window grows with the row: ``max(window, ceil(window_share * tokens))`` of its
+        ``tokens`` stay unquantized (0: a fixed window). 1/64 keeps the share a 32-token window has at
+        2K at every length; the error of a 2-bit cache grows with context mostly through the recent
+        body's keys (docs/results/diagnosis_length.md), and this holds that part constant at a
+        constant cost in bits per element. Paged caches only (no ``budget_tokens``).
     page_size: tokens leave the window in blocks of this many (the GPU pool's page size).
     prefill_chunk: a prefill longer than this is processed in chunks, each attending to the
         quantized cache of the earlier ones (its own tokens at tier precision); also the tokens
@@ -79,6 +93,7 @@ class CacheSpec:
     group_size: int | None = 64
     sink: int = 64
     window: int = 256
+    window_share: float = 0.0
     page_size: int = 16
     prefill_chunk: int = 4096
     rotation: str = "identity"
@@ -108,6 +123,10 @@ class CacheSpec:
         for field in ("sink", "window"):
             if getattr(self, field) < 0:
                 raise ValueError(f"`{field}` has to be >= 0 but got {getattr(self, field)}")
+        if not 0.0 <= self.window_share < 1.0:
+            raise ValueError(f"`window_share` has to be in [0, 1) but got {self.window_share}")
+        if self.window_share and self.budget_tokens is not None:
+            raise ValueError("`window_share` does not combine with `budget_tokens` (the budgeted layers keep a fixed window)")
         for field in ("page_size", "prefill_chunk"):
             if getattr(self, field) < 1:
                 raise ValueError(f"`{field}` has to be >= 1 but got {getattr(self, field)}")
@@ -154,6 +173,10 @@ class CacheSpec:
         if self.k_bits == "artifact":
             return artifact_bits[layer]
         return parse_layer_bits(self.k_bits).get(layer, self.bits) if self.k_bits else self.bits
+
+    def window_at(self, tokens: int) -> int:
+        """The window (unquantized recent tokens) of a row holding ``tokens`` tokens."""
+        return window_at(self.window, self.window_share, tokens)
 
     def _check_types(self) -> None:
         for f in dataclasses.fields(self):

@@ -149,7 +149,7 @@ def generate(model, tokenizer, ids: torch.Tensor, cache: RotkvCache, max_new_tok
 
 def reserve(cache, rows: int, tokens: int) -> None:
     """Grow a fresh rotkv cache's free lists to what ``rows`` rows of ``tokens`` tokens need (body
-    pages, and tier pages for sink + window + a page, or every token for an unquantized preset), so
+    pages, and tier pages for sink + the largest window + a page, or every token for an unquantized preset), so
     the pools are allocated once at their size instead of growing by 25% steps (each a copy, and
     up to a quarter of the pool unused). Does nothing for other caches or a cache in use."""
     st = getattr(cache, "state", None)
@@ -157,7 +157,7 @@ def reserve(cache, rows: int, tokens: int) -> None:
         return
     p = st.page
     if st.quantized:
-        tier = st.sink_pages + -(-(st.window + p) // p) + 1
+        tier = st.tier_pages_for(tokens)
         body = -(-tokens // p)
     else:
         tier, body = -(-(st.pad + tokens) // p) + 1, 0

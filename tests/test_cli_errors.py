@@ -56,6 +56,8 @@ def assert_user_error(rc, err, *needles):
     (["--prompt", ""], ["--prompt is empty"]),
     (["--prompt", "hi", "--sink", "-1"], ["--sink has to be >= 0"]),
     (["--prompt", "hi", "--window", "-4"], ["--window has to be >= 0"]),
+    (["--prompt", "hi", "--window-share", "1.5"], ["--window-share has to be in [0, 1)"]),
+    (["--prompt", "hi", "--preset", "pmkvq", "--window-share", "0.1"], ["--window-share does not combine"]),
     (["--prompt", "hi", "--group-size", "12"], ["--group-size (12)", "allowed: [1, 2, 4, 8, 16, 32, 64]"]),
     (["--prompt", "hi", "--max-new-tokens", "0"], ["--max-new-tokens"]),
     (["--prompt", "hi", "--model", "/no/such/model"], ["model '/no/such/model' not found"]),

@@ -19,22 +19,24 @@ from rotkv.rotations.registry import build_rotations
 H, D = 2, 16
 
 
-def pair(sink, window, page, chunk, codec="token", bits=2):
+def pair(sink, window, page, chunk, codec="token", bits=2, share=0.0):
     spec = CacheSpec(bits=bits, group_size=16, sink=sink, window=window, page_size=page, prefill_chunk=chunk,
-                     tier_dtype="float32", codec=codec)
+                     tier_dtype="float32", codec=codec, window_share=share)
     rot = build_rotations("hadamard" if codec == "token" else "identity", 1, H, D)[0]
     codecs = make_codecs(codec, bits, 16, 0.9 if codec == "token" else 1.0, 1.0)
     return HybridLayer(spec, rot, D, H, 0, codecs), RowStoreLayer(spec, rot, D, H, 0, codecs)
 
 
-@pytest.mark.parametrize("sink,window,page,chunk,codec", [
-    (4, 8, 4, 512, "token"), (3, 8, 4, 16, "token"), (0, 5, 4, 7, "token"), (5, 3, 4, 9, "token"),
-    (0, 8, 4, 16, "kivi"), (17, 6, 8, 40, "token"),
+@pytest.mark.parametrize("sink,window,page,chunk,codec,share", [
+    (4, 8, 4, 512, "token", 0.0), (3, 8, 4, 16, "token", 0.0), (0, 5, 4, 7, "token", 0.0), (5, 3, 4, 9, "token", 0.0),
+    (0, 8, 4, 16, "kivi", 0.0), (17, 6, 8, 40, "token", 0.0),
+    # a window that grows with the row (window_share): rows of different lengths keep different windows
+    (4, 3, 4, 16, "token", 0.25), (0, 2, 4, 512, "token", 0.15), (3, 4, 4, 7, "token", 0.3),
 ])
-def test_paged_layer_equals_the_row_reference(sink, window, page, chunk, codec):
+def test_paged_layer_equals_the_row_reference(sink, window, page, chunk, codec, share):
     """Ragged left-padded prefill, then decode steps and short multi-token calls: same outputs, same
     stored tokens, same byte accounting as the per-row layer."""
-    paged, ref = pair(sink, window, page, chunk, codec)
+    paged, ref = pair(sink, window, page, chunk, codec, share=share)
     g = torch.Generator().manual_seed(sink * 7 + chunk)
     b = 3
     for i, n in enumerate([45, 1, 1, 3, 1, 17, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1]):
@@ -139,6 +141,29 @@ def test_a_long_prefill_needs_no_tier_pages_for_its_chunks(chunk):
     per_row = 1 + (64 + 16 - 1) // 16  # the sink page, the window's W..W+P-1 tokens
     assert st.tier_free.capacity <= 4 * per_row
     assert st.body_count.tolist() == [(4096 - 16 - 64) // 16] * 4
+
+
+def test_a_growing_window_keeps_its_share_of_each_row():
+    """window_share: each row keeps max(window, ceil(share * tokens)) recent tokens unquantized (up to
+    a page more before a flush), and the tier reservation covers the largest window."""
+    st = PageState(sink=16, window=32, page_size=16, quantized=True, chunk=4096, window_share=1 / 64)
+    st.reset(3)
+    n = np.array([2048, 4096, 8192])
+    st.plan(8192, n)
+    win = st.tier_tokens - 16
+    want = np.maximum(32, np.ceil(n / 64)).astype(int)
+    assert ((win >= want) & (win < want + 16)).all(), (win, want)
+    assert st.body_count.tolist() == ((n - 16 - win) // 16).tolist()
+    for _ in range(64):  # decode: the windows grow by one token every 64
+        st.plan(1, np.ones(3, dtype=np.int64))
+    win, n = st.tier_tokens - 16, n + 64
+    want = np.maximum(32, np.ceil(n / 64)).astype(int)
+    assert ((win >= want) & (win < want + 16)).all(), (win, want)
+    assert st.tier_pages_for(8192 + 64) == 1 + -(-(129 + 16) // 16) + 1
+    with pytest.raises(ValueError, match="window_share"):
+        CacheSpec(window_share=1.0)
+    with pytest.raises(ValueError, match="budget_tokens"):
+        CacheSpec(window_share=0.1, budget_tokens=128)
 
 
 def _select(layer, index):

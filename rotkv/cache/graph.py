@@ -39,7 +39,7 @@ class StaticDecode:
         dev = self.layers[0].device
         p = st.page
         self.body_pages = -(-max_len // p) if st.quantized else 0
-        self.tier_pages = (st.sink_pages + -(-(st.window + p) // p) + 1) if st.quantized else -(-(st.pad + max_len) // p)
+        self.tier_pages = st.tier_pages_for(max_len)
         # capacity: every row at max_len (a prefill chunk may have left more tier pages than that)
         st.tier_free.grow(max(st.tier_free.capacity, rows * self.tier_pages))
         st.body_free.grow(max(st.body_free.capacity, rows * self.body_pages + 1))

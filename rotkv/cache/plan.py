@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rotkv.config import window_at
+
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
@@ -185,12 +187,25 @@ def _dev(a: np.ndarray, device) -> torch.Tensor:
 class PageState:
     """Page lists, token counts and free lists of one batch, shared by every layer of a cache."""
 
-    def __init__(self, sink: int, window: int, page_size: int, quantized: bool, chunk: int):
+    def __init__(self, sink: int, window: int, page_size: int, quantized: bool, chunk: int, window_share: float = 0.0):
         self.sink, self.window, self.page, self.quantized, self.chunk = sink, window, page_size, quantized, chunk
+        self.window_share = window_share
         self.pad = (-sink) % page_size
         self.sink_pages = (self.pad + sink) // page_size
         self.tier_free, self.body_free = FreeList(), FreeList()
         self.reset(0)
+
+    def windows(self, tokens: np.ndarray) -> np.ndarray:
+        """The window of each row holding ``tokens [B]`` tokens (``CacheSpec.window_share``)."""
+        return window_at(self.window, self.window_share, tokens)
+
+    def tier_pages_for(self, max_len: int) -> int:
+        """Tier pages a row needs at most, up to ``max_len`` tokens: the sink's, the largest window's
+        and the page it fills before it leaves (quantized), or every token's (unquantized)."""
+        p = self.page
+        if not self.quantized:
+            return -(-(self.pad + max_len) // p)
+        return self.sink_pages + -(-(int(window_at(self.window, self.window_share, max_len)) + p) // p) + 1
 
     def reset(self, rows: int) -> None:
         self.rows = rows
@@ -324,7 +339,8 @@ class PageState:
         after = before + n
         if self.quantized:
             win = after - np.minimum(after, sink)
-            k = np.where(win >= self.window + p, (win - self.window) // p, 0)
+            w = self.windows(self.body_count * p + after)
+            k = np.where(win >= w + p, (win - w) // p, 0)
         else:
             k = np.zeros(rows, dtype=np.int64)
         # the flush: body pages for tokens sink .. sink + k*P - 1 of every row
@@ -387,7 +403,8 @@ class PageState:
             return Flush(empty, empty, empty)
         p = self.page
         win = self.tier_tokens - np.minimum(self.tier_tokens, self.sink)
-        k = np.where(win >= self.window + p, (win - self.window) // p, 0)
+        w = self.windows(self.body_count * p + self.tier_tokens)
+        k = np.where(win >= w + p, (win - w) // p, 0)
         total = int(k.sum())
         if not total:
             return Flush(empty, empty, empty)

@@ -150,8 +150,8 @@ class RowStoreLayer(RotkvLayer):
             self._flush(row)
 
     def _flush(self, row: RowStore) -> None:
-        p, w = self.spec.page_size, self.spec.window
-        n = row.win_k.shape[1]
+        p, n = self.spec.page_size, row.win_k.shape[1]
+        w = self.spec.window_at(row.sink_k.shape[1] + row.body_tokens + n)
         pages = (n - w) // p if n >= w + p else 0
         if not pages:
             return
