@@ -166,6 +166,25 @@ def test_a_growing_window_keeps_its_share_of_each_row():
         CacheSpec(window_share=0.1, budget_tokens=128)
 
 
+@pytest.mark.parametrize("share", [0.0, 1 / 64, 0.2])
+def test_the_graph_reservation_holds_every_decode_step(share):
+    """What a CUDA-graph decode reserves per row (tier_pages_for(max_len) pages; the graph sizes its
+    grid by them) covers the tier of every step up to max_len, and the eager flush never needs more
+    pages than that per row (checked on the host: the graph itself needs CUDA)."""
+    max_len = 1500
+    st = PageState(sink=16, window=32, page_size=16, quantized=True, chunk=512, window_share=share)
+    st.reset(2)
+    n = np.array([300, 700])
+    st.plan(512, np.minimum(n, 512))
+    st.plan(512, np.maximum(n - 512, 0))
+    cap = st.tier_pages_for(max_len)
+    while st.lengths().max() < max_len:
+        step = st.plan(1, np.ones(2, dtype=np.int64))[-1]
+        t = st.tables(step, "cpu")
+        assert t.tier_max <= cap * 16, (st.lengths(), t.tier_max, cap)
+        assert (st.tier_used_pages() <= cap).all()
+
+
 def _select(layer, index):
     """What RotkvCache does for its layers: one page-list edit, then the page copies."""
     copies = layer.state.select_rows(np.asarray(index))
