@@ -8,7 +8,7 @@ and a plot of KL against context length.
 ``--levers``: ``lever_length.py`` JSONs (per-token KL kept, so the share's paired difference against the fixed
 window is computed token by token); ``--evals``: ``rotkv eval`` output folders (``results.json``: KL, its CI and the
 measured bits of each method). Rows are matched by length; the paired difference is against the run keyed
-``base/w32`` (oscar-mix, fixed 32-token window) of the same length.
+``base/w32/s0`` (oscar-mix, fixed 32-token window) of the same length.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-NAMES = {"base/w32": "oscar-mix (window 32)", "base/w32/s0.015625": "oscar-mix, window_share 1/64",
-         "base/w128": "oscar-mix (window 128)"}
+NAMES = {"base/w32/s0": "oscar-mix, fixed window 32", "base/w32/s0.015625": "oscar-mix, window_share 1/64",
+         "base/w128/s0": "oscar-mix, fixed window 128"}
+BASELINE = "base/w32/s0"
 
 
 def mean_ci(xs: list[float]) -> tuple[float, float]:
@@ -46,9 +47,10 @@ def load(levers: list[str], evals: list[str]) -> dict:
     for folder in evals:
         d = json.load(open(os.path.join(folder, "results.json")))
         for r in d["records"]:
-            if r.get("task") != "nll" or "kl" not in r:
+            # the peers' rows; the eval's own oscar-mix rows repeat the lever runs (same windows, same KL)
+            if r.get("task") != "nll" or "kl" not in r or r["method"] not in ("int4", "hf-quanto-int4"):
                 continue
-            name = {"int4": "rotkv int4", "hf-quanto-int4": "HF quanto INT4"}.get(r["method"], r["method"] + " (rotkv eval)")
+            name = {"int4": "rotkv int4", "hf-quanto-int4": "HF quanto INT4"}[r["method"]]
             rows.setdefault(r["length"], {})[name] = dict(kl=r["kl"], ci=r["kl_ci95"], bits=r.get("bpe_measured"),
                                                           top1=r.get("top1"), per=None, key=r["method"])
     return rows
@@ -57,7 +59,7 @@ def load(levers: list[str], evals: list[str]) -> dict:
 def table(rows: dict) -> str:
     out = ["| length | method | bits | KL | top-1 | paired vs window 32 |", "|---|---|---|---|---|---|"]
     for L in sorted(rows):
-        base = next((r for r in rows[L].values() if r["key"] == "base/w32"), None)
+        base = next((r for r in rows[L].values() if r["key"] == BASELINE), None)
         for name, r in sorted(rows[L].items(), key=lambda kv: -(kv[1]["bits"] or 0)):
             paired = "-"
             if base and r["per"] and r is not base and len(r["per"]) == len(base["per"]):
