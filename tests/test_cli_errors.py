@@ -339,6 +339,7 @@ def test_over_long_prompt_is_refused_unless_allowed(tiny, capsys):
     (["--lengths", "abc"], ["--lengths", "'abc' is not a number"]),
     (["--lengths", "nll=1K", "foo=2K"], ["--lengths", "unknown task 'foo'"]),
     (["--depths", "x"], ["--depths"]),
+    (["--window-share", "1"], ["--window-share has to be in [0, 1)"]),
 ])
 def test_eval_user_errors_before_the_model(no_model, capsys, tmp_path, argv, needles):
     rc, _, err = run_cli(capsys, "eval", "--out", str(tmp_path / "e"), *argv)

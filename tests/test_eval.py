@@ -182,3 +182,22 @@ def test_smoke_eval_end_to_end_and_resume(loaded, tmp_path, monkeypatch):
     monkeypatch.setattr(Method, "build", lambda self, model: (_ for _ in ()).throw(AssertionError("recomputed")))
     again = evaluate(cfg, str(tmp_path), loaded=loaded, log=lambda s: None)
     assert len(again) == len(records)
+
+
+def test_the_cache_fingerprint_follows_the_window_share():
+    """oscar-mix gained a window_share: its cached results from the fixed window are not served again, and the
+    fingerprints of presets without one are what they were (older caches stay valid)."""
+    import hashlib
+    import json
+
+    from rotkv.eval.methods import Method
+    from rotkv.eval.run import _fingerprint
+
+    settings = {"task": "nll", "length": 2048}
+    old_style = lambda name: hashlib.sha256(json.dumps({**settings, "method": name, "artifact": None},  # noqa: E731
+                                                       sort_keys=True).encode()).hexdigest()[:16]
+    assert _fingerprint(settings, Method("quarot-int2", "rotkv", 2.5)) == old_style("quarot-int2")
+    mix = _fingerprint(settings, Method("oscar-mix", "rotkv", 3.1))
+    assert mix != old_style("oscar-mix")
+    assert _fingerprint(settings, Method("oscar-mix", "rotkv", 3.1, {"window_share": 0.0})) == old_style("oscar-mix")
+    assert _fingerprint(settings, Method("oscar-mix", "rotkv", 3.1, {"window_share": 0.03})) not in (mix, old_style("oscar-mix"))

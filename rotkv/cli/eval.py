@@ -70,6 +70,9 @@ def register(sub) -> None:
                    "optr.safetensors, ...; a missing one is calibrated with the defaults and stored there")
     p.add_argument("--sink", type=int, default=None, help="bf16 sink tokens of every rotkv preset (profile: 16)")
     p.add_argument("--window", type=int, default=None, help="bf16 window tokens of every rotkv preset (full: 64)")
+    p.add_argument("--window-share", type=float, default=None,
+                   help="the window of every rotkv preset grows to this share of each row (0: fixed; default: the "
+                        "presets' own, 1/64 for oscar-mix)")
     p.add_argument("--profile", default="smoke", choices=["smoke", "full"])
     p.add_argument("--variants", default=None, help="niah variants: noise, essay, multikey, multivalue (default: all)")
     p.add_argument("--depths", default=None, help="needle depths of the single-needle variants, e.g. 0.1,0.5,0.9")
@@ -86,6 +89,8 @@ def register(sub) -> None:
 
 def run(args) -> int:
     device = resolve_device(args.device)  # a bad device is a one-line error before anything loads
+    if args.window_share is not None and not 0 <= args.window_share < 1:
+        raise UsageError(f"--window-share has to be in [0, 1) but got {args.window_share}")
     for flag in ("threads", "samples", "windows", "new_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -102,7 +107,7 @@ def run(args) -> int:
     cfg = make_config(
         args.profile, model=args.model, methods=_list(args.methods), tasks=tasks,
         lengths=parse_lengths(args.lengths, tasks or list(TASKS)), texts=args.text, haystacks=args.haystack,
-        artifact_dir=args.artifact_dir, sink=args.sink, window=args.window,
+        artifact_dir=args.artifact_dir, sink=args.sink, window=args.window, window_share=args.window_share,
         niah_variants=_list(args.variants),
         niah_depths=[float(x) for x in _list(args.depths)] if args.depths else None, niah_samples=args.samples,
         nll_windows=args.windows, new_tokens=args.new_tokens, threads=args.threads, device=device,

@@ -29,7 +29,7 @@ class EvalConfig:
     niah_depths: needle depths of the single-needle variants (one haystack per depth and sample);
     niah_multi_depths: the depths of the needles of one multikey / multivalue haystack;
     niah_variant_lengths: lengths of some variants when they differ from ``lengths["niah"]``.
-    sink, window: override every rotkv preset (None keeps the presets' own values).
+    sink, window, window_share: override every rotkv preset (None keeps the presets' own values).
     device: where the model (float32, also the KL reference) and the caches run: cpu, cuda or cuda:N.
     """
 
@@ -43,6 +43,7 @@ class EvalConfig:
     artifact_dir: str | None = None
     sink: int | None = 16
     window: int | None = 32
+    window_share: float | None = None
     chunk: int = 128
     nll_windows: int = 1
     new_tokens: int = 8

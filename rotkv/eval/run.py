@@ -82,9 +82,20 @@ def unit_settings(cfg: EvalConfig, unit: tuple, text_sha: str, hay_sha: str) -> 
     return s
 
 
+def _spec_key(method: Method) -> dict:
+    """Cache fields that came after results were first cached, in the fingerprint only when set (older
+    caches stay valid; a preset that gains one, like oscar-mix's window_share, is not served stale results)."""
+    if method.kind != "rotkv":
+        return {}
+    from rotkv.config import get_preset
+
+    share = get_preset(method.name, **method.overrides).window_share
+    return {"window_share": share} if share else {}
+
+
 def _fingerprint(settings: dict, method: Method) -> str:
-    blob = json.dumps({**settings, "method": method.name, "artifact": method.artifact and _sha(method.artifact)},
-                      sort_keys=True)
+    blob = json.dumps({**settings, "method": method.name, "artifact": method.artifact and _sha(method.artifact),
+                       **_spec_key(method)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -220,7 +231,7 @@ def evaluate(cfg: EvalConfig, out_dir: str, loaded=None, log=print) -> list[dict
     model, tok = loaded.model, loaded.tokenizer
     methods, unavailable = [], {}
     for name in cfg.methods:
-        m, why = resolve(name, cfg.sink, cfg.window, cfg.artifact_dir, calibrator(loaded, log))
+        m, why = resolve(name, cfg.sink, cfg.window, cfg.artifact_dir, calibrator(loaded, log), cfg.window_share)
         if m is None:
             unavailable[name] = why
             log(f"  {name}: unavailable: {why}")
@@ -376,7 +387,7 @@ def rebuild(cfg: EvalConfig, out_dir: str) -> list[dict]:
     """results.json from the cache alone (e.g. after several processes ran disjoint method lists)."""
     methods, unavailable = [], {}
     for name in cfg.methods:
-        m, why = resolve(name, cfg.sink, cfg.window, cfg.artifact_dir, None)
+        m, why = resolve(name, cfg.sink, cfg.window, cfg.artifact_dir, None, cfg.window_share)
         if m is None:
             unavailable[name] = why
         else:
