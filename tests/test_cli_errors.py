@@ -489,3 +489,33 @@ def test_rotkv_warnings_print_as_one_cli_line(capsys, monkeypatch):
     monkeypatch.setattr("rotkv.hf.models.load_model", load_model)
     rc, _, err = run_cli(capsys, "generate", "--prompt", "hi")
     assert rc == 1 and "rotkv generate: warning: group_size 128 is larger than head_dim 64: using 64" in err
+
+
+@pytest.mark.parametrize("presets", ["bf16,quarot-int2", "bf16,oscar-int2", "bf16,oscar-mix"])
+def test_demo_runs_end_to_end_on_a_tiny_model(tiny, capsys, monkeypatch, tmp_path, presets):
+    """The README's first command past the model load (the unit tests above stop there): the demo prints a
+    row per preset; a calibrated preset named in --presets gets its artifact made first."""
+    class Bytes:  # a byte-level tokenizer with what the demo and generate call
+        pad_token_id = eos_token_id = 0
+        chat_template = None
+
+        def __call__(self, text, return_tensors=None, add_special_tokens=True):
+            ids = [1 + b % 127 for b in text.encode()]
+            return SimpleNamespace(input_ids=torch.tensor([ids]) if return_tensors == "pt" else ids)
+
+        def decode(self, ids, skip_special_tokens=False):
+            return bytes(int(i) for i in ids if int(i)).decode(errors="replace")
+
+    monkeypatch.setattr("rotkv.hf.models.load_model", lambda *a, **k: Loaded(tiny, Bytes(), "tiny"))
+    rc, out, err = run_cli(capsys, "demo", "--presets", presets, "--tokens", "300", "--sink", "4", "--window", "16",
+                           "--artifact-dir", str(tmp_path))
+    assert rc == 0, err
+    for name in presets.split(","):
+        assert f"  {name}" in out and any(line.startswith(name + " ") for line in out.splitlines()), out
+    if "oscar" in presets:  # oscar-mix: the OSCAR base beside its own artifact, not in its place
+        assert (tmp_path / "oscar.safetensors").exists()
+    if "oscar-mix" in presets:
+        from rotkv.rotations.artifact import load_artifact
+
+        assert "k_bits" in load_artifact(str(tmp_path / "oscar-mix.safetensors")).tensors
+        assert "k_bits" not in load_artifact(str(tmp_path / "oscar.safetensors")).tensors

@@ -124,12 +124,12 @@ def make_artifacts(loaded, to_make: dict[str, str]) -> None:
     """Calibrate the missing artifacts of the requested presets, as ``rotkv eval`` does."""
     import sys
 
-    from rotkv.eval.methods import artifact_name
+    from rotkv.config import calibration_method
     from rotkv.eval.run import calibrator
 
     make = calibrator(loaded, lambda m: print(m, file=sys.stderr, flush=True))
     for name, path in to_make.items():
-        why = make(name if PRESETS[name].k_bits == "artifact" else artifact_name(name), path)
+        why = make(name if PRESETS[name].k_bits == "artifact" else calibration_method(name), path)
         if why:
             raise RuntimeError(f"cannot make the artifact of {name}: {why}")
 

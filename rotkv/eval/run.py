@@ -191,7 +191,7 @@ def calibrator(loaded, log):
             from rotkv.calibrate.keybits import calibrate_mix
             from rotkv.eval.methods import artifact_file
 
-            base = os.path.join(os.path.dirname(os.path.abspath(path)), artifact_file(method))
+            base = os.path.join(os.path.dirname(os.path.abspath(path)), artifact_file(method, base=True))
             if not os.path.exists(base) and (why := calibrate(PRESETS[method].method, base)):
                 return why
             log(f"measuring the per-layer key widths of {method} on {base} into {path} ...")
