@@ -291,8 +291,8 @@ PRESETS: dict[str, CacheSpec] = {
     # (python -m rotkv.calibrate.longfit on top of oscar-mix's artifact; docs/results/levers_length.md): the same
     # storage format, bytes and kernels as oscar-mix; only the artifact differs
     "oscar-mix-long": CacheSpec(
-        name="oscar-mix-long", bits=2, sink=16, window=32, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True,
-        method="oscar", k_bits="artifact", meta_v="float8",
+        name="oscar-mix-long", bits=2, sink=16, window=32, window_share=1 / 64, rotation="artifact", clip_k=0.96,
+        clip_v=0.92, key_mean=True, method="oscar", k_bits="artifact", meta_v="float8",
     ),
     # progressive precision: final widths from the artifact's `bits` (rotkv calibrate --method pmkvq),
     # else `bits` for every layer; each layer reaches its final width at budget_tokens
