@@ -57,7 +57,7 @@ class RotkvCache(Cache):
         if spec.quantized and (overrides.get("group_size") or 0) > self.head_dim:  # asked for (a preset's is clamped quietly)
             warnings.warn(f"group_size {spec.group_size} is larger than head_dim {self.head_dim}: using {self.head_dim}",
                           RotkvWarning, stacklevel=2)
-        self.state = PageState(spec.sink, spec.window, spec.page_size, spec.quantized, spec.prefill_chunk, spec.window_share)
+        self.state = PageState.from_spec(spec)
         super().__init__(layers=[build_layer(lp, self.plan, model.dtype, self.state, check_finite, decode_score)
                                  for lp in self.plan.layers])
         self.rotation_bytes = self.plan.rotation_bytes

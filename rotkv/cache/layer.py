@@ -47,7 +47,7 @@ class HybridLayer(RotkvLayer):
                  codecs=None, model_dtype: torch.dtype = torch.float32, state: PageState | None = None,
                  check_finite: bool = True, decode_score: str | None = None):
         super().__init__(spec, rotation, head_dim, kv_heads, layer_idx, codecs, model_dtype)
-        self.state = state or PageState(spec.sink, spec.window, spec.page_size, spec.quantized, spec.prefill_chunk, spec.window_share)
+        self.state = state or PageState.from_spec(spec)
         self.check_finite = check_finite
         self.pools: LayerPools | None = None
         self.static = None  # a rotkv.cache.graph.StaticDecode while a CUDA-graph decode step runs

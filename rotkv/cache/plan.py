@@ -195,8 +195,13 @@ class PageState:
         self.tier_free, self.body_free = FreeList(), FreeList()
         self.reset(0)
 
-    def windows(self, tokens: np.ndarray) -> np.ndarray:
-        """The window of each row holding ``tokens [B]`` tokens (``CacheSpec.window_share``)."""
+    @classmethod
+    def from_spec(cls, spec) -> "PageState":
+        """The page state of a cache of ``spec`` (a CacheSpec)."""
+        return cls(spec.sink, spec.window, spec.page_size, spec.quantized, spec.prefill_chunk, spec.window_share)
+
+    def windows(self, tokens):
+        """The window of each row holding ``tokens [B]`` tokens (``CacheSpec.window_share``); an int for an int."""
         return window_at(self.window, self.window_share, tokens)
 
     def tier_pages_for(self, max_len: int) -> int:
@@ -205,7 +210,7 @@ class PageState:
         p = self.page
         if not self.quantized:
             return -(-(self.pad + max_len) // p)
-        return self.sink_pages + -(-(int(window_at(self.window, self.window_share, max_len)) + p) // p) + 1
+        return self.sink_pages + -(-(self.windows(max_len) + p) // p) + 1
 
     def reset(self, rows: int) -> None:
         self.rows = rows

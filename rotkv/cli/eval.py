@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
+from rotkv.cli.common import with_flags
 from rotkv.cli.errors import UsageError, resolve_device
-from rotkv.config import PRESETS
+from rotkv.config import PRESETS, CacheSpec
 
 
 def _list(s: str | None) -> list[str] | None:
@@ -89,8 +90,11 @@ def register(sub) -> None:
 
 def run(args) -> int:
     device = resolve_device(args.device)  # a bad device is a one-line error before anything loads
-    if args.window_share is not None and not 0 <= args.window_share < 1:
-        raise UsageError(f"--window-share has to be in [0, 1) but got {args.window_share}")
+    if args.window_share is not None:  # CacheSpec's own check, worded with the flag
+        try:
+            CacheSpec(window_share=args.window_share)
+        except ValueError as e:
+            raise UsageError(with_flags(str(e))) from None
     for flag in ("threads", "samples", "windows", "new_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
