@@ -58,6 +58,13 @@ CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is
     "cuda-vf16-f4": DecodeConfig(backend="cuda", cuda_value_f16=True, cuda_value_flush=4),
     "cuda-vf16-f8": DecodeConfig(backend="cuda", cuda_value_f16=True, cuda_value_flush=8),
     "cuda-vf16-f16": DecodeConfig(backend="cuda", cuda_value_f16=True, cuda_value_flush=16),
+    # score variants: the CUDA kernel with the fp16 query (both code-operand makers; the default at
+    # head_dim 64) or the int8 query (the default above), and Triton with bf16 scores (the default at
+    # head_dim 64 before the fp16-query build)
+    "cuda-qf16-1": DecodeConfig(backend="cuda", score="bf16", cuda_score_f16=1),
+    "cuda-qf16-2": DecodeConfig(backend="cuda", score="bf16", cuda_score_f16=2),
+    "cuda-int8": DecodeConfig(backend="cuda", score="int8"),
+    "triton-bf16": DecodeConfig(backend="triton", score="bf16"),
     # Triton body kernels: v1 (rows = query heads padded to 16, int8 scores), v2 (rows = plane x head)
     "i8dot-n64-w1": DecodeConfig(block_n=64, num_warps=1, qk_int8=True, v2=False, backend="triton"),
     "v2-n128-w4": DecodeConfig(block_n=128, num_warps=4, v2=True, backend="triton"),

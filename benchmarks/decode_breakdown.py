@@ -39,12 +39,12 @@ def pieces(q, body, table, body_n, tier, ttab, tier_n, cfg):
     l_ = torch.ones(b_sz, hq, ns, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     scale = d ** -0.5 * dk.LOG2E
-    _, _, tiles, mb, prefetch, vf16, vflush = cuda_variant(cfg, d, body.k.groups)
+    _, _, tiles, mb, prefetch, vf16, vflush, qf16 = cuda_variant(cfg, d, body.k.groups)
 
     def body_only():
         from rotkv.kernels.cuda_decode import body_partials
         body_partials(q, body, table, o, m, l_, n_int2, per, scale, tiles=tiles, min_blocks=mb, prefetch=bool(prefetch),
-                      value_f16=bool(vf16), value_flush=vflush)
+                      value_f16=bool(vf16), value_flush=vflush, score_f16=qf16)
 
     def tier_only():
         dk._split_kernel[(b_sz * h, n_tier)](

@@ -69,7 +69,13 @@ def test_cuda_plan_names_its_launches():
                              (_layout(bits=(4, 2)), 4, "INT2 K and V")):
         assert why in P.cuda_decode_reason(layout, rep, "int8")
     assert "compute capability" in P.cuda_decode_reason(_layout(), 4, "int8", (7, 5))
-    assert P.cuda_decode_reason(_layout(), 4, "bf16").startswith("the CUDA decode kernel reads")
+    assert P.cuda_decode_reason(_layout(), 4, "bf16") is None  # the fp16-query build
+    assert P.cuda_decode_reason(_layout(), 4, "fp8").startswith("the CUDA decode kernel reads")
+    assert P.cuda_variant(P.DecodeConfig(), 64, 1)[-1] == 1 and P.cuda_variant(P.DecodeConfig(), 128, 2)[-1] == 0
+    assert P.cuda_variant(P.DecodeConfig(score="int8"), 64, 1)[-1] == 0
+    assert P.cuda_variant(P.DecodeConfig(cuda_score_f16=2), 128, 2, "bf16")[-1] == 2
+    with pytest.raises(ValueError, match="cuda_score_f16"):
+        P.DecodeConfig(cuda_score_f16=3)
     with pytest.raises(ValueError, match="page size 8"):
         P.DecodePlan(_layout(page=8), 8, 128, CUDA_DEV, P.DecodeConfig(backend="cuda"))
     triton_only = P.DecodePlan(_layout(), 8, 128, CUDA_DEV, P.DecodeConfig(backend="triton"))
@@ -93,7 +99,8 @@ def test_write_plans():
 def test_build_lists_follow_the_plans():
     assert P.decode_builds_for(128, 64) == (P.cuda_variant(P.DecodeConfig(), 128, 2), None)
     assert P.decode_builds_for(128, 64, bits=4)[1] == "decode: INT4 pages run the Triton kernel"
-    assert "bf16" in P.decode_builds_for(64, 64)[1]
+    assert P.decode_builds_for(64, 64) == (P.cuda_variant(P.DecodeConfig(), 64, 1), None)
+    assert P.decode_builds_for(64, 64)[0][-1] == 1  # fp16 query at head_dim 64
     assert "head_dim 96" in P.decode_builds_for(96, 32)[1]
     writes, note = P.write_builds_for(128, 64)
     assert note is None and [w[0] for w in writes] == [True, False]

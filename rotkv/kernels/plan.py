@@ -100,17 +100,23 @@ class DecodeConfig:
     # accumulators' size; without it the fp16 path's output error was 8x the bf16 path's, with 8 it
     # is within 15% of it (docs/kernels.md)
     cuda_value_flush: int = 8
-    # scores of the quantized body: "int8" (query quantized to int8 per head: the CUDA kernel, and
-    # the Triton kernels where qk_int8 applies), "bf16" (query kept bf16, codes as bf16; Triton
-    # only), or "auto": bf16 at head_dim <= 64 unless backend == "cuda" (top-1 agreement on
-    # SmolLM2, D 64: 0.984 with bf16 scores against 0.938 with the int8 query; docs/kernels.md)
+    # scores of the quantized body: "int8" (query quantized to int8 per head: the CUDA kernel's
+    # m16n8k32, and the Triton kernels where qk_int8 applies), "bf16" (query not quantized: Triton
+    # with bf16 codes, the CUDA kernel with an fp16 query and exact 4^i c codes, m16n8k16), or
+    # "auto": bf16 at head_dim <= 64 and int8 above (top-1 agreement on SmolLM2, D 64: 0.984 with
+    # bf16 scores against 0.938 with the int8 query; docs/kernels.md)
     score: str = "auto"
+    # CUDA kernel, score "bf16": how the exact code operand is made: 1 fp16 subnormals (one LOP3 per
+    # register), 2 fp16 1024 + 4^i c minus 1024 (one LOP3 and one HSUB2)
+    cuda_score_f16: int = 1
 
     def __post_init__(self):
         if self.backend not in ("auto", "cuda", "triton"):
             raise ValueError(f"backend must be 'auto', 'cuda' or 'triton', got {self.backend!r}")
         if self.score not in ("auto", "bf16", "int8"):
             raise ValueError(f"score must be 'auto', 'bf16' or 'int8', got {self.score!r}")
+        if self.cuda_score_f16 not in (1, 2):
+            raise ValueError(f"cuda_score_f16 must be 1 or 2, got {self.cuda_score_f16}")
         if self.cuda_fuse not in ("none", "block", "all"):
             raise ValueError(f"cuda_fuse must be 'none', 'block' or 'all', got {self.cuda_fuse!r}")
         if not 0 <= self.cuda_value_flush <= 4096 or self.cuda_value_flush & (self.cuda_value_flush - 1):
@@ -129,11 +135,11 @@ class DecodeConfig:
 
 
 def resolve_score(cfg: DecodeConfig, head_dim: int) -> str:
-    """The score variant a call runs: ``cfg.score``, or for "auto" bf16 at head_dim <= 64 (unless
-    the CUDA backend, int8 only, is asked for) and int8 above."""
+    """The score variant a call runs: ``cfg.score``, or for "auto" bf16 at head_dim <= 64 and int8
+    above."""
     if cfg.score != "auto":
         return cfg.score
-    return "bf16" if head_dim <= 64 and cfg.backend != "cuda" else "int8"
+    return "bf16" if head_dim <= 64 else "int8"
 
 
 def min_blocks(cfg: DecodeConfig, d: int, ng: int) -> int:
@@ -145,12 +151,14 @@ def min_blocks(cfg: DecodeConfig, d: int, ng: int) -> int:
     return 3 if d <= 128 else 2
 
 
-def cuda_variant(cfg: DecodeConfig, d: int, ng: int) -> tuple[int, int, int, int, int, int, int]:
+def cuda_variant(cfg: DecodeConfig, d: int, ng: int, score: str | None = None) -> tuple[int, ...]:
     """The CUDA kernel build a call runs: (head_dim, groups, tiles, min blocks, prefetch, fp16 values,
-    value flush); prefetch as cfg.cuda_prefetch, except at head_dim 256 with 8 groups, where the
-    second buffer spills."""
+    value flush, fp16 query); prefetch as cfg.cuda_prefetch, except at head_dim 256 with 8 groups,
+    where the second buffer spills; fp16 query (cfg.cuda_score_f16) where the score is "bf16"
+    (``score`` None: :func:`resolve_score`), else 0 (int8 query)."""
+    score = score or resolve_score(cfg, d)
     return (d, ng, cfg.cuda_tiles, min_blocks(cfg, d, ng), int(cfg.cuda_prefetch and not (d >= 256 and ng >= 8)),
-            int(cfg.cuda_value_f16), cfg.cuda_value_flush)
+            int(cfg.cuda_value_f16), cfg.cuda_value_flush, cfg.cuda_score_f16 if score == "bf16" else 0)
 
 
 def shape_reason(head_dim: int, group_size: int) -> str | None:
@@ -191,8 +199,8 @@ def triton_decode_reason(layout: BodyLayout) -> str | None:
 
 def cuda_decode_reason(layout: BodyLayout, rep: int, score: str, capability: tuple[int, int] = (9, 0)) -> str | None:
     """Why the CUDA decode body kernel does not read this body, or None (nvcc and the build aside)."""
-    if any(b not in CUDA_DECODE_WIDTHS for b in layout.bits) or score != "int8":
-        return (f"the CUDA decode kernel reads INT2 K and V with int8 scores, got bits {layout.bits}, "
+    if any(b not in CUDA_DECODE_WIDTHS for b in layout.bits) or score not in ("int8", "bf16"):
+        return (f"the CUDA decode kernel reads INT2 K and V with int8 or bf16 scores, got bits {layout.bits}, "
                 f"score {score!r}")
     if capability < CUDA_MIN_CAPABILITY:
         return "needs compute capability 8.0+ (mma.sync int8 m16n8k32, movmatrix)"
@@ -315,7 +323,7 @@ class DecodePlan:
         p = layout.page_size if layout is not None else 16
         why = self.cuda_why
         if why is None:
-            variant = cuda_variant(cfg, self.head_dim, self.head_dim // layout.group_sizes[0])
+            variant = cuda_variant(cfg, self.head_dim, self.head_dim // layout.group_sizes[0], self.score)
             try:
                 from rotkv.kernels import cuda_decode
 
@@ -345,7 +353,7 @@ class DecodePlan:
         if self._main is not None:
             main = self._main.name
         elif self.cuda_why is None:
-            main = f"cuda {cuda_variant(self.cfg, self.head_dim, self.head_dim // self.layout.group_sizes[0])}"
+            main = f"cuda {cuda_variant(self.cfg, self.head_dim, self.head_dim // self.layout.group_sizes[0], self.score)}"
         else:
             main = f"{self._tier.name} ({self.cuda_why})"
         if self.small is not None:
@@ -495,13 +503,10 @@ def decode_builds_for(head_dim: int, group_size: int, bits: int = 2,
     score = resolve_score(cfg, head_dim)
     if bits not in CUDA_DECODE_WIDTHS:
         return None, f"decode: INT{bits} pages run the Triton kernel"
-    if score != "int8":
-        return None, (f"decode: at head_dim {head_dim} the default scores in {score} through the Triton kernel "
-                      "(DecodeConfig(score='int8') would run the CUDA kernel)")
     why = cuda_decode_reason(layout, 1, score)
     if why:
         return None, f"decode: {why} (Triton runs)"
-    return cuda_variant(cfg, head_dim, head_dim // group_size), None
+    return cuda_variant(cfg, head_dim, head_dim // group_size, score), None
 
 
 def write_builds_for(head_dim: int, group_size: int, rotate: bool = True,

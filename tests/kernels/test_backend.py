@@ -106,19 +106,22 @@ def test_smollm2_kernel_path_matches_reference(monkeypatch):
     ids = tok(haystack_text()[20000:40000], return_tensors="pt").input_ids[:, :448].cuda()
     ctx = 384
     logp = {}
-    for use, backend in (("0", "auto"), ("1", "auto"), ("1", "cuda"), ("1", "triton")):
+    runs = (("0", "auto", "auto"), ("1", "auto", "auto"), ("1", "cuda", "bf16"), ("1", "cuda", "int8"),
+            ("1", "triton", "bf16"))
+    for use, backend, score in runs:
         monkeypatch.setenv("ROTKV_KERNELS", use)
         monkeypatch.setenv("ROTKV_DECODE_BACKEND", backend)
+        monkeypatch.setenv("ROTKV_DECODE_SCORE", score)
         cache = RotkvCache(model, "quarot-int2", prefill_chunk=128, sink=16, window=64, page_size=16)
         kw = {cache_kwarg(model): cache}
         with torch.no_grad():
             logits = [model(input_ids=ids[:, :ctx], **kw).logits[0, -1]]
             for t in range(ctx, ids.shape[1] - 1):
                 logits.append(model(input_ids=ids[:, t:t + 1], **kw).logits[0, -1])
-        logp[use if use == "0" else backend] = torch.log_softmax(torch.stack(logits).float(), -1)
+        logp["0" if use == "0" else f"{backend}-{score}"] = torch.log_softmax(torch.stack(logits).float(), -1)
         assert cache.stats()["body_bytes"] > 0
     ref = logp["0"]
-    for backend in ("auto", "cuda", "triton"):
+    for backend in [k for k in logp if k != "0"]:
         got = logp[backend]
         kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
         top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()

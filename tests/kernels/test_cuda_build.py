@@ -39,7 +39,7 @@ def test_build_and_load_the_library(tmp_path, monkeypatch):
     monkeypatch.setenv("ROTKV_CACHE_DIR", str(tmp_path))
     lib = cuda_decode._compile_and_load(NVCC, "90", "64-1-2-4", "test", (64, 1, 2, 4))
     assert lib.rotkv_int2_decode.restype is not None
-    assert len(list(tmp_path.glob("int2_decode-64-1-2-4-0-0-0-test-sm90.so"))) == 1
+    assert len(list(tmp_path.glob("int2_decode-64-1-2-4-0-0-0-0-test-sm90.so"))) == 1
     # a second call loads the cached library without compiling (no temp file left either)
     cuda_decode._compile_and_load(NVCC, "90", "64-1-2-4", "test", (64, 1, 2, 4))
     assert not list(tmp_path.glob("*.tmp"))
@@ -67,7 +67,10 @@ DECODE_VARIANTS = [(*v, 1, 8) for v in [(64, 1, 1, 4, 1), (64, 2, 1, 4, 1), (128
                                         (256, 4, 1, 2, 1), (256, 8, 1, 2, 0), (256, 2, 1, 2, 1)]] + [
                    (64, 1, 1, 4, 1), (128, 2, 1, 4, 1), (128, 4, 1, 3, 1), (256, 4, 1, 2, 1), (256, 8, 1, 2, 0),
                    (128, 2, 2, 3, 1), (128, 2, 1, 4, 1, 1), (128, 2, 1, 4, 1, 0, 8)] + [
-                   (d, ng, 2, minb, 0) for d, ng, minb in DEFAULT_VARIANTS]
+                   (d, ng, 2, minb, 0) for d, ng, minb in DEFAULT_VARIANTS] + [
+                   # the fp16-query builds (score "bf16": the default at head_dim 64), both operand makers
+                   (64, 1, 1, 4, 1, 1, 8, 1), (64, 2, 1, 4, 1, 1, 8, 1), (64, 1, 1, 4, 1, 1, 8, 2), (64, 2, 1, 4, 1, 1, 8, 2),
+                   (64, 1, 2, 4, 0, 1, 0, 1), (128, 2, 1, 3, 1, 1, 8, 1)]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

@@ -20,9 +20,11 @@ def test_plan_follows_the_default_paths():
     assert dict(builds[0].macros) == cuda_decode._macros(_cuda_variant(DecodeConfig(), 128, 2))
     assert {dict(b.macros)["ROTKV_SPLIT"] for b in builds[1:]} == {1, cuda_write.PRECISIONS["bf16x2"]}
     assert notes == []
-    # head_dim 64 scores in bf16 through Triton: no decode build, and a note that says so
+    # head_dim 64 scores with the fp16 query: the CUDA kernel's QF16 build
     builds, notes = prebuild.builds(64, 64)
-    assert [b.stem for b in builds] == ["quant_write", "quant_write"] and "bf16" in notes[0]
+    assert [b.stem for b in builds] == ["int2_decode", "quant_write", "quant_write"] and notes == []
+    assert dict(builds[0].macros)["ROTKV_QF16"] == DecodeConfig().cuda_score_f16
+    assert dict(prebuild.builds(128, 64)[0][0].macros)["ROTKV_QF16"] == 0  # int8 query above head_dim 64
     # INT4 pages and shapes outside the CUDA kernels
     assert [b.stem for b in prebuild.builds(128, 64, bits=4)[0]] == ["quant_write", "quant_write"]
     assert prebuild.builds(96, 32)[0] == [] and len(prebuild.builds(96, 32)[1]) == 2

@@ -12,6 +12,18 @@
 //                                      x P~^T [16 tok, 8 heads] (fp16 p * s_v)        (mma m16n8k16)
 //            (ROTKV_VF16, the default build; otherwise bf16 0x4300|c with offset 128, plane 3 shifted)
 //
+// ROTKV_QF16 (1 or 2) scores with an fp16 query instead (no int8 rounding of the query; what the
+// plan runs where the int8 query costs accuracy, head_dim 64): one m16n8k16 per (code word, plane),
+//
+//   scores   S^T [16 tok, 8 heads] += A [16 tok, 16 dims: 4 bytes x 4 tokens' worth of one plane]
+//                                     x Q^T [16, 8] (fp16 q / qsc / 4^i, qsc = amax / 2^14 per head)
+//
+// where the k index pairs (2t, 2t+1) and (2t+8, 2t+9) of lane (g, t) are bytes (0, 1) and (2, 3) of
+// its code word, i.e. 4 consecutive dims of plane i (the same permutation on both sides). A holds
+// 4^i c exactly: QF16 = 1 keeps the masked bits as fp16 subnormals (4^i c * 2^-24, one LOP3 per
+// register, the 2^24 folded into the head's scale); QF16 = 2 ORs in fp16 1024 and subtracts it
+// (one LOP3 and one HSUB2). Both products are exact in the fp32 accumulator.
+//
 // P~^T is the S^T accumulator transposed in registers by movmatrix. Scale and minimum stay out of
 // the products: q.k = qsc * sum_g s_g (q_g . c_g) + sum_g lo_g * sum(q_g), and
 // sum_n p_n v_n = sum_n (p_n s_n) (OFF + c_n) + sum_n p_n lo_n - OFF * sum_n (p_n s_n), the last
@@ -41,6 +53,9 @@
 #endif
 #ifndef ROTKV_VFLUSH  // > 0: every this many steps, the value accumulators drop their offset (see below)
 #define ROTKV_VFLUSH 0
+#endif
+#ifndef ROTKV_QF16  // score product: 0 int8 query (m16n8k32); 1 or 2 fp16 query (m16n8k16, see below)
+#define ROTKV_QF16 0
 #endif
 
 namespace {
@@ -256,10 +271,57 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
   const int tok_lo = s * p.tokens_per_split;
   const int tok_hi = min(seq, tok_lo + p.tokens_per_split);
 
-  // ---- query: head g's int8 fragments, per-head scale, per-group float sums
-  uint32_t qb0[NCH], qb1[NCH];
   float qsg_own[NG];
   float qsc_own;
+#if ROTKV_QF16
+  // ---- query: head g's fp16 fragments per (code word w, plane i) (index 4w + i), per-head scale
+  constexpr int NQ = 4 * KW;
+  uint32_t qh0[NQ], qh1[NQ];
+  {
+    float qv[NQ][4];
+    const bool live = g < p.rep;
+    const __nv_bfloat16* qp = p.q + ((int64_t)b * p.HQ + (int64_t)h * p.rep + g) * D;
+    float amax = 0.f;
+#pragma unroll
+    for (int w = 0; w < KW; ++w) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int d0 = i * (D / 4) + KM::byte_off(t, w);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          qv[4 * w + i][e] = live ? __bfloat162float(qp[d0 + e]) * p.qk_scale : 0.f;
+          amax = fmaxf(amax, fabsf(qv[4 * w + i][e]));
+        }
+      }
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    qsc_own = amax > 0.f ? amax * (1.f / 16384.f) : 1.f;
+    const float inv = 1.f / qsc_own;
+#pragma unroll
+    for (int k = 0; k < NG; ++k) qsg_own[k] = 0.f;
+#pragma unroll
+    for (int w = 0; w < KW; ++w) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float sc = inv * (i == 0 ? 1.f : i == 1 ? 0.25f : i == 2 ? 0.0625f : 0.015625f);
+        const float* x = qv[4 * w + i];
+        const __half2 lo = __floats2half2_rn(x[0] * sc, x[1] * sc), hi = __floats2half2_rn(x[2] * sc, x[3] * sc);
+        qh0[4 * w + i] = *reinterpret_cast<const uint32_t*>(&lo);
+        qh1[4 * w + i] = *reinterpret_cast<const uint32_t*>(&hi);
+        qsg_own[(i * (D / 4) + KM::byte_off(0, w)) / G] += x[0] + x[1] + x[2] + x[3];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < NG; ++k) {
+      qsg_own[k] += __shfl_xor_sync(0xffffffffu, qsg_own[k], 1);
+      qsg_own[k] += __shfl_xor_sync(0xffffffffu, qsg_own[k], 2);
+    }
+    if (ROTKV_QF16 == 1) qsc_own *= 16777216.f;  // the subnormal operands carry 2^-24
+  }
+#else
+  // ---- query: head g's int8 fragments, per-head scale, per-group float sums
+  uint32_t qb0[NCH], qb1[NCH];
   {
     float qv[NCH][8];
     const bool live = g < p.rep;
@@ -301,6 +363,7 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
       qsg_own[k] += __shfl_xor_sync(0xffffffffu, qsg_own[k], 2);
     }
   }
+#endif
   // the accumulator columns are heads 2t and 2t+1: fetch their scale and sums from lanes 4*head
   float qsc[2], qsg[2][NG];
 #pragma unroll
@@ -434,6 +497,35 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
 #pragma unroll
     for (int ti = 0; ti < TILES; ++ti) {
       const int t0 = blk + 16 * ti;
+#if ROTKV_QF16
+      float d[NG][4];
+#pragma unroll
+      for (int k = 0; k < NG; ++k) d[k][0] = d[k][1] = d[k][2] = d[k][3] = 0.f;
+      if (t0 < tok_hi) {
+#pragma unroll
+        for (int w = 0; w < KW; ++w) {
+          // [byte 0, -, byte 1, -] and [byte 2, -, byte 3, -] of tokens g (r 0) and g+8 (r 1)
+          const uint32_t x00 = prmt(kw[ti][0][w], 0u, 0x4140u), x10 = prmt(kw[ti][1][w], 0u, 0x4140u);
+          const uint32_t x01 = prmt(kw[ti][0][w], 0u, 0x4342u), x11 = prmt(kw[ti][1][w], 0u, 0x4342u);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            constexpr uint32_t M = 0x00030003u;
+            auto op = [&](uint32_t x) {
+              const uint32_t m = i == 0 ? x & M : i == 1 ? x & (M << 2) : i == 2 ? x & (M << 4) : x & (M << 6);
+              if constexpr (ROTKV_QF16 == 1) {
+                return m;  // fp16 subnormal 4^i c * 2^-24
+              } else {
+                const uint32_t y = m | 0x64006400u;  // fp16 1024 + 4^i c
+                const __half2 z = __hsub2(*reinterpret_cast<const __half2*>(&y), __float2half2_rn(1024.f));
+                return *reinterpret_cast<const uint32_t*>(&z);  // 4^i c
+              }
+            };
+            mma_f16(d[(i * (D / 4) + KM::byte_off(0, w)) / G], op(x00), op(x10), op(x01), op(x11),
+                    qh0[4 * w + i], qh1[4 * w + i]);
+          }
+        }
+      }
+#else
       int d[NG][4];
 #pragma unroll
       for (int k = 0; k < NG; ++k) d[k][0] = d[k][1] = d[k][2] = d[k][3] = 0;
@@ -449,6 +541,7 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
           mma_s8(d[gi], a0, a1, a2, a3, qb0[cc], qb1[cc]);
         }
       }
+#endif
       float ksf[2][NG], lot[2][2];  // token scales; the lo term sum_g lo_g * sum(q_g) per (token, head)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
