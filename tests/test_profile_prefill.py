@@ -1,0 +1,59 @@
+"""benchmarks/profile_prefill.py at a tiny shape on the CPU: the profile and the sweep write rows
+with positive times (the GPU runs of issue 20 use the same code at full shapes)."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _script():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "profile_prefill.py")
+    spec = importlib.util.spec_from_file_location("profile_prefill", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SHAPE = ["--random", "smollm2", "--layers", "2", "--batch", "2", "--context", "96", "--device", "cpu"]
+
+
+def test_profile_rows(tmp_path):
+    out = tmp_path / "prof.json"
+    res = _script().main(SHAPE + ["--methods", "bf16", "quarot-int2", "hf-static", "--prefill-tokens", "64",
+                                  "--top", "5", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["bf16", "quarot-int2", "hf-static"] == [r["method"] for r in res["rows"]]
+    for r in rows:
+        assert r["prefill_s"] > 0 and r["profiled_s"] > 0 and r["device_ms"] > 0
+        assert 0 < len(r["top"]) <= 5 and all(t["ms"] > 0 for t in r["top"])
+        assert sum(r["categories"].values()) == pytest.approx(r["device_ms"], rel=1e-3, abs=0.01)
+        assert r["categories"].get("matmul/gemm", 0) > 0 and r["categories"].get("attention", 0) > 0
+    assert [r["model_calls"] for r in rows] == [3, 3, 1]  # 64 tokens a call over 2 rows: 32 a row
+    md = (tmp_path / "prof.md").read_text()
+    assert "| quarot-int2 | 2 x 96 | 32 / 3 |" in md and "top ops" in md
+
+
+def test_sweep_rows(tmp_path):
+    out = tmp_path / "sweep.json"
+    _script().main(SHAPE + ["--methods", "bf16", "hf-static", "--sweep-prefill-tokens", "64", "256",
+                            "--prefill-chunk", "48", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["prefill_tokens"], r["chunk"]) for r in rows] == [
+        ("bf16", 64, 32), ("bf16", 256, 48), ("hf-static", 192, 96)]
+    assert all(r["prefill_s"] > 0 and not r["note"] for r in rows)
+
+
+def test_categories():
+    cat = _script().category
+    assert cat("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>") == "attention"
+    assert cat("fmha_cutlassF_bf16_aligned_64x64_rf_sm80") == "attention"
+    assert cat("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NTN") == "matmul/gemm"
+    assert cat("_quant_write_kernel") == "rotkv kernels" and cat("_dequant_kernel") == "rotkv kernels"
+    assert cat("void at::native::bfloat16_copy_kernel_cuda(at::TensorIterator&)") == "copies/cat/index"
+    assert cat("void at::native::index_elementwise_kernel<128, 4>") == "copies/cat/index"
+    assert cat("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>") == "elementwise/norm"
+    assert cat("Memcpy HtoD (Pageable -> Device)") == "copies/cat/index"
