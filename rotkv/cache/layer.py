@@ -121,7 +121,8 @@ class HybridLayer(RotkvLayer):
         steps = self.state.steps_for(self.layer_idx, q, counts)
         self.pools.fit(self.state.tier_free.capacity, self.state.body_free.capacity)
         rot = self.rotation
-        kr, vr = rot.keys(k_new).to(self.tier_dtype), rot.values(v_new).to(self.tier_dtype)
+        kr, vr = _rotated(rot.keys, k_new, self.tier_dtype, _plain_keys(rot)), _rotated(rot.values, v_new, self.tier_dtype,
+                                                                                        rot.R_V is None)
         if len(steps) == 1 and steps[0].decode:
             out = self._step(steps[0], query, kr, vr, scaling)  # [B, Hq, 1, D]
             return rot.outputs(out.float()).transpose(1, 2).to(query.dtype)
@@ -129,7 +130,9 @@ class HybridLayer(RotkvLayer):
         # call's output is written in the query dtype: no float32 buffer of the whole call
         out = None
         for step in steps:
-            o = rot.outputs(self._step(step, query, kr, vr, scaling).float())  # [B, Hq, C, D]
+            o = self._step(step, query, kr, vr, scaling)  # [B, Hq, C, D]
+            if rot.R_V is not None:
+                o = rot.outputs(o.float())
             if len(steps) == 1 and o.shape[2] == q and bool((step.query_count == q).all()):
                 return o.transpose(1, 2).to(query.dtype)  # the step is the whole call: no copy
             if out is None:
@@ -258,17 +261,25 @@ class HybridLayer(RotkvLayer):
         c = step.query_pos.shape[1]
         lt = int(step.tier_tokens.max(initial=0)) if own is not None else max(int(step.tier_tokens.max(initial=0)), 1)
         nown = c if own is not None else 0
-        out = torch.empty(b, hq, c, d, dtype=cdt, device=dev)
         qpos = step.device_query(dev)
+        whole = step.cached("whole", lambda: c == query.shape[2] and bool((step.query_pos == np.arange(c)).all()))
         mask = step.cached(("mask", dev, nb), lambda: _mask(step, self.spec.page_size, nb, lt, dev, nown))
         size = torch.empty(0, dtype=cdt).element_size()
         per_row = 2 * self.kv_heads * (nb * self.spec.page_size + lt + nown) * d * size
-        for r0, r1 in row_groups(b, per_row):
-            k, v = self._history(step, r0, r1, nb, lt, cdt, own)
-            qc = self.rotation.queries(query[r0:r1].gather(2, qpos[r0:r1, None, :, None].expand(-1, hq, -1, d))).to(cdt)
+        groups = row_groups(b, per_row)
+        # one group: SDPA's own output is returned (no copy into a buffer of the call)
+        out = torch.empty(b, hq, c, d, dtype=cdt, device=dev) if len(groups) > 1 else None
+        for r0, r1 in groups:
+            k, v = self._history(step, r0, r1, nb, lt, cdt, own, whole)
+            # the step's queries: every row's call positions 0..C-1 (the unpadded case) need no gather
+            qs = query[r0:r1] if whole else query[r0:r1].gather(2, qpos[r0:r1, None, :, None].expand(-1, hq, -1, d))
+            qc = _rotated(self.rotation.queries, qs, cdt, _plain_keys(self.rotation))
             m = mask[r0:r1] if mask is not None else None
-            out[r0:r1] = _sdpa(qc, k, v, m, scaling)
+            o = _sdpa(qc, k, v, m, scaling)
             del k, v, qc
+            if out is None:
+                return o
+            out[r0:r1] = o
         return out
 
     def _body(self, step: Step, r0: int, r1: int, nb: int, cdt, out=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,10 +298,12 @@ class HybridLayer(RotkvLayer):
         run = step.cached(("run", r0, r1), lambda: _consecutive_run(sub, nb))
         return self.pools.body_dense(pages, cdt, table=table, run=run, out=out)
 
-    def _history(self, step: Step, r0: int, r1: int, nb: int, lt: int, cdt, own=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _history(self, step: Step, r0: int, r1: int, nb: int, lt: int, cdt, own=None,
+                 whole: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[r, H, nb * P + lt (+ C), D]`` of rows ``r0:r1`` in one buffer each: the
         dequantized body, the tier (sink and window), and with ``own`` the step's own tokens
-        (``C`` of them, from the call's rotated keys and values)."""
+        (``C`` of them, from the call's rotated keys and values; ``whole``: they are the call's
+        positions ``0..C-1`` of every row, copied without a gather)."""
         dev, p = self.device, self.spec.page_size
         h, d = self.kv_heads, self.head_dim
         c = step.query_pos.shape[1] if own is not None else 0
@@ -308,7 +321,10 @@ class HybridLayer(RotkvLayer):
             tk, tv = self.pools.tier_dense(pg[r0:r1], off[r0:r1], cdt)
             k[:, :, nb * p: nb * p + lt] = tk
             v[:, :, nb * p: nb * p + lt] = tv
-        if c:
+        if c and whole:
+            k[:, :, nb * p + lt:] = own[0][r0:r1]
+            v[:, :, nb * p + lt:] = own[1][r0:r1]
+        elif c:
             qpos = step.device_query(dev)[r0:r1, None, :, None].expand(-1, h, -1, d)
             k[:, :, nb * p + lt:] = own[0][r0:r1].gather(2, qpos)
             v[:, :, nb * p + lt:] = own[1][r0:r1].gather(2, qpos)
@@ -348,6 +364,18 @@ def row_groups(rows: int, bytes_per_row: int, budget_mb: int | None = None) -> l
         raise ValueError(f"ROTKV_PREFILL_HISTORY_MB has to be >= 1 but got {budget_mb}")
     per = max(1, (budget_mb << 20) // max(bytes_per_row, 1))
     return [(r0, min(r0 + per, rows)) for r0 in range(0, rows, per)]
+
+
+def _plain_keys(rot: LayerRotation) -> bool:
+    """Keys and queries are not rotated (no R_K, no mean): the ``bf16`` preset."""
+    return rot.R_K is None and rot.k_mean is None
+
+
+def _rotated(fn, x: torch.Tensor, dtype: torch.dtype, identity: bool) -> torch.Tensor:
+    """``fn(x).to(dtype)`` (a rotation, computed in float32); an identity rotation casts ``x`` straight
+    to ``dtype``: the same values (a bf16/fp16/fp32 value goes through float32 unchanged) without
+    the float32 copy."""
+    return x.to(dtype) if identity else fn(x).to(dtype)
 
 
 _FLASH_FAILED: str | bool = False  # why the direct flash call failed once (then the bias path is used)
