@@ -50,6 +50,11 @@ def category(name: str) -> str:
     return next((c for c, pat in CATEGORIES if re.search(pat, low)), "other")
 
 
+def _preset(method: str) -> str:
+    """``rotkv:quarot-int2+graph`` -> ``quarot-int2`` (the prefill runs no graph)."""
+    return method.removeprefix("rotkv:").split("+")[0]
+
+
 def _sync(dev) -> float:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -76,7 +81,7 @@ def run_prefill(model, method: str, ids, new_tokens: int, chunk: int | None, tok
                        pad_token_id=0, **{cache_kwarg(model): cache})
     else:
         extra = {"prefill_chunk": chunk} if chunk else {}
-        cache = RotkvCache(model, method.removeprefix("rotkv:"), check_finite=False, **extra)
+        cache = RotkvCache(model, _preset(method), check_finite=False, **extra)
         reserve(cache, b, n + new_tokens)
         t0 = _sync(dev)
         prefill(model, ids, cache, chunk=chunk, max_tokens=tokens)
@@ -130,7 +135,7 @@ def prefill_chunk_of_method(model, method: str, chunk, rows: int, tokens) -> int
     """The per-row tokens of one model call of a rotkv method's prefill (what ``prefill`` uses)."""
     from rotkv.config import get_preset
 
-    spec = get_preset(method.removeprefix("rotkv:"))
+    spec = get_preset(_preset(method))
     return prefill_chunk_of(None, chunk or spec.prefill_chunk, rows, tokens)
 
 

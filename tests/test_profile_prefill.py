@@ -23,10 +23,10 @@ SHAPE = ["--random", "smollm2", "--layers", "2", "--batch", "2", "--context", "9
 
 def test_profile_rows(tmp_path):
     out = tmp_path / "prof.json"
-    res = _script().main(SHAPE + ["--methods", "bf16", "quarot-int2", "hf-static", "--prefill-tokens", "64",
+    res = _script().main(SHAPE + ["--methods", "bf16", "rotkv:quarot-int2+graph", "hf-static", "--prefill-tokens", "64",
                                   "--top", "5", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert [r["method"] for r in rows] == ["bf16", "quarot-int2", "hf-static"] == [r["method"] for r in res["rows"]]
+    assert [r["method"] for r in rows] == ["bf16", "rotkv:quarot-int2+graph", "hf-static"] == [r["method"] for r in res["rows"]]
     for r in rows:
         assert r["prefill_s"] > 0 and r["profiled_s"] > 0 and r["device_ms"] > 0
         assert 0 < len(r["top"]) <= 5 and all(t["ms"] > 0 for t in r["top"])
@@ -34,7 +34,7 @@ def test_profile_rows(tmp_path):
         assert r["categories"].get("matmul/gemm", 0) > 0 and r["categories"].get("attention", 0) > 0
     assert [r["model_calls"] for r in rows] == [3, 3, 1]  # 64 tokens a call over 2 rows: 32 a row
     md = (tmp_path / "prof.md").read_text()
-    assert "| quarot-int2 | 2 x 96 | 32 / 3 |" in md and "top ops" in md
+    assert "| rotkv:quarot-int2+graph | 2 x 96 | 32 / 3 |" in md and "top ops" in md
 
 
 def test_sweep_rows(tmp_path):
