@@ -61,6 +61,9 @@ def _sync(dev) -> float:
     return time.perf_counter()
 
 
+LAST_PEAK_GB = [float("nan")]  # the peak (GB) of the last run_prefill, weights and cache included
+
+
 def run_prefill(model, method: str, ids, new_tokens: int, chunk: int | None, tokens: int | None) -> float:
     """One prefill of ``ids`` into a fresh cache; returns its wall seconds (cache set-up excluded,
     as ``rotkv bench`` times it; the pools' first allocation is inside, as there)."""
@@ -86,6 +89,7 @@ def run_prefill(model, method: str, ids, new_tokens: int, chunk: int | None, tok
         t0 = _sync(dev)
         prefill(model, ids, cache, chunk=chunk, max_tokens=tokens)
     seconds = _sync(dev) - t0
+    LAST_PEAK_GB[0] = bench._peak(dev)  # before the clean-up below resets the peak
     del cache
     bench._clean(dev)
     return seconds
@@ -149,14 +153,14 @@ def sweep(model, methods, ids, new_tokens: int, chunks, budgets, repeat: int) ->
             try:
                 run_prefill(model, m, ids, new_tokens, c, t)  # warm-up (kernel builds, autotuning)
                 times = sorted(run_prefill(model, m, ids, new_tokens, c, t) for _ in range(repeat))
-                s, note = times[len(times) // 2], ""
+                s, note, peak = times[len(times) // 2], "", LAST_PEAK_GB[0]
             except Exception as e:  # noqa: BLE001 - one failing cell must not lose the others
                 bench._clean(dev)
-                s, note = float("nan"), f"{type(e).__name__}: {e}"[:200]
+                s, note, peak = float("nan"), f"{type(e).__name__}: {e}"[:200], float("nan")
             per = n if m == "hf-static" else prefill_chunk_of_method(model, m, c, b, t)
             rows.append({"method": m, "batch": b, "context": n, "prefill_tokens": t if t else b * n,
                          "prefill_chunk": c, "chunk": per, "model_calls": -(-n // per), "prefill_s": round(s, 4),
-                         "peak_gb": round(bench._peak(dev), 3), "note": note})
+                         "peak_gb": round(peak, 3), "note": note})
             print(f"sweep {m} tokens={t} chunk={c}: {s:.4f} s", flush=True)
     return rows
 
