@@ -64,6 +64,8 @@ CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is
     "cuda-qf16-1": DecodeConfig(backend="cuda", score="bf16", cuda_score_f16=1),
     "cuda-qf16-2": DecodeConfig(backend="cuda", score="bf16", cuda_score_f16=2),
     "cuda-int8": DecodeConfig(backend="cuda", score="int8"),
+    "cuda-qf16-block": DecodeConfig(backend="cuda", score="bf16", cuda_fuse="block"),
+    "cuda-qf16-none": DecodeConfig(backend="cuda", score="bf16", cuda_fuse="none"),
     "triton-bf16": DecodeConfig(backend="triton", score="bf16"),
     # Triton body kernels: v1 (rows = query heads padded to 16, int8 scores), v2 (rows = plane x head)
     "i8dot-n64-w1": DecodeConfig(block_n=64, num_warps=1, qk_int8=True, v2=False, backend="triton"),

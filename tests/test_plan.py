@@ -76,6 +76,11 @@ def test_cuda_plan_names_its_launches():
     assert P.cuda_variant(P.DecodeConfig(cuda_score_f16=2), 128, 2, "bf16")[-1] == 2
     with pytest.raises(ValueError, match="cuda_score_f16"):
         P.DecodeConfig(cuda_score_f16=3)
+    # partial merging: unfused at head_dim 64, block merges above, as asked otherwise
+    assert (P.resolve_fuse(P.DecodeConfig(), 64), P.resolve_fuse(P.DecodeConfig(), 128)) == ("none", "block")
+    assert P.resolve_fuse(P.DecodeConfig(cuda_fuse="all"), 64) == "all"
+    with pytest.raises(ValueError, match="cuda_fuse"):
+        P.DecodeConfig(cuda_fuse="some")
     with pytest.raises(ValueError, match="page size 8"):
         P.DecodePlan(_layout(page=8), 8, 128, CUDA_DEV, P.DecodeConfig(backend="cuda"))
     triton_only = P.DecodePlan(_layout(), 8, 128, CUDA_DEV, P.DecodeConfig(backend="triton"))

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from rotkv.kernels.body import PagedBody
-from rotkv.kernels.plan import DecodeConfig, DecodePlan, plan_decode  # noqa: F401 (DecodeConfig: re-exported)
+from rotkv.kernels.plan import DecodeConfig, DecodePlan, plan_decode, resolve_fuse  # noqa: F401 (DecodeConfig: re-exported)
 from rotkv.kernels.plan import interpreting as _interpreting
 
 LOG2E = 1.4426950408889634
@@ -571,7 +571,8 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
     has_int2 = body is not None and max_len > 0
     has_tier = tier is not None and tier_max_len > 0
     use_cuda = has_int2 and launch.kernel == "cuda"
-    fuse = use_cuda and cfg.cuda_fuse != "none"  # the CUDA kernel pre-merges blocks of 4 splits
+    fuse_mode = resolve_fuse(cfg, d)
+    fuse = use_cuda and fuse_mode != "none"  # the CUDA kernel pre-merges blocks of 4 splits
     if has_int2:
         g, p = body.group_size, body.page_size
         if use_cuda:
@@ -627,7 +628,7 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
             from rotkv.kernels.cuda_decode import body_partials, merges_into
 
             qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
-            merge_here = cfg.cuda_fuse == "all" and merges_into(out, q, ns)
+            merge_here = fuse_mode == "all" and merges_into(out, q, ns)
             _, _, tiles, min_blocks, prefetch, vf16, vflush, qf16 = launch.cuda_variant
             body_partials(qb, body, table, o_part, m_part, l_part, n_int2, per, sm_scale * LOG2E,
                           tiles=tiles, min_blocks=min_blocks, fuse=fuse, out=out if merge_here else None,

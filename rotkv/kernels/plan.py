@@ -83,8 +83,10 @@ class DecodeConfig:
     # 4 warps of a block, 4 splits of one request and KV head, merge theirs in shared memory: 4x
     # fewer partials for the merge kernel), or "all" (also the last block of each request and KV
     # head merges every partial and the tier's, launched first, into the output: no merge launch;
-    # measured slower on the H200, docs/kernels.md)
-    cuda_fuse: str = "block"
+    # measured slower on the H200, docs/kernels.md), or "auto": "none" at head_dim <= 64 (SmolLM2's
+    # heads at 64 x 8K: 59.6 us unfused against 84.0 us with block merges,
+    # decode-d64-20261203-836f16b.json), "block" above
+    cuda_fuse: str = "auto"
     # merge kernel: partial slots per step, and dims per program where B * Hq < 1024 (else all D)
     merge_chunk: int = 128  # 128: one step for the ~70 slots of B = 1, 128K (2.55x against 2.46x at 64)
     merge_slice: int = 32
@@ -117,8 +119,8 @@ class DecodeConfig:
             raise ValueError(f"score must be 'auto', 'bf16' or 'int8', got {self.score!r}")
         if self.cuda_score_f16 not in (1, 2):
             raise ValueError(f"cuda_score_f16 must be 1 or 2, got {self.cuda_score_f16}")
-        if self.cuda_fuse not in ("none", "block", "all"):
-            raise ValueError(f"cuda_fuse must be 'none', 'block' or 'all', got {self.cuda_fuse!r}")
+        if self.cuda_fuse not in ("auto", "none", "block", "all"):
+            raise ValueError(f"cuda_fuse must be 'auto', 'none', 'block' or 'all', got {self.cuda_fuse!r}")
         if not 0 <= self.cuda_value_flush <= 4096 or self.cuda_value_flush & (self.cuda_value_flush - 1):
             raise ValueError(f"cuda_value_flush must be 0 or a power of two up to 4096, got {self.cuda_value_flush}")
         if not 1 <= self.cuda_tiles <= 8:
@@ -140,6 +142,14 @@ def resolve_score(cfg: DecodeConfig, head_dim: int) -> str:
     if cfg.score != "auto":
         return cfg.score
     return "bf16" if head_dim <= 64 else "int8"
+
+
+def resolve_fuse(cfg: DecodeConfig, head_dim: int) -> str:
+    """The CUDA kernel's partial merging a call runs: ``cfg.cuda_fuse``, or for "auto" "none" at
+    head_dim <= 64 and "block" above."""
+    if cfg.cuda_fuse != "auto":
+        return cfg.cuda_fuse
+    return "none" if head_dim <= 64 else "block"
 
 
 def min_blocks(cfg: DecodeConfig, d: int, ng: int) -> int:
