@@ -10,6 +10,7 @@
 #   3. capacity of a 16 GB budget (`rotkv bench --max-batch --memory-gb 16`) at SmolLM2's shape, 8K
 #   4. `rotkv bench` rows of the decode-step issue: SmolLM2 64 x 8K, 1 x 4K; Qwen3-8B shape 8 layers 4 x 32K
 #   5. bench_decode.py (library default) at B 1/8/32 x 4K/32K/128K, and a D64 row set (9 q / 3 kv heads)
+#   (d64: the D64 rows alone, with the fused/unfused and score variants; not in the default list)
 set -u
 R=${RES:-$HOME/close}
 if [ "${1:-}" = start ]; then
@@ -64,5 +65,9 @@ timeout 200 python3 benchmarks/bench_decode.py --batch 1 8 32 --context 4096 327
 echo "decode rc=$?"
 timeout 120 python3 benchmarks/bench_decode.py --batch 1 8 64 --context 4096 8192 --q-heads 9 --kv-heads 3 --head-dim 64 \
   --out "$R/decode-d64.json" >> "$R/decode.log" 2>&1
+echo "decode d64 rc=$?"; fi
+if want d64; then stage d64  # the head_dim-64 rows alone: the default against its fused and score variants
+timeout 150 python3 benchmarks/bench_decode.py --batch 1 8 64 --context 4096 8192 32768 --q-heads 9 --kv-heads 3 --head-dim 64 \
+  --configs default cuda-qf16-block cuda-qf16-none cuda-int8 triton-bf16 --out "$R/decode-d64.json" >> "$R/decode.log" 2>&1
 echo "decode d64 rc=$?"; fi
 echo "all done $(date +%T)"
