@@ -10,7 +10,9 @@
 #   3. capacity of a 16 GB budget (`rotkv bench --max-batch --memory-gb 16`) at SmolLM2's shape, 8K
 #   4. `rotkv bench` rows of the decode-step issue: SmolLM2 64 x 8K, 1 x 4K; Qwen3-8B shape 8 layers 4 x 32K
 #   5. bench_decode.py (library default) at B 1/8/32 x 4K/32K/128K, and a D64 row set (9 q / 3 kv heads)
-#   (d64: the D64 rows alone, with the fused/unfused and score variants; not in the default list)
+#   (d64: the D64 rows alone, with the fused/unfused and score variants; stepprof: profile_step.py at
+#   SmolLM2 64 x 8K; prefillprof: profile_prefill.py at SmolLM2 64 x 8K, default budget and one call;
+#   none of the three in the default list)
 set -u
 R=${RES:-$HOME/close}
 if [ "${1:-}" = start ]; then
@@ -70,4 +72,15 @@ if want d64; then stage d64  # the head_dim-64 rows alone: the default against i
 timeout 150 python3 benchmarks/bench_decode.py --batch 1 8 64 --context 4096 8192 32768 --q-heads 9 --kv-heads 3 --head-dim 64 \
   --configs default cuda-qf16-block cuda-qf16-none cuda-int8 triton-bf16 --out "$R/decode-d64.json" >> "$R/decode.log" 2>&1
 echo "decode d64 rc=$?"; fi
+if want stepprof; then stage stepprof  # the graph-captured step per kernel category, bf16 and INT2 side by side
+timeout 150 python3 benchmarks/profile_step.py --shape smollm2 --requests 64 --context 8192 --presets bf16 quarot-int2 \
+  --out "$R/stepprof-smollm2-64x8k.json" > "$R/stepprof.log" 2>&1
+echo "stepprof rc=$?"; fi
+if want prefillprof; then stage prefillprof  # the prefill per kernel category at the default budget and in one call
+timeout 150 python3 benchmarks/profile_prefill.py --random smollm2 --batch 64 --context 8192 --methods bf16 quarot-int2 hf-static \
+  --out "$R/prefill-prof-smollm2.json" > "$R/prefillprof.log" 2>&1
+echo "prefillprof rc=$?"
+timeout 120 python3 benchmarks/profile_prefill.py --random smollm2 --batch 64 --context 8192 --methods bf16 quarot-int2 \
+  --prefill-tokens 524288 --prefill-chunk 8192 --out "$R/prefill-prof-smollm2-onecall.json" >> "$R/prefillprof.log" 2>&1
+echo "prefillprof onecall rc=$?"; fi
 echo "all done $(date +%T)"
