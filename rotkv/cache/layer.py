@@ -121,24 +121,23 @@ class HybridLayer(RotkvLayer):
         steps = self.state.steps_for(self.layer_idx, q, counts)
         self.pools.fit(self.state.tier_free.capacity, self.state.body_free.capacity)
         rot = self.rotation
-        kr, vr = _rotated(rot.keys, k_new, self.tier_dtype, _plain_keys(rot)), _rotated(rot.values, v_new, self.tier_dtype,
-                                                                                        rot.R_V is None)
+        # rotated straight into the tier dtype (on CUDA from bf16 on tensor cores: LayerRotation)
+        kr, vr = rot.keys(k_new, self.tier_dtype), rot.values(v_new, self.tier_dtype)
         if len(steps) == 1 and steps[0].decode:
             out = self._step(steps[0], query, kr, vr, scaling)  # [B, Hq, 1, D]
-            return rot.outputs(out.float()).transpose(1, 2).to(query.dtype)
+            return rot.outputs(out, query.dtype).transpose(1, 2)
         # a prefill: queries are rotated and outputs turned back one step (chunk) at a time, and the
         # call's output is written in the query dtype: no float32 buffer of the whole call
         out = None
         for step in steps:
             o = self._step(step, query, kr, vr, scaling)  # [B, Hq, C, D]
-            if rot.R_V is not None:
-                o = rot.outputs(o.float())
+            o = rot.outputs(o, query.dtype)  # an identity only casts (bf16 -> bf16: none)
             if len(steps) == 1 and o.shape[2] == q and bool((step.query_count == q).all()):
-                return o.transpose(1, 2).to(query.dtype)  # the step is the whole call: no copy
+                return o.transpose(1, 2)  # the step is the whole call: no copy
             if out is None:
                 out = query.new_zeros(b, q, hq, d)
             rows, j, pos = step.device_query_out(self.device)
-            out[rows, pos] = o[rows, :, j].to(query.dtype)
+            out[rows, pos] = o[rows, :, j]
             del o
         return out
 
@@ -151,8 +150,9 @@ class HybridLayer(RotkvLayer):
         k_new, v_new = self.pending
         self.pending = None
         rot = self.rotation
-        self.pools.write_tier(st.slots, rot.keys(k_new)[:, :, 0].to(self.tier_dtype),
-                              rot.values(v_new)[:, :, 0].to(self.tier_dtype))
+        # the same arithmetic as the eager step (LayerRotation's bf16x2 matrices exist before capture)
+        self.pools.write_tier(st.slots, rot.keys(k_new, self.tier_dtype)[:, :, 0],
+                              rot.values(v_new, self.tier_dtype)[:, :, 0])
         q = rot.queries(query)[:, :, 0]
         plan = self.pools.decode_plan(q, kernels.decode_config(self.decode_score))
         if plan is None:
@@ -249,7 +249,7 @@ class HybridLayer(RotkvLayer):
             if nb:
                 bk, bv = self._body(step, 0, b, nb, cdt)
             h = tk.shape[1]
-            qh = self.rotation.queries(query[:, :, -1:]).to(cdt).reshape(b, h, hq // h, d) * scaling
+            qh = self.rotation.queries(query[:, :, -1:], cdt).reshape(b, h, hq // h, d) * scaling
             parts = [(bk, bv)] if bk is not None else []
             parts.append((tk, tv))
             s = torch.cat([qh @ k.transpose(-1, -2) for k, _ in parts], -1).softmax(-1)
@@ -273,7 +273,7 @@ class HybridLayer(RotkvLayer):
             k, v = self._history(step, r0, r1, nb, lt, cdt, own, whole)
             # the step's queries: every row's call positions 0..C-1 (the unpadded case) need no gather
             qs = query[r0:r1] if whole else query[r0:r1].gather(2, qpos[r0:r1, None, :, None].expand(-1, hq, -1, d))
-            qc = _rotated(self.rotation.queries, qs, cdt, _plain_keys(self.rotation))
+            qc = self.rotation.queries(qs, cdt)
             m = mask[r0:r1] if mask is not None else None
             o = _sdpa(qc, k, v, m, scaling)
             del k, v, qc
@@ -364,18 +364,6 @@ def row_groups(rows: int, bytes_per_row: int, budget_mb: int | None = None) -> l
         raise ValueError(f"ROTKV_PREFILL_HISTORY_MB has to be >= 1 but got {budget_mb}")
     per = max(1, (budget_mb << 20) // max(bytes_per_row, 1))
     return [(r0, min(r0 + per, rows)) for r0 in range(0, rows, per)]
-
-
-def _plain_keys(rot: LayerRotation) -> bool:
-    """Keys and queries are not rotated (no R_K, no mean): the ``bf16`` preset."""
-    return rot.R_K is None and rot.k_mean is None
-
-
-def _rotated(fn, x: torch.Tensor, dtype: torch.dtype, identity: bool) -> torch.Tensor:
-    """``fn(x).to(dtype)`` (a rotation, computed in float32); an identity rotation casts ``x`` straight
-    to ``dtype``: the same values (a bf16/fp16/fp32 value goes through float32 unchanged) without
-    the float32 copy."""
-    return x.to(dtype) if identity else fn(x).to(dtype)
 
 
 _FLASH_FAILED: str | bool = False  # why the direct flash call failed once (then the bias path is used)

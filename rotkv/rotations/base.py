@@ -4,13 +4,51 @@ Keys are stored as ``k' = (k - mu) R_K`` and queries read them as ``q' = q R_K``
 ``q'.k' = q.k - q.mu``; ``q.mu`` is the same for every key of one query, so softmax is
 unchanged. Values are stored as ``v' = v R_V`` and the attention output is turned back with
 ``o = o' R_V^T`` (or R_V is folded into W_V / W_O and the cache sees identity).
+
+How a rotation is computed (:func:`rotation_math`, the one place that chooses): in float32
+(``"fp32"``: ``x.float()`` times the float32 matrix; the CPU reference, float32 inputs, and every
+call that asks for a float32 result), or, where a bf16 CUDA tensor is rotated into a bf16 result
+(the cache's keys, values, queries and attention outputs on the GPU), as ``"bf16x2"``: one bf16
+tensor-core GEMM of ``[x, x (, 1, 1)]`` against the matrix split in two bf16 terms
+``[R_hi; R_lo (; -c_hi; -c_lo)]`` (``R_hi = bf16(R)``, ``R_lo = bf16(R - R_hi)``, ``c = mu R`` for the
+key mean), accumulated in float32 and rounded to bf16 once. No float32 copy of ``x`` is made and
+no float32 FFMA GEMM runs.
+
+Precision of ``"bf16x2"`` (y = (x - mu) R, x bf16 so exact in the MMA): ``|R - R_hi - R_lo| <=
+2^-18 |R|`` elementwise (two round-to-nearest steps of 2^-9 each), likewise for ``c``; so before
+the final rounding ``|y' - y| <= 2^-18 (sum_i |x_i R_ij| + |c_j|) + (2D + 2) 2^-24 sum |terms|``
+(the float32 accumulation; cuBLAS's reduced-precision bf16 reduction is switched off around the
+GEMM), i.e. about ``2^-17 (||x|| + |c_j|)`` for an orthogonal R, 2^8 times below the half ulp
+(``2^-9 |y|``) of the bf16 rounding that follows either way. The result equals the float32
+path's ``bf16(y)`` except where y lies within that distance of a rounding boundary, and then
+differs by one ulp. The residual scales with ``|x|`` (the key itself), not ``|x - mu|``: measured
+with random orthogonal R at D = 128, 0.25 % of the values are one ulp off the float32 path without a
+mean, 2 % with a key mean 10 times the keys' spread, 13 % at 100 times; the largest error over a
+row's rms is the float32 path's own (its bf16 rounding) in every case. (A TF32 GEMM of ``x.float()`` would round R to 10 bits, an error of about
+``2^-11 ||x||``, as large as the bf16 rounding itself, and would still copy x to float32.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
+
+# "auto" (bf16x2 for bf16 CUDA tensors into bf16, else fp32), "fp32" (always float32: the
+# measured baseline), "bf16x2" (also on the CPU: the tests of the GPU arithmetic)
+ROTATION_MATH = os.environ.get("ROTKV_ROTATION_MATH", "auto")
+ROTATION_MATHS = ("auto", "fp32", "bf16x2")
+
+
+def rotation_math(x: torch.Tensor, dtype: torch.dtype | None) -> str:
+    """``"bf16x2"`` or ``"fp32"``: how ``x`` is rotated into a result of ``dtype`` (None: float32)."""
+    if ROTATION_MATH not in ROTATION_MATHS:
+        raise ValueError(f"ROTKV_ROTATION_MATH has to be one of {list(ROTATION_MATHS)} but got {ROTATION_MATH!r}")
+    if ROTATION_MATH == "fp32" or dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or x.dim() != 4:
+        return "fp32"
+    return "bf16x2" if (x.is_cuda or ROTATION_MATH == "bf16x2") else "fp32"
 
 
 @dataclass
@@ -19,6 +57,10 @@ class LayerRotation:
 
     k_mean: ``[kv_heads, D]`` in the unrotated basis, or None. clip_k / clip_v: per-layer
     clipping ratios that override the preset's, or None.
+
+    keys / values / queries / outputs return float32 (``dtype`` None) or ``dtype``; which
+    arithmetic computes them: :func:`rotation_math` (the split bf16 matrices it needs are made
+    when the rotation moves to a CUDA device, :meth:`to`, so a CUDA-graph capture finds them).
     """
 
     R_K: torch.Tensor | None = None
@@ -26,39 +68,128 @@ class LayerRotation:
     k_mean: torch.Tensor | None = None
     clip_k: float | None = None
     clip_v: float | None = None
+    _split: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def to(self, device: torch.device) -> "LayerRotation":
         mv = lambda t: None if t is None else t.to(device=device, dtype=torch.float32)  # noqa: E731
-        return LayerRotation(mv(self.R_K), mv(self.R_V), mv(self.k_mean), self.clip_k, self.clip_v)
+        r = LayerRotation(mv(self.R_K), mv(self.R_V), mv(self.k_mean), self.clip_k, self.clip_v)
+        if torch.device(device).type == "cuda":
+            for which in ("keys", "values", "queries", "outputs"):
+                r._bf16x2(which)
+        return r
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.R_K, self.R_V, self.k_mean) if t is not None)
 
     # --- applying it; tensors are [batch or rows, heads, tokens, D] ---------------------------
-    def keys(self, k: torch.Tensor) -> torch.Tensor:
-        """``[.., kv_heads, T, D]`` -> ``(k - mu) R_K`` in float32."""
+    def keys(self, k: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``[.., kv_heads, T, D]`` -> ``(k - mu) R_K`` in float32 (or ``dtype``)."""
+        if self.R_K is None and self.k_mean is None:
+            return k.float() if dtype is None else k.to(dtype)  # the same values as through float32
+        if self.R_K is not None and rotation_math(k, dtype) == "bf16x2":
+            return _rotate_bf16x2(k, *self._bf16x2("keys"))
         k = k.float()
         if self.k_mean is not None:
             k = k - self.k_mean.unsqueeze(-2)
-        return k if self.R_K is None else _per_head(k, self.R_K)
+        return _cast(k if self.R_K is None else _per_head(k, self.R_K), dtype)
 
-    def values(self, v: torch.Tensor) -> torch.Tensor:
-        v = v.float()
-        return v if self.R_V is None else _per_head(v, self.R_V)
-
-    def queries(self, q: torch.Tensor) -> torch.Tensor:
-        """``[B, q_heads, T, D]`` -> ``q R_K(g)`` with ``g = h // n_rep``, float32."""
-        q = q.float()
-        if self.R_K is None:
-            return q
-        return _per_group(q, self.R_K)
-
-    def outputs(self, o: torch.Tensor) -> torch.Tensor:
-        """Attention output ``[B, q_heads, T, D]`` in the rotated value basis -> ``o R_V(g)^T``."""
+    def values(self, v: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.R_V is None:
-            return o
-        return _per_group(o, self.R_V.transpose(-1, -2))
+            return v.float() if dtype is None else v.to(dtype)
+        if rotation_math(v, dtype) == "bf16x2":
+            return _rotate_bf16x2(v, *self._bf16x2("values"))
+        return _cast(_per_head(v.float(), self.R_V), dtype)
+
+    def queries(self, q: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``[B, q_heads, T, D]`` -> ``q R_K(g)`` with ``g = h // n_rep``, float32 (or ``dtype``)."""
+        if self.R_K is None:
+            return q.float() if dtype is None else q.to(dtype)
+        if rotation_math(q, dtype) == "bf16x2":
+            return _rotate_bf16x2(q, *self._bf16x2("queries"))
+        return _cast(_per_group(q.float(), self.R_K), dtype)
+
+    def outputs(self, o: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Attention output ``[B, q_heads, T, D]`` in the rotated value basis -> ``o R_V(g)^T``.
+
+        ``dtype`` None: in ``o``'s dtype, not cast (callers pass float32); else ``dtype``."""
+        if self.R_V is None:
+            return o if dtype is None else o.to(dtype)
+        if rotation_math(o, dtype) == "bf16x2":
+            return _rotate_bf16x2(o, *self._bf16x2("outputs"))
+        if dtype is None:
+            return _per_group(o, self.R_V.transpose(-1, -2))
+        return _per_group(o.float(), self.R_V.transpose(-1, -2)).to(dtype)
+
+    def _bf16x2(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the split matrix ``[H, K, D]`` bf16 of :func:`bf16x2_matrix`, the ones row ``[8]``) for
+        keys (R_K with the mean), queries (R_K), values (R_V) or outputs (R_V^T); made once."""
+        got = self._split.get(which)
+        if got is not None:
+            return got
+        mats = self.R_V if which in ("values", "outputs") else self.R_K
+        if mats is None:
+            return None
+        if mats.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("LayerRotation: the bf16x2 matrices are made outside a CUDA-graph capture "
+                               "(LayerRotation.to(cuda) makes them)")
+        if which == "outputs":
+            mats = mats.transpose(-1, -2)
+        a = bf16x2_matrix(mats, self.k_mean if which == "keys" else None)
+        ones = torch.tensor([1, 1, 0, 0, 0, 0, 0, 0], dtype=torch.bfloat16, device=mats.device)
+        self._split[which] = got = (a, ones)
+        return got
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return x if dtype is None else x.to(dtype)
+
+
+def bf16x2_matrix(mats: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """``mats [H, D, E]`` (and ``shift [H, D]``) -> ``[H, 2D, E]`` (``[H, 2D + 8, E]``) bf16: the rows
+    ``R_hi = bf16(R)``, ``R_lo = bf16(R - R_hi)`` (and ``-c_hi``, ``-c_lo``, six zero rows, with
+    ``c = shift R`` in float32 and its split likewise), so that ``[x, x, 1, 1, 0...] @ it``
+    is ``(x - shift) R`` to about 2^-18 (module docstring)."""
+    mats = mats.float()
+    hi = mats.to(torch.bfloat16)
+    parts = [hi, (mats - hi.float()).to(torch.bfloat16)]
+    if shift is not None:
+        c = torch.einsum("hd,hde->he", shift.float(), mats)
+        c_hi = c.to(torch.bfloat16)
+        c_lo = (c - c_hi.float()).to(torch.bfloat16)
+        parts += [-c_hi[:, None], -c_lo[:, None], hi.new_zeros(hi.shape[0], 6, hi.shape[2])]
+    return torch.cat(parts, 1).contiguous()
+
+
+@contextmanager
+def _fp32_reduction(on: bool):
+    """cuBLAS without its reduced-precision (bf16) split-K reduction inside (restored after)."""
+    m = torch.backends.cuda.matmul
+    old = on and m.allow_bf16_reduced_precision_reduction
+    if old:
+        m.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        if old:
+            m.allow_bf16_reduced_precision_reduction = True
+
+
+def _rotate_bf16x2(x: torch.Tensor, a: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
+    """``x [B, Hq, T, D]`` bf16 -> ``[B, Hq, T, D]`` bf16, heads in groups of ``Hq // H`` over the
+    ``H`` matrices of ``a`` (:func:`bf16x2_matrix`): one bmm over the heads of ``[x, x (, 1, 1, 0..)]``,
+    laid out ``[Hq, B, T, K]`` so that the result is a view ``[B, Hq, T, D]`` of ``[Hq, B, T, D]``
+    (no copy after the GEMM; the matrices are not copied per row)."""
+    b, hq, t, d = x.shape
+    h, k, e = a.shape
+    xp = x.transpose(0, 1)
+    parts = [xp, xp]
+    if k > 2 * d:
+        parts.append(ones[: k - 2 * d].expand(hq, b, t, k - 2 * d))
+    x2 = torch.cat(parts, -1).view(h, hq // h * b * t, k)
+    with _fp32_reduction(x.is_cuda):
+        y = torch.bmm(x2, a)
+    return y.view(hq, b, t, e).transpose(0, 1)
 
 
 def _per_head(x: torch.Tensor, mats: torch.Tensor) -> torch.Tensor:
