@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rotkv import bench  # noqa: E402
-from rotkv.cli.bench import RANDOM_SHAPES, _random_model  # noqa: E402
-from rotkv.generation import DEFAULT_PREFILL_TOKENS, prefill, prefill_chunk_of, reserve  # noqa: E402
+from rotkv.cli.bench import RANDOM_SHAPES, _random_model, prefill_tokens_arg  # noqa: E402
+from rotkv.generation import DEFAULT_PREFILL_TOKENS, prefill, prefill_chunk_of, prefill_tokens_of, reserve  # noqa: E402
 
 # first match wins (a dtype cast is a copy kernel, an elementwise kernel by its template)
 CATEGORIES = [
@@ -140,7 +140,7 @@ def prefill_chunk_of_method(model, method: str, chunk, rows: int, tokens) -> int
     from rotkv.config import get_preset
 
     spec = get_preset(_preset(method))
-    return prefill_chunk_of(None, chunk or spec.prefill_chunk, rows, tokens)
+    return prefill_chunk_of(None, chunk or spec.prefill_chunk, rows, tokens, model)
 
 
 def sweep(model, methods, ids, new_tokens: int, chunks, budgets, repeat: int) -> list[dict]:
@@ -158,7 +158,8 @@ def sweep(model, methods, ids, new_tokens: int, chunks, budgets, repeat: int) ->
                 bench._clean(dev)
                 s, note, peak = float("nan"), f"{type(e).__name__}: {e}"[:200], float("nan")
             per = n if m == "hf-static" else prefill_chunk_of_method(model, m, c, b, t)
-            rows.append({"method": m, "batch": b, "context": n, "prefill_tokens": t if t else b * n,
+            tok = prefill_tokens_of(model) if t == "auto" else t  # the budget's tokens for this model
+            rows.append({"method": m, "batch": b, "context": n, "prefill_tokens": tok if tok else b * n,
                          "prefill_chunk": c, "chunk": per, "model_calls": -(-n // per), "prefill_s": round(s, 4),
                          "peak_gb": round(peak, 3), "note": note})
             print(f"sweep {m} tokens={t} chunk={c}: {s:.4f} s", flush=True)
@@ -199,8 +200,9 @@ def parse(argv=None):
     p.add_argument("--methods", nargs="+", default=["bf16", "quarot-int2", "hf-static"])
     p.add_argument("--prefill-chunk", type=int, nargs="+", default=None,
                    help="tokens per row per call (also the cache's chunk); one value to profile, several to sweep")
-    p.add_argument("--prefill-tokens", type=int, default=DEFAULT_PREFILL_TOKENS, help="token budget per call (profile)")
-    p.add_argument("--sweep-prefill-tokens", type=int, nargs="+", default=None,
+    p.add_argument("--prefill-tokens", type=prefill_tokens_arg, default=DEFAULT_PREFILL_TOKENS,
+                   help="token budget per call (profile); default auto: from the model (rotkv.generation.prefill_tokens_of)")
+    p.add_argument("--sweep-prefill-tokens", type=prefill_tokens_arg, nargs="+", default=None,
                    help="time (no profiler) every rotkv method at each of these token budgets per call")
     p.add_argument("--repeat", type=int, default=1, help="sweep: timed runs per cell (the median is kept)")
     p.add_argument("--top", type=int, default=25)

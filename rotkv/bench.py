@@ -118,11 +118,12 @@ def _clean(dev) -> None:
 
 def run_method(model, method: str, ids: torch.Tensor, new_tokens: int, artifact: str | None = None,
                overrides: dict | None = None, prefill_chunk: int | None = None,
-               prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> tuple[BatchRun, dict]:
+               prefill_tokens: int | str | None = DEFAULT_PREFILL_TOKENS) -> tuple[BatchRun, dict]:
     """One measured run; returns the timings and the memory / size figures. ``prefill_chunk``:
     tokens per row per prefill call (rotkv's caches: also their attention chunk; default: the
     preset's, 4096 for transformers' DynamicCache), at most ``prefill_tokens`` per call over the
-    batch (:func:`rotkv.generation.prefill_chunk_of`); hf-static-compile prefills through
+    batch (:func:`rotkv.generation.prefill_chunk_of`; ``"auto"``: from the model's config,
+    :func:`rotkv.generation.prefill_tokens_of`); hf-static-compile prefills through
     ``model.generate`` in one call (transformers' own path, unchanged)."""
     from transformers import DynamicCache
 
@@ -191,7 +192,7 @@ def _static_compiled(model, ids: torch.Tensor, new_tokens: int):
 
 def bench(model, model_id: str, methods: list[str], batches: list[int], contexts: list[int], new_tokens: int = 32,
           artifact: str | None = None, overrides: dict | None = None, progress=None, on_row=None,
-          prefill_chunk: int | None = None, prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> list[Row]:
+          prefill_chunk: int | None = None, prefill_tokens: int | str | None = DEFAULT_PREFILL_TOKENS) -> list[Row]:
     """Every (batch, context) with every method; each measured after one warm-up run.
     ``on_row(rows)`` is called after every cell (the CLI writes its JSON there, so a crash keeps
     what was measured)."""
@@ -317,7 +318,7 @@ class CapacityRow:
 def capacity(model, model_id: str, methods: list[str], context: int, new_tokens: int = 256, start: int = 1,
              limit: int | None = None, max_tries: int | None = None, artifact: str | None = None,
              overrides: dict | None = None, prefill_chunk: int | None = None, on_row=None,
-             prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> list[CapacityRow]:
+             prefill_tokens: int | str | None = DEFAULT_PREFILL_TOKENS) -> list[CapacityRow]:
     """:func:`max_batch` of every method at ``context``: each try is a full ``generate`` (real
     prefill of random prompts + ``new_tokens`` greedy tokens); memory is freed between tries."""
     dev = model.device

@@ -44,15 +44,56 @@ def encode_prompt(tokenizer, text: str, chat: bool = True) -> torch.Tensor:
 
 
 DEFAULT_PREFILL_CHUNK = 4096  # tokens per row per model call for caches without a spec (transformers' own)
-DEFAULT_PREFILL_TOKENS = 65536  # tokens per model call over the whole batch (the activations' bound)
+# the activations' bound of one prefill call over the whole batch, in bytes of its largest per-token
+# activation (:func:`prefill_tokens_of`): 2.25 GiB, i.e. 262144 tokens per call for SmolLM2-135M
+# (3 x 1536 bf16 MLP values a token: 2 calls at 64 x 8K) and 32768 for Qwen3-8B (3 x 12288)
+DEFAULT_PREFILL_BYTES = 9 << 28
+DEFAULT_PREFILL_TOKENS = "auto"  # tokens per model call over the batch: from the model (prefill_tokens_of)
 
 
-def prefill_chunk_of(cache, chunk: int | None = None, rows: int = 1, max_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> int:
+def prefill_tokens_of(model, budget_bytes: int | None = None, dtype: torch.dtype | None = None,
+                      logits_kept: bool = True) -> int:
+    """Tokens per prefill call over the whole batch such that the call's largest per-token
+    activation fits in ``budget_bytes`` (default :data:`DEFAULT_PREFILL_BYTES`).
+
+    ``model``: a model or its config. The largest per-token activation is ``max(3 * intermediate_size``
+    (the gated MLP's gate, up and their product live at once), ``(heads + 2 kv_heads) * head_dim``
+    (q, k, v), ``hidden_size``, and ``vocab_size`` when the logits of every position are kept
+    (``logits_kept`` False: a model without ``logits_to_keep``)) elements of ``dtype`` (default: the
+    model's parameters, else the config's dtype, else float32). At least 16."""
+    budget = DEFAULT_PREFILL_BYTES if budget_bytes is None else int(budget_bytes)
+    if budget < 1:
+        raise ValueError(f"the prefill byte budget has to be >= 1 but got {budget}")
+    cfg = getattr(model, "config", model)
+    if hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    if dtype is None and isinstance(model, torch.nn.Module):
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if dtype is None:
+        dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype.replace("torch.", ""), torch.float32)
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or (hidden // heads if heads else 0))
+    width = max(3 * int(getattr(cfg, "intermediate_size", 0) or 0), (heads + 2 * kv) * head_dim, hidden,
+                0 if logits_kept else int(getattr(cfg, "vocab_size", 0) or 0), 1)
+    return max(16, budget // (width * torch.empty(0, dtype=dtype).element_size()))
+
+
+def prefill_chunk_of(cache, chunk: int | None = None, rows: int = 1, max_tokens: int | str | None = None,
+                     model=None) -> int:
     """The model-level prefill chunk (tokens per row per call): ``chunk`` if given, else the cache's
     own attention chunk (``CacheSpec.prefill_chunk``, so every model call is one attention step of
     the cache and the stored history is dequantized once per layer per call), else
     :data:`DEFAULT_PREFILL_CHUNK`; then at most ``max_tokens // rows`` (not below 16), so that one
-    call of a large batch holds at most about ``max_tokens`` tokens of activations (None: no bound)."""
+    call of a large batch holds at most about ``max_tokens`` tokens of activations (None: no bound;
+    ``"auto"``: :func:`prefill_tokens_of` ``model``, the byte budget's tokens)."""
+    if max_tokens == "auto":
+        if model is None:
+            raise ValueError('prefill_tokens="auto" needs the model (its config sets the tokens per call)')
+        max_tokens = prefill_tokens_of(model, logits_kept=not hasattr(model, "forward") or _keeps_logits(model))
     if chunk is None:
         spec = getattr(cache, "spec", None)
         chunk = getattr(spec, "prefill_chunk", None) or DEFAULT_PREFILL_CHUNK
@@ -73,10 +114,11 @@ def _keeps_logits(model) -> bool:
 
 @torch.no_grad()
 def prefill(model, ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None,
-            chunk: int | None = None, max_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> torch.Tensor:
+            chunk: int | None = None, max_tokens: int | str | None = DEFAULT_PREFILL_TOKENS) -> torch.Tensor:
     """Run ``ids [B, n]`` through the model into ``cache`` in calls of ``chunk`` tokens per row
-    (:func:`prefill_chunk_of`: the cache's chunk by default, at most ``max_tokens // B``) and
-    return the logits of the last position ``[B, vocab]``.
+    (:func:`prefill_chunk_of`: the cache's chunk by default, at most ``max_tokens // B``; ``max_tokens``
+    ``"auto"``, the default: the tokens of :data:`DEFAULT_PREFILL_BYTES` for this model,
+    :func:`prefill_tokens_of`; None: no bound) and return the logits of the last position ``[B, vocab]``.
 
     Each call asks for the last position's logits only (``logits_to_keep=1``), so the activations
     are those of one chunk (``B * chunk`` tokens), never of the whole prompt. ``attention_mask``
@@ -89,7 +131,7 @@ def prefill(model, ids: torch.Tensor, cache, attention_mask: torch.Tensor | None
     b, n = ids.shape
     if n < 1:
         raise ValueError("prefill needs at least one token")
-    chunk = prefill_chunk_of(cache, chunk, b, max_tokens)
+    chunk = prefill_chunk_of(cache, chunk, b, max_tokens, model)
     past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
     kw = {cache_kwarg(model): cache}
     if _keeps_logits(model):
@@ -189,9 +231,10 @@ def _sync(device) -> float:
 @torch.no_grad()
 def generate_batch(model, ids: torch.Tensor, cache, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
                    cuda_graph: bool = False, prefill_chunk: int | None = None,
-                   prefill_tokens: int | None = DEFAULT_PREFILL_TOKENS) -> BatchRun:
+                   prefill_tokens: int | str | None = DEFAULT_PREFILL_TOKENS) -> BatchRun:
     """Prefill ``ids [B, L]`` (left padded where ``attention_mask`` says so) into ``cache`` in
-    chunks of ``prefill_chunk`` tokens per row, at most ``prefill_tokens`` per call (:func:`prefill`),
+    chunks of ``prefill_chunk`` tokens per row, at most ``prefill_tokens`` per call (:func:`prefill`;
+    ``"auto"``: from the model's config and :data:`DEFAULT_PREFILL_BYTES`),
     then decode greedily one token per row per step. A fresh rotkv cache first reserves its pages
     for ``L + max_new_tokens`` tokens per row (:func:`reserve`), so its pools are sized once.
 

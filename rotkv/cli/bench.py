@@ -23,6 +23,13 @@ RANDOM_SHAPES = {
 }
 
 
+def prefill_tokens_arg(text: str) -> int | str:
+    """``--prefill-tokens``: a count, or ``auto`` (rotkv.generation.prefill_tokens_of the model)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return int(text)
+
+
 def register(sub) -> None:
     p = sub.add_parser("bench", help="end-to-end generation benchmark (prefill + greedy decode) against transformers' caches")
     add_model_args(p)
@@ -39,9 +46,10 @@ def register(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prefill tokens per row per model call (rotkv: also the cache's attention chunk; default: "
                         "the preset's prefill_chunk, 4096 for transformers' DynamicCache)")
-    p.add_argument("--prefill-tokens", type=int, default=65536,
+    p.add_argument("--prefill-tokens", type=prefill_tokens_arg, default="auto",
                    help="at most this many prefill tokens per model call over the batch (the per-row chunk shrinks "
-                        "for large batches, bounding the activations; default 65536)")
+                        "for large batches, bounding the activations; default auto: a 2.25 GiB budget of the "
+                        "model's largest per-token activation, 262144 for SmolLM2-135M, 32768 for Qwen3-8B)")
     p.add_argument("--max-batch", action="store_true",
                    help="capacity: the largest batch whose generate (real prefill + --new-tokens) fits, per method "
                         "and --context, by doubling then bisection; writes capacity-<UTC time>.json")
@@ -108,7 +116,7 @@ def check_args(args) -> tuple[str, list[str]]:
         raise UsageError(f"--prefill-chunk has to be >= 1 but got {args.prefill_chunk}")
     for name in ("start", "limit", "max_tries", "prefill_tokens"):
         v = getattr(args, name)
-        if v is not None and v < 1:
+        if v is not None and v != "auto" and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} has to be >= 1 but got {v}")
     for name in ("batch", "context"):
         if min(getattr(args, name)) < 1:
@@ -161,6 +169,7 @@ def check_args(args) -> tuple[str, list[str]]:
 
 def run(args) -> int:
     from rotkv import bench
+    from rotkv.generation import prefill_tokens_of
     from rotkv.hf.models import load_model
 
     device, methods = check_args(args)
@@ -180,7 +189,8 @@ def run(args) -> int:
 
     meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
             "methods": methods, "overrides": cache_overrides(args), "prompts": "random token ids",
-            "prefill_chunk": args.prefill_chunk, "prefill_tokens": args.prefill_tokens,
+            "prefill_chunk": args.prefill_chunk, "prefill_tokens": prefill_tokens_of(model) if args.prefill_tokens == "auto"
+            else args.prefill_tokens, "prefill_tokens_auto": args.prefill_tokens == "auto",
             "memory_gb": args.memory_gb}
     kind = "capacity" if args.max_batch else "generate"
     out = args.out or os.path.join("benchmarks", "results", time.strftime(f"{kind}-%Y%m%d-%H%M.json", time.gmtime()))
