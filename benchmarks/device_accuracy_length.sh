@@ -37,12 +37,12 @@ else
   DEPTHS=0.1,0.5,0.9; GT=8192; GL=1024; GNIAH="niah=1024,2048"; T1=${T1:-300}; T2=${T2:-400}; T3=120; GSEQ=4096
   KL8=8192
 fi
-t "smollm2 nll"; timeout $T1 python3 -m rotkv.cli eval --model $SM --device $DEV --profile full --sink 16 --window 32 \
+[ "${NLL_STAGE:-1}" = 1 ] && t "smollm2 nll" && timeout $T1 python3 -m rotkv.cli eval --model $SM --device $DEV --profile full --sink 16 --window 32 \
   --tasks nll --lengths $NLL --windows $WIN --new-tokens $NEW --methods $METHODS --artifact-dir $A \
-  --out $OUT/smollm2-nll 2>&1 | grep -v '%|' | tail -12
+  --out $OUT/smollm2-nll 2>&1 | grep -v "%|"
 t "smollm2 niah 4-8K"; timeout $T2 python3 -m rotkv.cli eval --model $SM --device $DEV --profile full --sink 16 --window 32 \
   --tasks niah --lengths $NIAH --variants essay,multikey --depths $DEPTHS --samples $NS --methods $METHODS \
-  --artifact-dir $A --out $OUT/smollm2-niah 2>&1 | grep -v '%|' | tail -12
+  --artifact-dir $A --out $OUT/smollm2-niah 2>&1 | grep -v "%|"
 if [ "${GEMMA:-1}" = 1 ]; then
 t "gemma3 calibrate"; GA=$OUT/gemma-artifacts; mkdir -p $GA
 timeout 60 python3 -m rotkv.cli calibrate --model $GM --device $DEV --method oscar --tokens $GT \
