@@ -22,6 +22,10 @@ def test_parse_lengths_all_tasks_and_per_task():
     assert parse_lengths(["2K,8192"], ["nll", "niah"]) == {"nll": [2048, 8192], "niah": [2048, 8192]}
     assert parse_lengths(["nll=2k", "niah=1K,3072"], ["nll", "niah"]) == {"nll": [2048], "niah": [1024, 3072]}
     assert parse_lengths(None, ["nll"]) is None
+    # space-separated values are all kept (the last alone used to win, silently)
+    assert parse_lengths(["4096", "6144", "8K"], ["niah"]) == {"niah": [4096, 6144, 8192]}
+    assert parse_lengths(["2048", "niah=1K"], ["nll", "niah"]) == {"niah": [1024], "nll": [2048]}
+    assert parse_lengths(["nll=2K", "nll=8K"], ["nll"]) == {"nll": [2048, 8192]}
 
 
 def test_config_rejects_bad_values_naming_the_field():

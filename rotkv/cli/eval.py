@@ -42,15 +42,18 @@ def parse_lengths(items: list[str] | None, tasks: list[str]) -> dict[str, list[i
         return out
 
     out: dict[str, list[int]] = {}
+    bare: list[int] = []  # "--lengths 4096 8192" and "--lengths 4096,8192" alike: every value kept
     for item in items:
         if "=" in item:
             task, vals = item.split("=", 1)
             if task.strip() not in TASKS:
                 raise UsageError(f"--lengths: unknown task {task.strip()!r} in {item!r}; tasks: {', '.join(TASKS)}")
-            out[task.strip()] = nums(vals)
+            out.setdefault(task.strip(), []).extend(n for n in nums(vals) if n not in out.get(task.strip(), []))
         else:
-            for t in tasks:
-                out[t] = nums(item)
+            bare.extend(n for n in nums(item) if n not in bare)
+    for t in tasks:
+        if bare and t not in out:  # a task named with "=" keeps its own lengths
+            out[t] = list(bare)
     return out
 
 
