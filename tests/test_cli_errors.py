@@ -491,7 +491,7 @@ def test_rotkv_warnings_print_as_one_cli_line(capsys, monkeypatch):
     assert rc == 1 and "rotkv generate: warning: group_size 128 is larger than head_dim 64: using 64" in err
 
 
-@pytest.mark.parametrize("presets", ["bf16,quarot-int2", "bf16,oscar-int2", "bf16,oscar-mix"])
+@pytest.mark.parametrize("presets", ["bf16,quarot-int2", "bf16,oscar-int2", "bf16,oscar-mix", "bf16,oscar-mix-long"])
 def test_demo_runs_end_to_end_on_a_tiny_model(tiny, capsys, monkeypatch, tmp_path, presets):
     """The README's first command past the model load (the unit tests above stop there): the demo prints a
     row per preset; a calibrated preset named in --presets gets its artifact made first."""
@@ -519,3 +519,7 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tiny, capsys, monkeypatch, tmp_pat
 
         assert "k_bits" in load_artifact(str(tmp_path / "oscar-mix.safetensors")).tensors
         assert "k_bits" not in load_artifact(str(tmp_path / "oscar.safetensors")).tensors
+    if "oscar-mix-long" in presets:  # made from the oscar-mix artifact beside it: same widths, refitted keys
+        mix, long = (load_artifact(str(tmp_path / f"{n}.safetensors")) for n in ("oscar-mix", "oscar-mix-long"))
+        assert torch.equal(mix.tensors["k_bits"], long.tensors["k_bits"]) and long.meta["longfit_seq_len"] == "4096"
+        assert not torch.equal(mix.tensors["R_K.0"], long.tensors["R_K.0"])

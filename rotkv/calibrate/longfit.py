@@ -74,6 +74,23 @@ def refit(model, tokenizer, artifact, seq_len: int = 4096, sequences: int = 2, c
     return tensors, meta
 
 
+def calibrate_mix_long(loaded, base=None, seq_len: int = 4096, sequences: int = 2, files=None, log=print,
+                       **mix) -> tuple[dict, dict]:
+    """(tensors, metadata) of a complete ``oscar-mix-long`` artifact: ``base`` if it already has key
+    widths (an oscar-mix artifact: an Artifact or a path), else the oscar-mix artifact made from it
+    (:func:`rotkv.calibrate.keybits.calibrate_mix`, ``mix`` its keyword arguments), with R_K and the key
+    means refitted on ``sequences`` sequences of ``seq_len`` tokens (:func:`refit`)."""
+    from rotkv.calibrate.keybits import calibrate_mix
+    from rotkv.rotations.artifact import Artifact, load_artifact
+
+    art = load_artifact(base) if isinstance(base, str) else base
+    if art is None or "k_bits" not in art.tensors:
+        tensors, meta = calibrate_mix(loaded, art, files=files, log=log, **mix)
+        art = Artifact(tensors, {k: str(v) for k, v in meta.items()})
+    log(f"refitting R_K and the key means on {sequences} sequences of {seq_len} tokens ...")
+    return refit(loaded.model, loaded.tokenizer, art, seq_len, sequences, files=files)
+
+
 def main(argv=None) -> int:
     import argparse
     import sys

@@ -13,10 +13,11 @@ def register(sub) -> None:
     p = sub.add_parser("calibrate", help=f"calibrate rotations ({', '.join(registry.rotation_fits())}) "
                                          "into a safetensors artifact")
     p.add_argument("--model", default=None, help="smollm2 (default), a .gguf file or a local HF model directory")
-    p.add_argument("--method", default=None, choices=registry.calibrated() + [MIX],
+    p.add_argument("--method", default=None, choices=registry.calibrated() + [MIX, MIX_LONG],
                    help=f"{'/'.join(widths)}: per-layer final widths for progressive precision (see --base-artifact); "
                         f"{MIX}: the recommended preset's complete artifact, OSCAR plus per-layer key widths "
-                        "(--key-layers); required unless --refit-clip")
+                        f"(--key-layers); {MIX_LONG}: that artifact with its key side refitted on long sequences "
+                        "(--long-seq-len); required unless --refit-clip")
     p.add_argument("--refit-clip", default=None, metavar="ARTIFACT",
                    help="keep this artifact's rotations and key means, re-fit only its clip ratios for --bits and "
                         "--group-size (the deliberate override of the preset/artifact contract)")
@@ -49,10 +50,14 @@ def register(sub) -> None:
     mix.add_argument("--key-length", type=int, default=1024, help="context tokens per window (default 1024)")
     mix.add_argument("--key-new-tokens", type=int, default=32, help="decode tokens scored per window (default 32)")
     mix.add_argument("--key-windows", type=int, default=2, help="windows of calibration text (default 2)")
+    mix.add_argument("--long-seq-len", type=int, default=4096,
+                     help=f"{MIX_LONG}: tokens per refit sequence (default 4096)")
+    mix.add_argument("--long-sequences", type=int, default=2, help=f"{MIX_LONG}: refit sequences (default 2)")
     p.set_defaults(func=run)
 
 
 MIX = "oscar-mix"  # not a rotation method: the oscar-mix preset's artifact (rotkv.calibrate.keybits)
+MIX_LONG = "oscar-mix-long"  # oscar-mix's artifact, key side refitted on long sequences (rotkv.calibrate.longfit)
 
 
 def check_mix_args(args):
@@ -112,7 +117,10 @@ def check_args(args):
         from rotkv.cli.errors import read_text_file
 
         read_text_file(path, "--data")
-    if args.method == MIX:
+    if args.method in (MIX, MIX_LONG):
+        if args.method == MIX_LONG and (args.long_seq_len < 512 or args.long_sequences < 1):
+            raise UsageError(f"--long-seq-len has to be >= 512 and --long-sequences >= 1 but got "
+                             f"{args.long_seq_len}, {args.long_sequences}")
         return check_mix_args(args)
     if args.refit_clip:
         from rotkv.calibrate.refit import check_refittable
@@ -159,7 +167,7 @@ def run(args) -> int:
     checked = check_args(args)
     if args.refit_clip:
         return refit(args, checked)
-    if args.method == MIX:
+    if args.method in (MIX, MIX_LONG):
         return mix(args)
     if registry.get(args.method).widths:
         import argparse
@@ -209,17 +217,23 @@ def mix(args) -> int:
     import torch
 
     from rotkv.calibrate.keybits import calibrate_mix
+    from rotkv.calibrate.longfit import calibrate_mix_long
     from rotkv.hf.models import load_model
     from rotkv.rotations.artifact import load_artifact, save_artifact
 
     t0 = time.time()
     loaded = load_model(args.model, device=args.device)
-    tensors, meta = calibrate_mix(loaded, args.base_artifact, args.key_layers, length=args.key_length,
-                                  new=args.key_new_tokens, windows=args.key_windows, files=args.data, tokens=args.tokens,
-                                  log=lambda m: print(m, file=sys.stderr, flush=True))
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    kw = dict(length=args.key_length, new=args.key_new_tokens, windows=args.key_windows, tokens=args.tokens)
+    if args.method == MIX_LONG:
+        tensors, meta = calibrate_mix_long(loaded, args.base_artifact, args.long_seq_len, args.long_sequences,
+                                           files=args.data, log=log, layers=args.key_layers, **kw)
+    else:
+        tensors, meta = calibrate_mix(loaded, args.base_artifact, args.key_layers, files=args.data, log=log, **kw)
     save_artifact(args.out, tensors, meta)
     base = f"base {args.base_artifact}" if args.base_artifact else f"OSCAR calibrated in {meta.get('calib_seconds', '?')} s"
-    print(f"wrote {args.out}: {MIX} ({base}; 4-bit keys in layers {meta['keybits_layers']}, measured in "
-          f"{meta['keybits_seconds']} s; total {time.time() - t0:.0f} s, {torch.get_num_threads()} threads)")
+    long = f"; key side refitted in {meta['longfit_seconds']} s" if args.method == MIX_LONG else ""
+    print(f"wrote {args.out}: {args.method} ({base}; 4-bit keys in layers {meta['keybits_layers']}, measured in "
+          f"{meta['keybits_seconds']} s{long}; total {time.time() - t0:.0f} s, {torch.get_num_threads()} threads)")
     print(load_artifact(args.out).summary())
     return 0

@@ -87,10 +87,6 @@ def resolve(name: str, sink: int | None, window: int | None, artifact_dir: str |
         path = os.path.join(artifact_dir, artifact_file(name))
         if PRESETS[name].k_bits == "artifact":  # its own artifact: the base rotation plus per-layer key widths
             if not os.path.exists(path):
-                if name == "oscar-mix-long":  # not made by rotkv calibrate (rotkv.calibrate.longfit)
-                    mix = os.path.join(artifact_dir, "oscar-mix.safetensors")
-                    return None, (f"artifact {path} is missing: make it with `python -m rotkv.calibrate.longfit "
-                                  f"--base-artifact {mix} --out {path}`")
                 if calibrate is None:
                     return None, f"artifact {path} is missing: make it with `rotkv calibrate --method {name} --out {path}`"
                 why = calibrate(name, path)  # the base artifact beside it is made (or reused) first

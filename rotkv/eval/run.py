@@ -187,7 +187,16 @@ def calibrator(loaded, log):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         from rotkv.config import PRESETS
 
-        if method in PRESETS and PRESETS[method].k_bits == "artifact":  # oscar-mix: base + key widths
+        if method == "oscar-mix-long":  # oscar-mix's artifact (made or reused beside), key side refitted
+            from rotkv.calibrate.longfit import calibrate_mix_long
+            from rotkv.eval.methods import artifact_file
+
+            mix = os.path.join(os.path.dirname(os.path.abspath(path)), artifact_file("oscar-mix"))
+            if not os.path.exists(mix) and (why := calibrate("oscar-mix", mix)):
+                return why
+            log(f"refitting the key side of {mix} on long sequences into {path} ...")
+            tensors, meta = calibrate_mix_long(loaded, mix, log=log)
+        elif method in PRESETS and PRESETS[method].k_bits == "artifact":  # oscar-mix: base + key widths
             from rotkv.calibrate.keybits import calibrate_mix
             from rotkv.eval.methods import artifact_file
 
