@@ -106,13 +106,17 @@ class HybridLayer(RotkvLayer):
         return t(pg), t(pos % p)
 
     # ---- attention -----------------------------------------------------------------------------
-    def attend(self, query: torch.Tensor, real: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, real: torch.Tensor | None, scaling: float,
+               output: bool = True) -> torch.Tensor | None:
         """Attention of ``query [B, q_heads, q, D]`` over the stored tokens and the pending ones.
 
         real: ``[B, q]`` bool, which of the q new positions are real tokens (left padding only),
         or None when all are. Returns ``[B, q, q_heads, D]`` in the query dtype (zeros at pads).
+        ``output`` False: store the pending tokens exactly as an attending call does, compute no
+        attention, return None (a caller that already has the output: the key-width search's
+        shared first chunk).
         """
-        if self.static is not None:
+        if self.static is not None and output:
             return self._attend_static(query, scaling)
         k_new, v_new = self.pending
         self.pending = None
@@ -123,6 +127,10 @@ class HybridLayer(RotkvLayer):
         rot = self.rotation
         # rotated straight into the tier dtype (on CUDA from bf16 on tensor cores: LayerRotation)
         kr, vr = rot.keys(k_new, self.tier_dtype), rot.values(v_new, self.tier_dtype)
+        if not output:
+            for step in steps:
+                self._step(step, query, kr, vr, scaling, output=False)
+            return None
         if len(steps) == 1 and steps[0].decode:
             out = self._step(steps[0], query, kr, vr, scaling)  # [B, Hq, 1, D]
             return rot.outputs(out, query.dtype).transpose(1, 2)
@@ -165,22 +173,28 @@ class HybridLayer(RotkvLayer):
                              tier_start=self.state.pad, plan=plan)
         return rot.outputs(o.float()[:, :, None]).transpose(1, 2).to(query.dtype)
 
-    def _step(self, step: Step, query: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _step(self, step: Step, query: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, scaling: float,
+              output: bool = True) -> torch.Tensor | None:
         """Run one step: ``query`` the call's (not rotated), ``kr, vr`` the call's rotated keys and
         values in the tier dtype. A prefill step attends over the stored tokens and its own (from
         ``kr, vr``), then stores (:meth:`store`); a decode step writes its token to the tier,
-        attends (the planned kernel where one reads the body), then flushes."""
+        attends (the planned kernel where one reads the body), then flushes. ``output`` False: the
+        same stores, no attention (returns None)."""
         if step.direct:
-            o = self._attend_dense(step, query, scaling, own=(kr, vr))
+            o = self._attend_dense(step, query, scaling, own=(kr, vr)) if output else None
             self.store(step, lambda r, p: (kr[r, :, p], vr[r, :, p]))
             return o
         rows, pos, slots = step.device_write(self.device)
         self.pools.write_tier(slots, kr[rows, :, pos], vr[rows, :, pos])
         plan = None
-        if step.decode and kernels.enabled(query):
+        if not output:
+            o = None
+        elif step.decode and kernels.enabled(query):
             qr = self.rotation.queries(query[:, :, -1:])[:, :, 0]
             plan = self.pools.decode_plan(qr, kernels.decode_config(self.decode_score))
-        if plan is not None:
+        if not output:
+            pass
+        elif plan is not None:
             o = self._attend_kernel(step, qr, scaling, plan)[:, :, None]
         else:
             o = self._attend_dense(step, query, scaling)

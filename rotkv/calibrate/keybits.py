@@ -90,9 +90,14 @@ class _RowsLayer(CacheLayerMixin):
         return torch.cat([k for k, _ in outs]), torch.cat([v for _, v in outs])
 
     def attend(self, query, real, scaling):
-        outs = [layer.attend(query[s], None if real is None else real[s], scaling)
-                for layer, s in self._parts(query.shape[0])]
-        return outs[0] if self.owner.shared else torch.cat(outs)
+        parts = self._parts(query.shape[0])
+        if self.owner.shared:  # every group computes the same output: the others only store their tokens
+            out = parts[0][0].attend(query, real, scaling)
+            for layer, _ in parts[1:]:
+                layer.attend(query, real, scaling, output=False)
+            return out
+        outs = [layer.attend(query[s], None if real is None else real[s], scaling) for layer, s in parts]
+        return torch.cat(outs)
 
     def get_seq_length(self):
         return self.layers[0].get_seq_length()
