@@ -25,9 +25,10 @@ def _choices(command: str, flag: str) -> list[str]:
 
 
 def test_cli_choices_are_the_registry():
-    from rotkv.cli.calibrate import MIX  # the oscar-mix preset's artifact: OSCAR plus per-layer key widths
+    # the oscar-mix preset's artifact (OSCAR plus per-layer key widths), and oscar-mix-long's (keys refitted)
+    from rotkv.cli.calibrate import MIX, MIX_LONG
 
-    assert _choices("calibrate", "--method") == [*registry.calibrated(), MIX]
+    assert _choices("calibrate", "--method") == [*registry.calibrated(), MIX, MIX_LONG]
     assert _choices("calibrate", "--base") == registry.bases()
     assert set(registry.rotation_fits()) <= set(registry.calibrated())
 
