@@ -61,12 +61,9 @@ def _sync(dev) -> float:
     return time.perf_counter()
 
 
-LAST_PEAK_GB = [float("nan")]  # the peak (GB) of the last run_prefill, weights and cache included
-
-
-def run_prefill(model, method: str, ids, new_tokens: int, chunk: int | None, tokens: int | None) -> float:
-    """One prefill of ``ids`` into a fresh cache; returns its wall seconds (cache set-up excluded,
-    as ``rotkv bench`` times it; the pools' first allocation is inside, as there)."""
+def run_prefill(model, method: str, ids, new_tokens: int, chunk: int | None, tokens: int | None) -> tuple[float, float]:
+    """One prefill of ``ids`` into a fresh cache; returns (wall seconds, peak GB): the time without the cache set-up
+    as ``rotkv bench`` times it (the pools' first allocation is inside, as there)."""
     from rotkv.cache import RotkvCache
     from rotkv.hf.compat import cache_kwarg
 
@@ -89,10 +86,10 @@ def run_prefill(model, method: str, ids, new_tokens: int, chunk: int | None, tok
         t0 = _sync(dev)
         prefill(model, ids, cache, chunk=chunk, max_tokens=tokens)
     seconds = _sync(dev) - t0
-    LAST_PEAK_GB[0] = bench._peak(dev)  # before the clean-up below resets the peak
+    peak = bench._peak(dev)  # GB, weights and cache included: read before the clean-up resets it
     del cache
     bench._clean(dev)
-    return seconds
+    return seconds, peak
 
 
 def _rows(events, key, total: float, top: int) -> list[dict]:
@@ -108,10 +105,10 @@ def profile_method(model, method: str, ids, new_tokens: int, chunk, tokens, top:
 
     cuda = model.device.type == "cuda"
     run_prefill(model, method, ids, new_tokens, chunk, tokens)
-    wall = run_prefill(model, method, ids, new_tokens, chunk, tokens)
+    wall, _ = run_prefill(model, method, ids, new_tokens, chunk, tokens)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
-        profiled = run_prefill(model, method, ids, new_tokens, chunk, tokens)
+        profiled, _ = run_prefill(model, method, ids, new_tokens, chunk, tokens)
     events = prof.key_averages()
     ops = [e for e in events if e.device_type == DeviceType.CPU]
     if cuda:  # kernels (and memcpy / memset) are the device events; ops are charged their kernels' time
@@ -152,8 +149,8 @@ def sweep(model, methods, ids, new_tokens: int, chunks, budgets, repeat: int) ->
         for c, t in cells:
             try:
                 run_prefill(model, m, ids, new_tokens, c, t)  # warm-up (kernel builds, autotuning)
-                times = sorted(run_prefill(model, m, ids, new_tokens, c, t) for _ in range(repeat))
-                s, note, peak = times[len(times) // 2], "", LAST_PEAK_GB[0]
+                runs = sorted(run_prefill(model, m, ids, new_tokens, c, t) for _ in range(repeat))
+                (s, peak), note = runs[len(runs) // 2], ""
             except Exception as e:  # noqa: BLE001 - one failing cell must not lose the others
                 bench._clean(dev)
                 s, note, peak = float("nan"), f"{type(e).__name__}: {e}"[:200], float("nan")
