@@ -113,6 +113,16 @@ DEVI void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// over the 4 lanes of a quad (t = 0..3: one query head's lanes)
+DEVI float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+DEVI float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
 DEVI uint32_t movmatrix_t(uint32_t x) {
   uint32_t r;
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
@@ -294,8 +304,7 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
         }
       }
     }
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    amax = quad_max(amax);
     qsc_own = amax > 0.f ? amax * (1.f / 16384.f) : 1.f;
     const float inv = 1.f / qsc_own;
 #pragma unroll
@@ -313,10 +322,7 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
       }
     }
 #pragma unroll
-    for (int k = 0; k < NG; ++k) {
-      qsg_own[k] += __shfl_xor_sync(0xffffffffu, qsg_own[k], 1);
-      qsg_own[k] += __shfl_xor_sync(0xffffffffu, qsg_own[k], 2);
-    }
+    for (int k = 0; k < NG; ++k) qsg_own[k] = quad_sum(qsg_own[k]);
     if (ROTKV_QF16 == 1) qsc_own *= 16777216.f;  // the subnormal operands carry 2^-24
   }
 #else
@@ -337,8 +343,7 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
 #pragma unroll
       for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(qv[cc][e]));
     }
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    amax = quad_max(amax);
     qsc_own = amax > 0.f ? amax / 127.f : 1.f;
     const float inv = 1.f / qsc_own;
 #pragma unroll
@@ -358,10 +363,7 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
       qb1[cc] = hi;
     }
 #pragma unroll
-    for (int k = 0; k < NG; ++k) {
-      qsg_own[k] += __shfl_xor_sync(0xffffffffu, qsg_own[k], 1);
-      qsg_own[k] += __shfl_xor_sync(0xffffffffu, qsg_own[k], 2);
-    }
+    for (int k = 0; k < NG; ++k) qsg_own[k] = quad_sum(qsg_own[k]);
   }
 #endif
   // the accumulator columns are heads 2t and 2t+1: fetch their scale and sums from lanes 4*head
