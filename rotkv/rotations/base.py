@@ -176,8 +176,22 @@ def _fp32_reduction(on: bool):
 
 
 def _rotate_bf16x2(x: torch.Tensor, a: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
-    """``x [B, Hq, T, D]`` bf16 -> ``[B, Hq, T, D]`` bf16, heads in groups of ``Hq // H`` over the
-    ``H`` matrices of ``a`` (:func:`bf16x2_matrix`): one bmm over the heads of ``[x, x (, 1, 1, 0..)]``,
+    """The bf16x2 rotation: on CUDA with the kernels, one Triton kernel that reads ``x`` in place
+    (``rotkv.kernels.rotate``: no concatenated copy); else :func:`_rotate_bf16x2_bmm`."""
+    if x.is_cuda:
+        from rotkv.kernels.backend import enabled
+
+        if enabled(x):
+            from rotkv.kernels.rotate import rotate_bf16x2, rotate_reason
+
+            if rotate_reason(x, a) is None:
+                return rotate_bf16x2(x, a)
+    return _rotate_bf16x2_bmm(x, a, ones)
+
+
+def _rotate_bf16x2_bmm(x: torch.Tensor, a: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
+    """The PyTorch form of the bf16x2 rotation (the reference of ``rotkv.kernels.rotate``):
+    ``x [B, Hq, T, D]`` bf16 -> ``[B, Hq, T, D]`` bf16, heads in groups of ``Hq // H`` over the ``H`` matrices of ``a`` (:func:`bf16x2_matrix`): one bmm over the heads of ``[x, x (, 1, 1, 0..)]``,
     laid out ``[Hq, B, T, K]`` so that the result is a view ``[B, Hq, T, D]`` of ``[Hq, B, T, D]``
     (no copy after the GEMM; the matrices are not copied per row)."""
     b, hq, t, d = x.shape
