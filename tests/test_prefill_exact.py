@@ -68,3 +68,45 @@ def test_one_row_group_returns_sdpa_output_unchanged(tiny_llama, preset, monkeyp
     monkeypatch.setattr(layer_mod, "row_groups", lambda rows, per_row: [(r, r + 1) for r in range(rows)])
     grouped = logits()
     assert torch.allclose(one, grouped, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("preset", ["quarot-int2", "bf16"])
+def test_first_chunk_attends_in_the_model_basis(tiny_llama, preset, monkeypatch):
+    """A prefill step with nothing stored runs causal SDPA on the unrotated queries, keys and values
+    (ROTKV_PREFILL_OWN_BASIS; the rotation cancels): the first call's logits are the model's own
+    without a cache, the first layer's stored keys and values are bit-identical to the rotated path's,
+    and only the first chunk of a row takes it (later chunks read the stored, quantized history)."""
+    ids = _ids(2, 40, seed=4)
+    calls = []
+    real = layer_mod._sdpa_causal
+    monkeypatch.setattr(layer_mod, "_sdpa_causal", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+
+    def run(basis):
+        monkeypatch.setattr(layer_mod, "OWN_BASIS", basis)
+        cache = RotkvCache(tiny_llama, preset, prefill_chunk=16, check_finite=False, **SMALL)
+        outs = [tiny_llama(input_ids=ids[:, c0:c0 + 16], use_cache=True,
+                           position_ids=torch.arange(c0, min(c0 + 16, 40))[None].expand(2, -1),
+                           **{cache_kwarg(tiny_llama): cache}).logits for c0 in range(0, 40, 16)]
+        layer = cache.layers[0]  # its keys and values come from the embeddings alone
+        return outs[0], layer.pools.tier_k.clone(), [t for r in range(2) for t in layer.read(r)]
+
+    never = run("never")
+    assert calls == []
+    always = run("always")
+    n_layers = len(tiny_llama.model.layers)
+    assert calls == [16] * n_layers  # the first of three chunks, every layer
+    # the first call: in the model's basis it is the model without a cache (float32 here); the rotated
+    # path reads its own keys and values from the tier dtype's rounding (bf16)
+    plain = tiny_llama(input_ids=ids[:, :16], use_cache=False).logits
+    assert torch.allclose(always[0], plain, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(never[0], plain, atol=3e-3, rtol=1e-2)
+    assert torch.equal(never[1], always[1])
+    assert all(torch.equal(a, b) for a, b in zip(never[2], always[2]))
+
+
+def test_own_basis_setting_is_checked(tiny_llama, monkeypatch):
+    monkeypatch.setattr(layer_mod, "OWN_BASIS", "sometimes")
+    cache = RotkvCache(tiny_llama, "quarot-int2", prefill_chunk=16, check_finite=False, **SMALL)
+    with pytest.raises(ValueError, match="ROTKV_PREFILL_OWN_BASIS"):
+        prefill(tiny_llama, _ids(1, 8), cache, chunk=16)

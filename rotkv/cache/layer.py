@@ -23,6 +23,8 @@ writes only the tokens that stay into the tier (:meth:`HybridLayer.store`).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -138,8 +140,13 @@ class HybridLayer(RotkvLayer):
         # call's output is written in the query dtype: no float32 buffer of the whole call
         out = None
         for step in steps:
-            o = self._step(step, query, kr, vr, scaling)  # [B, Hq, C, D]
-            o = rot.outputs(o, query.dtype)  # an identity only casts (bf16 -> bf16: none)
+            c = self._own_only(step, query)
+            if c:  # no history: attention in the model's basis, no query or output rotation
+                o = _sdpa_causal(query[:, :, :c], k_new[:, :, :c], v_new[:, :, :c], scaling)
+                self.store(step, lambda r, p: (kr[r, :, p], vr[r, :, p]))
+            else:
+                o = self._step(step, query, kr, vr, scaling)  # [B, Hq, C, D]
+                o = rot.outputs(o, query.dtype)  # an identity only casts (bf16 -> bf16: none)
             if len(steps) == 1 and o.shape[2] == q and bool((step.query_count == q).all()):
                 return o.transpose(1, 2)  # the step is the whole call: no copy
             if out is None:
@@ -148,6 +155,24 @@ class HybridLayer(RotkvLayer):
             out[rows, pos] = o[rows, :, j]
             del o
         return out
+
+    def _own_only(self, step: Step, query: torch.Tensor) -> int:
+        """``C`` when the prefill step attends to its own tokens only (nothing stored yet, every row's
+        queries the call's positions ``0..C-1``), else 0. Such a step needs no rotated copy: softmax
+        is invariant to the key mean's shift and ``R`` cancels in ``q R (k R)^T`` and ``p (v R) R^T``,
+        so it runs causal SDPA on the call's own bf16 queries, keys and values (PyTorch's fastest
+        kernel: cuDNN on Hopper) and only the stored keys and values are rotated. On the GPU
+        (:data:`OWN_BASIS`); the CPU keeps the rotated float32 reference unless the tests set it."""
+        if OWN_BASIS not in OWN_BASES:
+            raise ValueError(f"ROTKV_PREFILL_OWN_BASIS has to be one of {list(OWN_BASES)} but got {OWN_BASIS!r}")
+        if not step.direct or not (OWN_BASIS == "always" or (OWN_BASIS == "gpu" and query.is_cuda
+                                                             and query.dtype in (torch.bfloat16, torch.float16))):
+            return 0
+        c = step.query_pos.shape[1]
+        own = step.cached("own_only", lambda: bool(
+            not step.tier_tokens.any() and not step.body_count.any() and (step.query_count == c).all()
+            and (step.query_pos == np.arange(c)).all()))
+        return c if own else 0
 
     def _attend_static(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """A decode step on fixed buffers (planned and loaded by ``rotkv.cache.graph``): no host
@@ -370,7 +395,6 @@ def row_groups(rows: int, bytes_per_row: int, budget_mb: int | None = None) -> l
     """``[(r0, r1), ...]``: rows in groups whose K and V history (``bytes_per_row`` each row) fit in
     ``budget_mb`` MiB (``ROTKV_PREFILL_HISTORY_MB``, default :data:`PREFILL_HISTORY_MB`); at least one
     row per group."""
-    import os
 
     if budget_mb is None:
         budget_mb = int(os.environ.get("ROTKV_PREFILL_HISTORY_MB", PREFILL_HISTORY_MB))
@@ -378,6 +402,17 @@ def row_groups(rows: int, bytes_per_row: int, budget_mb: int | None = None) -> l
         raise ValueError(f"ROTKV_PREFILL_HISTORY_MB has to be >= 1 but got {budget_mb}")
     per = max(1, (budget_mb << 20) // max(bytes_per_row, 1))
     return [(r0, min(r0 + per, rows)) for r0 in range(0, rows, per)]
+
+
+# where a prefill step with no history attends in the model's basis (HybridLayer._own_only):
+# "gpu" (bf16/fp16 CUDA queries), "always" (also the CPU: tests), "never"; ROTKV_PREFILL_OWN_BASIS
+OWN_BASIS = os.environ.get("ROTKV_PREFILL_OWN_BASIS", "gpu")
+OWN_BASES = ("gpu", "always", "never")
+
+
+def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal (square) SDPA of ``q [B, Hq, C, D]`` over ``k, v [B, H, C, D]``, the backend PyTorch picks."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 _FLASH_FAILED: str | bool = False  # why the direct flash call failed once (then the bias path is used)
