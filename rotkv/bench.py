@@ -7,7 +7,9 @@ compilation) and once measured:
   (:func:`rotkv.generation.generate_batch`);
 - ``hf-static-compile``: transformers' StaticCache through ``model.generate`` with
   ``torch.compile(mode="reduce-overhead")`` (transformers' fastest bf16 decode; GPU only);
-- ``rotkv:<preset>`` eager and ``rotkv:<preset>+graph`` (the decode step in a CUDA graph).
+- ``rotkv:<preset>`` eager and ``rotkv:<preset>+graph`` (the decode step in a CUDA graph); ``+fold``
+  (also ``+graph+fold``) folds the cache's value rotations into the model's v_proj / o_proj for the
+  run (:meth:`rotkv.cache.RotkvCache.fold_values`), and restores those weights bit-exactly after it.
 
 Rows: method, batch, context, prefill_s, step_ms (median decode step, the first excluded),
 tok_per_s (batch / step), peak_gb (peak allocated GPU memory over the run; on the CPU the process's
@@ -23,6 +25,7 @@ import json
 import os
 import subprocess
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
@@ -116,6 +119,43 @@ def _clean(dev) -> None:
             pass
 
 
+FLAGS = ("graph", "fold")
+FOLD_MARKS = ("rotkv_values_folded", "rotkv_values_fingerprint")  # what folding sets on model.config
+
+
+def parse_method(method: str) -> tuple[str, frozenset[str]] | None:
+    """``rotkv:<preset>[+graph][+fold]`` -> (preset, flags); None for anything else."""
+    if not method.startswith("rotkv:"):
+        return None
+    preset, *flags = method.removeprefix("rotkv:").split("+")
+    if not preset or any(f not in FLAGS for f in flags) or len(set(flags)) != len(flags):
+        return None
+    return preset, frozenset(flags)
+
+
+@contextmanager
+def values_restored(model):
+    """Every layer's v_proj and o_proj (and the fold marks) as they are now, restored bit-exactly after
+    the block. CPU copies of those weights only: a copy of the whole model would not fit beside a
+    16 GB one, and a GPU copy would count in the run's peak memory."""
+    from rotkv.hf.geometry import attention_modules
+
+    params = [p for a in attention_modules(model) for proj in (a.v_proj, a.o_proj) for p in proj.parameters()]
+    saved = [p.detach().to("cpu", copy=True) for p in params]
+    marks = {k: getattr(model.config, k) for k in FOLD_MARKS if hasattr(model.config, k)}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, s in zip(params, saved):
+                p.copy_(s)
+        for k in FOLD_MARKS:
+            if k in marks:
+                setattr(model.config, k, marks[k])
+            elif hasattr(model.config, k):
+                delattr(model.config, k)
+
+
 def run_method(model, method: str, ids: torch.Tensor, new_tokens: int, artifact: str | None = None,
                overrides: dict | None = None, prefill_chunk: int | None = None,
                prefill_tokens: int | str | None = DEFAULT_PREFILL_TOKENS) -> tuple[BatchRun, dict]:
@@ -124,7 +164,16 @@ def run_method(model, method: str, ids: torch.Tensor, new_tokens: int, artifact:
     preset's, 4096 for transformers' DynamicCache), at most ``prefill_tokens`` per call over the
     batch (:func:`rotkv.generation.prefill_chunk_of`; ``"auto"``: from the model's config,
     :func:`rotkv.generation.prefill_tokens_of`); hf-static-compile prefills through
-    ``model.generate`` in one call (transformers' own path, unchanged)."""
+    ``model.generate`` in one call (transformers' own path, unchanged). A ``+fold`` method runs
+    on the model with its cache's R_V folded in, restored afterwards (:func:`values_restored`,
+    whose copies are taken before the memory baseline)."""
+    parsed = parse_method(method)
+    fold = parsed is not None and "fold" in parsed[1]
+    with values_restored(model) if fold else nullcontext():
+        return _run_method(model, method, ids, new_tokens, artifact, overrides, prefill_chunk, prefill_tokens)
+
+
+def _run_method(model, method, ids, new_tokens, artifact, overrides, prefill_chunk, prefill_tokens):
     from transformers import DynamicCache
 
     from rotkv.cache import RotkvCache
@@ -143,12 +192,18 @@ def run_method(model, method: str, ids: torch.Tensor, new_tokens: int, artifact:
             cache = DynamicCache(config=model.config)
             graph = False
         else:
-            preset, _, flag = method.removeprefix("rotkv:").partition("+")
+            if parse_method(method) is None:
+                raise ValueError(f"unknown method {method!r}: hf-dynamic, hf-static-compile or "
+                                 "rotkv:<preset>[+graph][+fold]")
+            preset, flags = parse_method(method)
             extra = dict(overrides or {})
             if prefill_chunk:
                 extra["prefill_chunk"] = prefill_chunk
             cache = RotkvCache(model, preset, artifact, check_finite=False, **extra)
-            graph = flag == "graph"
+            if "fold" in flags:
+                cache.fold_values(model)
+                _clean(dev)  # the fold's float64 scratch is not the run's peak
+            graph = "graph" in flags
         run = generate_batch(model, ids, cache, new_tokens, cuda_graph=graph, prefill_chunk=prefill_chunk,
                              prefill_tokens=prefill_tokens)
         if method == "hf-dynamic":

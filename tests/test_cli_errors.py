@@ -371,6 +371,8 @@ def test_model_folder_without_weights_or_tokenizer_names_the_path(no_model, caps
     (["--methods", "rotkv:foo"], ["--methods rotkv:foo", "unknown preset 'foo'"]),
     (["--methods", "vllm"], ["--methods", "unknown method 'vllm'"]),
     (["--methods", "rotkv:quarot-int2+graph", "--device", "cpu"], ["+graph needs CUDA"]),
+    (["--methods", "rotkv:quarot-int2+graph+fold", "--device", "cpu"], ["+graph+fold needs CUDA"]),
+    (["--methods", "rotkv:quarot-int2+fold+foo"], ["--methods", "unknown method 'rotkv:quarot-int2+fold+foo'"]),
     (["--methods", "hf-static-compile", "--device", "cpu"], ["hf-static-compile needs CUDA"]),
     (["--methods", "rotkv:oscar-int2"], ["--artifact", "oscar-int2"]),
     (["--random", "qwen3-8b", "--layers", "0"], ["--layers has to be >= 1"]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
@@ -10,12 +11,14 @@ import torch
 from transformers.cache_utils import Cache
 
 from rotkv.cache.assembly import CachePlan, build_layer, plan_cache, resolve_spec
+from rotkv.cache.base import RotkvLayer
 from rotkv.cache.layer import HybridLayer
 from rotkv.cache.plan import PageState
 from rotkv.cache.progressive import ProgressiveLayer
 from rotkv.config import DEFAULT_PRESET, CacheSpec, RotkvWarning
 from rotkv.hf.attention import install
 from rotkv.rotations.artifact import Artifact
+from rotkv.rotations.folding import fold_model_values, without_values
 
 
 class RotkvCache(Cache):
@@ -28,6 +31,8 @@ class RotkvCache(Cache):
     instead (``rotkv.cache.progressive``). What each layer is comes from one resolution,
     :func:`rotkv.cache.assembly.plan_cache`, kept as ``self.plan``.
     Building the cache registers the "rotkv" attention function and switches the model to it.
+    :meth:`fold_values` moves the value rotations into the model's weights; a cache built for a
+    model folded so already holds none.
 
     check_finite: refuse NaN/Inf keys and values (nothing is stored). It costs one device sync
     per layer on the GPU; the CUDA-graph decode (``rotkv.cache.graph``) runs without it.
@@ -61,6 +66,8 @@ class RotkvCache(Cache):
         super().__init__(layers=[build_layer(lp, self.plan, model.dtype, self.state, check_finite, decode_score)
                                  for lp in self.plan.layers])
         self.rotation_bytes = self.plan.rotation_bytes
+        if getattr(model.config, "rotkv_values_folded", False):
+            self.fold_values(model)  # the weights hold R_V already: these very matrices leave the cache, others raise
         install(model)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -80,6 +87,28 @@ class RotkvCache(Cache):
             raise ValueError(f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} "
                              "differ in batch or tokens")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def fold_values(self, model) -> None:
+        """Fold this cache's value rotations into ``model`` (in place) and drop them from the cache.
+
+        v_proj then R_V per KV head, o_proj's input columns by R_V^T per query-head group
+        (:func:`rotkv.rotations.folding.fold_model_values`): v_proj then emits ``v R_V``, so the cache
+        stores the same rotated values with no rotation of the values or the attention output. Only
+        layers that rotate values are touched. A cache without R_V (folded already, or none) is a
+        no-op; the model is marked folded, and one folded with other matrices raises."""
+        r_v = [layer.rotation_cpu.R_V if isinstance(layer, RotkvLayer) else None for layer in self.layers]
+        if all(r is None for r in r_v):
+            return
+        fold_model_values(model, r_v)
+        plans = list(self.plan.layers)
+        for i, layer in enumerate(self.layers):
+            if r_v[i] is not None:
+                cpu = without_values(layer.rotation_cpu)
+                layer.rotation = cpu if layer.rotation is layer.rotation_cpu else without_values(layer.rotation)
+                layer.rotation_cpu = cpu
+                plans[i] = dataclasses.replace(plans[i], rotation=cpu)
+        self.plan = dataclasses.replace(self.plan, layers=tuple(plans))
+        self.rotation_bytes = self.plan.rotation_bytes
 
     # ---- batch edits: one page-list edit, then every layer copies the pages it must ---------------
     def _select_rows(self, index) -> None:

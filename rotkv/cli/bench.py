@@ -35,7 +35,9 @@ def register(sub) -> None:
     add_model_args(p)
     add_cache_args(p, preset=False)
     p.add_argument("--methods", nargs="+", default=None,
-                   help="hf-dynamic, hf-static-compile, rotkv:<preset>, rotkv:<preset>+graph "
+                   help="hf-dynamic, hf-static-compile, rotkv:<preset>, rotkv:<preset>+graph, and +fold on a "
+                        "rotkv method (rotkv:<preset>+fold, rotkv:<preset>+graph+fold: the cache's value rotations "
+                        "folded into the model's v_proj / o_proj for that run, restored after it) "
                         f"(default: {' '.join(DEFAULT_METHODS)}; hf-static-compile and +graph need CUDA)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, nargs="+", default=[1024])
@@ -107,6 +109,7 @@ def check_args(args) -> tuple[str, list[str]]:
     """Every check that needs no model: (device, methods)."""
     import torch
 
+    from rotkv.bench import parse_method
     from rotkv.cli.common import cache_spec, early_artifact
     from rotkv.cli.errors import check_device, check_model
 
@@ -133,17 +136,17 @@ def check_args(args) -> tuple[str, list[str]]:
     methods = args.methods or [m for m in DEFAULT_METHODS if cuda or not
                                (m == "hf-static-compile" or m.endswith("+graph"))]
     for m in methods:
-        if m == "hf-dynamic":
-            continue
-        if m == "hf-static-compile" or m.endswith("+graph"):
-            if not cuda:
+        if m in ("hf-dynamic", "hf-static-compile"):
+            if m == "hf-static-compile" and not cuda:
                 raise UsageError(f"--methods {m} needs CUDA (this run is on {device})")
-        if m == "hf-static-compile":
             continue
-        preset, _, flag = m.removeprefix("rotkv:").partition("+")
-        if not m.startswith("rotkv:") or flag not in ("", "graph"):
-            raise UsageError(f"--methods: unknown method {m!r}; use hf-dynamic, hf-static-compile, rotkv:<preset> "
-                             "or rotkv:<preset>+graph")
+        parsed = parse_method(m)
+        if parsed is None:
+            raise UsageError(f"--methods: unknown method {m!r}; use hf-dynamic, hf-static-compile, rotkv:<preset>, "
+                             "rotkv:<preset>+graph, rotkv:<preset>+fold or rotkv:<preset>+graph+fold")
+        preset, flags = parsed
+        if "graph" in flags and not cuda:
+            raise UsageError(f"--methods {m} needs CUDA (this run is on {device}): +graph captures a CUDA graph")
         if preset not in PRESETS:
             raise UsageError(f"--methods {m}: unknown preset {preset!r}; available: {sorted(PRESETS)}")
         spec = cache_spec(preset, cache_overrides(args))
