@@ -28,13 +28,13 @@ METHODS=${METHODS:-bf16,int4,oscar-mix,oscar-mix-long,oscar-int2}
 A=$OUT/artifacts; mkdir -p $A; cp artifacts/*.safetensors $A/
 t() { echo "[$(date +%T)] $*"; }
 if [ "${SMALL:-0}" = 1 ]; then  # a CPU smoke test of the same commands
-  NLL="nll=256"; NIAH="niah=384"; WIN=1; NEW=4; NS=1; DEPTHS=0.5; GT=1536; GL=256; GNIAH="niah=384"; T1=900; T2=900; T3=900
+  NLL="nll=256"; NIAH="niah=384"; WIN=1; NEW=4; NS=1; DEPTHS=0.5; GT=1536; GL=256; GNIAH="niah=384"; T1=900; T2=900; T3=900; TC=300
   GSEQ=512; KL8=512
 else
   # the timeouts of 2026-12-03's first run (150 s nll, 170 s NIAH) cut both before any result: each
   # (variant, length) NIAH cell set takes ~50 s for 5 methods x 3 depths x 3 samples on the H200
   NLL="nll=2048,8192"; NIAH="niah=4096,6144,8192"; WIN=${WIN:-8}; NEW=${NEW:-128}; NS=${NIAH_SAMPLES:-3}
-  DEPTHS=0.1,0.5,0.9; GT=8192; GL=1024; GNIAH="niah=1024,2048"; T1=${T1:-300}; T2=${T2:-400}; T3=120; GSEQ=4096
+  DEPTHS=0.1,0.5,0.9; GT=8192; GL=1024; GNIAH="niah=1024,2048"; T1=${T1:-300}; T2=${T2:-400}; T3=120; TC=${TC:-60}; GSEQ=4096
   KL8=8192
 fi
 [ "${NLL_STAGE:-1}" = 1 ] && t "smollm2 nll" && timeout $T1 python3 -m rotkv.cli eval --model $SM --device $DEV --profile full --sink 16 --window 32 \
@@ -45,11 +45,11 @@ t "smollm2 niah 4-8K"; timeout $T2 python3 -m rotkv.cli eval --model $SM --devic
   --artifact-dir $A --out $OUT/smollm2-niah 2>&1 | grep -v "%|"
 if [ "${GEMMA:-1}" = 1 ]; then
 t "gemma3 calibrate"; GA=$OUT/gemma-artifacts; mkdir -p $GA
-timeout 60 python3 -m rotkv.cli calibrate --model $GM --device $DEV --method oscar --tokens $GT \
+timeout $TC python3 -m rotkv.cli calibrate --model $GM --device $DEV --method oscar --tokens $GT \
   --out $GA/oscar.safetensors 2>&1 | grep -v '%|' | tail -2
-timeout 60 python3 -m rotkv.calibrate.keybits --model $GM --device $DEV --base-artifact $GA/oscar.safetensors \
+timeout $TC python3 -m rotkv.cli.keybits --model $GM --device $DEV --base-artifact $GA/oscar.safetensors \
   --layers 1 --length $GL --new-tokens 16 --out $GA/oscar-mix.safetensors 2>&1 | grep -v '%|' | tail -2
-timeout 60 python3 -m rotkv.calibrate.longfit --model $GM --device $DEV --base-artifact $GA/oscar-mix.safetensors \
+timeout $TC python3 -m rotkv.calibrate.longfit --model $GM --device $DEV --base-artifact $GA/oscar-mix.safetensors \
   --seq-len $GSEQ --sequences 2 --out $GA/oscar-mix-long.safetensors 2>&1 | grep -v '%|' | tail -2
 t "gemma3 eval"; timeout $T3 python3 -m rotkv.cli eval --model $GM --device $DEV --profile full --sink 16 --window 32 \
   --tasks nll,niah --lengths ${NLL%%,*} $GNIAH --windows $WIN --new-tokens $NEW --variants essay,multikey --depths $DEPTHS \
@@ -58,7 +58,7 @@ t "gemma3 eval"; timeout $T3 python3 -m rotkv.cli eval --model $GM --device $DEV
 fi
 if [ "${KEYBITS8K:-1}" = 1 ]; then
   t "keybits at 8K"; A8=$OUT/artifacts-8k; mkdir -p $A8; cp $A/oscar.safetensors $A8/
-  timeout 90 python3 -m rotkv.calibrate.keybits --model $SM --device $DEV --base-artifact $A/oscar.safetensors --layers 10 \
+  timeout 90 python3 -m rotkv.cli.keybits --model $SM --device $DEV --base-artifact $A/oscar.safetensors --layers 10 \
     --length $KL8 --new-tokens 32 --windows 1 --out $A8/oscar-mix.safetensors 2>&1 | grep -v '%|' | tail -2
   timeout 60 python3 -m rotkv.cli eval --model $SM --device $DEV --profile full --sink 16 --window 32 --tasks nll \
     --lengths $NLL --windows $WIN --new-tokens $NEW --methods oscar-mix --artifact-dir $A8 --out $OUT/smollm2-keybits8k \
