@@ -12,7 +12,8 @@
 #   5. bench_decode.py (library default) at B 1/8/32 x 4K/32K/128K, and a D64 row set (9 q / 3 kv heads)
 #   (d64: the D64 rows alone, with the fused/unfused and score variants; stepprof: profile_step.py at
 #   SmolLM2 64 x 8K; prefillprof: profile_prefill.py at SmolLM2 64 x 8K, default budget and one call;
-#   none of the three in the default list)
+#   quick: this stop's kernel and prefill tests; prefillsweep: prefill time and peak at 128K/256K/512K
+#   tokens per call; none of these in the default list)
 set -u
 R=${RES:-$HOME/close}
 if [ "${1:-}" = start ]; then
@@ -83,4 +84,12 @@ echo "prefillprof rc=$?"
 timeout 120 python3 benchmarks/profile_prefill.py --random smollm2 --batch 64 --context 8192 --methods bf16 quarot-int2 \
   --prefill-tokens 524288 --prefill-chunk 8192 --out "$R/prefill-prof-smollm2-onecall.json" >> "$R/prefillprof.log" 2>&1
 echo "prefillprof onecall rc=$?"; fi
+if want quick; then stage quick  # the tests of this stop's kernels and prefill paths, compiled
+timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_rotate.py tests/test_prefill_exact.py \
+  tests/test_prefill.py tests/test_rotation_math.py tests/test_folding.py > "$R/tests-quick.log" 2>&1
+echo "quick tests rc=$?"; tail -3 "$R/tests-quick.log"; fi
+if want prefillsweep; then stage prefillsweep  # prefill time and peak against the per-call token budget
+timeout 240 python3 benchmarks/profile_prefill.py --random smollm2 --batch 64 --context 8192 --methods bf16 quarot-int2 hf-static \
+  --sweep-prefill-tokens 131072 262144 524288 --out "$R/prefill-sweep-smollm2-64x8k.json" > "$R/prefillsweep.log" 2>&1
+echo "prefillsweep rc=$?"; fi
 echo "all done $(date +%T)"
