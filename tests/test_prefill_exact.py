@@ -110,3 +110,50 @@ def test_own_basis_setting_is_checked(tiny_llama, monkeypatch):
     cache = RotkvCache(tiny_llama, "quarot-int2", prefill_chunk=16, check_finite=False, **SMALL)
     with pytest.raises(ValueError, match="ROTKV_PREFILL_OWN_BASIS"):
         prefill(tiny_llama, _ids(1, 8), cache, chunk=16)
+
+
+@pytest.mark.parametrize("hq,h", [(4, 4), (6, 2)])
+def test_merged_history_and_own_equal_one_softmax(hq, h):
+    """attention_lse over the history (no mask) and over the own tokens (causal), merged by their
+    log-sum-exp, is one softmax over both with the queries as the last keys (lower-right causal)."""
+    g = torch.Generator().manual_seed(hq)
+    b, c, lh, d, scale = 2, 5, 7, 16, 0.3
+    q = torch.randn(b, hq, c, d, generator=g)
+    hk, hv = torch.randn(b, h, lh, d, generator=g), torch.randn(b, h, lh, d, generator=g)
+    ok, ov = torch.randn(b, h, c, d, generator=g), torch.randn(b, h, c, d, generator=g)
+    o1, l1 = layer_mod.attention_lse(q, hk, hv, False, scale)
+    o2, l2 = layer_mod.attention_lse(q, ok, ov, True, scale)
+    got = layer_mod.merge_lse(o1, l1, o2, l2)
+    k = torch.cat([hk, ok], 2).repeat_interleave(hq // h, 1)
+    v = torch.cat([hv, ov], 2).repeat_interleave(hq // h, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    s = s.masked_fill(torch.ones(c, lh + c, dtype=torch.bool).triu(lh + 1), float("-inf"))
+    want = s.softmax(-1) @ v
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(l2.squeeze(-1), s[..., lh:].masked_fill(
+        torch.ones(c, c, dtype=torch.bool).triu(1), float("-inf")).logsumexp(-1), atol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("preset", ["quarot-int2", "bf16"])
+def test_later_chunks_merge_history_with_own_tokens(tiny_llama, preset, monkeypatch):
+    """With float32 tiers (no bf16 rounding of the own tokens on either path) the own-basis prefill
+    (own tokens causal in the model's basis, history rotated, merged by log-sum-exp) gives the
+    rotated single-softmax path's logits; every later chunk of every layer takes the merge."""
+    ids = _ids(2, 40, seed=5)
+    calls = []
+    real = layer_mod.attention_lse
+    monkeypatch.setattr(layer_mod, "attention_lse", lambda *a: calls.append(a[3]) or real(*a))
+
+    def run(basis):
+        monkeypatch.setattr(layer_mod, "OWN_BASIS", basis)
+        cache = RotkvCache(tiny_llama, preset, prefill_chunk=16, check_finite=False, tier_dtype="model", **SMALL)
+        reserve(cache, 2, 40)
+        return prefill(tiny_llama, ids, cache, chunk=16)
+
+    never = run("never")
+    assert calls == []
+    always = run("always")
+    n_layers = len(tiny_llama.model.layers)
+    assert calls == [False, True] * (2 * n_layers)  # chunks 2 and 3: history, then own
+    assert torch.allclose(never, always, atol=1e-4, rtol=1e-4)

@@ -140,9 +140,11 @@ class HybridLayer(RotkvLayer):
         # call's output is written in the query dtype: no float32 buffer of the whole call
         out = None
         for step in steps:
-            c = self._own_only(step, query)
-            if c:  # no history: attention in the model's basis, no query or output rotation
-                o = _sdpa_causal(query[:, :, :c], k_new[:, :, :c], v_new[:, :, :c], scaling)
+            own = self._own_basis(step, query)
+            if own is not None:  # the own tokens in the model's basis: no rotation of the own part
+                p0, c, history = own
+                qs, ks, vs = query[:, :, p0:p0 + c], k_new[:, :, p0:p0 + c], v_new[:, :, p0:p0 + c]
+                o = self._attend_merged(step, qs, ks, vs, scaling) if history else _sdpa_causal(qs, ks, vs, scaling)
                 self.store(step, lambda r, p: (kr[r, :, p], vr[r, :, p]))
             else:
                 o = self._step(step, query, kr, vr, scaling)  # [B, Hq, C, D]
@@ -156,23 +158,56 @@ class HybridLayer(RotkvLayer):
             del o
         return out
 
-    def _own_only(self, step: Step, query: torch.Tensor) -> int:
-        """``C`` when the prefill step attends to its own tokens only (nothing stored yet, every row's
-        queries the call's positions ``0..C-1``), else 0. Such a step needs no rotated copy: softmax
-        is invariant to the key mean's shift and ``R`` cancels in ``q R (k R)^T`` and ``p (v R) R^T``,
-        so it runs causal SDPA on the call's own bf16 queries, keys and values (PyTorch's fastest
-        kernel: cuDNN on Hopper) and only the stored keys and values are rotated. On the GPU
-        (:data:`OWN_BASIS`); the CPU keeps the rotated float32 reference unless the tests set it."""
+    def _own_basis(self, step: Step, query: torch.Tensor) -> tuple[int, int, bool] | None:
+        """``(p0, C, history)`` when the prefill step's own tokens can be attended in the model's basis,
+        else None: every row's queries are the call's positions ``p0..p0+C-1``, all real, and every row
+        holds the same stored tokens (no mask). The rotation cancels within the own tokens (softmax is
+        invariant to the key mean's shift, ``R`` cancels in ``q R (k R)^T`` and ``p (v R) R^T``), so
+        they run causal SDPA on the call's own bf16 queries, keys and values (PyTorch's fastest kernel:
+        cuDNN on Hopper); ``history`` (something is stored): the rotated queries attend the stored
+        tokens apart and the two parts merge by their log-sum-exp (:meth:`_attend_merged`). Only the
+        stored keys and values are rotated. On the GPU (:data:`OWN_BASIS`); the CPU keeps the rotated
+        float32 reference unless the tests set it."""
         if OWN_BASIS not in OWN_BASES:
             raise ValueError(f"ROTKV_PREFILL_OWN_BASIS has to be one of {list(OWN_BASES)} but got {OWN_BASIS!r}")
         if not step.direct or not (OWN_BASIS == "always" or (OWN_BASIS == "gpu" and query.is_cuda
                                                              and query.dtype in (torch.bfloat16, torch.float16))):
-            return 0
-        c = step.query_pos.shape[1]
-        own = step.cached("own_only", lambda: bool(
-            not step.tier_tokens.any() and not step.body_count.any() and (step.query_count == c).all()
-            and (step.query_pos == np.arange(c)).all()))
-        return c if own else 0
+            return None
+
+        def plan():
+            c, qp = step.query_pos.shape[1], step.query_pos
+            p0 = int(qp[0, 0]) if qp.size else 0
+            alike = all((a == a[0]).all() for a in (step.body_count, step.tier_tokens))
+            if not (alike and (step.query_count == c).all() and (qp == p0 + np.arange(c)).all()):
+                return None
+            return p0, c, bool(step.tier_tokens[0] or step.body_count[0])
+        return step.cached("own_basis", plan)
+
+    def _attend_merged(self, step: Step, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       scaling: float) -> torch.Tensor:
+        """A prefill step whose rows hold the same stored tokens: ``q [B, Hq, C, D]`` (model basis)
+        attends its own ``k, v [B, H, C, D]`` causally in the model's basis, and, rotated, the stored
+        history (dequantized body and tier, per row group as :meth:`_attend_dense`) without a mask;
+        the history's output is turned back and the two merge by their log-sum-exp (:func:`merge_lse`)."""
+        dev = self.device
+        cdt = torch.bfloat16 if (q.is_cuda and self.tier_dtype != torch.float32) else torch.float32
+        b, hq, c, d = q.shape
+        nb = int(step.body_count[0]) if self.spec.quantized else 0
+        lt = int(step.tier_tokens[0])
+        size = torch.empty(0, dtype=cdt).element_size()
+        groups = row_groups(b, 2 * self.kv_heads * (nb * self.spec.page_size + lt) * d * size)
+        out = torch.empty(b, hq, c, d, dtype=q.dtype, device=dev) if len(groups) > 1 else None
+        for r0, r1 in groups:
+            hk, hv = self._history(step, r0, r1, nb, lt, cdt)
+            oh, lh = attention_lse(self.rotation.queries(q[r0:r1], cdt), hk, hv, False, scaling)
+            del hk, hv
+            oh = self.rotation.outputs(oh, q.dtype)
+            oo, lo = attention_lse(q[r0:r1].to(cdt), k[r0:r1].to(cdt), v[r0:r1].to(cdt), True, scaling)
+            o = merge_lse(oh, lh, oo, lo).to(q.dtype)
+            if out is None:
+                return o
+            out[r0:r1] = o
+        return out
 
     def _attend_static(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """A decode step on fixed buffers (planned and loaded by ``rotkv.cache.graph``): no host
@@ -404,7 +439,7 @@ def row_groups(rows: int, bytes_per_row: int, budget_mb: int | None = None) -> l
     return [(r0, min(r0 + per, rows)) for r0 in range(0, rows, per)]
 
 
-# where a prefill step with no history attends in the model's basis (HybridLayer._own_only):
+# where a prefill step's own tokens attend in the model's basis (HybridLayer._own_basis):
 # "gpu" (bf16/fp16 CUDA queries), "always" (also the CPU: tests), "never"; ROTKV_PREFILL_OWN_BASIS
 OWN_BASIS = os.environ.get("ROTKV_PREFILL_OWN_BASIS", "gpu")
 OWN_BASES = ("gpu", "always", "never")
@@ -413,6 +448,46 @@ OWN_BASES = ("gpu", "always", "never")
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal (square) SDPA of ``q [B, Hq, C, D]`` over ``k, v [B, H, C, D]``, the backend PyTorch picks."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+_LSE_FAILED: dict[str, str] = {}  # backends of attention_lse that refused once (why), not tried again
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o [B, Hq, C, D], lse [B, Hq, C, 1] float32)``: attention of ``q`` over ``k, v [B, H, L, D]``
+    (GQA when H < Hq) and the natural log of each query's softmax denominator (scores scaled).
+    ``causal``: square (C == L), query i reads keys 0..i. On CUDA in bf16/fp16 PyTorch's cuDNN
+    kernel, else its flash kernel (both return the log-sum-exp); elsewhere float32 math (the reference)."""
+    b, hq, c, _ = q.shape
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        if "cudnn" not in _LSE_FAILED:
+            try:
+                r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                       scale=scale)
+                return r[0], r[1].reshape(b, hq, c, -1)[..., :1].float()
+            except RuntimeError as e:
+                if "out of memory" in str(e):
+                    raise
+                _LSE_FAILED["cudnn"] = f"{type(e).__name__}: {e}"[:200]
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return r[0], r[1][..., :c].reshape(b, hq, c, 1).float()
+    g = hq // k.shape[1]
+    qf = q.float().reshape(b, k.shape[1], g * c, q.shape[-1])
+    s = (qf @ k.float().transpose(-1, -2) * scale).reshape(b, hq, c, k.shape[2])
+    if causal:
+        s = s.masked_fill(torch.ones(c, k.shape[2], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = s.logsumexp(-1, keepdim=True)
+    p = (s - lse).exp().reshape(b, k.shape[1], g * c, k.shape[2])
+    return (p @ v.float()).reshape(b, hq, c, v.shape[-1]).to(q.dtype), lse
+
+
+def merge_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint key sets from each one's output and log-sum-exp: ``o2 + (o1 - o2) w``
+    with ``w = sigmoid(l1 - l2)``, the first set's share of the softmax mass; float32 (one buffer)."""
+    o = o1.float()
+    o.sub_(o2).mul_(torch.sigmoid(l1 - l2)).add_(o2)
+    return o
 
 
 _FLASH_FAILED: str | bool = False  # why the direct flash call failed once (then the bias path is used)
