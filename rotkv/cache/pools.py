@@ -61,7 +61,8 @@ class LayerPools:
         self._type_body()
         # which parts the write and dequant kernels store and read (rotkv.kernels.plan; what decode
         # runs is asked per step: decode_plan)
-        self.part_kernels = tuple(self.paged is not None and plan.part_reason(pt.bits, pt.meta, pt.format) is None
+        cap = plan.device_capability(device) if kernels.enabled(self.tier_k) else None
+        self.part_kernels = tuple(self.paged is not None and plan.part_reason(pt.bits, pt.meta, pt.format, cap) is None
                                   for pt in (self.paged.parts if self.paged is not None else (None, None)))
         self.dequant_kernel = all(self.part_kernels) and kernels.enabled(self.tier_k)
 

@@ -44,6 +44,17 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def device_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """A CUDA device's compute capability, None elsewhere (the interpreter has no limits)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+FP8_MIN_CAPABILITY = (8, 9)  # Triton's e4m3 (fp8e4nv) conversions
+
+
 def _device_key(t: torch.Tensor) -> tuple:
     """(device type, index, compute capability, interpreting): a plan's device part."""
     if t.is_cuda:
@@ -181,22 +192,26 @@ def shape_reason(head_dim: int, group_size: int) -> str | None:
 
 
 # ---- coverage: pure functions of a layout (no tensors, no GPU) -----------------------------------
-def part_reason(bits: int, meta: torch.dtype, fmt: str = "token") -> str | None:
-    """Why the Triton kernels (write, dequant, decode) and the CUDA write kernel do not read a body
-    part, or None: token parts of a kernel width with fp16 metadata."""
+def part_reason(bits: int, meta: torch.dtype, fmt: str = "token",
+                capability: tuple[int, int] | None = None) -> str | None:
+    """Why the Triton kernels (write, dequant, decode) do not read a body part, or None: token parts
+    of a kernel width with fp16 or e4m3 metadata (e4m3 on a GPU of compute capability 8.9+:
+    ``capability``, None off CUDA). The CUDA kernels read fp16 metadata only (their own reasons)."""
     if fmt != "token":
         return f"the kernels read token parts, not {fmt}"
     if bits not in KERNEL_WIDTHS:
         return f"the kernels read widths {list(KERNEL_WIDTHS)}, got {bits}"
-    if meta != torch.float16:
-        return f"the kernels read fp16 metadata, got {meta}"
+    if meta not in (torch.float16, torch.float8_e4m3fn):
+        return f"the kernels read fp16 or e4m3 metadata, got {meta}"
+    if meta == torch.float8_e4m3fn and capability is not None and capability < FP8_MIN_CAPABILITY:
+        return f"e4m3 metadata needs compute capability 8.9+, this GPU has {capability[0]}.{capability[1]}"
     return None
 
 
-def triton_decode_reason(layout: BodyLayout) -> str | None:
+def triton_decode_reason(layout: BodyLayout, capability: tuple[int, int] | None = None) -> str | None:
     """Why the Triton decode kernels do not read this body, or None."""
     for name, b, meta, fmt in zip("KV", layout.bits, layout.metas, layout.formats):
-        why = part_reason(b, meta, fmt)
+        why = part_reason(b, meta, fmt, capability)
         if why:
             return f"{name}: {why}"
     gk, gv = layout.group_sizes
@@ -215,8 +230,10 @@ def cuda_decode_reason(layout: BodyLayout, rep: int, score: str, capability: tup
     if capability < CUDA_MIN_CAPABILITY:
         return "needs compute capability 8.0+ (mma.sync int8 m16n8k32, movmatrix)"
     gk, gv = layout.group_sizes
-    if gk != gv or any(m != torch.float16 for m in layout.metas) or any(f != "token" for f in layout.formats):
-        return "K and V need token parts with one group size and fp16 metadata"
+    if any(m != torch.float16 for m in layout.metas):  # expected, as the widths: the Triton kernel reads e4m3
+        return f"the CUDA decode kernel reads fp16 metadata, got {layout.metas} (the Triton kernel runs)"
+    if gk != gv or any(f != "token" for f in layout.formats):
+        return "K and V need token parts with one group size"
     why = shape_reason(layout.head_dim, gk)
     if why:
         return why
@@ -282,7 +299,7 @@ class DecodePlan:
             if hq % layout.kv_heads:
                 raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({layout.kv_heads})")
             self.rep = hq // layout.kv_heads
-            self.triton_why = triton_decode_reason(layout)
+            self.triton_why = triton_decode_reason(layout, capability if on_cuda and not interp else None)
             # expected reasons (the config or the device): no warning; the others are warned about once
             self.cuda_expected = True
             if cfg.backend == "triton":
@@ -428,11 +445,14 @@ class WritePlan:
 
 
 def cuda_write_reason(head_dim: int, group_size: int, dtype: torch.dtype, rotate: bool, rot_precision: str,
-                      num_warps: int, capability: tuple[int, int] = (9, 0)) -> str | None:
+                      num_warps: int, capability: tuple[int, int] = (9, 0),
+                      meta: torch.dtype = torch.float16) -> str | None:
     """Why the CUDA write kernel does not cover a write of this shape, or None (layout only: the
     input's strides and nvcc are checked by :func:`plan_write`)."""
     from rotkv.kernels import cuda_write
 
+    if meta != torch.float16:
+        return f"the CUDA write kernel stores fp16 metadata, the part's is {meta}"
     if capability < CUDA_MIN_CAPABILITY:
         return "needs compute capability 8.0+ (redux.sync, bf16 mma.sync)"
     why = shape_reason(head_dim, group_size)
@@ -460,11 +480,12 @@ def plan_write(x: torch.Tensor, part: TokenPart, rotate: bool, clip: float, back
     x_ok = x.stride(-1) == 1 and not (rotate and (x.stride(0) % 2 or x.stride(1) % 2 or x.data_ptr() % 4))
     part_ok = all(t.is_contiguous() for t in part.tensors)
     return _write_plan(x.shape[-1], part.group_size, x.dtype, _device_key(x), x_ok, part_ok, rotate, clip < 1.0,
-                       backend, rot_precision, num_warps)
+                       backend, rot_precision, num_warps, part.meta)
 
 
 @functools.lru_cache(maxsize=4096)
-def _write_plan(d, g, dtype, device, x_ok, part_ok, rotate, clipping, backend, rot_precision, num_warps) -> WritePlan:
+def _write_plan(d, g, dtype, device, x_ok, part_ok, rotate, clipping, backend, rot_precision, num_warps,
+                meta=torch.float16) -> WritePlan:
     from rotkv.kernels import cuda_write
 
     if backend not in WRITE_BACKENDS:
@@ -484,7 +505,7 @@ def _write_plan(d, g, dtype, device, x_ok, part_ok, rotate, clipping, backend, r
         if dev_type != "cuda":
             why = "not on CUDA"
         else:
-            why = cuda_write_reason(d, g, dtype, rotate, prec, warps, capability)
+            why = cuda_write_reason(d, g, dtype, rotate, prec, warps, capability, meta)
             if why is None and not x_ok:
                 why = "x must have a contiguous last dim (and even strides, 4-byte aligned, to rotate)"
             if why is None and not part_ok:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from rotkv.kernels.body import TokenPart
-from rotkv.kernels.plan import part_reason, plan_write
+from rotkv.kernels.plan import device_capability, interpreting, part_reason, plan_write
 
 _RNE = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + _RNE) - _RNE rounds |y| < 2**22 to nearest-even in fp32
 
@@ -51,15 +51,45 @@ def _fp16_step(h, up: tl.constexpr):
 
 
 @triton.jit
+def _fp8_round(x, up: tl.constexpr, INTERP: tl.constexpr):
+    """float32 ``x`` -> e4m3, rounded towards +inf (``up``) or -inf: the conversion's result moved one
+    step through its sign-magnitude bits where it landed on the wrong side (whatever the conversion's
+    own rounding; ``rotkv.quant.quantizer._round_dir``'s rule). ``INTERP``: Triton's interpreter
+    converts without carrying a rounded-up mantissa into the exponent (1.96 -> 1.0), so ``x`` is first
+    rounded to e4m3's grid here (3 mantissa bits, or multiples of 2^-9 below 2^-6) and converts exactly."""
+    xr = x
+    if INTERP:
+        a = tl.abs(x)
+        bits = a.to(tl.int32, bitcast=True)
+        rn = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+        sub = ((a * 512.0 + _RNE) - _RNE) / 512.0
+        a = tl.where(a < 0.015625, sub, rn)
+        sign = x.to(tl.int32, bitcast=True) & -2147483648  # -0.0 stays -0.0, as the conversion keeps it
+        xr = (a.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    y = xr.to(tl.float8e4nv)
+    b = y.to(tl.uint8, bitcast=True).to(tl.int32)
+    f = y.to(tl.float32)
+    if up:
+        wrong = f < x
+        away = b < 128  # a positive value moves away from zero
+    else:
+        wrong = f > x
+        away = b >= 128
+    mag = b & 127
+    stepped = tl.where(mag == 0, 1 if up else 129, (b & 128) | tl.where(away, mag + 1, mag - 1))
+    return tl.where(wrong, stepped, b).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
 def _quant_write_kernel(
     x_ptr, stride_xt, stride_xh,  # x [T, H, D], last dim contiguous
     rot_ptr, mean_ptr,  # [H, D, D] fp32, [H, D] fp32 (used if ROTATE / HAS_MEAN)
     slot_ptr,  # [T] int64: page * P + offset
-    codes_ptr, scale_ptr, lo_ptr,  # [NP, H, P, D*BITS/8] uint8, [NP, H, P, NG] fp16
+    codes_ptr, scale_ptr, lo_ptr,  # [NP, H, P, D*BITS/8] uint8, [NP, H, P, NG] fp16 (e4m3 if META_FP8)
     T, H,
     D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, CLIP_R: tl.constexpr,
     ROTATE: tl.constexpr, HAS_MEAN: tl.constexpr, KC: tl.constexpr, BLOCK_T: tl.constexpr,
-    BITS: tl.constexpr, ROT_TF32X3: tl.constexpr,
+    BITS: tl.constexpr, ROT_TF32X3: tl.constexpr, META_FP8: tl.constexpr, INTERP: tl.constexpr,
 ):
     NG: tl.constexpr = D // G
     PER: tl.constexpr = 8 // BITS  # codes per byte (planes)
@@ -101,13 +131,18 @@ def _quant_write_kernel(
     xg = tl.reshape(x, [BLOCK_T, NG, G])
     lo = tl.min(xg, axis=2)
     hi = tl.max(xg, axis=2)
-    lo16 = lo.to(tl.float16)
-    lo16 = tl.where(lo16.to(tl.float32) > lo, _fp16_step(lo16, False), lo16)
-    lof = lo16.to(tl.float32)
-    sc = tl.div_rn(hi - lof, LEVELS * 1.0)
-    s16 = sc.to(tl.float16)
-    s16 = tl.where(s16.to(tl.float32) < sc, _fp16_step(s16, True), s16)
-    sf = s16.to(tl.float32)
+    if META_FP8:
+        lom = _fp8_round(lo, False, INTERP)
+        lof = lom.to(tl.float32)
+        sm = _fp8_round(tl.div_rn(hi - lof, LEVELS * 1.0), True, INTERP)
+    else:
+        lom = lo.to(tl.float16)
+        lom = tl.where(lom.to(tl.float32) > lo, _fp16_step(lom, False), lom)
+        lof = lom.to(tl.float32)
+        sc = tl.div_rn(hi - lof, LEVELS * 1.0)
+        sm = sc.to(tl.float16)
+        sm = tl.where(sm.to(tl.float32) < sc, _fp16_step(sm, True), sm)
+    sf = sm.to(tl.float32)
     safe = tl.where(sf > 0, sf, 1.0)
     y = tl.div_rn(xg - lof[:, :, None], safe[:, :, None])
     c = (y + _RNE) - _RNE
@@ -124,16 +159,17 @@ def _quant_write_kernel(
     tl.store(codes_ptr + row[:, None] * Q4 + offs_q[None, :], packed, mask=tmask[:, None])
     offs_g = tl.arange(0, NG)
     mptr = row[:, None] * NG + offs_g[None, :]
-    tl.store(scale_ptr + mptr, s16, mask=tmask[:, None])
-    tl.store(lo_ptr + mptr, lo16, mask=tmask[:, None])
+    tl.store(scale_ptr + mptr, sm, mask=tmask[:, None])
+    tl.store(lo_ptr + mptr, lom, mask=tmask[:, None])
 
 
 def check_part(x: torch.Tensor, part: TokenPart) -> None:
     """A ValueError unless the write kernels can store ``x [T, H, D]`` into ``part``: a token
-    part of a kernel width (``rotkv.quant.widths``) with fp16 metadata, over x's heads and dims."""
+    part of a kernel width (``rotkv.quant.widths``) with fp16 or e4m3 metadata (:func:`part_reason`),
+    over x's heads and dims."""
     if not isinstance(part, TokenPart):
         raise TypeError(f"the write kernels store into a TokenPart, got {type(part).__name__}")
-    why = part_reason(part.bits, part.meta, part.format)
+    why = part_reason(part.bits, part.meta, part.format, device_capability(x.device))
     if why:
         raise ValueError(why)
     if x.dim() != 3 or x.shape[1:] != (part.codes.shape[1], part.head_dim):
@@ -147,7 +183,8 @@ def quant_write(x: torch.Tensor, slots: torch.Tensor, part: TokenPart,
                 backend: str | None = None) -> None:
     """Quantize ``x [T, H, D]`` into the body part ``part`` at ``slots [T]``; see the module docstring.
 
-    part: a :class:`~rotkv.kernels.body.TokenPart` of 2 or 4 bits with fp16 metadata; rot
+    part: a :class:`~rotkv.kernels.body.TokenPart` of 2 or 4 bits with fp16 or e4m3 metadata (e4m3:
+    this Triton kernel, on sm_89+ GPUs); rot
     ``[H, D, D]``, mean ``[H, D]`` (any float dtype; used in fp32).
 
     The kernel is the write plan's (:func:`rotkv.kernels.plan.plan_write`). backend: "auto"
@@ -182,5 +219,6 @@ def quant_write(x: torch.Tensor, slots: torch.Tensor, part: TokenPart,
         slots.to(device=x.device, dtype=torch.int64), *part.tensors, t, h,
         D=d, G=part.group_size, P=part.codes.shape[2], CLIP_R=clip_rank(clip, d), ROTATE=rot is not None,
         HAS_MEAN=mean is not None, KC=min(d, 64), BLOCK_T=block_t, BITS=part.bits,
-        ROT_TF32X3=rot_precision == "tf32x3", num_warps=num_warps,
+        ROT_TF32X3=rot_precision == "tf32x3", META_FP8=part.meta == torch.float8_e4m3fn,
+        INTERP=interpreting(), num_warps=num_warps,
     )

@@ -54,18 +54,22 @@ class PagePool:
 
 class Int2PagePool(PagePool):
     """Packed INT2 (or INT4: ``k_bits`` / ``v_bits``) keys and values with fp16 scale and lo per
-    group of ``group_size`` dims: ``body``, a :class:`~rotkv.kernels.body.PagedBody`."""
+    group of ``group_size`` dims (the values' e4m3 with ``v_meta``): ``body``, a
+    :class:`~rotkv.kernels.body.PagedBody`."""
 
     def __init__(self, num_pages: int, kv_heads: int, head_dim: int, page_size: int = 16,
-                 group_size: int = 64, device: str | torch.device = "cpu", k_bits: int = 2, v_bits: int = 2):
+                 group_size: int = 64, device: str | torch.device = "cpu", k_bits: int = 2, v_bits: int = 2,
+                 v_meta: torch.dtype = torch.float16):
         super().__init__(num_pages, page_size)
         if head_dim % 4:
             raise ValueError(f"head_dim ({head_dim}) must be a multiple of 4")
         for name, b in (("k_bits", k_bits), ("v_bits", v_bits)):
             check_width(b, name, KERNEL_WIDTHS)
         self.kv_heads, self.head_dim, self.group_size = kv_heads, head_dim, group_size
-        self.body = PagedBody.zeros(num_pages, kv_heads, page_size, head_dim, (k_bits, v_bits), group_size,
-                                    device=device)
+        self.body = PagedBody(TokenPart.zeros(num_pages, kv_heads, page_size, head_dim, k_bits, group_size,
+                                              device=device),
+                              TokenPart.zeros(num_pages, kv_heads, page_size, head_dim, v_bits, group_size, v_meta,
+                                              device))
 
     def part(self, which: str) -> TokenPart:
         """The body part of ``which`` in {"k", "v"}."""
