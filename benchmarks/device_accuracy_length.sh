@@ -31,10 +31,12 @@ if [ "${SMALL:-0}" = 1 ]; then  # a CPU smoke test of the same commands
   NLL="nll=256"; NIAH="niah=384"; WIN=1; NEW=4; NS=1; DEPTHS=0.5; GT=1536; GL=256; GNIAH="niah=384"; T1=900; T2=900; T3=900; TC=300
   GSEQ=512; KL8=512
 else
-  # the timeouts of 2026-12-03's first run (150 s nll, 170 s NIAH) cut both before any result: each
+  # the timeouts of 2026-12-03's first run (150 s nll, 170 s NIAH) cut both before any result, and the
+  # second's 300 s nll (4 methods, 8 x 128 tokens at 2K and the 8K windows) again: run it in the background
+  # (setsid nohup) and poll; each
   # (variant, length) NIAH cell set takes ~50 s for 5 methods x 3 depths x 3 samples on the H200
   NLL="nll=2048,8192"; NIAH="niah=4096,6144,8192"; WIN=${WIN:-8}; NEW=${NEW:-128}; NS=${NIAH_SAMPLES:-3}
-  DEPTHS=0.1,0.5,0.9; GT=8192; GL=1024; GNIAH="niah=1024,2048"; T1=${T1:-300}; T2=${T2:-400}; T3=120; TC=${TC:-60}; GSEQ=4096
+  DEPTHS=0.1,0.5,0.9; GT=8192; GL=1024; GNIAH="niah=1024,2048"; T1=${T1:-900}; T2=${T2:-400}; T3=120; TC=${TC:-60}; GSEQ=4096
   KL8=8192
 fi
 [ "${NLL_STAGE:-1}" = 1 ] && t "smollm2 nll" && timeout $T1 python3 -m rotkv.cli eval --model $SM --device $DEV --profile full --sink 16 --window 32 \

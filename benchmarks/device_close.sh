@@ -13,7 +13,8 @@
 #   (d64: the D64 rows alone, with the fused/unfused and score variants; stepprof: profile_step.py at
 #   SmolLM2 64 x 8K; prefillprof: profile_prefill.py at SmolLM2 64 x 8K, default budget and one call;
 #   quick: this stop's kernel and prefill tests; prefillsweep: prefill time and peak at 128K/256K/512K
-#   tokens per call; none of these in the default list)
+#   tokens per call; fp8: the e4m3-metadata Triton paths compiled; oscarmix: the recommended preset
+#   through `rotkv bench` on the real SmolLM2 ($ROTKV_GGUF, artifacts/); none of these in the default list)
 set -u
 R=${RES:-$HOME/close}
 if [ "${1:-}" = start ]; then
@@ -92,4 +93,19 @@ if want prefillsweep; then stage prefillsweep  # prefill time and peak against t
 timeout 240 python3 benchmarks/profile_prefill.py --random smollm2 --batch 64 --context 8192 --methods bf16 quarot-int2 hf-static \
   --sweep-prefill-tokens 131072 262144 524288 --out "$R/prefill-sweep-smollm2-64x8k.json" > "$R/prefillsweep.log" 2>&1
 echo "prefillsweep rc=$?"; fi
+if want fp8; then stage fp8  # the e4m3-metadata Triton paths and the rotation kernel, compiled on the GPU
+timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_kernels.py tests/kernels/test_rotate.py \
+  -k "fp8 or rotate" > "$R/tests-fp8.log" 2>&1
+echo "fp8 tests rc=$?"; tail -3 "$R/tests-fp8.log"; fi
+if want oscarmix; then stage oscarmix  # the recommended preset end to end: needs the real model ($ROTKV_GGUF)
+for p in oscar-mix oscar-mix-long; do
+  timeout 200 python3 -m rotkv.cli bench --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --batch 64 --context 8192 \
+    --new-tokens 32 --methods rotkv:$p+graph --artifact artifacts/$p.safetensors \
+    --out "$R/generate-$p-smollm2-64x8k.json" >> "$R/oscarmix.log" 2>&1
+  echo "$p rc=$?"
+done
+timeout 240 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --context 8192 --new-tokens 32 \
+  --methods rotkv:quarot-int2+graph rotkv:bf16+graph hf-static-compile --out "$R/generate-real-smollm2-64x8k.json" \
+  >> "$R/oscarmix.log" 2>&1
+echo "real smollm2 rc=$?"; fi
 echo "all done $(date +%T)"
