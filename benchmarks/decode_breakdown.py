@@ -39,7 +39,7 @@ def pieces(q, body, table, body_n, tier, ttab, tier_n, cfg):
     l_ = torch.ones(b_sz, hq, ns, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     scale = d ** -0.5 * dk.LOG2E
-    _, _, tiles, mb, prefetch, vf16, vflush, qf16 = cuda_variant(cfg, d, body.k.groups)
+    _, _, tiles, mb, prefetch, vf16, vflush, qf16, _ = cuda_variant(cfg, d, body.k.groups)
 
     def body_only():
         from rotkv.kernels.cuda_decode import body_partials

@@ -71,9 +71,12 @@ def test_cuda_plan_names_its_launches():
     assert "compute capability" in P.cuda_decode_reason(_layout(), 4, "int8", (7, 5))
     assert P.cuda_decode_reason(_layout(), 4, "bf16") is None  # the fp16-query build
     assert P.cuda_decode_reason(_layout(), 4, "fp8").startswith("the CUDA decode kernel reads")
-    assert P.cuda_variant(P.DecodeConfig(), 64, 1)[-1] == 1 and P.cuda_variant(P.DecodeConfig(), 128, 2)[-1] == 0
-    assert P.cuda_variant(P.DecodeConfig(score="int8"), 64, 1)[-1] == 0
-    assert P.cuda_variant(P.DecodeConfig(cuda_score_f16=2), 128, 2, "bf16")[-1] == 2
+    assert P.cuda_variant(P.DecodeConfig(), 64, 1)[7] == 1 and P.cuda_variant(P.DecodeConfig(), 128, 2)[7] == 0
+    assert P.cuda_variant(P.DecodeConfig(score="int8"), 64, 1)[7] == 0
+    assert P.cuda_variant(P.DecodeConfig(cuda_score_f16=2), 128, 2, "bf16")[7] == 2
+    # the values' e4m3 metadata is the last element (ROTKV_VMETA8)
+    assert P.cuda_variant(P.DecodeConfig(), 64, 1)[8] == 0
+    assert P.cuda_variant(P.DecodeConfig(), 64, 1, value_meta=torch.float8_e4m3fn)[8] == 1
     with pytest.raises(ValueError, match="cuda_score_f16"):
         P.DecodeConfig(cuda_score_f16=3)
     # partial merging: unfused at head_dim 64, block merges above, as asked otherwise
@@ -105,7 +108,7 @@ def test_build_lists_follow_the_plans():
     assert P.decode_builds_for(128, 64) == (P.cuda_variant(P.DecodeConfig(), 128, 2), None)
     assert P.decode_builds_for(128, 64, bits=4)[1] == "decode: INT4 pages run the Triton kernel"
     assert P.decode_builds_for(64, 64) == (P.cuda_variant(P.DecodeConfig(), 64, 1), None)
-    assert P.decode_builds_for(64, 64)[0][-1] == 1  # fp16 query at head_dim 64
+    assert P.decode_builds_for(64, 64)[0][7] == 1  # fp16 query at head_dim 64
     assert "head_dim 96" in P.decode_builds_for(96, 32)[1]
     writes, note = P.write_builds_for(128, 64)
     assert note is None and [w[0] for w in writes] == [True, False]

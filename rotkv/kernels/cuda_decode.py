@@ -24,15 +24,15 @@ _arch = nvcc_build.arch
 cache_dir = nvcc_build.cache_dir
 
 
-VARIANT_MACROS = ("D", "NG", "TILES", "MINB", "PREFETCH", "VF16", "VFLUSH", "QF16")
+VARIANT_MACROS = ("D", "NG", "TILES", "MINB", "PREFETCH", "VF16", "VFLUSH", "QF16", "VMETA8")
 
 
 def build(device: torch.device | None = None, variant: tuple = (128, 2, 2, 4, 0)) -> ctypes.CDLL:
     """Compile (once per source, architecture and variant) and load one kernel instantiation.
 
     variant = (head_dim, groups per head, tiles per softmax step, min blocks per SM, prefetch 0/1,
-    fp16 value product 0/1, steps between value-offset flushes or 0, fp16 query scores 0 (int8) / 1 / 2);
-    missing trailing entries are 0.
+    fp16 value product 0/1, steps between value-offset flushes or 0, fp16 query scores 0 (int8) / 1 / 2,
+    e4m3 value metadata 0/1); missing trailing entries are 0.
     """
     device = device or torch.device("cuda", torch.cuda.current_device())
     return nvcc_build.load(SOURCE, "int2_decode", _macros(variant), device, True, _setup)
@@ -98,7 +98,8 @@ def body_partials(q: torch.Tensor, body: PagedBody, table: tuple, o_part: torch.
     ``value_f16``: the variant whose value product runs in fp16 with the codes in place (one LOP3 per
     operand register instead of the bf16 path's byte permutes). ``value_flush``: steps between the
     subtractions of the value accumulators' offset (0: once, at the end). ``score_f16``: 0 scores with
-    the int8 query, 1 or 2 with the fp16 query (the source's ROTKV_QF16).
+    the int8 query, 1 or 2 with the fp16 query (the source's ROTKV_QF16). The values' metadata dtype
+    (fp16 or e4m3) picks the build (ROTKV_VMETA8).
     ``fuse``: ``n_splits`` is a multiple of 4 and the 4 splits of a block are merged into partial
     ``s // 4`` (so the body fills ``[:n_splits // 4]``); with ``out`` (``[B, Hq, D]`` contiguous,
     float32/bf16/fp16) the last block of each (request, KV head) also merges every partial slot, the
@@ -106,7 +107,9 @@ def body_partials(q: torch.Tensor, body: PagedBody, table: tuple, o_part: torch.
     """
     b_sz, hq, d = q.shape
     h, p, ng = body.kv_heads, body.page_size, body.k.groups
-    lib = build(q.device, (d, ng, tiles, min_blocks, int(prefetch), int(value_f16), int(value_flush), int(score_f16)))
+    vmeta8 = int(body.v.meta == torch.float8_e4m3fn)  # the values' e4m3 metadata (oscar-mix): its own build
+    lib = build(q.device, (d, ng, tiles, min_blocks, int(prefetch), int(value_f16), int(value_flush), int(score_f16),
+                           vmeta8))
     indptr, indices, last = (t.to(torch.int32).contiguous() for t in table)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     if fuse and n_splits % 4:

@@ -172,14 +172,17 @@ def min_blocks(cfg: DecodeConfig, d: int, ng: int) -> int:
     return 3 if d <= 128 else 2
 
 
-def cuda_variant(cfg: DecodeConfig, d: int, ng: int, score: str | None = None) -> tuple[int, ...]:
+def cuda_variant(cfg: DecodeConfig, d: int, ng: int, score: str | None = None,
+                 value_meta: torch.dtype = torch.float16) -> tuple[int, ...]:
     """The CUDA kernel build a call runs: (head_dim, groups, tiles, min blocks, prefetch, fp16 values,
-    value flush, fp16 query); prefetch as cfg.cuda_prefetch, except at head_dim 256 with 8 groups,
-    where the second buffer spills; fp16 query (cfg.cuda_score_f16) where the score is "bf16"
-    (``score`` None: :func:`resolve_score`), else 0 (int8 query)."""
+    value flush, fp16 query, e4m3 value metadata); prefetch as cfg.cuda_prefetch, except at head_dim
+    256 with 8 groups, where the second buffer spills; fp16 query (cfg.cuda_score_f16) where the score
+    is "bf16" (``score`` None: :func:`resolve_score`), else 0 (int8 query); the last 1 where the
+    values' metadata is e4m3 (``value_meta``)."""
     score = score or resolve_score(cfg, d)
     return (d, ng, cfg.cuda_tiles, min_blocks(cfg, d, ng), int(cfg.cuda_prefetch and not (d >= 256 and ng >= 8)),
-            int(cfg.cuda_value_f16), cfg.cuda_value_flush, cfg.cuda_score_f16 if score == "bf16" else 0)
+            int(cfg.cuda_value_f16), cfg.cuda_value_flush, cfg.cuda_score_f16 if score == "bf16" else 0,
+            int(value_meta == torch.float8_e4m3fn))
 
 
 def shape_reason(head_dim: int, group_size: int) -> str | None:
@@ -230,8 +233,10 @@ def cuda_decode_reason(layout: BodyLayout, rep: int, score: str, capability: tup
     if capability < CUDA_MIN_CAPABILITY:
         return "needs compute capability 8.0+ (mma.sync int8 m16n8k32, movmatrix)"
     gk, gv = layout.group_sizes
-    if any(m != torch.float16 for m in layout.metas):  # expected, as the widths: the Triton kernel reads e4m3
-        return f"the CUDA decode kernel reads fp16 metadata, got {layout.metas} (the Triton kernel runs)"
+    if layout.metas[0] != torch.float16 or layout.metas[1] not in (torch.float16, torch.float8_e4m3fn):
+        # expected, as the widths: the Triton kernel reads what it does not
+        return (f"the CUDA decode kernel reads fp16 key metadata and fp16 or e4m3 value metadata, got "
+                f"{layout.metas} (the Triton kernel runs)")
     if gk != gv or any(f != "token" for f in layout.formats):
         return "K and V need token parts with one group size"
     why = shape_reason(layout.head_dim, gk)
@@ -350,7 +355,8 @@ class DecodePlan:
         p = layout.page_size if layout is not None else 16
         why = self.cuda_why
         if why is None:
-            variant = cuda_variant(cfg, self.head_dim, self.head_dim // layout.group_sizes[0], self.score)
+            variant = cuda_variant(cfg, self.head_dim, self.head_dim // layout.group_sizes[0], self.score,
+                                   layout.metas[1])
             try:
                 from rotkv.kernels import cuda_decode
 
@@ -380,7 +386,8 @@ class DecodePlan:
         if self._main is not None:
             main = self._main.name
         elif self.cuda_why is None:
-            main = f"cuda {cuda_variant(self.cfg, self.head_dim, self.head_dim // self.layout.group_sizes[0], self.score)}"
+            lay = self.layout
+            main = f"cuda {cuda_variant(self.cfg, self.head_dim, self.head_dim // lay.group_sizes[0], self.score, lay.metas[1])}"
         else:
             main = f"{self._tier.name} ({self.cuda_why})"
         if self.small is not None:

@@ -70,7 +70,11 @@ DECODE_VARIANTS = [(*v, 1, 8) for v in [(64, 1, 1, 4, 1), (64, 2, 1, 4, 1), (128
                    (d, ng, 2, minb, 0) for d, ng, minb in DEFAULT_VARIANTS] + [
                    # the fp16-query builds (score "bf16": the default at head_dim 64), both operand makers
                    (64, 1, 1, 4, 1, 1, 8, 1), (64, 2, 1, 4, 1, 1, 8, 1), (64, 1, 1, 4, 1, 1, 8, 2), (64, 2, 1, 4, 1, 1, 8, 2),
-                   (64, 1, 2, 4, 0, 1, 0, 1), (128, 2, 1, 3, 1, 1, 8, 1)]
+                   (64, 1, 2, 4, 0, 1, 0, 1), (128, 2, 1, 3, 1, 1, 8, 1)] + [
+                   # e4m3 value metadata (oscar-mix's INT2 layers): the defaults of each head_dim and group count
+                   (64, 1, 1, 4, 1, 1, 8, 1, 1), (64, 2, 1, 4, 1, 1, 8, 1, 1), (128, 2, 1, 4, 1, 1, 8, 0, 1),
+                   (128, 4, 1, 3, 1, 1, 8, 0, 1), (256, 4, 1, 2, 1, 1, 8, 0, 1), (256, 8, 1, 2, 0, 1, 8, 0, 1),
+                   (128, 2, 1, 4, 1, 0, 0, 0, 1)]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

@@ -284,13 +284,23 @@ def test_decode_mixed_bits_matches_reference(lens, tier_lens, h, rep, d, g, p, i
 @pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p,int8", DECODE_CASES_BITS)
 def test_decode_fp8_value_metadata_matches_reference(lens, tier_lens, h, rep, d, g, p, int8, bits, device):
     """oscar-mix's layout (e4m3 value scale and lo, INT2 or INT4 keys with fp16): the Triton kernel
-    reads it; the CUDA kernel does not claim it (an expected reason, no warning)."""
+    reads it; the CUDA kernel claims the INT2 layers (ROTKV_VMETA8) and leaves INT4 keys to Triton
+    with an expected reason (no warning); e4m3 key metadata is not its."""
+    import dataclasses
+
     from rotkv.kernels.plan import cuda_decode_reason
 
-    _check_decode(lens, tier_lens, h, rep, d, g, p, int8, device, bits=bits, v2=True, v_meta=torch.float8_e4m3fn)
+    cfg = DecodeConfig(qk_int8=int8, block_n=32, block_t=16, target_programs=8, min_split_tokens=32, v2=True,
+                       score="int8" if int8 else "bf16", backend="triton")
+    _check_decode(lens, tier_lens, h, rep, d, g, p, int8, device, cfg=cfg, bits=bits, v_meta=torch.float8_e4m3fn)
     body = _build(lens, tier_lens, h, d, g, p, 16, device, bits=bits, v_meta=torch.float8_e4m3fn)[0]
     why = cuda_decode_reason(body.layout, rep, "bf16")
-    assert why is not None and why.startswith("the CUDA decode kernel reads")
+    if bits == (2, 2) and g % 32 == 0:
+        assert why is None
+    else:
+        assert why is not None and why.startswith("the CUDA decode kernel reads")
+    fp8_keys = dataclasses.replace(body.layout, bits=(2, 2), metas=(torch.float8_e4m3fn, torch.float8_e4m3fn))
+    assert cuda_decode_reason(fp8_keys, rep, "bf16").startswith("the CUDA decode kernel reads fp16 key metadata")
 
 
 def test_dequant_dense_fp8_value_metadata(device):
@@ -366,6 +376,18 @@ CUDA_KERNEL_VARIANTS = [
     (2, 1, 256, "block", False, False, 0), (4, 4, 64, "all", False, True, 2), (2, None, 4096, "block", False, False, 0),
     (2, None, 2048, "none", False, True, 8), (1, None, 2048, "block", True, False, 0),
     (1, None, 2048, "block", True, True, 8), (1, None, 64, "block", True, False, 8), (2, 2, 256, "all", True, False, 0)]
+
+
+@cuda_only
+@pytest.mark.parametrize("score", ["int8", "bf16"])
+@pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p", CUDA_KERNEL_CASES[:5])
+def test_decode_cuda_fp8_value_metadata_matches_reference(lens, tier_lens, h, rep, d, g, p, score):
+    """The CUDA body kernel's e4m3 value-metadata build (ROTKV_VMETA8, oscar-mix's INT2 layers) against
+    the reference, within the error of the fp16-metadata build on the same tokens' codes."""
+    cfg = DecodeConfig(backend="cuda", score=score, cuda_min_split_tokens=64)
+    err8 = _check_decode(lens, tier_lens, h, rep, d, g, p, score == "int8", "cuda", cfg=cfg, seed=5,
+                         v_meta=torch.float8_e4m3fn, tol=2e-2 if score == "int8" else 1e-2)
+    assert err8 < 2e-2
 
 
 def cuda_kernel_config(tiles, min_blocks, target, fuse, prefetch, vf16, flush) -> DecodeConfig:

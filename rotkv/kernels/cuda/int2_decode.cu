@@ -35,12 +35,13 @@
 // dims, so they share a group too.
 //
 // Layout (as Int2PagePool, tests/kernels/paged_fixture.py): codes [NP, H, P, D/4] u8, scale/lo [NP, H, P, D/G]
-// fp16, page table kv_indptr [B+1], kv_indices, kv_last_page_len [B] (int32), P % 16 == 0.
+// fp16 (the values' e4m3 with ROTKV_VMETA8, oscar-mix's layout: converted to fp16 exactly), page table kv_indptr [B+1], kv_indices, kv_last_page_len [B] (int32), P % 16 == 0.
 // Output: unnormalized partials o [B, HQ, NS, D] fp32, running max m and sum l [B, HQ, NS]
 // (base 2: the query scale carries log2 e), merged by the Triton merge kernel.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 #define DEVI __device__ __forceinline__
@@ -56,6 +57,9 @@
 #endif
 #ifndef ROTKV_QF16  // score product: 0 int8 query (m16n8k32); 1 or 2 fp16 query (m16n8k16, see below)
 #define ROTKV_QF16 0
+#endif
+#ifndef ROTKV_VMETA8  // 1: the values' scale and lo are e4m3 (one byte each), the keys' stay fp16
+#define ROTKV_VMETA8 0
 #endif
 
 namespace {
@@ -171,6 +175,45 @@ DEVI __half meta_half(const typename MetaRaw<NG>::T& raw, int k) {
 template <int NG>
 DEVI float meta_at(const typename MetaRaw<NG>::T& raw, int k) {
   return __half2float(meta_half<NG>(raw, k));
+}
+
+// NG e4m3 values of one token (ROTKV_VMETA8), raw bytes until used; every e4m3 value is an fp16 value
+template <int NG> struct Meta8Raw;
+template <> struct Meta8Raw<1> { using T = uint8_t; static DEVI T zero() { return 0; } };
+template <> struct Meta8Raw<2> { using T = unsigned short; static DEVI T zero() { return 0; } };
+template <> struct Meta8Raw<4> { using T = uint32_t; static DEVI T zero() { return 0u; } };
+template <> struct Meta8Raw<8> { using T = uint2; static DEVI T zero() { return make_uint2(0u, 0u); } };
+
+template <int NG>
+DEVI __half meta8_half(const typename Meta8Raw<NG>::T& raw, int k) {
+  uint32_t w;
+  if constexpr (NG == 8) w = (k >> 2) ? raw.y : raw.x;
+  else w = (uint32_t)raw;
+  const __nv_fp8_storage_t b = (__nv_fp8_storage_t)((w >> (8 * (k & 3))) & 0xffu);
+  return __half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3));
+}
+
+// the values' metadata: fp16 as the keys', or e4m3 (ROTKV_VMETA8)
+#if ROTKV_VMETA8
+template <int NG> using VMetaRaw = Meta8Raw<NG>;
+constexpr int VMETA_BYTES = 1;
+#else
+template <int NG> using VMetaRaw = MetaRaw<NG>;
+constexpr int VMETA_BYTES = 2;
+#endif
+
+template <int NG>
+DEVI __half vmeta_half(const typename VMetaRaw<NG>::T& raw, int k) {
+#if ROTKV_VMETA8
+  return meta8_half<NG>(raw, k);
+#else
+  return meta_half<NG>(raw, k);
+#endif
+}
+
+template <int NG>
+DEVI float vmeta_at(const typename VMetaRaw<NG>::T& raw, int k) {
+  return __half2float(vmeta_half<NG>(raw, k));
 }
 
 // ---- K side: per token, the thread (g, t) loads KW words; chunk cc (dims [32cc, 32cc+32)) takes
@@ -417,20 +460,22 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
 #pragma unroll
   for (int u = 0; u < 4; ++u) voff[u] = (2 * t + (u & 1) + 8 * (u >> 1)) * NB + VM::byte_off(g, 0);
   using MetaT = typename MetaRaw<NG>::T;
+  using VMetaT = typename VMetaRaw<NG>::T;
   // this thread's loop-invariant bases (token row 0 of the pool): K row g, V row 2t, meta row g
   const uint8_t* kc_t = p.kc + koff[0];
   const uint8_t* vc_t = p.vc + voff[0];
   const uint8_t* ks_t = reinterpret_cast<const uint8_t*>(p.ks) + g * 2 * NG;
   const uint8_t* kl_t = reinterpret_cast<const uint8_t*>(p.kl) + g * 2 * NG;
-  const uint8_t* vs_t = reinterpret_cast<const uint8_t*>(p.vs) + g * 2 * NG;
-  const uint8_t* vl_t = reinterpret_cast<const uint8_t*>(p.vl) + g * 2 * NG;
+  const uint8_t* vs_t = reinterpret_cast<const uint8_t*>(p.vs) + g * VMETA_BYTES * NG;
+  const uint8_t* vl_t = reinterpret_cast<const uint8_t*>(p.vl) + g * VMETA_BYTES * NG;
   int pslot = start + tok_lo / p.P, poff = tok_lo % p.P;  // page-table slot and offset of the next tile
 
   // one softmax step's registers: TILES tiles of 16 tokens (a tile never crosses a page: P % 16 == 0)
   struct Step {
     uint32_t kw[TILES][2][KW];        // tokens g, g+8
     uint32_t vw[TILES][4][VW];        // tokens 2t, 2t+1, 2t+8, 2t+9
-    MetaT ksr[TILES][2], klr[TILES][2], vsr[TILES][2], vlr[TILES][2];  // raw fp16 metadata, tokens g, g+8
+    MetaT ksr[TILES][2], klr[TILES][2];    // raw fp16 metadata, tokens g, g+8
+    VMetaT vsr[TILES][2], vlr[TILES][2];   // the values' (fp16 or e4m3)
   };
   // issue the loads of the step at blk (advances the page slot and offset)
   auto load = [&](Step& st, const int blk) {
@@ -451,8 +496,8 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
         const uint8_t* vb = vc_t + (uint64_t)row0 * NB;
         const uint8_t* ksb = ks_t + (uint64_t)row0 * (2 * NG);
         const uint8_t* klb = kl_t + (uint64_t)row0 * (2 * NG);
-        const uint8_t* vsb = vs_t + (uint64_t)row0 * (2 * NG);
-        const uint8_t* vlb = vl_t + (uint64_t)row0 * (2 * NG);
+        const uint8_t* vsb = vs_t + (uint64_t)row0 * (VMETA_BYTES * NG);
+        const uint8_t* vlb = vl_t + (uint64_t)row0 * (VMETA_BYTES * NG);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           if constexpr (KW == 1) {
@@ -466,13 +511,14 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
             }
           }
           if (t0 + g + 8 * r < tok_hi) {  // beyond the split: zeros, so that p~ and p*lo stay 0
-            const int mo = 8 * r * 2 * NG;
+            const int mo = 8 * r * 2 * NG, vmo = 8 * r * VMETA_BYTES * NG;
             ksr[ti][r] = *reinterpret_cast<const MetaT*>(ksb + mo);
             klr[ti][r] = *reinterpret_cast<const MetaT*>(klb + mo);
-            vsr[ti][r] = *reinterpret_cast<const MetaT*>(vsb + mo);
-            vlr[ti][r] = *reinterpret_cast<const MetaT*>(vlb + mo);
+            vsr[ti][r] = *reinterpret_cast<const VMetaT*>(vsb + vmo);
+            vlr[ti][r] = *reinterpret_cast<const VMetaT*>(vlb + vmo);
           } else {
-            ksr[ti][r] = klr[ti][r] = vsr[ti][r] = vlr[ti][r] = MetaRaw<NG>::zero();
+            ksr[ti][r] = klr[ti][r] = MetaRaw<NG>::zero();
+            vsr[ti][r] = vlr[ti][r] = VMetaRaw<NG>::zero();
           }
         }
 #pragma unroll
@@ -615,14 +661,14 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
 #pragma unroll
       for (int k = 0; k < NG; ++k) {
         // P~[tok][head] for tokens g (row 0) and g+8 (row 1), heads 2t, 2t+1, then transposed
-        const float vl0 = meta_at<NG>(vlr[ti][0], k), vl1 = meta_at<NG>(vlr[ti][1], k);
+        const float vl0 = vmeta_at<NG>(vlr[ti][0], k), vl1 = vmeta_at<NG>(vlr[ti][1], k);
 #if ROTKV_VF16
-        const __half2 t0 = __hmul2(p01, __half2half2(meta_half<NG>(vsr[ti][0], k)));
-        const __half2 t1 = __hmul2(p23, __half2half2(meta_half<NG>(vsr[ti][1], k)));
+        const __half2 t0 = __hmul2(p01, __half2half2(vmeta_half<NG>(vsr[ti][0], k)));
+        const __half2 t1 = __hmul2(p23, __half2half2(vmeta_half<NG>(vsr[ti][1], k)));
         pb0[k] = movmatrix_t(*reinterpret_cast<const uint32_t*>(&t0));
         pb1[k] = movmatrix_t(*reinterpret_cast<const uint32_t*>(&t1));
 #else
-        const float vs0 = meta_at<NG>(vsr[ti][0], k), vs1 = meta_at<NG>(vsr[ti][1], k);
+        const float vs0 = vmeta_at<NG>(vsr[ti][0], k), vs1 = vmeta_at<NG>(vsr[ti][1], k);
         pb0[k] = movmatrix_t(pack_bf16(pr[0] * vs0, pr[1] * vs0));
         pb1[k] = movmatrix_t(pack_bf16(pr[2] * vs1, pr[3] * vs1));
 #endif
