@@ -98,12 +98,17 @@ timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_ker
   -k "fp8 or rotate" > "$R/tests-fp8.log" 2>&1
 echo "fp8 tests rc=$?"; tail -3 "$R/tests-fp8.log"; fi
 if want oscarmix; then stage oscarmix  # the recommended preset end to end: needs the real model ($ROTKV_GGUF)
+# the e4m3-metadata kernels on (ROTKV_FP8_KERNELS=1; +graph needs them), then oscar-mix eager without them
 for p in oscar-mix oscar-mix-long; do
-  timeout 200 python3 -m rotkv.cli bench --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --batch 64 --context 8192 \
-    --new-tokens 32 --methods rotkv:$p+graph --artifact artifacts/$p.safetensors \
+  ROTKV_FP8_KERNELS=1 timeout 200 python3 -m rotkv.cli bench --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --batch 64 \
+    --context 8192 --new-tokens 32 --methods rotkv:$p+graph --artifact artifacts/$p.safetensors \
     --out "$R/generate-$p-smollm2-64x8k.json" >> "$R/oscarmix.log" 2>&1
   echo "$p rc=$?"
 done
+timeout 200 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --context 8192 --new-tokens 32 \
+  --methods rotkv:oscar-mix --artifact artifacts/oscar-mix.safetensors --out "$R/generate-oscar-mix-ref-smollm2-64x8k.json" \
+  >> "$R/oscarmix.log" 2>&1
+echo "oscar-mix reference path rc=$?"
 timeout 240 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --context 8192 --new-tokens 32 \
   --methods rotkv:quarot-int2+graph rotkv:bf16+graph hf-static-compile --out "$R/generate-real-smollm2-64x8k.json" \
   >> "$R/oscarmix.log" 2>&1

@@ -107,13 +107,24 @@ def test_quant_write_int4_matches_reference(d, g, clip, rotate, t, device):
 
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("d,g,clip,rotate,t", [WRITE_CASES[0], WRITE_CASES[2]])
-def test_quant_write_fp8_metadata_matches_reference(d, g, clip, rotate, t, bits, device):
+def test_quant_write_fp8_metadata_matches_reference(d, g, clip, rotate, t, bits, device, fp8_kernels):
     """e4m3 scale and lo (oscar-mix's values): rounded lo down and scale up as the quantizer does, so
     the stored bytes are the reference's (the kernel steps the conversion's result through its bits)."""
     _check_write(d, g, clip, rotate, t, device, bits=bits, meta=torch.float8_e4m3fn)
 
 
-def test_fp8_rounding_steps_every_way(device):
+@pytest.fixture
+def fp8_kernels(monkeypatch):
+    """e4m3 metadata in the GPU kernels on (ROTKV_FP8_KERNELS; the interpreter runs them anyway)."""
+    from rotkv.kernels import plan
+
+    monkeypatch.setattr(plan, "FP8_KERNELS", True)
+    plan.clear_plans()
+    yield
+    plan.clear_plans()
+
+
+def test_fp8_rounding_steps_every_way(device, fp8_kernels):
     """Values on, between and around e4m3's codes (zeros, subnormals, both signs, the largest finite):
     lo rounds down and scale up exactly as rotkv.quant.quantizer._round_dir."""
     from rotkv.quant.quantizer import _round_meta
@@ -282,7 +293,8 @@ def test_decode_mixed_bits_matches_reference(lens, tier_lens, h, rep, d, g, p, i
 
 @pytest.mark.parametrize("bits", [(2, 2), (4, 2)])
 @pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p,int8", DECODE_CASES_BITS)
-def test_decode_fp8_value_metadata_matches_reference(lens, tier_lens, h, rep, d, g, p, int8, bits, device):
+def test_decode_fp8_value_metadata_matches_reference(lens, tier_lens, h, rep, d, g, p, int8, bits, device,
+                                                    fp8_kernels):
     """oscar-mix's layout (e4m3 value scale and lo, INT2 or INT4 keys with fp16): the Triton kernel
     reads it; the CUDA kernel claims the INT2 layers (ROTKV_VMETA8) and leaves INT4 keys to Triton
     with an expected reason (no warning); e4m3 key metadata is not its."""
@@ -303,7 +315,7 @@ def test_decode_fp8_value_metadata_matches_reference(lens, tier_lens, h, rep, d,
     assert cuda_decode_reason(fp8_keys, rep, "bf16").startswith("the CUDA decode kernel reads fp16 key metadata")
 
 
-def test_dequant_dense_fp8_value_metadata(device):
+def test_dequant_dense_fp8_value_metadata(device, fp8_kernels):
     body, table, *_ = _build([37, 20], [0, 0], 2, 64, 32, 16, 16, device, v_meta=torch.float8_e4m3fn)
     lens = lengths_from_table(table[0], table[2], 16).tolist()
     out = torch.full((2, 2, 37, 64), float("nan"), device=device)
@@ -314,11 +326,16 @@ def test_dequant_dense_fp8_value_metadata(device):
         assert torch.equal(out[b, :, :n], dequant_rows(*rows, 2, 32))
 
 
-def test_fp8_metadata_needs_sm89():
+def test_fp8_metadata_needs_sm89_and_the_switch(monkeypatch):
+    from rotkv.kernels import plan
     from rotkv.kernels.plan import part_reason
 
     fp8 = torch.float8_e4m3fn
-    assert part_reason(2, fp8) is None and part_reason(2, fp8, capability=(9, 0)) is None
+    monkeypatch.setattr(plan, "FP8_KERNELS", False)
+    assert part_reason(2, fp8) is None  # the interpreter (no capability) always
+    assert "ROTKV_FP8_KERNELS" in part_reason(2, fp8, capability=(9, 0))
+    monkeypatch.setattr(plan, "FP8_KERNELS", True)
+    assert part_reason(2, fp8, capability=(9, 0)) is None
     assert "8.9" in part_reason(2, fp8, capability=(8, 0))
     assert part_reason(2, torch.float16, capability=(8, 0)) is None
 
@@ -381,7 +398,7 @@ CUDA_KERNEL_VARIANTS = [
 @cuda_only
 @pytest.mark.parametrize("score", ["int8", "bf16"])
 @pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p", CUDA_KERNEL_CASES[:5])
-def test_decode_cuda_fp8_value_metadata_matches_reference(lens, tier_lens, h, rep, d, g, p, score):
+def test_decode_cuda_fp8_value_metadata_matches_reference(lens, tier_lens, h, rep, d, g, p, score, fp8_kernels):
     """The CUDA body kernel's e4m3 value-metadata build (ROTKV_VMETA8, oscar-mix's INT2 layers) against
     the reference, within the error of the fp16-metadata build on the same tokens' codes."""
     cfg = DecodeConfig(backend="cuda", score=score, cuda_min_split_tokens=64)
