@@ -14,7 +14,8 @@
 #   SmolLM2 64 x 8K; prefillprof: profile_prefill.py at SmolLM2 64 x 8K, default budget and one call;
 #   quick: this stop's kernel and prefill tests; prefillsweep: prefill time and peak at 128K/256K/512K
 #   tokens per call; fp8: the e4m3-metadata Triton paths compiled; oscarmix: the recommended preset
-#   through `rotkv bench` on the real SmolLM2 ($ROTKV_GGUF, artifacts/); none of these in the default list)
+#   through `rotkv bench` on the real SmolLM2 ($ROTKV_GGUF, artifacts/); decoderot: ROTKV_DECODE_ROTATION
+#   fp32 against bf16 on the step; none of these in the default list)
 set -u
 R=${RES:-$HOME/close}
 if [ "${1:-}" = start ]; then
@@ -113,4 +114,10 @@ timeout 240 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --contex
   --methods rotkv:quarot-int2+graph rotkv:bf16+graph hf-static-compile --out "$R/generate-real-smollm2-64x8k.json" \
   >> "$R/oscarmix.log" 2>&1
 echo "real smollm2 rc=$?"; fi
+if want decoderot; then stage decoderot  # the decode step's query/output rotation: float32 against bf16
+for mode in fp32 bf16; do
+  ROTKV_DECODE_ROTATION=$mode timeout 200 python3 -m rotkv.cli bench --random smollm2 --batch 1 64 --context 4096 8192 \
+    --new-tokens 32 --methods rotkv:quarot-int2+graph+fold --out "$R/generate-decoderot-$mode.json" >> "$R/decoderot.log" 2>&1
+  echo "decoderot $mode rc=$?"
+done; fi
 echo "all done $(date +%T)"

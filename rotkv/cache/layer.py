@@ -221,7 +221,8 @@ class HybridLayer(RotkvLayer):
         # the same arithmetic as the eager step (LayerRotation's bf16x2 matrices exist before capture)
         self.pools.write_tier(st.slots, rot.keys(k_new, self.tier_dtype)[:, :, 0],
                               rot.values(v_new, self.tier_dtype)[:, :, 0])
-        q = rot.queries(query)[:, :, 0]
+        qdt = _decode_qdtype(query)
+        q = rot.queries(query, qdt)[:, :, 0]
         plan = self.pools.decode_plan(q, kernels.decode_config(self.decode_score))
         if plan is None:
             raise ValueError(f"layer {self.layer_idx}: no decode kernel reads this cache's body on this device "
@@ -231,6 +232,8 @@ class HybridLayer(RotkvLayer):
         o = decode_attention(q, body, st.body if body is not None else None, st.body_max,
                              (self.pools.tier_k, self.pools.tier_v), st.tier, st.tier_max, sm_scale=scaling,
                              tier_start=self.state.pad, plan=plan)
+        if qdt is not None:  # bf16 in and out: one rotation kernel each way
+            return rot.outputs(o[:, :, None], query.dtype).transpose(1, 2)
         return rot.outputs(o.float()[:, :, None]).transpose(1, 2).to(query.dtype)
 
     def _step(self, step: Step, query: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, scaling: float,
@@ -250,7 +253,7 @@ class HybridLayer(RotkvLayer):
         if not output:
             o = None
         elif step.decode and kernels.enabled(query):
-            qr = self.rotation.queries(query[:, :, -1:])[:, :, 0]
+            qr = self.rotation.queries(query[:, :, -1:], _decode_qdtype(query))[:, :, 0]
             plan = self.pools.decode_plan(qr, kernels.decode_config(self.decode_score))
         if not output:
             pass
@@ -295,10 +298,10 @@ class HybridLayer(RotkvLayer):
         body = self.pools.paged if self.spec.quantized and t.body_max > 0 else None
         if body is None and plan.layout is not None:  # no body tokens yet: the tier's plan
             plan = None
-        return decode_attention(q, body, t.body if body is not None else None, t.body_max,
-                                (self.pools.tier_k, self.pools.tier_v), t.tier, t.tier_max, sm_scale=scaling,
-                                cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad,
-                                plan=plan).float()
+        o = decode_attention(q, body, t.body if body is not None else None, t.body_max,
+                             (self.pools.tier_k, self.pools.tier_v), t.tier, t.tier_max, sm_scale=scaling,
+                             cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad, plan=plan)
+        return o if o.dtype == torch.bfloat16 else o.float()  # bf16 from a bf16 query (ROTKV_DECODE_ROTATION)
 
     def _attend_dense(self, step: Step, query: torch.Tensor, scaling: float, own=None) -> torch.Tensor:
         """Dense attention of the step's queries ``[B, Hq, C, D]`` (float32 on the CPU, bf16 on the
@@ -437,6 +440,21 @@ def row_groups(rows: int, bytes_per_row: int, budget_mb: int | None = None) -> l
         raise ValueError(f"ROTKV_PREFILL_HISTORY_MB has to be >= 1 but got {budget_mb}")
     per = max(1, (budget_mb << 20) // max(bytes_per_row, 1))
     return [(r0, min(r0 + per, rows)) for r0 in range(0, rows, per)]
+
+
+# how a decode step rotates its query and turns its output back on the GPU: "fp32" (float32 query into
+# the kernel, float32 output rotated back), or "bf16" (one bf16x2 rotation kernel each way, bf16 in and
+# out: the CUDA kernel rounds the query to bf16 anyway); ROTKV_DECODE_ROTATION
+DECODE_ROTATION = os.environ.get("ROTKV_DECODE_ROTATION", "fp32")
+DECODE_ROTATIONS = ("fp32", "bf16")
+
+
+def _decode_qdtype(query: torch.Tensor) -> torch.dtype | None:
+    """The dtype a decode step's rotated query (and the kernel's output) has: bf16 (DECODE_ROTATION
+    "bf16", a bf16 CUDA query), else None (float32)."""
+    if DECODE_ROTATION not in DECODE_ROTATIONS:
+        raise ValueError(f"ROTKV_DECODE_ROTATION has to be one of {list(DECODE_ROTATIONS)} but got {DECODE_ROTATION!r}")
+    return torch.bfloat16 if DECODE_ROTATION == "bf16" and query.is_cuda and query.dtype == torch.bfloat16 else None
 
 
 # where a prefill step's own tokens attend in the model's basis (HybridLayer._own_basis):
