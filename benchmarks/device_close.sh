@@ -15,7 +15,8 @@
 #   quick: this stop's kernel and prefill tests; prefillsweep: prefill time and peak at 128K/256K/512K
 #   tokens per call; fp8: the e4m3-metadata Triton paths compiled; oscarmix: the recommended preset
 #   through `rotkv bench` on the real SmolLM2 ($ROTKV_GGUF, artifacts/); decoderot: ROTKV_DECODE_ROTATION
-#   fp32 against bf16 on the step; none of these in the default list)
+#   fp32 against bf16 on the step; capacity36: the largest batch at Qwen3-8B's 36 layers x 32K for INT2,
+#   rotkv bf16 and StaticCache (about 20 minutes: poll across calls); none of these in the default list)
 set -u
 R=${RES:-$HOME/close}
 if [ "${1:-}" = start ]; then
@@ -114,6 +115,14 @@ timeout 240 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --contex
   --methods rotkv:quarot-int2+graph rotkv:bf16+graph hf-static-compile --out "$R/generate-real-smollm2-64x8k.json" \
   >> "$R/oscarmix.log" 2>&1
 echo "real smollm2 rc=$?"; fi
+if want capacity36; then stage capacity36  # issue 20's capacity: Qwen3-8B shape, all 36 layers, 32K, the whole H200
+for spec in "rotkv:quarot-int2+graph+fold 48" "rotkv:bf16+graph 16" "hf-static-compile 12"; do
+  set -- $spec
+  timeout 500 python3 -m rotkv.cli bench --random qwen3-8b --max-batch --context 32768 --new-tokens 64 \
+    --methods "$1" --start "$2" --max-tries ${CAP_TRIES:-3} --out "$R/capacity36-$(echo "$1" | tr ':+' '__').json" \
+    >> "$R/capacity36.log" 2>&1
+  echo "capacity36 $1 rc=$?"
+done; fi
 if want decoderot; then stage decoderot  # the decode step's query/output rotation: float32 against bf16
 for mode in fp32 bf16; do
   ROTKV_DECODE_ROTATION=$mode timeout 200 python3 -m rotkv.cli bench --random smollm2 --batch 1 64 --context 4096 8192 \
