@@ -135,11 +135,13 @@ def test_merged_history_and_own_equal_one_softmax(hq, h):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("preset", ["quarot-int2", "bf16"])
-def test_later_chunks_merge_history_with_own_tokens(tiny_llama, preset, monkeypatch):
+@pytest.mark.parametrize("preset,mean", [("quarot-int2", False), ("quarot-int2", True), ("bf16", False)])
+def test_later_chunks_merge_history_with_own_tokens(tiny_llama, preset, mean, monkeypatch):
     """With float32 tiers (no bf16 rounding of the own tokens on either path) the own-basis prefill
     (own tokens causal in the model's basis, history rotated, merged by log-sum-exp) gives the
-    rotated single-softmax path's logits; every later chunk of every layer takes the merge."""
+    rotated single-softmax path's logits; every later chunk of every layer takes the merge. ``mean``:
+    random rotations with a large key mean (OSCAR's presets subtract one), whose ``scale * q.mu`` the
+    merge has to give back to the history's log-sum-exp (without it the logits move by 0.03)."""
     ids = _ids(2, 40, seed=5)
     calls = []
     real = layer_mod.attention_lse
@@ -148,6 +150,12 @@ def test_later_chunks_merge_history_with_own_tokens(tiny_llama, preset, monkeypa
     def run(basis):
         monkeypatch.setattr(layer_mod, "OWN_BASIS", basis)
         cache = RotkvCache(tiny_llama, preset, prefill_chunk=16, check_finite=False, tier_dtype="model", **SMALL)
+        if mean:
+            for i, layer in enumerate(cache.layers):
+                h, d = layer.kv_heads, layer.head_dim
+                g = torch.Generator().manual_seed(i)
+                r = torch.linalg.qr(torch.randn(h, d, d, generator=g))[0]
+                layer.rotation_cpu = LayerRotation(r, layer.rotation_cpu.R_V, 3 * torch.randn(h, d, generator=g))
         reserve(cache, 2, 40)
         return prefill(tiny_llama, ids, cache, chunk=16)
 

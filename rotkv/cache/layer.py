@@ -161,13 +161,14 @@ class HybridLayer(RotkvLayer):
     def _own_basis(self, step: Step, query: torch.Tensor) -> tuple[int, int, bool] | None:
         """``(p0, C, history)`` when the prefill step's own tokens can be attended in the model's basis,
         else None: every row's queries are the call's positions ``p0..p0+C-1``, all real, and every row
-        holds the same stored tokens (no mask). The rotation cancels within the own tokens (softmax is
-        invariant to the key mean's shift, ``R`` cancels in ``q R (k R)^T`` and ``p (v R) R^T``), so
-        they run causal SDPA on the call's own bf16 queries, keys and values (PyTorch's fastest kernel:
-        cuDNN on Hopper); ``history`` (something is stored): the rotated queries attend the stored
-        tokens apart and the two parts merge by their log-sum-exp (:meth:`_attend_merged`). Only the
-        stored keys and values are rotated. On the GPU (:data:`OWN_BASIS`); the CPU keeps the rotated
-        float32 reference unless the tests set it."""
+        holds the same stored tokens (no mask). The rotation cancels within the own tokens (``R``
+        cancels in ``q R (k R)^T`` and ``p (v R) R^T``; the key mean's shift ``q.mu`` is the same for
+        every key of a query, which one softmax ignores), so they run causal SDPA on the call's own
+        bf16 queries, keys and values (PyTorch's fastest kernel: cuDNN on Hopper); ``history``
+        (something is stored): the rotated queries attend the stored tokens apart and the two parts
+        merge by their log-sum-exp, the history's corrected by ``scale * q.mu`` (:meth:`_attend_merged`).
+        Only the stored keys and values are rotated. On the GPU (:data:`OWN_BASIS`); the CPU keeps the
+        rotated float32 reference unless the tests set it."""
         if OWN_BASIS not in OWN_BASES:
             raise ValueError(f"ROTKV_PREFILL_OWN_BASIS has to be one of {list(OWN_BASES)} but got {OWN_BASIS!r}")
         if not step.direct or not (OWN_BASIS == "always" or (OWN_BASIS == "gpu" and query.is_cuda
@@ -188,7 +189,8 @@ class HybridLayer(RotkvLayer):
         """A prefill step whose rows hold the same stored tokens: ``q [B, Hq, C, D]`` (model basis)
         attends its own ``k, v [B, H, C, D]`` causally in the model's basis, and, rotated, the stored
         history (dequantized body and tier, per row group as :meth:`_attend_dense`) without a mask;
-        the history's output is turned back and the two merge by their log-sum-exp (:func:`merge_lse`)."""
+        the history's output is turned back, its log-sum-exp gets back the ``scale * q.mu`` that the
+        stored keys' mean shift took out, and the two merge by their log-sum-exp (:func:`merge_lse`)."""
         dev = self.device
         cdt = torch.bfloat16 if (q.is_cuda and self.tier_dtype != torch.float32) else torch.float32
         b, hq, c, d = q.shape
@@ -201,6 +203,11 @@ class HybridLayer(RotkvLayer):
             hk, hv = self._history(step, r0, r1, nb, lt, cdt)
             oh, lh = attention_lse(self.rotation.queries(q[r0:r1], cdt), hk, hv, False, scaling)
             del hk, hv
+            mu = self.rotation.k_mean
+            if mu is not None:  # stored keys are (k - mu) R: the history's scores lack scale * q.mu, which
+                # one softmax ignores but a merge with the own part (raw keys) must add back
+                qg = q[r0:r1].float().reshape(r1 - r0, self.kv_heads, hq // self.kv_heads * c, d)
+                lh = lh + scaling * torch.einsum("bhnd,hd->bhn", qg, mu.float()).reshape(r1 - r0, hq, c, 1)
             oh = self.rotation.outputs(oh, q.dtype)
             oo, lo = attention_lse(q[r0:r1].to(cdt), k[r0:r1].to(cdt), v[r0:r1].to(cdt), True, scaling)
             o = merge_lse(oh, lh, oo, lo).to(q.dtype)
