@@ -29,6 +29,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _check_fp8_meta(part, dst: torch.Tensor, x: torch.Tensor) -> None:
+    """Raise as the reference quantizer does where the write kernel found e4m3 metadata out of range
+    (it stores NaN there: ``rotkv.kernels.write._fp8_round``)."""
+    if torch.isnan(part.scale[dst].float()).any() or torch.isnan(part.lo[dst].float()).any():
+        raise ValueError(f"values exceed the range of the {part.meta} quantization metadata (|x| up to "
+                         f"{x.float().abs().max().item():.3g}); store this side's metadata in float16 (meta_k / meta_v)")
+
+
 def _grow(t: torch.Tensor, pages: int) -> torch.Tensor:
     if t.shape[0] >= pages:
         return t
@@ -166,7 +174,10 @@ class LayerPools:
                 from rotkv.kernels.write import quant_write
 
                 slots = (dst[:, None] * p + torch.arange(p, device=dst.device)[None]).reshape(-1)
-                quant_write(x, slots, self.paged.parts[i], clip=codec.clip)
+                part = self.paged.parts[i]
+                quant_write(x, slots, part, clip=codec.clip)
+                if part.meta == torch.float8_e4m3fn:  # the kernel marks out-of-range metadata NaN
+                    _check_fp8_meta(part, dst, x)
             else:
                 enc = codec.encode(x.reshape(n, p, h, d).transpose(1, 2).float())
                 for name, t in enc.items():

@@ -25,7 +25,7 @@ from rotkv.kernels.plan import interpreting
 def _rotate_kernel(x_ptr, sxb, sxh, sxt, a_ptr, y_ptr, syb, syh, syt, T, HQ,
                    GROUP: tl.constexpr, D: tl.constexpr, K: tl.constexpr, SHIFT: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
-    pid_t, pid_e, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_bh, pid_t, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b = pid_bh // HQ
     h = pid_bh % HQ
     a = a_ptr + (h // GROUP).to(tl.int64) * (K * D)
@@ -96,7 +96,7 @@ def rotate_bf16x2(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor | None = N
         return y
     blk = _block(d)
     block_t = 64 if d <= 128 else 32
-    grid = (triton.cdiv(t, block_t), d // blk, b * hq)
+    grid = (b * hq, triton.cdiv(t, block_t), d // blk)  # rows x heads on axis 0 (the others cap at 65535)
     _rotate_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), a, y, y.stride(0), y.stride(1), y.stride(2),
                          t, hq, GROUP=hq // h, D=d, K=k, SHIFT=k > 2 * d, BLOCK_T=block_t, BLOCK_E=blk,
                          BLOCK_K=blk, F32_DOT=interpreting(), num_warps=4)

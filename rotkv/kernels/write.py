@@ -54,7 +54,9 @@ def _fp16_step(h, up: tl.constexpr):
 def _fp8_round(x, up: tl.constexpr, INTERP: tl.constexpr):
     """float32 ``x`` -> e4m3, rounded towards +inf (``up``) or -inf: the conversion's result moved one
     step through its sign-magnitude bits where it landed on the wrong side (whatever the conversion's
-    own rounding; ``rotkv.quant.quantizer._round_dir``'s rule). ``INTERP``: Triton's interpreter
+    own rounding; ``rotkv.quant.quantizer._round_dir``'s rule). Past e4m3's range (|x| > 448 after
+    the directed rounding) the result is NaN, on the GPU (a saturated 448 steps onto the NaN code) and
+    here alike: the caller checks for it (the reference raises). ``INTERP``: Triton's interpreter
     converts without carrying a rounded-up mantissa into the exponent (1.96 -> 1.0), so ``x`` is first
     rounded to e4m3's grid here (3 mantissa bits, or multiples of 2^-9 below 2^-6) and converts exactly."""
     xr = x
@@ -65,6 +67,7 @@ def _fp8_round(x, up: tl.constexpr, INTERP: tl.constexpr):
         sub = ((a * 512.0 + _RNE) - _RNE) / 512.0
         a = tl.where(a < 0.015625, sub, rn)
         sign = x.to(tl.int32, bitcast=True) & -2147483648  # -0.0 stays -0.0, as the conversion keeps it
+        a = tl.minimum(a, 448.0)  # saturate as the GPU's conversion does: the step below goes to NaN
         xr = (a.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     y = xr.to(tl.float8e4nv)
     b = y.to(tl.uint8, bitcast=True).to(tl.int32)
@@ -76,6 +79,7 @@ def _fp8_round(x, up: tl.constexpr, INTERP: tl.constexpr):
         wrong = f > x
         away = b >= 128
     mag = b & 127
+    # mag 126 (448) stepped away from zero is 127: e4m3fn's NaN, the out-of-range mark
     stepped = tl.where(mag == 0, 1 if up else 129, (b & 128) | tl.where(away, mag + 1, mag - 1))
     return tl.where(wrong, stepped, b).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 

@@ -124,6 +124,32 @@ def fp8_kernels(monkeypatch):
     plan.clear_plans()
 
 
+def test_fp8_metadata_out_of_range_is_nan_where_the_reference_raises(device, fp8_kernels):
+    """A group whose lo is below -448 or whose scale is above 448 gets NaN metadata (the pools raise on
+    it, as rotkv.quant.quantizer does); groups in range beside it are stored as the reference's."""
+    from rotkv.quant.quantizer import _round_meta
+
+    d, g = 64, 16
+    x = torch.zeros(4, 1, d)
+    x[0, 0, :g] = -500.0  # lo out of range
+    x[1, 0, g:2 * g] = torch.linspace(0, 1500, g)  # scale 500
+    x[2, 0, :g] = torch.linspace(-448, 0, g)  # the edge: in range
+    x[3, 0, :] = torch.linspace(-3, 3, d)
+    part = _pool_bufs(2, 1, 16, d, g, device, 2, torch.float8_e4m3fn)
+    quant_write(x.to(device), torch.arange(4, device=device), part)
+    s = part.scale.cpu().reshape(-1, d // g)[:4].float()
+    lo = part.lo.cpu().reshape(-1, d // g)[:4].float()
+    assert torch.isnan(lo[0, 0]) and torch.isnan(s[1, 1])
+    ok = ~(torch.isnan(s) | torch.isnan(lo))
+    assert ok.sum() == 4 * (d // g) - 2 or (ok.sum() == 4 * (d // g) - 3 and torch.isnan(s[0, 0]))
+    xg = x.reshape(4, d // g, g)
+    for r, c in [(2, 0), (2, 1), (3, 0), (3, 3), (0, 1), (1, 0)]:
+        rs, rl = _round_meta(xg[r, c].amin()[None], xg[r, c].amax()[None], 2, "float8")
+        assert s[r, c] == rs.float() and lo[r, c] == rl.float()
+    with pytest.raises(ValueError, match="range"):
+        _round_meta(xg[0, 0].amin()[None], xg[0, 0].amax()[None], 2, "float8")
+
+
 def test_fp8_rounding_steps_every_way(device, fp8_kernels):
     """Values on, between and around e4m3's codes (zeros, subnormals, both signs, the largest finite):
     lo rounds down and scale up exactly as rotkv.quant.quantizer._round_dir."""
