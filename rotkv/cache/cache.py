@@ -95,7 +95,8 @@ class RotkvCache(Cache):
         (:func:`rotkv.rotations.folding.fold_model_values`): v_proj then emits ``v R_V``, so the cache
         stores the same rotated values with no rotation of the values or the attention output. Only
         layers that rotate values are touched. A cache without R_V (folded already, or none) is a
-        no-op; the model is marked folded, and one folded with other matrices raises."""
+        no-op; the model is marked folded, and one folded with other matrices raises. Fold before the
+        cache's first forward: a decode step already captured in a CUDA graph keeps its rotations."""
         r_v = [layer.rotation_cpu.R_V if isinstance(layer, RotkvLayer) else None for layer in self.layers]
         if all(r is None for r in r_v):
             return

@@ -181,8 +181,11 @@ class HybridLayer(RotkvLayer):
             alike = all((a == a[0]).all() for a in (step.body_count, step.tier_tokens))
             if not (alike and (step.query_count == c).all() and (qp == p0 + np.arange(c)).all()):
                 return None
-            return p0, c, bool(step.tier_tokens[0] or step.body_count[0])
-        return step.cached("own_basis", plan)
+            history = bool(step.tier_tokens[0] or step.body_count[0])
+            if history and query.is_cuda and self.tier_dtype == torch.float32:
+                return None  # float32 history: attention_lse's math path would hold every score
+            return p0, c, history
+        return step.cached(("own_basis", self.tier_dtype), plan)
 
     def _attend_merged(self, step: Step, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        scaling: float) -> torch.Tensor:
@@ -451,7 +454,8 @@ def row_groups(rows: int, bytes_per_row: int, budget_mb: int | None = None) -> l
 
 # how a decode step rotates its query and turns its output back on the GPU: "fp32" (float32 query into
 # the kernel, float32 output rotated back), or "bf16" (one bf16x2 rotation kernel each way, bf16 in and
-# out: the CUDA kernel rounds the query to bf16 anyway); ROTKV_DECODE_ROTATION
+# out: the CUDA body kernel rounds the query to bf16 anyway, the Triton tier and body kernels read it
+# in float32, so there the query loses precision); ROTKV_DECODE_ROTATION
 DECODE_ROTATION = os.environ.get("ROTKV_DECODE_ROTATION", "fp32")
 DECODE_ROTATIONS = ("fp32", "bf16")
 
