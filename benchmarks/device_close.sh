@@ -58,7 +58,7 @@ for spec in "rotkv:quarot-int2+graph 256" "rotkv:bf16+graph 64" "hf-static-compi
 done; fi
 if want generate; then stage generate
 timeout 240 python3 -m rotkv.cli bench --random smollm2 --batch 64 --context 8192 --new-tokens 32 \
-  --methods rotkv:quarot-int2+graph rotkv:bf16+graph hf-static-compile --out "$R/generate-smollm2-64x8k.json" > "$R/generate.log" 2>&1
+  --methods rotkv:quarot-int2+graph rotkv:quarot-int2+graph+fold rotkv:bf16+graph hf-static-compile --out "$R/generate-smollm2-64x8k.json" > "$R/generate.log" 2>&1
 echo "generate 64x8k rc=$?"
 timeout 150 python3 -m rotkv.cli bench --random smollm2 --batch 1 --context 4096 --new-tokens 64 \
   --methods rotkv:quarot-int2+graph rotkv:bf16+graph hf-static-compile --out "$R/generate-smollm2-1x4k.json" >> "$R/generate.log" 2>&1
