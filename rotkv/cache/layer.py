@@ -499,6 +499,10 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                 if "out of memory" in str(e):
                     raise
                 _LSE_FAILED["cudnn"] = f"{type(e).__name__}: {e}"[:200]
+                import warnings
+
+                warnings.warn(f"rotkv prefill: cuDNN attention refused ({_LSE_FAILED['cudnn']}); using the flash "
+                              "kernel from now on", RuntimeWarning, stacklevel=2)
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return r[0], r[1][..., :c].reshape(b, hq, c, 1).float()
     g = hq // k.shape[1]
