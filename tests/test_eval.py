@@ -205,3 +205,14 @@ def test_the_cache_fingerprint_follows_the_window_share():
     assert mix != old_style("oscar-mix")
     assert _fingerprint(settings, Method("oscar-mix", "rotkv", 3.1, {"window_share": 0.0})) == old_style("oscar-mix")
     assert _fingerprint(settings, Method("oscar-mix", "rotkv", 3.1, {"window_share": 0.03})) not in (mix, old_style("oscar-mix"))
+
+
+def test_niah_lengths_given_hold_for_every_variant():
+    """`--lengths niah=...` replaces the profile's per-variant NIAH lengths (the full profile runs noise
+    and multivalue at 2048 only); without it the profile's stay."""
+    from rotkv.eval.config import make_config
+
+    assert make_config("full").niah_lengths("noise") == [2048]
+    cfg = make_config("full", tasks=["niah"], lengths={"niah": [4096, 8192]})
+    assert cfg.niah_lengths("noise") == [4096, 8192] and cfg.niah_lengths("essay") == [4096, 8192]
+    assert make_config("full", tasks=["nll"], lengths={"nll": [2048]}).niah_lengths("noise") == [2048]

@@ -111,9 +111,12 @@ PROFILES: dict[str, dict] = {
 
 
 def make_config(profile: str = "smoke", **overrides) -> EvalConfig:
-    """A profile with overrides (None values are ignored)."""
+    """A profile with overrides (None values are ignored). NIAH lengths given in ``lengths`` hold for
+    every variant: they replace the profile's per-variant lengths too (``niah_variant_lengths``)."""
     if profile not in PROFILES:
         raise ValueError(f"`profile` has to be one of {list(PROFILES)} but got {profile!r}")
     kw = {k: v() if callable(v) else v for k, v in PROFILES[profile].items()}
+    if (overrides.get("lengths") or {}).get("niah") and overrides.get("niah_variant_lengths") is None:
+        kw["niah_variant_lengths"] = {}
     kw.update({k: v for k, v in overrides.items() if v is not None})
     return EvalConfig(profile=profile, **kw)
