@@ -24,6 +24,7 @@ writes only the tokens that stay into the tier (:meth:`HybridLayer.store`).
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -499,8 +500,6 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                 if "out of memory" in str(e):
                     raise
                 _LSE_FAILED["cudnn"] = f"{type(e).__name__}: {e}"[:200]
-                import warnings
-
                 warnings.warn(f"rotkv prefill: cuDNN attention refused ({_LSE_FAILED['cudnn']}); using the flash "
                               "kernel from now on", RuntimeWarning, stacklevel=2)
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
@@ -543,8 +542,6 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
             if "out of memory" in str(e):
                 raise
             _FLASH_FAILED = f"{type(e).__name__}: {e}"[:200]
-            import warnings
-
             warnings.warn(f"rotkv prefill: flash attention refused ({_FLASH_FAILED}); using SDPA with a "
                           "lower-right causal bias from now on", RuntimeWarning, stacklevel=2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale,
