@@ -116,10 +116,12 @@ timeout 240 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --contex
   >> "$R/oscarmix.log" 2>&1
 echo "real smollm2 rc=$?"; fi
 if want capacity36; then stage capacity36  # issue 20's capacity: Qwen3-8B shape, all 36 layers, 32K, the whole H200
-for spec in "rotkv:quarot-int2+graph+fold 48" "rotkv:bf16+graph 16" "hf-static-compile 12"; do
+# CAP36: "method start tries" triples, ';'-separated (a try of INT2 at 128 x 32K prefills 4M tokens: ~5 min)
+IFS=';' read -ra specs <<< "${CAP36:-rotkv:quarot-int2+graph+fold 48 3;rotkv:bf16+graph 16 3;hf-static-compile 12 3}"
+for spec in "${specs[@]}"; do
   set -- $spec
-  timeout 500 python3 -m rotkv.cli bench --random qwen3-8b --max-batch --context 32768 --new-tokens 64 \
-    --methods "$1" --start "$2" --max-tries ${CAP_TRIES:-3} --out "$R/capacity36-$(echo "$1" | tr ':+' '__').json" \
+  timeout ${CAP36_T:-500} python3 -m rotkv.cli bench --random qwen3-8b --max-batch --context 32768 --new-tokens 64 \
+    --methods "$1" --start "$2" --max-tries "$3" --out "$R/capacity36-$(echo "$1" | tr ':+' '__').json" \
     >> "$R/capacity36.log" 2>&1
   echo "capacity36 $1 rc=$?"
 done; fi
