@@ -42,7 +42,7 @@ fi
 [ "${NLL_STAGE:-1}" = 1 ] && t "smollm2 nll" && timeout $T1 python3 -m rotkv.cli eval --model $SM --device $DEV --profile full --sink 16 --window 32 \
   --tasks nll --lengths $NLL --windows $WIN --new-tokens $NEW --methods $METHODS --artifact-dir $A \
   --out $OUT/smollm2-nll 2>&1 | grep -v "%|"
-t "smollm2 niah 4-8K"; timeout $T2 python3 -m rotkv.cli eval --model $SM --device $DEV --profile full --sink 16 --window 32 \
+[ "${NIAH_STAGE:-1}" = 1 ] && t "smollm2 niah 4-8K" && timeout $T2 python3 -m rotkv.cli eval --model $SM --device $DEV --profile full --sink 16 --window 32 \
   --tasks niah --lengths $NIAH --variants essay,multikey --depths $DEPTHS --samples $NS --methods $METHODS \
   --artifact-dir $A --out $OUT/smollm2-niah 2>&1 | grep -v "%|"
 if [ "${GEMMA:-1}" = 1 ]; then
