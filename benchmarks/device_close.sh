@@ -21,7 +21,7 @@ set -u
 R=${RES:-$HOME/close}
 if [ "${1:-}" = start ]; then
   mkdir -p "$R"
-  export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps a --target site (gguf)
   export ROTKV_COMMIT=${ROTKV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
   setsid nohup bash "$0" run >> "$R/run.log" 2>&1 < /dev/null &
   echo "started $ROTKV_COMMIT"
