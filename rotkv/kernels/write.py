@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from rotkv.kernels.body import TokenPart
-from rotkv.kernels.plan import device_capability, interpreting, part_reason, plan_write
+from rotkv.kernels.plan import device_capability, part_reason, plan_write
 
 _RNE = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + _RNE) - _RNE rounds |y| < 2**22 to nearest-even in fp32
 
@@ -51,37 +51,33 @@ def _fp16_step(h, up: tl.constexpr):
 
 
 @triton.jit
-def _fp8_round(x, up: tl.constexpr, INTERP: tl.constexpr):
-    """float32 ``x`` -> e4m3, rounded towards +inf (``up``) or -inf: the conversion's result moved one
-    step through its sign-magnitude bits where it landed on the wrong side (whatever the conversion's
-    own rounding; ``rotkv.quant.quantizer._round_dir``'s rule). Past e4m3's range (|x| > 448 after
-    the directed rounding) the result is NaN, on the GPU (a saturated 448 steps onto the NaN code) and
-    here alike: the caller checks for it (the reference raises). ``INTERP``: Triton's interpreter
-    converts without carrying a rounded-up mantissa into the exponent (1.96 -> 1.0), so ``x`` is first
-    rounded to e4m3's grid here (3 mantissa bits, or multiples of 2^-9 below 2^-6) and converts exactly."""
-    xr = x
-    if INTERP:
-        a = tl.abs(x)
-        bits = a.to(tl.int32, bitcast=True)
-        rn = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-        sub = ((a * 512.0 + _RNE) - _RNE) / 512.0
-        a = tl.where(a < 0.015625, sub, rn)
-        sign = x.to(tl.int32, bitcast=True) & -2147483648  # -0.0 stays -0.0, as the conversion keeps it
-        a = tl.minimum(a, 448.0)  # saturate as the GPU's conversion does: the step below goes to NaN
-        xr = (a.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    y = xr.to(tl.float8e4nv)
-    b = y.to(tl.uint8, bitcast=True).to(tl.int32)
-    f = y.to(tl.float32)
-    if up:
-        wrong = f < x
-        away = b < 128  # a positive value moves away from zero
-    else:
-        wrong = f > x
-        away = b >= 128
-    mag = b & 127
-    # mag 126 (448) stepped away from zero is 127: e4m3fn's NaN, the out-of-range mark
-    stepped = tl.where(mag == 0, 1 if up else 129, (b & 128) | tl.where(away, mag + 1, mag - 1))
-    return tl.where(wrong, stepped, b).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+def _fp8_round(x, up: tl.constexpr):
+    """float32 ``x`` -> e4m3fn, rounded towards +inf (``up``) or -inf, as ``rotkv.quant.quantizer.
+    _round_dir`` does: returns ``(byte, value)``, the code as int32 (sign bit 128) and its float32 value.
+
+    Integer arithmetic only: no float8 type is touched. Triton 3.6 on the H200 scrambled the bytes of
+    a float32 -> e4m3 conversion stored from a [BLOCK_T, NG] tile (rows 8-15 of every 16 held other
+    rows' codes: ``test_fp8_rounding_steps_every_way``), and its interpreter does
+    not carry a rounded-up mantissa into the exponent (1.96 -> 1.0). Here the code is the magnitude's
+    top 3 mantissa bits below its exponent (normal: ``(e + 7) << 3 | m``; below 2^-6, ``floor(|x| *
+    512)``, which meets the normal codes at 8), plus one where a remainder was cut and the rounding
+    goes away from zero; past 448 (or inf/NaN) the code is 127, e4m3fn's NaN: the caller's check raises
+    (the reference raises), as it did for a saturated conversion."""
+    bits = x.to(tl.int32, bitcast=True)
+    neg = bits < 0  # the sign bit: -0.0 stays -0.0 (byte 128), as the conversion keeps it
+    abits = bits & 0x7FFFFFFF
+    e = (abits >> 23) - 127
+    small = abits < 0x3C800000  # |x| < 2^-6: e4m3's subnormals, multiples of 2^-9
+    s = tl.abs(x) * 512.0  # exact where it is used: a power-of-two scale of a value below 2^-6
+    sf = tl.floor(s)
+    code = tl.where(small, sf.to(tl.int32), ((e + 7) << 3) | ((abits >> 20) & 7))
+    cut = tl.where(small, s != sf, (abits & 0xFFFFF) != 0)
+    away = (~neg) if up else neg
+    code = tl.where(cut & away, code + 1, code)
+    code = tl.where(small, code, tl.where((e > 8) | (code > 126), 127, code))
+    val = tl.where(code < 8, code.to(tl.float32) * 0.001953125,
+                   ((((code >> 3) + 120) << 23) | ((code & 7) << 20)).to(tl.float32, bitcast=True))
+    return code | tl.where(neg, 128, 0), tl.where(neg, -val, val)
 
 
 @triton.jit
@@ -93,7 +89,7 @@ def _quant_write_kernel(
     T, H,
     D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, CLIP_R: tl.constexpr,
     ROTATE: tl.constexpr, HAS_MEAN: tl.constexpr, KC: tl.constexpr, BLOCK_T: tl.constexpr,
-    BITS: tl.constexpr, ROT_TF32X3: tl.constexpr, META_FP8: tl.constexpr, INTERP: tl.constexpr,
+    BITS: tl.constexpr, ROT_TF32X3: tl.constexpr, META_FP8: tl.constexpr,
 ):
     NG: tl.constexpr = D // G
     PER: tl.constexpr = 8 // BITS  # codes per byte (planes)
@@ -135,10 +131,10 @@ def _quant_write_kernel(
     xg = tl.reshape(x, [BLOCK_T, NG, G])
     lo = tl.min(xg, axis=2)
     hi = tl.max(xg, axis=2)
-    if META_FP8:
-        lom = _fp8_round(lo, False, INTERP)
-        lof = lom.to(tl.float32)
-        sm = _fp8_round(tl.div_rn(hi - lof, LEVELS * 1.0), True, INTERP)
+    if META_FP8:  # bytes (the launcher passes uint8 views of e4m3 scale and lo)
+        lom, lof = _fp8_round(lo, False)
+        sm, sf = _fp8_round(tl.div_rn(hi - lof, LEVELS * 1.0), True)
+        lom, sm = lom.to(tl.uint8), sm.to(tl.uint8)
     else:
         lom = lo.to(tl.float16)
         lom = tl.where(lom.to(tl.float32) > lo, _fp16_step(lom, False), lom)
@@ -146,7 +142,7 @@ def _quant_write_kernel(
         sc = tl.div_rn(hi - lof, LEVELS * 1.0)
         sm = sc.to(tl.float16)
         sm = tl.where(sm.to(tl.float32) < sc, _fp16_step(sm, True), sm)
-    sf = sm.to(tl.float32)
+        sf = sm.to(tl.float32)
     safe = tl.where(sf > 0, sf, 1.0)
     y = tl.div_rn(xg - lof[:, :, None], safe[:, :, None])
     c = (y + _RNE) - _RNE
@@ -217,12 +213,13 @@ def quant_write(x: torch.Tensor, slots: torch.Tensor, part: TokenPart,
     rot = None if rot is None else rot.float().contiguous()
     mean = None if mean is None else mean.float().contiguous()
     dummy = part.codes  # never read when the matching flag is off
+    fp8 = part.meta == torch.float8_e4m3fn
+    meta = (part.scale.view(torch.uint8), part.lo.view(torch.uint8)) if fp8 else (part.scale, part.lo)
     grid = (triton.cdiv(t, block_t), h)
     _quant_write_kernel[grid](
         x, x.stride(0), x.stride(1), rot if rot is not None else dummy, mean if mean is not None else dummy,
-        slots.to(device=x.device, dtype=torch.int64), *part.tensors, t, h,
+        slots.to(device=x.device, dtype=torch.int64), part.codes, *meta, t, h,
         D=d, G=part.group_size, P=part.codes.shape[2], CLIP_R=clip_rank(clip, d), ROTATE=rot is not None,
         HAS_MEAN=mean is not None, KC=min(d, 64), BLOCK_T=block_t, BITS=part.bits,
-        ROT_TF32X3=rot_precision == "tf32x3", META_FP8=part.meta == torch.float8_e4m3fn,
-        INTERP=interpreting(), num_warps=num_warps,
+        ROT_TF32X3=rot_precision == "tf32x3", META_FP8=fp8, num_warps=num_warps,
     )
