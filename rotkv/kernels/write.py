@@ -134,7 +134,7 @@ def _quant_write_kernel(
     if META_FP8:  # bytes (the launcher passes uint8 views of e4m3 scale and lo)
         lom, lof = _fp8_round(lo, False)
         sm, sf = _fp8_round(tl.div_rn(hi - lof, LEVELS * 1.0), True)
-        lom, sm = lom.to(tl.uint8), sm.to(tl.uint8)
+        lom, sm = lom.to(tl.uint8), (sm & 127).to(tl.uint8)  # hi - lo >= 0: the H200 gave -0 - -0 as -0
     else:
         lom = lo.to(tl.float16)
         lom = tl.where(lom.to(tl.float32) > lo, _fp16_step(lom, False), lom)
