@@ -54,9 +54,10 @@ def device_capability(device: torch.device | str) -> tuple[int, int] | None:
 
 FP8_MIN_CAPABILITY = (8, 9)  # Triton's e4m3 (fp8e4nv) conversions
 # e4m3 metadata in the GPU kernels (Triton write / dequant / decode, the CUDA decode's VMETA8 build):
-# tested through the Triton interpreter and compiled for sm_90, not yet run on a GPU, so off there until
-# the GPU tests pass (ROTKV_FP8_KERNELS=1 turns it on; the CPU interpreter always runs it)
-FP8_KERNELS = os.environ.get("ROTKV_FP8_KERNELS", "0") == "1"
+# on by default since their tests passed on the H200 (2026-12-03, b7d0dd2: the write kernel's bytes equal
+# the reference's, the dequant and both decode kernels match theirs). ROTKV_FP8_KERNELS=0 turns them off
+# (those presets then run the PyTorch path on the GPU); the CPU interpreter always runs them.
+FP8_KERNELS = os.environ.get("ROTKV_FP8_KERNELS", "1") == "1"
 
 
 def _device_key(t: torch.Tensor) -> tuple:
@@ -212,7 +213,7 @@ def part_reason(bits: int, meta: torch.dtype, fmt: str = "token",
         return f"the kernels read fp16 or e4m3 metadata, got {meta}"
     if meta == torch.float8_e4m3fn and capability is not None:
         if not FP8_KERNELS:
-            return "e4m3 metadata in the GPU kernels is off until verified on a GPU (ROTKV_FP8_KERNELS=1)"
+            return "e4m3 metadata in the GPU kernels is off (ROTKV_FP8_KERNELS=0)"
         if capability < FP8_MIN_CAPABILITY:
             return f"e4m3 metadata needs compute capability 8.9+, this GPU has {capability[0]}.{capability[1]}"
     return None
@@ -245,7 +246,7 @@ def cuda_decode_reason(layout: BodyLayout, rep: int, score: str, capability: tup
         return (f"the CUDA decode kernel reads fp16 key metadata and fp16 or e4m3 value metadata, got "
                 f"{layout.metas} (the Triton kernel runs)")
     if layout.metas[1] == torch.float8_e4m3fn and not FP8_KERNELS:
-        return "the CUDA decode kernel reads e4m3 value metadata with ROTKV_FP8_KERNELS=1 only (not yet GPU-verified)"
+        return "the CUDA decode kernel's e4m3 value metadata is off (ROTKV_FP8_KERNELS=0)"
     if gk != gv or any(f != "token" for f in layout.formats):
         return "K and V need token parts with one group size"
     why = shape_reason(layout.head_dim, gk)
