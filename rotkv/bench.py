@@ -352,6 +352,15 @@ def max_batch(try_batch, start: int = 1, limit: int | None = None, max_tries: in
     return Capacity(lo, hi, tries, best)
 
 
+def _partial_capacity(seen: list) -> Capacity:
+    """The search's answer from the tries that finished before a try failed with an error other than
+    out-of-memory: the largest batch that ran and the smallest that ran out of memory."""
+    oks = [(b, r) for b, ok, r in seen if ok]
+    fails = [b for b, ok, _ in seen if not ok]
+    lo, best = max(oks, key=lambda t: t[0]) if oks else (0, None)
+    return Capacity(lo, min(fails) if fails else None, [(b, ok) for b, ok, _ in seen], best)
+
+
 @dataclass
 class CapacityRow:
     method: str
@@ -388,8 +397,11 @@ def capacity(model, model_id: str, methods: list[str], context: int, new_tokens:
             finally:
                 _clean(dev)
 
-        def log(b, ok, result, m=m):
+        seen = []  # (batch, ok, result) of every try so far: kept when a later try fails otherwise
+
+        def log(b, ok, result, m=m, seen=seen):
             _clean(dev)  # after the except clause: the failed try's frames (and tensors) are gone
+            seen.append((b, ok, result))
             print(f"capacity {m} @ {context}: batch {b} {'ok' if ok else 'out of memory'}", flush=True)
 
         try:
@@ -397,7 +409,7 @@ def capacity(model, model_id: str, methods: list[str], context: int, new_tokens:
             note = ""
         except Exception as e:  # noqa: BLE001 - one failing method must not lose the others' rows
             _clean(dev)
-            cap, note = Capacity(0, None, []), f"failed: {type(e).__name__}: {e}"[:300]
+            cap, note = _partial_capacity(seen), f"failed: {type(e).__name__}: {e}"[:300]
         run, mem = cap.result if cap.result is not None else (None, {"peak_gb": float("nan")})
         rows.append(CapacityRow(m, model_id, model.config.num_hidden_layers, context, new_tokens, cap.max_batch,
                                 cap.failed_at, cap.exact, cap.tries, round(mem["peak_gb"], 3),

@@ -76,3 +76,29 @@ def test_cli_max_batch_on_the_cpu(tmp_path, capsys):
         assert r["max_batch"] == 2 and r["tries"] == [[1, True], [2, True]] and r["context"] == 40
         assert r["layers"] == 1 and r["prefill_chunk"] == 16 and r["step_ms"] > 0 and r["prefill_s"] > 0
         assert set(r) >= {"method", "model", "layers", "context", "max_batch", "peak_gb", "prefill_s", "step_ms", "commit"}
+
+
+def test_a_later_error_keeps_the_tries_before_it(monkeypatch):
+    """A try that fails with an error other than out-of-memory (the H200's StaticCache + compile raised
+    an AssertionError at batch 10 after 16x 8 12x) ends that method's search, but its row keeps what the
+    finished tries found: max batch 8, failed at 12, the tries, and the error in the note."""
+    import types
+
+    import rotkv.bench as bench
+
+    def fake_run(model, m, prompts, *a, **k):
+        b = prompts
+        if b == 10:
+            raise AssertionError("recompile")
+        if b > 8:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return types.SimpleNamespace(prefill_s=1.5, step_ms=2.5), {"peak_gb": 3.0}
+
+    monkeypatch.setattr(bench, "run_method", fake_run)
+    monkeypatch.setattr(bench, "prompts", lambda vocab, b, context: b)
+    model = types.SimpleNamespace(device=torch.device("cpu"),
+                                  config=types.SimpleNamespace(vocab_size=10, num_hidden_layers=2))
+    (row,) = bench.capacity(model, "fake", ["m"], 64, new_tokens=1, start=16, max_tries=4)
+    assert (row.max_batch, row.failed_at, row.exact) == (8, 12, False)
+    assert row.tries == [(16, False), (8, True), (12, False)] and row.peak_gb == 3.0 and row.step_ms == 2.5
+    assert row.note.startswith("failed: AssertionError: recompile")
