@@ -2,14 +2,18 @@
 on a memory budget, and where the time of a whole job goes (prefill against decode).
 
     python benchmarks/plot_memory.py \
-        --generate benchmarks/results/generate-20261203-836f16b-smollm2-64x8k.json \
-                   benchmarks/results/generate-20261203-836f16b-qwen8l-4x32k.json \
+        --generate benchmarks/results/generate-20261203-5f66706-smollm2-64x8k.json \
+                   benchmarks/results/generate-20261203-5f66706-qwen8l-4x32k.json \
                    benchmarks/results/generate-prefill-b-ab85f6e.json \
         --capacity benchmarks/results/capacity-20261203-836f16b-16gb.json \
+                   benchmarks/results/capacity-20261203-64f94e5-36l-int2.json \
+                   benchmarks/results/capacity-20261203-64f94e5-36l-bf16.json \
+                   benchmarks/results/capacity-20261203-64f94e5-36l-hf-static.json \
         --job benchmarks/results/job-20261203-16d96fc.json --out docs/serving_memory.png
 
 Panels: (1) peak and cache GB per shape and method (``rotkv bench`` rows); (2) capacity: the
-largest batch that completed and the smallest that ran out of memory (``rotkv bench --max-batch``);
+largest batch that completed and the smallest that ran out of memory (``rotkv bench --max-batch``),
+one group per model, context and memory budget;
 (3) the job's seconds split into prefill, first step (graph capture) and decode
 (``benchmarks/bench_job.py``).
 """
@@ -62,23 +66,47 @@ def panel_peak(ax, files: list[str]) -> None:
     ax.legend(fontsize=7)
 
 
-def panel_capacity(ax, path: str) -> None:
-    rows = rows_of(path)
-    with open(path) as f:
-        meta = json.load(f)["meta"]
-    for i, r in enumerate(rows):
-        m = r["method"]
-        ax.bar(i, r["max_batch"], 0.6, color=COLORS.get(m, "tab:green"))
-        top = r["failed_at"] or r["max_batch"]
-        ax.plot([i, i], [r["max_batch"], top], color="black", lw=1)
-        ax.plot([i - 0.1, i + 0.1], [top, top], color="black", lw=1)
-        ax.text(i, r["max_batch"] / 2, f"{r['max_batch']}\n(< {r['failed_at']})" if r["failed_at"] else str(r["max_batch"]),
-                ha="center", va="center", fontsize=8, color="white")
-    ax.set_xticks(range(len(rows)), [LABELS.get(r["method"], r["method"]).replace(" + ", "\n+ ") for r in rows], fontsize=7)
-    r0 = rows[0]
-    budget = f"{meta['memory_gb']:.0f} GB budget, " if meta.get("memory_gb") else ""
-    ax.set_title(f"largest batch that completes\n({r0['model'].replace('random:', '')}, {budget}{r0['context'] // 1024}K "
-                 f"+ {r0['new_tokens']} new; bar to the first failure)", fontsize=9)
+def capacity_label(r: dict) -> str:
+    """The bar's text: the largest batch that completed, and the first that ran out of memory."""
+    if not r["tries"]:
+        return "search failed\n(see its log)" if r.get("note") else "no tries"
+    if r["failed_at"] is None:
+        return f">= {r['max_batch']}"
+    return f"{r['max_batch']}\n(< {r['failed_at']})"
+
+
+def panel_capacity(ax, paths: list[str]) -> None:
+    """One group of bars per (model, context, memory budget), over every --capacity file."""
+    groups: dict[str, list[dict]] = {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        budget = f"{data['meta']['memory_gb']:.0f} GB" if data["meta"].get("memory_gb") else "whole GPU"
+        for r in data["rows"]:
+            model = r["model"].replace("random:", "")
+            key = f"{model} ({r['layers']}L)\n{r['context'] // 1024}K, {budget}"
+            groups.setdefault(key, []).append(r)
+    methods = [m for m in COLORS if any(r["method"].replace("+fold", "") == m for g in groups.values() for r in g)]
+    width = 0.8 / max(len(methods), 1)
+    top_all = max((r["failed_at"] or r["max_batch"]) for g in groups.values() for r in g)
+    seen: set[str] = set()
+    for j, (key, rows) in enumerate(groups.items()):
+        for r in rows:
+            m = r["method"].replace("+fold", "")
+            x = j + (methods.index(m) - (len(methods) - 1) / 2) * width
+            ax.bar(x, r["max_batch"], width, color=COLORS.get(m, "tab:green"), label=None if m in seen else LABELS.get(m, m))
+            seen.add(m)
+            if r["failed_at"]:
+                ax.plot([x, x], [r["max_batch"], r["failed_at"]], color="black", lw=1)
+                ax.plot([x - width / 4, x + width / 4], [r["failed_at"]] * 2, color="black", lw=1)
+            ax.text(x, max(r["failed_at"] or 0, r["max_batch"]) + 0.01 * top_all, capacity_label(r),
+                    ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(groups)), list(groups), fontsize=7)
+    ax.set_ylim(0, 1.25 * top_all)
+    r0 = next(iter(groups.values()))[0]
+    ax.set_title(f"largest batch that completes (real prefill + {r0['new_tokens']} new tokens;\n"
+                 "bar to the first out-of-memory; >= : not searched higher)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
 
 
 def panel_job(ax, path: str) -> None:
@@ -104,7 +132,7 @@ def panel_job(ax, path: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--generate", nargs="+", required=True, help="rotkv bench JSONs (peak_gb, cache_gb)")
-    ap.add_argument("--capacity", required=True, help="a rotkv bench --max-batch JSON")
+    ap.add_argument("--capacity", nargs="+", required=True, help="rotkv bench --max-batch JSONs")
     ap.add_argument("--job", required=True, help="a bench_job.py JSON")
     ap.add_argument("--out", default="docs/serving_memory.png")
     a = ap.parse_args(argv)
