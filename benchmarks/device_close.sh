@@ -16,7 +16,9 @@
 #   tokens per call; fp8: the e4m3-metadata Triton paths compiled; oscarmix: the recommended preset
 #   through `rotkv bench` on the real SmolLM2 ($ROTKV_GGUF, artifacts/); decoderot: ROTKV_DECODE_ROTATION
 #   fp32 against bf16 on the step; capacity36: the largest batch at Qwen3-8B's 36 layers x 32K for INT2,
-#   rotkv bf16 and StaticCache (about 20 minutes: poll across calls); none of these in the default list)
+#   rotkv bf16 and StaticCache (about 20 minutes: poll across calls; CAP36 picks the tries); oscarprof:
+#   profile_step.py and profile_prefill.py on the real SmolLM2 with bf16, quarot-int2 and oscar-mix; none of
+#   these in the default list)
 set -u
 R=${RES:-$HOME/close}
 if [ "${1:-}" = start ]; then
@@ -126,9 +128,20 @@ for spec in "${specs[@]}"; do
   echo "capacity36 $1 rc=$?"
 done; fi
 if want decoderot; then stage decoderot  # the decode step's query/output rotation: float32 against bf16
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_backend.py -k bf16_decode_rotation \
+  > "$R/tests-decoderot.log" 2>&1
+echo "decoderot tests rc=$?"; tail -1 "$R/tests-decoderot.log"
 for mode in fp32 bf16; do
   ROTKV_DECODE_ROTATION=$mode timeout 200 python3 -m rotkv.cli bench --random smollm2 --batch 1 64 --context 4096 8192 \
     --new-tokens 32 --methods rotkv:quarot-int2+graph+fold --out "$R/generate-decoderot-$mode.json" >> "$R/decoderot.log" 2>&1
   echo "decoderot $mode rc=$?"
 done; fi
+if want oscarprof; then stage oscarprof  # the recommended preset's step and prefill per kernel, real SmolLM2 ($ROTKV_GGUF)
+timeout 200 python3 benchmarks/profile_step.py --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --artifact-dir artifacts \
+  --presets bf16 quarot-int2 oscar-mix --requests 64 --context 8192 --out "$R/stepprof-real-smollm2-64x8k.json" \
+  > "$R/oscarprof.log" 2>&1
+echo "oscarprof step rc=$?"
+timeout 200 python3 benchmarks/profile_prefill.py --model "$ROTKV_GGUF" --artifact-dir artifacts --batch 64 --context 8192 \
+  --methods bf16 quarot-int2 oscar-mix hf-static --out "$R/prefill-prof-real-smollm2.json" >> "$R/oscarprof.log" 2>&1
+echo "oscarprof prefill rc=$?"; fi
 echo "all done $(date +%T)"

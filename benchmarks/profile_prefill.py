@@ -14,6 +14,9 @@ chunking itself costs.
 
     PYTHONPATH=. python benchmarks/profile_prefill.py --random smollm2 --batch 64 --context 8192 \
         --methods bf16 quarot-int2 hf-static --out prefill-prof.json
+    # the real model, with presets that need an artifact (artifacts/<preset>.safetensors)
+    PYTHONPATH=. python benchmarks/profile_prefill.py --model $ROTKV_GGUF --artifact-dir artifacts --batch 64 \
+        --context 8192 --methods bf16 quarot-int2 oscar-mix hf-static --out prefill-prof-real.json
 
 Writes ``--out`` (JSON) and the same path with ``.md`` (tables).
 """
@@ -55,6 +58,19 @@ def _preset(method: str) -> str:
     return method.removeprefix("rotkv:").split("+")[0]
 
 
+ARTIFACT_DIR = None  # --artifact-dir: <preset>.safetensors for the presets that need one (set by main)
+
+
+def _artifact(preset: str) -> str | None:
+    from rotkv.config import get_preset
+
+    if not get_preset(preset).needs_artifact:
+        return None
+    if ARTIFACT_DIR is None:
+        raise SystemExit(f"preset {preset!r} needs an artifact: pass --model and --artifact-dir")
+    return os.path.join(ARTIFACT_DIR, f"{preset}.safetensors")
+
+
 def _sync(dev) -> float:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -81,7 +97,7 @@ def run_prefill(model, method: str, ids, new_tokens: int, chunk: int | None, tok
                        pad_token_id=0, **{cache_kwarg(model): cache})
     else:
         extra = {"prefill_chunk": chunk} if chunk else {}
-        cache = RotkvCache(model, _preset(method), check_finite=False, **extra)
+        cache = RotkvCache(model, _preset(method), artifact=_artifact(_preset(method)), check_finite=False, **extra)
         reserve(cache, b, n + new_tokens)
         t0 = _sync(dev)
         prefill(model, ids, cache, chunk=chunk, max_tokens=tokens)
@@ -189,7 +205,10 @@ def markdown(rows: list[dict], swept: bool) -> str:
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--random", choices=sorted(RANDOM_SHAPES), required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--random", choices=sorted(RANDOM_SHAPES), help="random weights of a real shape")
+    src.add_argument("--model", help="a real model (GGUF file or model directory)")
+    p.add_argument("--artifact-dir", default=None, help="<preset>.safetensors for presets that need one (with --model)")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--context", type=int, default=1024)
@@ -213,7 +232,16 @@ def main(argv=None) -> dict:
     chunks = a.prefill_chunk or [None]
     if not a.sweep_prefill_tokens and len(chunks) > 1:
         raise SystemExit("profiling takes one --prefill-chunk; several are for --sweep-prefill-tokens")
-    model, model_id = _random_model(a.random, a.layers, a.device)
+    global ARTIFACT_DIR
+    ARTIFACT_DIR = a.artifact_dir
+    if a.model:
+        from rotkv.hf.models import load_model
+
+        if a.layers:
+            raise SystemExit("--layers is for --random shapes")
+        model, model_id = load_model(a.model, device=a.device).model, a.model
+    else:
+        model, model_id = _random_model(a.random, a.layers, a.device)
     ids = bench.prompts(model.config.vocab_size, a.batch, a.context).to(model.device)
     import transformers
 

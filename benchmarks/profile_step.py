@@ -14,6 +14,8 @@ norms and elementwise, copies), so that what costs INT2 more than bf16 is read o
 
     python benchmarks/profile_step.py --shape smollm2 --requests 64 --context 8192
     python benchmarks/profile_step.py --shape qwen3-8b --layers 8 --requests 4 --context 32768
+    # a real model (a GGUF or a model directory) and presets that need an artifact (artifact dir/<preset>.safetensors)
+    python benchmarks/profile_step.py --model $ROTKV_GGUF --artifact-dir artifacts --presets bf16 quarot-int2 oscar-mix
 
 Writes benchmarks/results/stepprof-<UTC time>-<shape>.json.
 """
@@ -74,13 +76,21 @@ def timed(fn, n: int) -> float:
 
 
 @torch.no_grad()
-def profile_preset(model, preset: str, rows: int, context: int, chunk: int, steps: int) -> dict:
+def profile_preset(model, preset: str, rows: int, context: int, chunk: int, steps: int,
+                   artifact_dir: str | None = None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from rotkv.cache.graph import GraphDecoder
     from rotkv.hf.compat import cache_kwarg
 
-    cache = RotkvCache(model, preset, check_finite=False)
+    from rotkv.config import get_preset
+
+    artifact = None
+    if get_preset(preset).needs_artifact:
+        if artifact_dir is None:
+            raise SystemExit(f"preset {preset!r} needs an artifact: pass --model and --artifact-dir")
+        artifact = os.path.join(artifact_dir, f"{preset}.safetensors")
+    cache = RotkvCache(model, preset, artifact=artifact, check_finite=False)
     fill_synthetic(model, cache, rows, context, chunk)
     dev = model.device
     p = cache.spec.page_size
@@ -120,7 +130,9 @@ def profile_preset(model, preset: str, rows: int, context: int, chunk: int, step
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="random weights of this shape")
+    ap.add_argument("--model", default=None, help="a real model instead (GGUF file or model directory)")
+    ap.add_argument("--artifact-dir", default=None, help="<preset>.safetensors for presets that need one")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the real shape")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=8192)
@@ -131,11 +143,20 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
-    shape = dict(SHAPES[a.shape])
-    if a.layers:
-        shape["num_hidden_layers"] = a.layers
-    model = build_model(shape, "cuda")
-    res = [profile_preset(model, p, a.requests, a.context, a.chunk, a.steps) for p in a.presets]
+    if a.model:
+        from rotkv.hf.models import load_model
+
+        if a.layers:
+            ap.error("--layers is for random shapes")
+        model = load_model(a.model, device="cuda").model
+        shape = {"num_hidden_layers": model.config.num_hidden_layers}
+        a.shape = os.path.basename(a.model.rstrip("/")).split(".")[0]
+    else:
+        shape = dict(SHAPES[a.shape])
+        if a.layers:
+            shape["num_hidden_layers"] = a.layers
+        model = build_model(shape, "cuda")
+    res = [profile_preset(model, p, a.requests, a.context, a.chunk, a.steps, a.artifact_dir) for p in a.presets]
     cats = sorted({c for r in res for c in r["categories"]}, key=lambda c: -max(r["categories"].get(c, 0) for r in res))
     label = f"{a.shape}{'-' + str(a.layers) + 'L' if a.layers else ''} {a.requests} x {a.context}"
     print(f"\n## {label}  (us per step; graph = GraphDecoder.step incl. host work and flush)")
