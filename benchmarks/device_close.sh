@@ -17,7 +17,8 @@
 #   through `rotkv bench` on the real SmolLM2 ($ROTKV_GGUF, artifacts/); decoderot: ROTKV_DECODE_ROTATION
 #   fp32 against bf16 on the step; capacity36: the largest batch at Qwen3-8B's 36 layers x 32K for INT2,
 #   rotkv bf16 and StaticCache (about 20 minutes: poll across calls; CAP36 picks the tries); oscarprof:
-#   profile_step.py and profile_prefill.py on the real SmolLM2 with bf16, quarot-int2 and oscar-mix; none of
+#   profile_step.py and profile_prefill.py on the real SmolLM2 with bf16, quarot-int2 and oscar-mix; cudawrite8:
+#   the CUDA write's e4m3 build, tested, then oscar-mix's prefill and step without and with it; none of
 #   these in the default list)
 set -u
 R=${RES:-$HOME/close}
@@ -144,4 +145,14 @@ echo "oscarprof step rc=$?"
 timeout 200 python3 benchmarks/profile_prefill.py --model "$ROTKV_GGUF" --artifact-dir artifacts --batch 64 --context 8192 \
   --methods bf16 quarot-int2 oscar-mix hf-static --out "$R/prefill-prof-real-smollm2.json" >> "$R/oscarprof.log" 2>&1
 echo "oscarprof prefill rc=$?"; fi
+if want cudawrite8; then stage cudawrite8  # the CUDA write's e4m3 build: its test, then oscar-mix's prefill without and with it
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py -k "cuda_fp8_metadata" \
+  > "$R/tests-cudawrite8.log" 2>&1
+echo "cudawrite8 tests rc=$?"; tail -1 "$R/tests-cudawrite8.log"
+for on in 0 1; do
+  ROTKV_CUDA_WRITE_FP8=$on timeout 200 python3 -m rotkv.cli bench --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --batch 64 \
+    --context 8192 --new-tokens 32 --methods rotkv:oscar-mix+graph --artifact artifacts/oscar-mix.safetensors \
+    --out "$R/generate-cudawrite8-$on.json" >> "$R/cudawrite8.log" 2>&1
+  echo "cudawrite8 $on rc=$?"
+done; fi
 echo "all done $(date +%T)"

@@ -3,7 +3,7 @@
 
 Same contract as the Triton kernel (:func:`rotkv.kernels.write.quant_write`, which dispatches
 here): ``x [T, H, D]`` -> optional ``(x - mean) R`` -> per-row clip -> per-group INT2/INT4 with
-fp16 scale and lo -> planar pack -> the pool rows at ``slots``. Without rotation its bytes equal
+fp16 (or e4m3) scale and lo -> planar pack -> the pool rows at ``slots``. Without rotation its bytes equal
 the quantizer's run on the CPU. With rotation the product is a bf16 MMA (``x`` must be bf16, so
 it is exact) against R as one bf16 matrix (``rot_precision="bf16"``) or as the sum of two
 (``"bf16x2"``, the default: error about 2^-16 of the value, near the fp32 reference).
@@ -41,12 +41,19 @@ def default_warps(d: int, rot_precision: str, rotate: bool) -> int:
 def _setup(lib: ctypes.CDLL) -> None:
     fn = lib.rotkv_quant_write
     fn.restype = ctypes.c_int
-    fn.argtypes = ([ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong]
+    fn.argtypes = ([ctypes.c_int] * 7 + [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong]
                    + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_void_p])
 
 
-def build(device: torch.device, d: int, g: int, bits: int, split: int, warps: int) -> ctypes.CDLL:
-    macros = {"ROTKV_D": d, "ROTKV_G": g, "ROTKV_BITS": bits, "ROTKV_SPLIT": split, "ROTKV_NW": warps}
+def variant_macros(d: int, g: int, bits: int, split: int, warps: int, meta8: bool = False) -> dict[str, int]:
+    """The macros of one variant, in the loader's order (``rotkv.kernels.prebuild`` names the same)."""
+    return {"ROTKV_D": d, "ROTKV_G": g, "ROTKV_BITS": bits, "ROTKV_SPLIT": split, "ROTKV_NW": warps,
+            "ROTKV_META8": int(meta8)}
+
+
+def build(device: torch.device, d: int, g: int, bits: int, split: int, warps: int, meta8: bool = False) -> ctypes.CDLL:
+    """The library of one variant; ``meta8``: scale and lo stored as e4m3 bytes (``ROTKV_META8``)."""
+    macros = variant_macros(d, g, bits, split, warps, meta8)
     for name in ("REDUX", "FASTDIV"):  # measurement switches (benchmarks/bench_write.py)
         if f"ROTKV_WRITE_{name}" in os.environ:
             macros[f"ROTKV_{name}"] = int(os.environ[f"ROTKV_WRITE_{name}"])
@@ -62,7 +69,8 @@ def launch(x: torch.Tensor, slots: torch.Tensor, part: TokenPart, rot: torch.Ten
     bits, g = part.bits, part.group_size
     codes, scale, lo = part.tensors
     split = PRECISIONS[rot_precision] if rot is not None else 1
-    lib = build(x.device, d, g, bits, split, num_warps)
+    meta8 = part.meta == torch.float8_e4m3fn
+    lib = build(x.device, d, g, bits, split, num_warps, meta8)
     mu = None
     if rot is not None:
         rot = rot.to(device=x.device, dtype=torch.float32).contiguous()
@@ -72,7 +80,7 @@ def launch(x: torch.Tensor, slots: torch.Tensor, part: TokenPart, rot: torch.Ten
         mu = mean.to(device=x.device, dtype=torch.float32).contiguous()
     slots = slots.to(device=x.device, dtype=torch.int64).contiguous()
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    rc = lib.rotkv_quant_write(d, g, bits, split, num_warps, DTYPES[x.dtype], x.data_ptr(), x.stride(0),
+    rc = lib.rotkv_quant_write(d, g, bits, split, num_warps, int(meta8), DTYPES[x.dtype], x.data_ptr(), x.stride(0),
                                x.stride(1), None if rot is None else rot.data_ptr(),
                                None if mu is None else mu.data_ptr(), slots.data_ptr(), codes.data_ptr(),
                                scale.data_ptr(), lo.data_ptr(), t, h, codes.shape[2], clip_r, blocks_per_head, stream)

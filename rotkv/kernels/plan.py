@@ -58,6 +58,10 @@ FP8_MIN_CAPABILITY = (8, 9)  # Triton's e4m3 (fp8e4nv) conversions
 # the reference's, the dequant and both decode kernels match theirs). ROTKV_FP8_KERNELS=0 turns them off
 # (those presets then run the PyTorch path on the GPU); the CPU interpreter always runs them.
 FP8_KERNELS = os.environ.get("ROTKV_FP8_KERNELS", "1") == "1"
+# the CUDA write kernel's e4m3 build (ROTKV_META8: oscar-mix's value writes, which otherwise run the
+# Triton write): compiled for sm_90 without spills here, not yet run on a GPU, so off until its tests
+# pass there (ROTKV_CUDA_WRITE_FP8=1 turns it on)
+CUDA_WRITE_FP8 = os.environ.get("ROTKV_CUDA_WRITE_FP8", "0") == "1"
 
 
 def _device_key(t: torch.Tensor) -> tuple:
@@ -468,8 +472,11 @@ def cuda_write_reason(head_dim: int, group_size: int, dtype: torch.dtype, rotate
     input's strides and nvcc are checked by :func:`plan_write`)."""
     from rotkv.kernels import cuda_write
 
-    if meta != torch.float16:
-        return f"the CUDA write kernel stores fp16 metadata, the part's is {meta}"
+    if meta == torch.float8_e4m3fn:
+        if not (CUDA_WRITE_FP8 and FP8_KERNELS):
+            return "the CUDA write kernel's e4m3 build is off until verified on a GPU (ROTKV_CUDA_WRITE_FP8=1)"
+    elif meta != torch.float16:
+        return f"the CUDA write kernel stores fp16 or e4m3 metadata, the part's is {meta}"
     if capability < CUDA_MIN_CAPABILITY:
         return "needs compute capability 8.0+ (redux.sync, bf16 mma.sync)"
     why = shape_reason(head_dim, group_size)

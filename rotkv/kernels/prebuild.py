@@ -62,8 +62,7 @@ def builds(head_dim: int, group_size: int, bits: int = 2, rotate: bool = True) -
         notes.append(note)
     for rot, prec, warps in writes:
         split = cuda_write.PRECISIONS[prec] if rot else 1
-        macros = (("ROTKV_D", head_dim), ("ROTKV_G", group_size), ("ROTKV_BITS", bits), ("ROTKV_SPLIT", split),
-                  ("ROTKV_NW", warps))
+        macros = tuple(cuda_write.variant_macros(head_dim, group_size, bits, split, warps).items())
         out.append(Build(cuda_write.SOURCE, "quant_write", macros, False,
                          "write, rotating" if rot else "write, plain (tier flushes, clipping)"))
     return out, notes

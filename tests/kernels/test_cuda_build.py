@@ -46,15 +46,18 @@ def test_build_and_load_the_library(tmp_path, monkeypatch):
 
 
 # (head_dim, group, bits, rotation split, warps): the write kernel's variants the dispatcher builds
-WRITE_VARIANTS = [(64, 64, 2, 2, 4), (64, 32, 4, 1, 8), (128, 64, 2, 2, 4), (128, 128, 4, 1, 8), (256, 64, 2, 1, 8)]
+# (the last: scale and lo as e4m3 bytes, ROTKV_META8, for oscar-mix's values)
+WRITE_VARIANTS = [(64, 64, 2, 2, 4, 0), (64, 32, 4, 1, 8, 0), (128, 64, 2, 2, 4, 0), (128, 128, 4, 1, 8, 0),
+                  (256, 64, 2, 1, 8, 0), (64, 64, 2, 2, 4, 1), (128, 64, 2, 2, 4, 1), (256, 64, 2, 1, 8, 1)]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("d,g,bits,split,warps", WRITE_VARIANTS)
-def test_cuda_write_kernel_compiles_without_spills(d, g, bits, split, warps, tmp_path):
+@pytest.mark.parametrize("d,g,bits,split,warps,meta8", WRITE_VARIANTS)
+def test_cuda_write_kernel_compiles_without_spills(d, g, bits, split, warps, meta8, tmp_path):
     from rotkv.kernels.cuda_write import SOURCE as WRITE_SOURCE
 
-    macros = [f"-DROTKV_D={d}", f"-DROTKV_G={g}", f"-DROTKV_BITS={bits}", f"-DROTKV_SPLIT={split}", f"-DROTKV_NW={warps}"]
+    macros = [f"-DROTKV_D={d}", f"-DROTKV_G={g}", f"-DROTKV_BITS={bits}", f"-DROTKV_SPLIT={split}", f"-DROTKV_NW={warps}",
+              f"-DROTKV_META8={meta8}"]
     spills = _spills(WRITE_SOURCE, macros, tmp_path / "w.cubin", fast_math=False)
     assert len(spills) == 4 and max(spills) == 0, spills  # three plain dtypes + the rotating kernel
 

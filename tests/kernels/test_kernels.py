@@ -220,6 +220,33 @@ def test_quant_write_cuda_kernel_matches_reference(d, g, clip, rotate, t, bits, 
     _check_write(d, g, clip, rotate, t, "cuda", seed=2, bits=bits, backend="cuda", rot_precision=prec, dtype=dtype)
 
 
+@cuda_only
+@pytest.mark.parametrize("d,g,clip,rotate,t,bits,prec", [(64, 64, 0.92, True, 37, 2, "bf16x2"), (64, 32, 1.0, False, 70, 2, None),
+                                                       (128, 64, 0.92, True, 300, 2, "bf16"), (64, 64, 0.96, True, 19, 4, "bf16x2"),
+                                                       (256, 32, 0.92, False, 64, 2, None)])
+def test_quant_write_cuda_fp8_metadata_matches_reference(d, g, clip, rotate, t, bits, prec, monkeypatch):
+    """The CUDA write's e4m3 build (ROTKV_META8) against the reference quantizer, within
+    _check_write's bounds (bytes equal unrotated); and the edge values of
+    test_fp8_rounding_steps_every_way (zeros, subnormals, both signs, 448) byte for byte."""
+    from rotkv.kernels import plan
+    from rotkv.quant.quantizer import _round_meta
+
+    monkeypatch.setattr(plan, "CUDA_WRITE_FP8", True)
+    monkeypatch.setattr(plan, "FP8_KERNELS", True)
+    _check_write(d, g, clip, rotate, t, "cuda", seed=3, bits=bits, backend="cuda", rot_precision=prec,
+                 meta=torch.float8_e4m3fn)
+    grid = torch.tensor([0.0, 2.0 ** -9, 2.0 ** -8, 0.3, 1.0, 1.0625, 3.3, 100.0, 440.0], dtype=torch.float32)
+    vals = torch.cat([grid, -grid, grid * 1.01, -grid * 1.01, grid * 0.99])
+    x = torch.zeros(len(vals), 1, 64)
+    x[:, 0, 0::2] = vals[:, None]
+    x[:, 0, 1::2] = (vals * 0.5)[:, None]
+    part = _pool_bufs(len(vals) // 16 + 2, 1, 16, 64, 16, "cuda", 2, torch.float8_e4m3fn)
+    quant_write(x.cuda(), torch.arange(len(vals), device="cuda"), part, backend="cuda")
+    scale, lo = _round_meta(x.reshape(len(vals), 1, 4, 16).amin(-1), x.reshape(len(vals), 1, 4, 16).amax(-1), 2, "float8")
+    assert torch.equal(part.lo.cpu().reshape(-1, 1, 4)[: len(vals)].view(torch.uint8), lo.view(torch.uint8))
+    assert torch.equal(part.scale.cpu().reshape(-1, 1, 4)[: len(vals)].view(torch.uint8), scale.view(torch.uint8))
+
+
 def test_quant_write_backend_choices(device):
     x = torch.randn(4, 2, 64, device=device, dtype=torch.bfloat16)
     bufs = _pool_bufs(2, 2, 16, 64, 64, device)

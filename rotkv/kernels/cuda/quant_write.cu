@@ -1,5 +1,5 @@
 // Quantize-on-write in CUDA: x [T, H, D] bf16 -> (x R - mu R) or (x - mu) -> per-row clip ->
-// per-group INT2/INT4 with fp16 scale and lo -> planar pack -> pool rows at slots [T].
+// per-group INT2/INT4 with fp16 (or, ROTKV_META8, e4m3) scale and lo -> planar pack -> pool rows at slots [T].
 //
 // Same arithmetic as rotkv.quant.quantizer (and the Triton kernel in rotkv/kernels/write.py):
 //   clip threshold t = the r-th largest |x| of the row (ties counted, = kthvalue), x clamped to [-t, t];
@@ -51,11 +51,20 @@
 #ifndef ROTKV_REDUX
 #define ROTKV_REDUX 1  // warp max/min by redux.sync (1) or by a shuffle butterfly (0)
 #endif
+#ifndef ROTKV_META8
+#define ROTKV_META8 0  // scale and lo as e4m3 bytes (1) or fp16 (0)
+#endif
 #ifndef ROTKV_FASTDIV
 #define ROTKV_FASTDIV 1  // codes by the reciprocal, with the division where it could round otherwise (1)
 #endif
 
 #define DEVI __device__ __forceinline__
+
+#if ROTKV_META8
+typedef uint8_t meta_t;  // e4m3fn bytes, written by e4m3_dir
+#else
+typedef __half meta_t;
+#endif
 
 namespace {
 
@@ -136,8 +145,41 @@ DEVI void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t 
 // Clip, quantize, pack and store one row held in the strided layout. One row at a time per warp:
 // interleaving 4 rows (their warp reductions in flight together) took 88 registers instead of 71
 // and measured 1.2-1.5x slower on the H200, and so did a bounded for-loop in place of the while.
+#if ROTKV_META8
+// float32 -> e4m3fn rounded towards +inf (up) or -inf, as rotkv.quant.quantizer._round_dir; returns the
+// byte and sets val to its value. Integer arithmetic on the bits, as the Triton write does
+// (rotkv/kernels/write.py, _fp8_round): the top 3 mantissa bits under the exponent (floor(|x| * 512)
+// below 2^-6, where the subnormals meet the normal codes at 8), plus one where a remainder was cut and
+// the rounding goes away from zero; past 448 (and inf/NaN) the code is 127, e4m3fn's NaN, which the
+// pools' check turns into an error (the reference raises).
+DEVI uint8_t e4m3_dir(float x, bool up, float& val) {
+  const uint32_t bits = __float_as_uint(x);
+  const bool neg = bits >> 31;
+  const uint32_t ab = bits & 0x7FFFFFFFu;
+  int code;
+  bool cut;
+  const bool small = ab < 0x3C800000u;
+  if (small) {
+    const float s = __uint_as_float(ab) * 512.0f;  // exact: a power-of-two scale below 2^-6
+    const float f = floorf(s);
+    code = (int)f;
+    cut = s != f;
+  } else {
+    const int e = (int)(ab >> 23) - 127;
+    code = e > 8 ? 127 : (((e + 7) << 3) | (int)((ab >> 20) & 7));
+    cut = e <= 8 && (ab & 0xFFFFFu) != 0;
+  }
+  if (cut && (up ? !neg : neg)) ++code;
+  if (code > 126) code = 127;
+  const float mag = code < 8 ? (float)code * 0.001953125f
+                             : __uint_as_float(((uint32_t)((code >> 3) + 120) << 23) | ((uint32_t)(code & 7) << 20));
+  val = neg ? -mag : mag;
+  return (uint8_t)(code | (neg ? 128 : 0));
+}
+#endif
+
 DEVI void quant_row(float (&v)[V], int clip_r, long long row, uint8_t* __restrict__ codes,
-                    __half* __restrict__ scale, __half* __restrict__ lo, int lane) {
+                    meta_t* __restrict__ scale, meta_t* __restrict__ lo, int lane) {
   if (clip_r > 0) {
     uint32_t a[V];
 #pragma unroll
@@ -169,7 +211,7 @@ DEVI void quant_row(float (&v)[V], int clip_r, long long row, uint8_t* __restric
     for (int i = 0; i < V; ++i) v[i] = fminf(fmaxf(v[i], -tf), tf);
   }
   float lof[NG], sdiv[NG], inv[NG];
-  __half lo16[NG], s16[NG];
+  meta_t lo16[NG], s16[NG];
 #pragma unroll
   for (int g = 0; g < NG; ++g) {
     float mn = v[g * GV], mx = v[g * GV];
@@ -180,10 +222,18 @@ DEVI void quant_row(float (&v)[V], int clip_r, long long row, uint8_t* __restric
     }
     mn = order_val(warp_imin(order_key(mn)));
     mx = order_val(warp_imax(order_key(mx)));
+#if ROTKV_META8
+    lo16[g] = e4m3_dir(mn, false, lof[g]);
+    float sf;
+    // hi - lo >= 0: the sign bit goes (the H200 gave -0 - -0 as -0 in the Triton write)
+    s16[g] = e4m3_dir(__fdiv_rn(__fsub_rn(mx, lof[g]), (float)LEVELS), true, sf) & 127;
+    sf = fabsf(sf);
+#else
     lo16[g] = __float2half_rd(mn);
     lof[g] = __half2float(lo16[g]);
     s16[g] = __float2half_ru(__fdiv_rn(__fsub_rn(mx, lof[g]), (float)LEVELS));
     const float sf = __half2float(s16[g]);
+#endif
     sdiv[g] = sf > 0.f ? sf : 1.f;  // a constant group divides by 1 (every code 0), as the reference
     inv[g] = __frcp_rn(sdiv[g]);
   }
@@ -234,8 +284,8 @@ template <typename XT>
 __global__ void __launch_bounds__(PNW * 32) write_plain(const XT* __restrict__ x, long long sxt,
                                                        long long sxh, const float* __restrict__ mu,
                                                        const long long* __restrict__ slots,
-                                                       uint8_t* __restrict__ codes, __half* __restrict__ scale,
-                                                       __half* __restrict__ lo, int T, int H, int P, int clip_r) {
+                                                       uint8_t* __restrict__ codes, meta_t* __restrict__ scale,
+                                                       meta_t* __restrict__ lo, int T, int H, int P, int clip_r) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, h = blockIdx.y;
   float m[V];
 #pragma unroll
@@ -262,8 +312,8 @@ __global__ void __launch_bounds__(NW * 32) write_rot(const __nv_bfloat16* __rest
                                                      long long sxh, const float* __restrict__ rot,
                                                      const float* __restrict__ mu_rot,
                                                      const long long* __restrict__ slots,
-                                                     uint8_t* __restrict__ codes, __half* __restrict__ scale,
-                                                     __half* __restrict__ lo, int T, int H, int P, int clip_r) {
+                                                     uint8_t* __restrict__ codes, meta_t* __restrict__ scale,
+                                                     meta_t* __restrict__ lo, int T, int H, int P, int clip_r) {
   extern __shared__ __align__(16) unsigned char smem[];
   __nv_bfloat16* rt = reinterpret_cast<__nv_bfloat16*>(smem);  // [SPLIT][D (n)][RS (k)]: R transposed
   float* ctile = reinterpret_cast<float*>(smem + SPLIT * D * RS * 2) + (threadIdx.x >> 5) * TILE_ROT * CS;
@@ -348,18 +398,18 @@ int launch_plain(const void* x, long long sxt, long long sxh, const void* mu, co
   if (nb <= 0) nb = (per_sm * sms + H - 1) / H;
   nb = nb < want ? nb : want;
   write_plain<XT><<<dim3(nb > 0 ? nb : 1, H), PNW * 32, 0, st>>>(
-      (const XT*)x, sxt, sxh, (const float*)mu, (const long long*)slots, (uint8_t*)codes, (__half*)scale,
-      (__half*)lo, T_, H, P, clip_r);
+      (const XT*)x, sxt, sxh, (const float*)mu, (const long long*)slots, (uint8_t*)codes, (meta_t*)scale,
+      (meta_t*)lo, T_, H, P, clip_r);
   return 0;
 }
 
 // Returns 0, or -1 (variant mismatch), -2 (bad arguments), or a CUDA error code + 1000.
 // x_dtype: 0 bf16, 1 fp16, 2 fp32 (the rotation takes bf16 only).
 // blocks_per_head <= 0: sized from the occupancy (every SM busy).
-extern "C" int rotkv_quant_write(int d, int g, int bits, int split, int nw, int x_dtype, const void* x, long long sxt, long long sxh,
+extern "C" int rotkv_quant_write(int d, int g, int bits, int split, int nw, int meta8, int x_dtype, const void* x, long long sxt, long long sxh,
                                  const void* rot, const void* mu, const void* slots, void* codes, void* scale,
                                  void* lo, int T, int H, int P, int clip_r, int blocks_per_head, void* stream) {
-  if (d != D || g != G || bits != BITS || split != SPLIT || nw != NW) return -1;
+  if (d != D || g != G || bits != BITS || split != SPLIT || nw != NW || meta8 != ROTKV_META8) return -1;
   if (T <= 0) return 0;
   if (H <= 0 || P <= 0 || clip_r < 0 || clip_r > D || x_dtype < 0 || x_dtype > 2 || (rot && x_dtype != 0)) return -2;
   cudaStream_t st = (cudaStream_t)stream;
@@ -382,7 +432,7 @@ extern "C" int rotkv_quant_write(int d, int g, int bits, int split, int nw, int 
     nb = nb < want ? nb : want;
     write_rot<<<dim3(nb > 0 ? nb : 1, H), NW * 32, sm, st>>>(
         (const __nv_bfloat16*)x, sxt, sxh, (const float*)rot, (const float*)mu, (const long long*)slots,
-        (uint8_t*)codes, (__half*)scale, (__half*)lo, T, H, P, clip_r);
+        (uint8_t*)codes, (meta_t*)scale, (meta_t*)lo, T, H, P, clip_r);
   } else if (x_dtype == 0) {
     launch_plain<__nv_bfloat16>(x, sxt, sxh, mu, slots, codes, scale, lo, T, H, P, clip_r, blocks_per_head, want, sms, st);
   } else if (x_dtype == 1) {
