@@ -166,6 +166,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--window", type=int, default=None, help="the bf16 window (default: the preset's)")
+    ap.add_argument("--sink", type=int, default=None, help="the bf16 sink (default: the preset's)")
+    ap.add_argument("--text", choices=["eval", "calib"], default="eval",
+                    help="score on the held-out texts (default) or on the calibration texts (to choose a lever "
+                         "without looking at the held-out ones)")
     ap.add_argument("--window-share", type=float, default=None,
                     help="CacheSpec.window_share: the window grows to this share of each row (default: the preset's)")
     ap.add_argument("--grid-tokens", type=int, default=4096, help="calibration tokens for the grids")
@@ -186,27 +190,34 @@ def main() -> None:
     model, tok = loaded.model, loaded.tokenizer
     spec = get_preset(args.preset)
     art = load_artifact(args.artifact)
-    texts = builtin_eval_texts()
+    if args.text == "calib":
+        from rotkv.calibrate.corpus import default_files
+
+        texts = default_files("calib")
+    else:
+        texts = builtin_eval_texts()
     ids = torch.tensor([read_tokens(tok, texts)])
     L, N = args.length, args.new_tokens
     starts = nll.window_starts(ids.shape[1], L, N, args.windows)
     os.makedirs(args.scratch, exist_ok=True)
     refs = []
     for s in starts:
-        path = os.path.join(args.scratch, f"ref_L{L}_s{s}_n{N}.pt")
+        path = os.path.join(args.scratch, f"ref{'' if args.text == 'eval' else '_' + args.text}_L{L}_s{s}_n{N}.pt")
         if not os.path.exists(path):
             torch.save(nll.reference(model, ids[:, s:s + L + N], L, N), path)
         refs.append((s, torch.load(path)))
     grids = load_tables(args.configs, model, tok, art, spec, args.grid_tokens, args.scratch, os.path.basename(args.artifact))
-    ctx = dict(model=model, ids=ids, refs=refs, length=L, new_tokens=N, sink=spec.sink, window=spec.window,
+    sink = spec.sink if args.sink is None else args.sink
+    ctx = dict(model=model, ids=ids, refs=refs, length=L, new_tokens=N, sink=sink, window=spec.window,
                artifacts={})
     results = json.load(open(args.out)) if os.path.exists(args.out) else {"runs": {}}
     results["settings"] = {"preset": args.preset, "artifact": args.artifact, "length": L, "new_tokens": N,
-                           "windows": args.windows, "starts": starts, "sink": spec.sink, "window": args.window or spec.window,
+                           "windows": args.windows, "starts": starts, "sink": sink, "window": args.window or spec.window,
                            "chunk": args.chunk, "texts": texts, "grid_tokens": args.grid_tokens,
                            "window_share": args.window_share}
     for name in args.configs:
         key = name + (f"/{args.tag}" if args.tag else "") + (f"/w{args.window}" if args.window else "") + (
+            f"/sink{args.sink}" if args.sink is not None else "") + (f"/{args.text}" if args.text != "eval" else "") + (
             f"/s{args.window_share:g}" if args.window_share is not None else "")
         if key in results["runs"]:
             continue
@@ -222,7 +233,7 @@ def main() -> None:
         def build(ctx_, preset, chunk, mod, win, levers=levers, r4=r4):
             window = r4[0] if r4 else args.window
             share = {} if args.window_share is None else {"window_share": args.window_share}
-            cache = RotkvCache(model, args.preset, art, prefill_chunk=chunk, window=window, **share)
+            cache = RotkvCache(model, args.preset, art, prefill_chunk=chunk, window=window, sink=sink, **share)
             extra[0] = apply(cache, levers, grids)
             if r4:
                 for layer in cache.layers:
