@@ -2,7 +2,7 @@
 transformers' sliding layers, after a 2048-token prefill of the evaluation text plus 63 decode steps
 (the state an nll window at 2K ends in, as in `rotkv eval --tasks nll --lengths nll=2048 --new-tokens 64`).
 
-usage: OMP_NUM_THREADS=1 python docs/results/cpu-gemma3-long/layer_bits.py MODEL ARTIFACT_DIR METHODS OUT.json
+usage: OMP_NUM_THREADS=1 python benchmarks/layer_bits.py MODEL ARTIFACT_DIR METHODS OUT.json
 """
 import json
 import sys
