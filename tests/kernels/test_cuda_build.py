@@ -6,6 +6,7 @@ import re
 import subprocess
 
 import pytest
+import torch
 
 from rotkv.kernels.cuda_decode import SOURCE, _nvcc
 
@@ -88,3 +89,45 @@ def test_cuda_decode_kernel_compiles_without_spills(variant, tmp_path):
     spills = _spills(SOURCE, [f"-DROTKV_{n}={v}" for n, v in zip(VARIANT_MACROS, variant)], tmp_path / "d.cubin",
                      fast_math=True)
     assert spills and max(spills) == 0, spills
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_cuda_write_e4m3_rounding_matches_the_reference_on_the_host(tmp_path):
+    """The CUDA write's e4m3 rounding (``e4m3_dir`` in quant_write.cu, host and device), run on the CPU
+    through nvcc's host compiler: every byte and value equals rotkv.quant.quantizer's directed rounding
+    (lo down, scale up) over zeros, subnormals, both signs, the largest finite values and random floats;
+    past 448 it gives the NaN code, where the reference raises."""
+    import ctypes
+    import subprocess
+
+    from rotkv.kernels.cuda_write import SOURCE as WRITE_SOURCE
+    from rotkv.quant.quantizer import _round_dir
+
+    wrapper = tmp_path / "e4m3_host.cu"
+    wrapper.write_text(f'#define ROTKV_META8 1\n#include "{WRITE_SOURCE}"\n'
+                       'extern "C" int e4m3_host(float x, int up, float* val) { return e4m3_dir(x, up != 0, *val); }\n')
+    lib_path = tmp_path / "e4m3_host.so"
+    res = subprocess.run([NVCC, "-std=c++17", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC", "-o", str(lib_path), str(wrapper)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lib = ctypes.CDLL(str(lib_path))
+    lib.e4m3_host.restype = ctypes.c_int
+    lib.e4m3_host.argtypes = [ctypes.c_float, ctypes.c_int, ctypes.POINTER(ctypes.c_float)]
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = codes[torch.isfinite(codes)]
+    g = torch.Generator().manual_seed(0)
+    xs = torch.cat([finite, finite * (1 + 2.0 ** -12), finite * (1 - 2.0 ** -12), torch.tensor([0.0, -0.0, 2.0 ** -10,
+                    -(2.0 ** -10), 2.0 ** -9 * 0.999, 447.9, -447.9]),
+                    torch.randn(4000, generator=g) * torch.exp2(torch.randint(-12, 9, (4000,), generator=g).float())])
+    xs = xs[xs.abs() <= 448.0]
+    for up in (False, True):
+        want = _round_dir(xs, torch.float8_e4m3fn, up)
+        val = ctypes.c_float()
+        got = torch.tensor([lib.e4m3_host(float(x), int(up), ctypes.byref(val)) for x in xs.tolist()], dtype=torch.uint8)
+        bad = (got != want.view(torch.uint8)).nonzero().flatten()[:5].tolist()
+        assert not bad, [(xs[i].item(), got[i].item(), want.view(torch.uint8)[i].item()) for i in bad]
+        vals = torch.tensor([(lib.e4m3_host(float(x), int(up), ctypes.byref(val)), val.value)[1] for x in xs.tolist()])
+        assert torch.equal(vals, want.float()), (vals - want.float()).abs().max()
+    val = ctypes.c_float()
+    assert lib.e4m3_host(449.0, 1, ctypes.byref(val)) == 127 and lib.e4m3_host(-500.0, 0, ctypes.byref(val)) == 255
