@@ -154,34 +154,23 @@ DEVI void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t 
 // the rounding goes away from zero; past 448 (and inf/NaN) the code is 127, e4m3fn's NaN, which the
 // pools' check turns into an error (the reference raises).
 // host and device: tests/kernels/test_cuda_build.py runs it on the CPU against the reference
-__host__ __device__ __forceinline__ uint32_t bits_of(float x) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(x);
-#else
-  uint32_t u;
-  memcpy(&u, &x, 4);
-  return u;
-#endif
-}
-__host__ __device__ __forceinline__ float float_of(uint32_t u) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(u);
-#else
-  float x;
-  memcpy(&x, &u, 4);
-  return x;
-#endif
+template <typename To, typename From>
+__host__ __device__ __forceinline__ To bit_cast(From x) {  // memcpy: a register move on the device
+  static_assert(sizeof(To) == sizeof(From), "bit_cast between types of one size");
+  To y;
+  memcpy(&y, &x, sizeof(To));
+  return y;
 }
 
 __host__ __device__ __forceinline__ uint8_t e4m3_dir(float x, bool up, float& val) {
-  const uint32_t bits = bits_of(x);
+  const uint32_t bits = bit_cast<uint32_t>(x);
   const bool neg = bits >> 31;
   const uint32_t ab = bits & 0x7FFFFFFFu;
   int code;
   bool cut;
   const bool small = ab < 0x3C800000u;
   if (small) {
-    const float s = float_of(ab) * 512.0f;  // exact: a power-of-two scale below 2^-6
+    const float s = bit_cast<float>(ab) * 512.0f;  // exact: a power-of-two scale below 2^-6
     const float f = floorf(s);
     code = (int)f;
     cut = s != f;
@@ -193,7 +182,7 @@ __host__ __device__ __forceinline__ uint8_t e4m3_dir(float x, bool up, float& va
   if (cut && (up ? !neg : neg)) ++code;
   if (code > 126) code = 127;
   const float mag = code < 8 ? (float)code * 0.001953125f
-                             : float_of(((uint32_t)((code >> 3) + 120) << 23) | ((uint32_t)(code & 7) << 20));
+                             : bit_cast<float>(((uint32_t)((code >> 3) + 120) << 23) | ((uint32_t)(code & 7) << 20));
   val = neg ? -mag : mag;
   return (uint8_t)(code | (neg ? 128 : 0));
 }
