@@ -58,17 +58,19 @@ def _preset(method: str) -> str:
     return method.removeprefix("rotkv:").split("+")[0]
 
 
-ARTIFACT_DIR = None  # --artifact-dir: <preset>.safetensors for the presets that need one (set by main)
+ARTIFACT_DIR = None  # --artifact-dir (set by main)
 
 
-def _artifact(preset: str) -> str | None:
-    from rotkv.config import get_preset
+def preset_artifact(preset: str, artifact_dir: str | None) -> str | None:
+    """The artifact a preset reads from an ``--artifact-dir`` (``rotkv.config.artifact_file``: oscar-int2
+    reads oscar.safetensors, oscar-mix its own file), None for a preset that needs none."""
+    from rotkv.config import artifact_file, get_preset
 
     if not get_preset(preset).needs_artifact:
         return None
-    if ARTIFACT_DIR is None:
+    if artifact_dir is None:
         raise SystemExit(f"preset {preset!r} needs an artifact: pass --model and --artifact-dir")
-    return os.path.join(ARTIFACT_DIR, f"{preset}.safetensors")
+    return os.path.join(artifact_dir, artifact_file(preset))
 
 
 def _sync(dev) -> float:
@@ -97,7 +99,7 @@ def run_prefill(model, method: str, ids, new_tokens: int, chunk: int | None, tok
                        pad_token_id=0, **{cache_kwarg(model): cache})
     else:
         extra = {"prefill_chunk": chunk} if chunk else {}
-        cache = RotkvCache(model, _preset(method), artifact=_artifact(_preset(method)), check_finite=False, **extra)
+        cache = RotkvCache(model, _preset(method), artifact=preset_artifact(_preset(method), ARTIFACT_DIR), check_finite=False, **extra)
         reserve(cache, b, n + new_tokens)
         t0 = _sync(dev)
         prefill(model, ids, cache, chunk=chunk, max_tokens=tokens)
@@ -208,7 +210,7 @@ def parse(argv=None):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--random", choices=sorted(RANDOM_SHAPES), help="random weights of a real shape")
     src.add_argument("--model", help="a real model (GGUF file or model directory)")
-    p.add_argument("--artifact-dir", default=None, help="<preset>.safetensors for presets that need one (with --model)")
+    p.add_argument("--artifact-dir", default=None, help="the artifacts of presets that need one, as rotkv eval names them (with --model)")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--context", type=int, default=1024)

@@ -14,7 +14,7 @@ norms and elementwise, copies), so that what costs INT2 more than bf16 is read o
 
     python benchmarks/profile_step.py --shape smollm2 --requests 64 --context 8192
     python benchmarks/profile_step.py --shape qwen3-8b --layers 8 --requests 4 --context 32768
-    # a real model (a GGUF or a model directory) and presets that need an artifact (artifact dir/<preset>.safetensors)
+    # a real model (a GGUF or a model directory) and presets that need an artifact (the artifact folder, named as rotkv eval names them)
     python benchmarks/profile_step.py --model $ROTKV_GGUF --artifact-dir artifacts --presets bf16 quarot-int2 oscar-mix
 
 Writes benchmarks/results/stepprof-<UTC time>-<shape>.json.
@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_job import build_model, fill_synthetic  # noqa: E402
+from profile_prefill import preset_artifact  # noqa: E402
 from results_io import write_results  # noqa: E402
 
 from rotkv.bench import commit, device_name  # noqa: E402
@@ -83,14 +84,7 @@ def profile_preset(model, preset: str, rows: int, context: int, chunk: int, step
     from rotkv.cache.graph import GraphDecoder
     from rotkv.hf.compat import cache_kwarg
 
-    from rotkv.config import get_preset
-
-    artifact = None
-    if get_preset(preset).needs_artifact:
-        if artifact_dir is None:
-            raise SystemExit(f"preset {preset!r} needs an artifact: pass --model and --artifact-dir")
-        artifact = os.path.join(artifact_dir, f"{preset}.safetensors")
-    cache = RotkvCache(model, preset, artifact=artifact, check_finite=False)
+    cache = RotkvCache(model, preset, artifact=preset_artifact(preset, artifact_dir), check_finite=False)
     fill_synthetic(model, cache, rows, context, chunk)
     dev = model.device
     p = cache.spec.page_size
@@ -132,7 +126,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="random weights of this shape")
     ap.add_argument("--model", default=None, help="a real model instead (GGUF file or model directory)")
-    ap.add_argument("--artifact-dir", default=None, help="<preset>.safetensors for presets that need one")
+    ap.add_argument("--artifact-dir", default=None, help="the artifacts of presets that need one (as rotkv eval names them)")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the real shape")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--context", type=int, default=8192)
