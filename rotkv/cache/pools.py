@@ -32,7 +32,7 @@ def _nbytes(t: torch.Tensor) -> int:
 def _check_fp8_meta(part, dst: torch.Tensor, x: torch.Tensor) -> None:
     """Raise as the reference quantizer does where the write kernel found e4m3 metadata out of range
     (it stores NaN there: ``rotkv.kernels.write._fp8_round``)."""
-    if torch.isnan(part.scale[dst].float()).any() or torch.isnan(part.lo[dst].float()).any():
+    if (torch.isnan(part.scale[dst].float()).any() | torch.isnan(part.lo[dst].float()).any()).item():  # one sync
         raise ValueError(f"values exceed the range of the {part.meta} quantization metadata (|x| up to "
                          f"{x.float().abs().max().item():.3g}); store this side's metadata in float16 (meta_k / meta_v)")
 

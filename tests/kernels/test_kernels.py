@@ -148,6 +148,14 @@ def test_fp8_metadata_out_of_range_is_nan_where_the_reference_raises(device, fp8
         assert s[r, c] == rs.float() and lo[r, c] == rl.float()
     with pytest.raises(ValueError, match="range"):
         _round_meta(xg[0, 0].amin()[None], xg[0, 0].amax()[None], 2, "float8")
+    # the pools' check after the write: page 0 (rows 0-3) holds the NaN groups, and raises as the reference
+    from rotkv.cache.pools import _check_fp8_meta
+
+    with pytest.raises(ValueError, match="exceed the range"):
+        _check_fp8_meta(part, torch.tensor([0], device=device), x)
+    fine = _pool_bufs(2, 1, 16, d, g, device, 2, torch.float8_e4m3fn)
+    quant_write(x[2:].to(device), torch.arange(2, device=device), fine)
+    _check_fp8_meta(fine, torch.tensor([0], device=device), x[2:])  # in range: no error
 
 
 def test_fp8_rounding_steps_every_way(device, fp8_kernels):
