@@ -14,8 +14,8 @@
 #   SmolLM2 64 x 8K; prefillprof: profile_prefill.py at SmolLM2 64 x 8K, default budget and one call;
 #   quick: this stop's kernel and prefill tests; prefillsweep: prefill time and peak at 128K/256K/512K
 #   tokens per call; fp8: the e4m3-metadata Triton paths compiled; oscarmix: the recommended preset
-#   through `rotkv bench` on the real SmolLM2 ($ROTKV_GGUF, artifacts/); decoderot: ROTKV_DECODE_ROTATION
-#   fp32 against bf16 on the step; capacity36: the largest batch at Qwen3-8B's 36 layers x 32K for INT2,
+#   through `rotkv bench` on the real SmolLM2 ($ROTKV_GGUF, artifacts/) with the CUDA and Triton writes,
+#   beside quarot-int2, rotkv bf16 and StaticCache; capacity36: the largest batch at Qwen3-8B's 36 layers x 32K for INT2,
 #   rotkv bf16 and StaticCache (about 20 minutes: poll across calls; CAP36 picks the tries); oscarprof:
 #   profile_step.py and profile_prefill.py on the real SmolLM2 with bf16, quarot-int2 and oscar-mix; cudawrite8:
 #   the CUDA write's e4m3 build, tested, then oscar-mix's prefill and step without and with it; none of
@@ -92,7 +92,8 @@ timeout 120 python3 benchmarks/profile_prefill.py --random smollm2 --batch 64 --
 echo "prefillprof onecall rc=$?"; fi
 if want quick; then stage quick  # the tests of this stop's kernels and prefill paths, compiled
 timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_rotate.py tests/test_prefill_exact.py \
-  tests/test_prefill.py tests/test_rotation_math.py tests/test_folding.py > "$R/tests-quick.log" 2>&1
+  tests/test_prefill.py tests/test_rotation_math.py tests/test_folding.py tests/test_cache_layer.py \
+  tests/test_cache_model.py tests/kernels/test_kernels.py tests/kernels/test_backend.py > "$R/tests-quick.log" 2>&1
 echo "quick tests rc=$?"; tail -3 "$R/tests-quick.log"; fi
 if want prefillsweep; then stage prefillsweep  # prefill time and peak against the per-call token budget
 timeout 240 python3 benchmarks/profile_prefill.py --random smollm2 --batch 64 --context 8192 --methods bf16 quarot-int2 hf-static \
@@ -103,17 +104,17 @@ timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_ker
   -k "fp8 or rotate" > "$R/tests-fp8.log" 2>&1
 echo "fp8 tests rc=$?"; tail -3 "$R/tests-fp8.log"; fi
 if want oscarmix; then stage oscarmix  # the recommended preset end to end: needs the real model ($ROTKV_GGUF)
-# the e4m3-metadata kernels on (ROTKV_FP8_KERNELS=1; +graph needs them), then oscar-mix eager without them
 for p in oscar-mix oscar-mix-long; do
-  ROTKV_FP8_KERNELS=1 timeout 200 python3 -m rotkv.cli bench --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --batch 64 \
+  timeout 200 python3 -m rotkv.cli bench --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --batch 64 \
     --context 8192 --new-tokens 32 --methods rotkv:$p+graph --artifact artifacts/$p.safetensors \
     --out "$R/generate-$p-smollm2-64x8k.json" >> "$R/oscarmix.log" 2>&1
   echo "$p rc=$?"
 done
-timeout 200 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --context 8192 --new-tokens 32 \
-  --methods rotkv:oscar-mix --artifact artifacts/oscar-mix.safetensors --out "$R/generate-oscar-mix-ref-smollm2-64x8k.json" \
-  >> "$R/oscarmix.log" 2>&1
-echo "oscar-mix reference path rc=$?"
+# the write kernel: oscar-mix's clipped INT2 keys go to the CUDA write by default ("auto"); Triton for all
+ROTKV_WRITE_BACKEND=triton timeout 200 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --context 8192 \
+  --new-tokens 32 --methods rotkv:oscar-mix+graph --artifact artifacts/oscar-mix.safetensors \
+  --out "$R/generate-oscar-mix-tritonwrite-smollm2-64x8k.json" >> "$R/oscarmix.log" 2>&1
+echo "oscar-mix triton write rc=$?"
 timeout 240 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --context 8192 --new-tokens 32 \
   --methods rotkv:quarot-int2+graph rotkv:bf16+graph hf-static-compile --out "$R/generate-real-smollm2-64x8k.json" \
   >> "$R/oscarmix.log" 2>&1
@@ -127,15 +128,6 @@ for spec in "${specs[@]}"; do
     --methods "$1" --start "$2" --max-tries "$3" --out "$R/capacity36-$(echo "$1" | tr ':+' '__').json" \
     >> "$R/capacity36.log" 2>&1
   echo "capacity36 $1 rc=$?"
-done; fi
-if want decoderot; then stage decoderot  # the decode step's query/output rotation: float32 against bf16
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_backend.py -k bf16_decode_rotation \
-  > "$R/tests-decoderot.log" 2>&1
-echo "decoderot tests rc=$?"; tail -1 "$R/tests-decoderot.log"
-for mode in fp32 bf16; do
-  ROTKV_DECODE_ROTATION=$mode timeout 200 python3 -m rotkv.cli bench --random smollm2 --batch 1 64 --context 4096 8192 \
-    --new-tokens 32 --methods rotkv:quarot-int2+graph+fold --out "$R/generate-decoderot-$mode.json" >> "$R/decoderot.log" 2>&1
-  echo "decoderot $mode rc=$?"
 done; fi
 if want oscarprof; then stage oscarprof  # the recommended preset's step and prefill per kernel, real SmolLM2 ($ROTKV_GGUF)
 timeout 200 python3 benchmarks/profile_step.py --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --artifact-dir artifacts \

@@ -151,7 +151,15 @@ def prefill(model, ids: torch.Tensor, cache, attention_mask: torch.Tensor | None
                     position_ids=pos[:, c0:c1], use_cache=True, **kw)
         logits = out.logits[:, -1]
         del out
+    _check_range(cache)
     return logits
+
+
+def _check_range(cache) -> None:
+    """A rotkv cache's deferred check of the kernel writes' e4m3 metadata (one sync; see
+    ``RotkvCache.check_metadata_range``); other caches have none."""
+    if hasattr(cache, "check_metadata_range"):
+        cache.check_metadata_range()
 
 
 @torch.no_grad()
@@ -181,6 +189,7 @@ def generate(model, tokenizer, ids: torch.Tensor, cache: RotkvCache, max_new_tok
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          logits_processor=LogitsProcessorList([clock]), pad_token_id=tokenizer.pad_token_id,
                          **sampling, **{cache_kwarg(model): cache})
+    _check_range(cache)  # the last call's writes (each call checks the ones before it)
     new = out[0, ids.shape[1]:].tolist()
     prefill_s = clock.times[0] - t0 if clock.times else time.perf_counter() - t0
     steps = len(clock.times) - 1
@@ -269,4 +278,5 @@ def generate_batch(model, ids: torch.Tensor, cache, max_new_tokens: int, attenti
         lengths = lengths + 1
         new.append(tok)
         steps.append(_sync(dev) - t)
+    _check_range(cache)  # the graph's eager flushes are checked here, once
     return BatchRun(torch.stack(new, 1), prefill_s, steps)

@@ -212,3 +212,27 @@ def test_key_widths_from_the_artifact(tiny_llama, tmp_path):
         RotkvCache(tiny_llama, get_preset("quarot-int2", rotation="artifact", k_bits="artifact"), str(path))
     with pytest.raises(ValueError, match="rotation"):
         get_preset("quarot-int2", k_bits="artifact")
+
+
+def test_out_of_range_e4m3_metadata_raises_at_the_next_call_and_at_the_end_of_prefill(tiny_llama):
+    """The GPU write marks e4m3 groups out of range in a device flag without a sync; the cache reads
+    the flags once per model call (at layer 0) and at the end of rotkv's prefill. Here the flag is
+    set by hand (the CPU encoder raises at once), as the kernel would set it."""
+    from rotkv.generation import prefill
+
+    ids = torch.randint(1, 128, (2, 40))
+    cache = RotkvCache(tiny_llama, "naive-int2", sink=4, window=8, page_size=4, group_size=16, meta_v="float8")
+    with torch.no_grad():
+        prefill(tiny_llama, ids, cache, chunk=20)
+    cache.check_metadata_range()  # no flag set: nothing raised (and no flags at all on the CPU path)
+    assert all(f is None for layer in cache.layers for f in layer.pools.range_flags)
+    layer = cache.layers[1]
+    layer.pools.range_flags = [torch.tensor(False), torch.tensor(False)]
+    cache.check_metadata_range()  # flags present, none set
+    layer.pools.range_flags[1] = torch.tensor(True)
+    with pytest.raises(ValueError, match="layer 1 values"):
+        cache.check_metadata_range()
+    with torch.no_grad(), pytest.raises(ValueError, match=r"range of the float8_e4m3fn.*layer 1 values"):
+        tiny_llama(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)  # raised at layer 0's update
+    with torch.no_grad(), pytest.raises(ValueError, match="meta_k / meta_v"):
+        prefill(tiny_llama, ids[:, :4], cache)

@@ -86,7 +86,24 @@ class RotkvCache(Cache):
         if key_states.shape[:3] != value_states.shape[:3]:
             raise ValueError(f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} "
                              "differ in batch or tokens")
+        if layer_idx == 0:
+            self.check_metadata_range()  # what the previous call's kernel writes stored: one sync per call
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def check_metadata_range(self) -> None:
+        """Raise where a kernel write stored e4m3 quantization metadata out of its range (the kernel
+        marks such groups NaN; the reference encoder raises at once). The write itself does not sync:
+        this reads every layer's flag in one host sync (none for a cache without e4m3 metadata). It runs
+        at the start of every model call and at the end of ``rotkv.generation``'s prefill and generate;
+        the pages stay marked, so a cache that failed keeps failing until it is reset."""
+        flags = [(layer.layer_idx, side, f) for layer in self.layers
+                 if isinstance(layer, HybridLayer) and layer.is_initialized
+                 for side, f in zip(("keys", "values"), layer.pools.range_flags) if f is not None]
+        if not flags or not bool(torch.stack([f for _, _, f in flags]).any()):
+            return
+        where = ", ".join(f"layer {i} {side}" for i, side, f in flags if bool(f))
+        raise ValueError(f"values exceed the range of the float8_e4m3fn quantization metadata ({where}); store "
+                         "this side's metadata in float16 (meta_k / meta_v) and reset the cache")
 
     def fold_values(self, model) -> None:
         """Fold this cache's value rotations into ``model`` (in place) and drop them from the cache.

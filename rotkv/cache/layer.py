@@ -167,7 +167,7 @@ class HybridLayer(RotkvLayer):
         every key of a query, which one softmax ignores), so they run causal SDPA on the call's own
         bf16 queries, keys and values (PyTorch's fastest kernel: cuDNN on Hopper); ``history``
         (something is stored): the rotated queries attend the stored tokens apart and the two parts
-        merge by their log-sum-exp, the history's corrected by ``scale * q.mu`` (:meth:`_attend_merged`).
+        merge by their log-sum-exp, the history's keys with their mean added back (:meth:`_attend_merged`).
         Only the stored keys and values are rotated. On the GPU (:data:`OWN_BASIS`); the CPU keeps the
         rotated float32 reference unless the tests set it."""
         if OWN_BASIS not in OWN_BASES:
@@ -193,8 +193,9 @@ class HybridLayer(RotkvLayer):
         """A prefill step whose rows hold the same stored tokens: ``q [B, Hq, C, D]`` (model basis)
         attends its own ``k, v [B, H, C, D]`` causally in the model's basis, and, rotated, the stored
         history (dequantized body and tier, per row group as :meth:`_attend_dense`) without a mask;
-        the history's output is turned back, its log-sum-exp gets back the ``scale * q.mu`` that the
-        stored keys' mean shift took out, and the two merge by their log-sum-exp (:func:`merge_lse`)."""
+        the history's keys get back the mean ``mu R`` that storing took out (so its log-sum-exp is on
+        the own part's scale), its output is turned back, and the two merge by their log-sum-exp
+        (:func:`merge_lse`)."""
         dev = self.device
         cdt = torch.bfloat16 if (q.is_cuda and self.tier_dtype != torch.float32) else torch.float32
         b, hq, c, d = q.shape
@@ -205,13 +206,13 @@ class HybridLayer(RotkvLayer):
         out = torch.empty(b, hq, c, d, dtype=q.dtype, device=dev) if len(groups) > 1 else None
         for r0, r1 in groups:
             hk, hv = self._history(step, r0, r1, nb, lt, cdt)
+            shift = self.rotation.key_shift()
+            if shift is not None:  # stored keys are (k - mu) R: their scores lack q.mu, which one softmax
+                # ignores but a merge with the own part (raw keys) needs; k R = (k - mu) R + mu R, added
+                # in place to the history (a third of the queries' size at GQA 3, and no float32 copy)
+                hk += shift.to(cdt)[:, None, :]
             oh, lh = attention_lse(self.rotation.queries(q[r0:r1], cdt), hk, hv, False, scaling)
             del hk, hv
-            mu = self.rotation.k_mean
-            if mu is not None:  # stored keys are (k - mu) R: the history's scores lack scale * q.mu, which
-                # one softmax ignores but a merge with the own part (raw keys) must add back
-                qg = q[r0:r1].float().reshape(r1 - r0, self.kv_heads, hq // self.kv_heads * c, d)
-                lh = lh + scaling * torch.einsum("bhnd,hd->bhn", qg, mu.float()).reshape(r1 - r0, hq, c, 1)
             oh = self.rotation.outputs(oh, q.dtype)
             oo, lo = attention_lse(q[r0:r1].to(cdt), k[r0:r1].to(cdt), v[r0:r1].to(cdt), True, scaling)
             o = merge_lse(oh, lh, oo, lo).to(q.dtype)
@@ -232,8 +233,7 @@ class HybridLayer(RotkvLayer):
         # the same arithmetic as the eager step (LayerRotation's bf16x2 matrices exist before capture)
         self.pools.write_tier(st.slots, rot.keys(k_new, self.tier_dtype)[:, :, 0],
                               rot.values(v_new, self.tier_dtype)[:, :, 0])
-        qdt = _decode_qdtype(query)
-        q = rot.queries(query, qdt)[:, :, 0]
+        q = rot.queries(query)[:, :, 0]
         plan = self.pools.decode_plan(q, kernels.decode_config(self.decode_score))
         if plan is None:
             raise ValueError(f"layer {self.layer_idx}: no decode kernel reads this cache's body on this device "
@@ -243,8 +243,6 @@ class HybridLayer(RotkvLayer):
         o = decode_attention(q, body, st.body if body is not None else None, st.body_max,
                              (self.pools.tier_k, self.pools.tier_v), st.tier, st.tier_max, sm_scale=scaling,
                              tier_start=self.state.pad, plan=plan)
-        if qdt is not None:  # bf16 in and out: one rotation kernel each way
-            return rot.outputs(o[:, :, None], query.dtype).transpose(1, 2)
         return rot.outputs(o.float()[:, :, None]).transpose(1, 2).to(query.dtype)
 
     def _step(self, step: Step, query: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, scaling: float,
@@ -264,7 +262,7 @@ class HybridLayer(RotkvLayer):
         if not output:
             o = None
         elif step.decode and kernels.enabled(query):
-            qr = self.rotation.queries(query[:, :, -1:], _decode_qdtype(query))[:, :, 0]
+            qr = self.rotation.queries(query[:, :, -1:])[:, :, 0]
             plan = self.pools.decode_plan(qr, kernels.decode_config(self.decode_score))
         if not output:
             pass
@@ -312,7 +310,7 @@ class HybridLayer(RotkvLayer):
         o = decode_attention(q, body, t.body if body is not None else None, t.body_max,
                              (self.pools.tier_k, self.pools.tier_v), t.tier, t.tier_max, sm_scale=scaling,
                              cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad, plan=plan)
-        return o if o.dtype == torch.bfloat16 else o.float()  # bf16 from a bf16 query (ROTKV_DECODE_ROTATION)
+        return o.float()
 
     def _attend_dense(self, step: Step, query: torch.Tensor, scaling: float, own=None) -> torch.Tensor:
         """Dense attention of the step's queries ``[B, Hq, C, D]`` (float32 on the CPU, bf16 on the
@@ -451,22 +449,6 @@ def row_groups(rows: int, bytes_per_row: int, budget_mb: int | None = None) -> l
         raise ValueError(f"ROTKV_PREFILL_HISTORY_MB has to be >= 1 but got {budget_mb}")
     per = max(1, (budget_mb << 20) // max(bytes_per_row, 1))
     return [(r0, min(r0 + per, rows)) for r0 in range(0, rows, per)]
-
-
-# how a decode step rotates its query and turns its output back on the GPU: "fp32" (float32 query into
-# the kernel, float32 output rotated back), or "bf16" (one bf16x2 rotation kernel each way, bf16 in and
-# out: the CUDA body kernel rounds the query to bf16 anyway, the Triton tier and body kernels read it
-# in float32, so there the query loses precision); ROTKV_DECODE_ROTATION
-DECODE_ROTATION = os.environ.get("ROTKV_DECODE_ROTATION", "fp32")
-DECODE_ROTATIONS = ("fp32", "bf16")
-
-
-def _decode_qdtype(query: torch.Tensor) -> torch.dtype | None:
-    """The dtype a decode step's rotated query (and the kernel's output) has: bf16 (DECODE_ROTATION
-    "bf16", a bf16 CUDA query), else None (float32)."""
-    if DECODE_ROTATION not in DECODE_ROTATIONS:
-        raise ValueError(f"ROTKV_DECODE_ROTATION has to be one of {list(DECODE_ROTATIONS)} but got {DECODE_ROTATION!r}")
-    return torch.bfloat16 if DECODE_ROTATION == "bf16" and query.is_cuda and query.dtype == torch.bfloat16 else None
 
 
 # where a prefill step's own tokens attend in the model's basis (HybridLayer._own_basis):

@@ -29,12 +29,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _check_fp8_meta(part, dst: torch.Tensor, x: torch.Tensor) -> None:
-    """Raise as the reference quantizer does where the write kernel found e4m3 metadata out of range
-    (it stores NaN there: ``rotkv.kernels.write._fp8_round``)."""
-    if (torch.isnan(part.scale[dst].float()).any() | torch.isnan(part.lo[dst].float()).any()).item():  # one sync
-        raise ValueError(f"values exceed the range of the {part.meta} quantization metadata (|x| up to "
-                         f"{x.float().abs().max().item():.3g}); store this side's metadata in float16 (meta_k / meta_v)")
+def fp8_meta_out_of_range(part, dst: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool on the device: did the write kernel mark e4m3 metadata of pages ``dst`` out of range
+    (it stores NaN there, ``rotkv.kernels.write._fp8_round``)? No host sync: the pools OR it into
+    their flag, which ``RotkvCache.check_metadata_range`` reads once per model call."""
+    nan = lambda t: ((t[dst].view(torch.uint8) & 0x7F) == 0x7F).any()  # e4m3fn's NaN: S.1111.111
+    return nan(part.scale) | nan(part.lo)
 
 
 def _grow(t: torch.Tensor, pages: int) -> torch.Tensor:
@@ -55,7 +55,9 @@ class LayerPools:
         self.tier_v = torch.zeros(shape, dtype=tier_dtype, device=device)
         self.body: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
         if key_codec is not None:
-            probe = torch.zeros(1, kv_heads, page, head_dim, device=device)
+            # the part shapes and dtypes, from a probe page encoded on the CPU: on the GPU the reference
+            # encoder (e4m3 metadata) syncs several times per layer, inside the first prefill call
+            probe = torch.zeros(1, kv_heads, page, head_dim)
             for parts, codec in zip(self.body, self.codecs):
                 # a shallow copy encodes the probe: a stateful codec (a position counter) is not advanced
                 for name, t in copy.copy(codec).encode(probe).items():
@@ -73,6 +75,9 @@ class LayerPools:
         self.part_kernels = tuple(self.paged is not None and plan.part_reason(pt.bits, pt.meta, pt.format, cap) is None
                                   for pt in (self.paged.parts if self.paged is not None else (None, None)))
         self.dequant_kernel = all(self.part_kernels) and kernels.enabled(self.tier_k)
+        # per side, a device flag set where a kernel write stored e4m3 metadata out of range (None: no
+        # such write yet); the reference encoder raises at once instead
+        self.range_flags: list[torch.Tensor | None] = [None, None]
 
     def decode_plan(self, q: torch.Tensor, cfg) -> plan.DecodePlan | None:
         """The decode plan of a step with rotated queries ``q [B, Hq, D]`` (``rotkv.kernels.plan``),
@@ -177,7 +182,8 @@ class LayerPools:
                 part = self.paged.parts[i]
                 quant_write(x, slots, part, clip=codec.clip)
                 if part.meta == torch.float8_e4m3fn:  # the kernel marks out-of-range metadata NaN
-                    _check_fp8_meta(part, dst, x)
+                    bad = fp8_meta_out_of_range(part, dst)
+                    self.range_flags[i] = bad if self.range_flags[i] is None else self.range_flags[i] | bad
             else:
                 enc = codec.encode(x.reshape(n, p, h, d).transpose(1, 2).float())
                 for name, t in enc.items():

@@ -76,6 +76,7 @@ class LayerRotation:
         if torch.device(device).type == "cuda":
             for which in ("keys", "values", "queries", "outputs"):
                 r._bf16x2(which)
+            r.key_shift()
         return r
 
     @property
@@ -120,6 +121,17 @@ class LayerRotation:
         if dtype is None:
             return _per_group(o, self.R_V.transpose(-1, -2))
         return _per_group(o.float(), self.R_V.transpose(-1, -2)).to(dtype)
+
+    def key_shift(self) -> torch.Tensor | None:
+        """``c = mu R_K`` ``[kv_heads, D]`` float32 (``mu`` without R_K), None without a key mean: what a
+        stored key ``(k - mu) R_K`` lacks of ``k R_K``; made once."""
+        if self.k_mean is None:
+            return None
+        got = self._split.get("shift")
+        if got is None:
+            mu = self.k_mean.float()
+            got = self._split["shift"] = mu if self.R_K is None else torch.einsum("hd,hde->he", mu, self.R_K.float())
+        return got
 
     def _bf16x2(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(the split matrix ``[H, K, D]`` bf16 of :func:`bf16x2_matrix`, the ones row ``[8]``) for

@@ -191,29 +191,3 @@ def test_cache_mixed_layer_bits_kernel_path_matches_reference(monkeypatch, devic
             # 0.2% of INT4/INT2 code bytes there; the kernel equals the CPU quantizer bit for bit
             bound = 1e-2 if device == "cuda" else 1e-3
             assert (pa["codes"][used] != pb["codes"][used]).float().mean().item() < bound
-
-
-@cuda_only
-@pytest.mark.parametrize("graph", [False, True])
-def test_bf16_decode_rotation_matches_fp32(graph, monkeypatch):
-    """ROTKV_DECODE_ROTATION=bf16 (the query rotated into bf16 by one kernel, the bf16 output turned
-    back by one): the same greedy tokens and logits within bf16 rounding of the float32 rotation."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import rotkv.cache.layer as layer_mod
-    from rotkv.cache import RotkvCache
-    from rotkv.generation import generate_batch
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      intermediate_size=512, num_hidden_layers=2, vocab_size=512, pad_token_id=0)
-    model = LlamaForCausalLM(cfg).cuda().bfloat16().eval()
-    ids = torch.randint(1, 512, (3, 300), generator=torch.Generator().manual_seed(0))
-    runs = {}
-    for mode in ("fp32", "bf16"):
-        monkeypatch.setattr(layer_mod, "DECODE_ROTATION", mode)
-        cache = RotkvCache(model, "quarot-int2", sink=16, window=32, page_size=16, prefill_chunk=128,
-                           check_finite=False)
-        runs[mode] = generate_batch(model, ids, cache, 40, cuda_graph=graph)
-    agree = (runs["fp32"].tokens == runs["bf16"].tokens).float().mean().item()
-    assert agree > 0.9, agree
