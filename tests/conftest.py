@@ -15,3 +15,13 @@ def smollm2():
 def tiny_llama():
     """A random 2-layer Llama with GQA (4 query / 2 KV heads, head_dim 16): fast, for exactness tests."""
     return make_tiny_llama()
+
+
+@pytest.fixture
+def device():
+    """The kernel tests' device, as tests/kernels/conftest.py gives it: repeated here because an xdist
+    worker that was handed files from several folders once ran tests/kernels without that conftest's
+    fixtures (44 "fixture 'device' not found" errors on the H200)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,6 +3,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from rotkv.quant.packing import pack, unpack
+from rotkv.quant.widths import QUANT_WIDTHS
 from rotkv.quant.quantizer import (
     body_bits_per_element,
     clip_rows,
@@ -134,3 +135,18 @@ def test_float8_metadata_costs_little_against_float16():
 def test_unknown_metadata_dtype_is_refused():
     with pytest.raises(ValueError, match="meta"):
         quantize(torch.randn(2, 64), 2, 64, meta="fp8")
+
+
+@pytest.mark.parametrize("bits", QUANT_WIDTHS)
+@pytest.mark.parametrize("meta", [None, "float16", "float8", "float32"])
+def test_token_codec_empty_parts_match_what_encode_gives(bits, meta):
+    """The pools size their body from TokenCodec.empty_parts (no probe page encoded): the same
+    shapes and dtypes as an encoded page."""
+    from rotkv.cache.codecs import TokenCodec
+
+    codec = TokenCodec(bits, 16, 0.96, meta)
+    enc = codec.encode(torch.randn(1, 3, 8, 64))
+    empty = codec.empty_parts(3, 8, 64)
+    assert sorted(empty) == sorted(enc)
+    for name, t in enc.items():
+        assert empty[name].shape == (0, *t.shape[1:]) and empty[name].dtype == t.dtype, name

@@ -86,8 +86,11 @@ class RotkvCache(Cache):
         if key_states.shape[:3] != value_states.shape[:3]:
             raise ValueError(f"key_states {tuple(key_states.shape)} and value_states {tuple(value_states.shape)} "
                              "differ in batch or tokens")
-        if layer_idx == 0:
-            self.check_metadata_range()  # what the previous call's kernel writes stored: one sync per call
+        # what the previous call's kernel writes stored: one sync per call; not while a CUDA graph is
+        # captured (a sync breaks the capture; the graph decoder's flushes are eager and are read at
+        # the end of generate_batch)
+        if layer_idx == 0 and not (key_states.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.check_metadata_range()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def check_metadata_range(self) -> None:

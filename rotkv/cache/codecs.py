@@ -12,7 +12,8 @@ import torch
 from rotkv.kernels import backend as kernels
 from rotkv.quant.grid import check_grid, dequantize_grid, quantize_grid
 from rotkv.quant.outliers import merge_outliers, split_outliers
-from rotkv.quant.quantizer import QuantizedRows, check_group, dequantize, quantize
+from rotkv.quant.packing import pack
+from rotkv.quant.quantizer import QuantizedRows, check_group, dequantize, meta_dtype, quantize
 from rotkv.quant.vq import decode_pq, encode_pq
 
 
@@ -38,6 +39,16 @@ class TokenCodec:
 
     def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         return dequantize(QuantizedRows(parts["codes"], parts["scale"], parts["lo"], self.bits, self.group_size))
+
+    def empty_parts(self, kv_heads: int, page: int, head_dim: int, device=None) -> dict[str, torch.Tensor]:
+        """Zero-page parts with :meth:`encode`'s shapes and dtypes (``codes [0, H, P, D * bits / 8]``
+        uint8, ``scale, lo [0, H, P, D / G]``), made without encoding anything."""
+        check_group(self.group_size, head_dim)
+        width = pack(torch.zeros(1, head_dim, dtype=torch.uint8), self.bits).shape[-1]
+        meta = meta_dtype(self.bits, self.meta)
+        groups = (0, kv_heads, page, head_dim // self.group_size)
+        return {"codes": torch.zeros(0, kv_heads, page, width, dtype=torch.uint8, device=device),
+                "scale": torch.zeros(groups, dtype=meta, device=device), "lo": torch.zeros(groups, dtype=meta, device=device)}
 
 
 class ChannelCodec:

@@ -55,11 +55,14 @@ class LayerPools:
         self.tier_v = torch.zeros(shape, dtype=tier_dtype, device=device)
         self.body: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
         if key_codec is not None:
-            # the part shapes and dtypes, from a probe page encoded on the CPU: on the GPU the reference
-            # encoder (e4m3 metadata) syncs several times per layer, inside the first prefill call
-            probe = torch.zeros(1, kv_heads, page, head_dim)
+            probe = torch.zeros(1, kv_heads, page, head_dim, device=device)
             for parts, codec in zip(self.body, self.codecs):
-                # a shallow copy encodes the probe: a stateful codec (a position counter) is not advanced
+                if isinstance(codec, TokenCodec):  # known shapes: no probe, whose reference encoder (e4m3
+                    # metadata) would sync several times per layer inside the first prefill call
+                    parts.update(codec.empty_parts(kv_heads, page, head_dim, device))
+                    continue
+                # other codecs: the shapes of an encoded probe page; a shallow copy encodes it, so a
+                # stateful codec (a position counter) is not advanced
                 for name, t in copy.copy(codec).encode(probe).items():
                     parts[name] = torch.zeros(0, *t.shape[1:], dtype=t.dtype, device=device)
         # the mirror is head-major, [H, pages, P, D]: gathering one row's pages gives [H, n * P, D] in place
