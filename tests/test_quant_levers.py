@@ -224,3 +224,32 @@ def test_longfit_refits_keys_only_and_matches_a_direct_fit(tmp_path):
     assert torch.allclose(c2[0], cq[0], rtol=1e-6)
     with pytest.raises(ValueError, match="seq_len"):
         refit(model, tok, art, seq_len=16, sequences=1, call=32, files=[str(text)])
+
+
+def test_long_artifact_keeps_or_reranks_the_base_key_layers(tmp_path):
+    """oscar-mix-long keeps its base's 4-bit key layers, or with ``layers`` takes that many by the base's
+    k_gain; a base without k_gain cannot be re-ranked and says so."""
+    from types import SimpleNamespace
+
+    from rotkv.calibrate.longfit import calibrate_mix_long
+    from rotkv.rotations.artifact import load_artifact
+    from rotkv_testing import char_tokenizer, make_tiny_llama, write_artifact
+
+    model, tok = make_tiny_llama(), char_tokenizer()
+    loaded = SimpleNamespace(model=model, tokenizer=tok)
+    text = tmp_path / "calib.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    base = dict(sink="4", granularity="layer")
+    ranked = load_artifact(write_artifact(model, tmp_path / "a.safetensors", tensors={
+        "k_bits": torch.tensor([2, 4], dtype=torch.int32), "k_gain": torch.tensor([0.5, 0.7])}, **base))
+    kw = dict(seq_len=512, sequences=1, files=[str(text)], log=lambda m: None)
+    assert calibrate_mix_long(loaded, ranked, **kw)[0]["k_bits"].tolist() == [2, 4]  # the base's
+    assert calibrate_mix_long(loaded, ranked, layers=1, **kw)[0]["k_bits"].tolist() == [2, 4]
+    tensors, meta = calibrate_mix_long(loaded, ranked, layers=2, **kw)
+    assert tensors["k_bits"].tolist() == [4, 4] and meta["keybits_layers"] == "0,1"
+    bare = load_artifact(write_artifact(model, tmp_path / "b.safetensors",
+                                        tensors={"k_bits": torch.tensor([2, 4], dtype=torch.int32)}, **base))
+    with pytest.raises(ValueError, match="no k_gain ranking"):
+        calibrate_mix_long(loaded, bare, layers=2, **kw)
+    with pytest.raises(ValueError, match="--key-layers"):
+        calibrate_mix_long(loaded, ranked, layers=3, **kw)

@@ -75,17 +75,30 @@ def refit(model, tokenizer, artifact, seq_len: int = 4096, sequences: int = 2, c
 
 
 def calibrate_mix_long(loaded, base=None, seq_len: int = 4096, sequences: int = 2, files=None, log=print,
-                       **mix) -> tuple[dict, dict]:
-    """(tensors, metadata) of a complete ``oscar-mix-long`` artifact: ``base`` if it already has key
-    widths (an oscar-mix artifact: an Artifact or a path), else the oscar-mix artifact made from it
-    (:func:`rotkv.calibrate.keybits.calibrate_mix`, ``mix`` its keyword arguments), with R_K and the key
-    means refitted on ``sequences`` sequences of ``seq_len`` tokens (:func:`refit`)."""
-    from rotkv.calibrate.keybits import calibrate_mix
+                       layers: int | None = None, **mix) -> tuple[dict, dict]:
+    """(tensors, metadata) of a complete ``oscar-mix-long`` artifact: R_K and the key means refitted on
+    ``sequences`` sequences of ``seq_len`` tokens (:func:`refit`) over ``base``'s (an Artifact or a path).
+    A base with key widths (an oscar-mix artifact) keeps them, or with ``layers`` gets 4-bit keys in the
+    ``layers`` layers of largest ``k_gain``; a base without them first gets them
+    (:func:`rotkv.calibrate.keybits.calibrate_mix`, ``layers`` and ``mix`` its arguments)."""
+    import numpy as np
+
+    from rotkv.calibrate.keybits import calibrate_mix, check_layers, with_key_bits
     from rotkv.rotations.artifact import Artifact, load_artifact
 
     art = load_artifact(base) if isinstance(base, str) else base
+    if layers is not None:
+        check_layers(layers, loaded.model.config.num_hidden_layers, "--key-layers")
     if art is None or "k_bits" not in art.tensors:
-        tensors, meta = calibrate_mix(loaded, art, files=files, log=log, **mix)
+        tensors, meta = calibrate_mix(loaded, art, layers, files=files, log=log, **mix)
+        art = Artifact(tensors, {k: str(v) for k, v in meta.items()})
+    elif layers is not None and int((art.tensors["k_bits"] == 4).sum()) != layers:
+        if "k_gain" not in art.tensors:
+            raise ValueError(f"the base artifact has 4-bit keys in {int((art.tensors['k_bits'] == 4).sum())} layers "
+                             f"and no k_gain ranking to choose {layers} from: calibrate it with rotkv calibrate --method oscar-mix")
+        tensors, meta = with_key_bits(art, art.tensors["k_gain"].double().numpy(), layers)
+        meta["keybits_layers"] = ",".join(str(i) for i in np.flatnonzero(tensors["k_bits"].numpy() == 4))
+        log(f"4-bit keys in {layers} layers by the base's k_gain: {meta['keybits_layers']}")
         art = Artifact(tensors, {k: str(v) for k, v in meta.items()})
     log(f"refitting R_K and the key means on {sequences} sequences of {seq_len} tokens ...")
     return refit(loaded.model, loaded.tokenizer, art, seq_len, sequences, files=files)

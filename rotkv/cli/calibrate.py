@@ -46,7 +46,7 @@ def register(sub) -> None:
     pm.add_argument("--budget-bpe", type=float, default=3.5, help="pmkvq: mean body bits per element the widths may use")
     pm.add_argument("--stretch", type=int, default=4, help="pmkvq: positional interpolation factor s")
     mix = p.add_argument_group("oscar-mix (per-layer key widths: the decode KL with one layer's keys at 4 bits)")
-    mix.add_argument("--key-layers", type=int, default=None, help="layers whose keys get 4 bits (default: a third)")
+    mix.add_argument("--key-layers", type=int, default=None, help="layers whose keys get 4 bits (default: a third; oscar-mix-long: the base's, re-ranked by its k_gain when given)")
     mix.add_argument("--key-length", type=int, default=1024, help="context tokens per window (default 1024)")
     mix.add_argument("--key-new-tokens", type=int, default=32, help="decode tokens scored per window (default 32)")
     mix.add_argument("--key-windows", type=int, default=2, help="windows of calibration text (default 2)")
