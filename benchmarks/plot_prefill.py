@@ -10,6 +10,13 @@ against HF StaticCache, one panel per shape, with the peak GPU memory on each ba
                 benchmarks/results/prefill-sweep-qwen8l-20261203-8caa3b8.json \
         --prefill-tokens 262144 32768 --out docs/serving_prefill.png
 
+The real SmolLM2 with the recommended preset (docs/serving_prefill_real.png):
+
+    python benchmarks/plot_prefill.py --files benchmarks/results/generate-real-smollm2-64x8k-20261203-64f94e5.json \
+        benchmarks/results/generate-oscar-mix-smollm2-64x8k-20261203-64f94e5.json \
+        benchmarks/results/generate-real-smollm2-64x8k-20261203-56face6.json \
+        benchmarks/results/generate-oscar-mix-smollm2-64x8k-20261203-56face6.json --out docs/serving_prefill_real.png
+
 Inputs: ``rotkv bench`` JSONs (rows with ``step_ms``) and ``profile_prefill.py --sweep-prefill-tokens``
 JSONs (rows with ``prefill_tokens``), oldest first; ``--labels`` names each file's bar group (default:
 its commit). Panels: one per (model, batch, context). Sweep rows of rotkv count only at a budget of
@@ -31,9 +38,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 # method names of rotkv bench rows and of profile_prefill rows, mapped onto one key each
 METHODS = {"rotkv:bf16+graph": "bf16", "rotkv:bf16": "bf16", "bf16": "bf16",
            "rotkv:quarot-int2+graph": "int2", "rotkv:quarot-int2": "int2", "quarot-int2": "int2",
+           "rotkv:oscar-mix+graph": "mix", "rotkv:oscar-mix": "mix", "oscar-mix": "mix",
            "hf-static-compile": "hf", "hf-static": "hf"}
-LABELS = {"bf16": "rotkv bf16", "int2": "rotkv quarot-int2", "hf": "HF StaticCache"}
-COLORS = {"bf16": "tab:blue", "int2": "tab:orange", "hf": "tab:gray"}
+LABELS = {"bf16": "rotkv bf16", "int2": "rotkv quarot-int2", "mix": "rotkv oscar-mix", "hf": "HF StaticCache"}
+COLORS = {"bf16": "tab:blue", "int2": "tab:orange", "mix": "tab:green", "hf": "tab:gray"}
+BARS = ("bf16", "int2", "mix")  # the rotkv methods drawn as bars, in this order
 TARGET = 1.3  # INT2's prefill at most this many times StaticCache's
 
 
@@ -48,7 +57,7 @@ def shape_of(r: dict, meta: dict) -> tuple[str, int, int]:
 
 
 def shape_title(s: tuple[str, int, int]) -> str:
-    model = s[0].replace("random:", "")
+    model = s[0].replace("random:", "") + (" (random weights)" if s[0].startswith("random:") else "")
     return f"{model}, {s[1]} x {s[2] // 1024}K"
 
 
@@ -71,8 +80,8 @@ def collect(files: list[str], labels: list[str], budgets: set[int]):
 
 
 def panel(ax, shape, cells: dict, hf_ref, labels: list[str]) -> None:
-    groups = [g for g in dict.fromkeys(labels) if any((g, m) in cells for m in ("bf16", "int2"))]
-    methods = [m for m in ("bf16", "int2") if any((g, m) in cells for g in groups)]
+    groups = [g for g in dict.fromkeys(labels) if any((g, m) in cells for m in BARS)]
+    methods = [m for m in BARS if any((g, m) in cells for g in groups)]
     width = 0.8 / max(len(methods), 1)
     top = 0.0
     hf_s = hf_ref[1]["prefill_s"] if hf_ref is not None else None
@@ -127,13 +136,13 @@ def main(argv=None) -> int:
     bars, hf = collect(a.files, labels, set(a.prefill_tokens))
     shapes = list(bars)
     if not shapes:
-        ap.error("no rotkv bf16 / quarot-int2 rows with a prefill time in these files")
+        ap.error("no rotkv bf16 / quarot-int2 / oscar-mix rows with a prefill time in these files")
     fig, axes = plt.subplots(1, len(shapes), figsize=(6.2 * len(shapes), 4.8), squeeze=False)
     for ax, s in zip(axes[0], shapes):
         panel(ax, s, bars[s], hf.get(s), labels)
     gpu = next((r.get("gpu") for c in bars.values() for r in c.values() if r.get("gpu")), None)
     fig.suptitle("prefill of the whole prompt per commit" + (f" on {gpu}" if gpu else "")
-                 + " (random-weight models of real shapes; in each bar: seconds, peak GPU memory, time / StaticCache)", fontsize=10)
+                 + "\n(in each bar: seconds, peak GPU memory, time / StaticCache)", fontsize=10)
     fig.tight_layout()
     fig.savefig(a.out, dpi=120)
     print(f"wrote {a.out}")
