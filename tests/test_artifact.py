@@ -24,7 +24,8 @@ class ByteTokenizer:
 
 
 META = ("format_version", "method", "model_id", "config_hash", "weights_fingerprint", "num_layers", "kv_heads",
-        "head_dim", "bits", "group_size", "clip_k", "clip_v", "calib_tokens", "date", "granularity", "values_folded")
+        "head_dim", "bits", "group_size", "clip_k", "clip_v", "calib_tokens", "date", "granularity", "values_folded",
+        "threads", "torch_version", "transformers_version")
 
 
 @pytest.fixture(scope="module")

@@ -197,9 +197,18 @@ def calibrate(loaded, cfg: CalibConfig) -> tuple[dict[str, torch.Tensor], dict[s
         "heldout_tokens": sum(chunks[i].shape[1] for i in heldout),
         "calib_seconds": f"{cfg.timings['total_s']:.1f}",
         "threads": torch.get_num_threads(),
+        # what the fit's floating point depends on besides the inputs: two machines of one kind with other
+        # versions gave artifacts with different key-width rankings (docs/results/levers_length.md)
+        "torch_version": torch.__version__, "transformers_version": _transformers_version(),
     })
     if infos:
         meta["optr_heads_improved_k"] = sum(i["heads_improved_k"] for i in infos)
         meta["optr_heads_improved_v"] = sum(i["heads_improved_v"] for i in infos)
         meta["optr_steps"], meta["optr_lr"] = cfg.steps, cfg.lr
     return tensors, {k: str(v) for k, v in meta.items()}
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
