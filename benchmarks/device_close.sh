@@ -93,7 +93,8 @@ echo "prefillprof onecall rc=$?"; fi
 if want quick; then stage quick  # the tests of this stop's kernels and prefill paths, compiled
 timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_rotate.py tests/test_prefill_exact.py \
   tests/test_prefill.py tests/test_rotation_math.py tests/test_folding.py tests/test_cache_layer.py \
-  tests/test_cache_model.py tests/kernels/test_kernels.py tests/kernels/test_backend.py > "$R/tests-quick.log" 2>&1
+  tests/test_cache_model.py tests/kernels/test_kernels.py tests/kernels/test_backend.py tests/kernels/test_host_syncs.py \
+  > "$R/tests-quick.log" 2>&1
 echo "quick tests rc=$?"; tail -3 "$R/tests-quick.log"; fi
 if want prefillsweep; then stage prefillsweep  # prefill time and peak against the per-call token budget
 timeout 240 python3 benchmarks/profile_prefill.py --random smollm2 --batch 64 --context 8192 --methods bf16 quarot-int2 hf-static \
