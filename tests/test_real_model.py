@@ -58,14 +58,27 @@ def test_greedy_and_sampled_generation(smollm2):
 # The batched forward is not bitwise the lone one on the CPU: the GEMMs (the model's and the
 # rotation's) block their reductions by the rows they hold and by the thread count, the batched
 # attention pads keys to the longest row, and INT2 rounding can turn a last-bit difference into
-# another code. What holds is a bound on the logits; measured max |batch - alone| over 6 steps,
-# both rows, at OMP_NUM_THREADS 1, 2 and 4 (the same figures at each): bf16 0.016; quarot-int2 0.118
-# (the unpadded row from step 3 on, 0.026 before; not traced to one code; the greedy tokens still
-# agree). Bounds: about 3x and 2x the measured maxima.
+# another code. At one thread those differences stay at the last bits: measured max |batch - alone|
+# over 6 steps, both rows, bf16 0.016 and quarot-int2 0.029 (2026-12-03, torch 2.13.0,
+# transformers 5.25.0). At two threads the *lone* run itself moves: quarot-int2 alone at 2 threads
+# against alone at 1 thread differs by 1.67 at the first step and picks other greedy tokens (bf16: 0.03-0.07),
+# deterministically for each thread count, so INT2 turns the thread count's rounding into a different
+# generation. That is not what this test is about (how the cache places a left-padded row), so it runs
+# both sides at one thread. Bounds: about 3x and 8x the measured maxima.
 BATCH_LOGIT_TOL = 5e-2
 INT2_BATCH_LOGIT_TOL = 0.25
 
 
+@pytest.fixture
+def one_thread():
+    """torch at one intra-op thread for the test, restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("preset,tol", [("bf16", BATCH_LOGIT_TOL), ("quarot-int2", INT2_BATCH_LOGIT_TOL)])
 def test_left_padded_batch_on_the_real_model(smollm2, preset, tol):
     model, tok = smollm2.model, smollm2.tokenizer
