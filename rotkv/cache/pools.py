@@ -55,7 +55,6 @@ class LayerPools:
         self.tier_v = torch.zeros(shape, dtype=tier_dtype, device=device)
         self.body: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
         if key_codec is not None:
-            probe = torch.zeros(1, kv_heads, page, head_dim, device=device)
             for parts, codec in zip(self.body, self.codecs):
                 if isinstance(codec, TokenCodec):  # known shapes: no probe, whose reference encoder (e4m3
                     # metadata) would sync several times per layer inside the first prefill call
@@ -63,6 +62,7 @@ class LayerPools:
                     continue
                 # other codecs: the shapes of an encoded probe page; a shallow copy encodes it, so a
                 # stateful codec (a position counter) is not advanced
+                probe = torch.zeros(1, kv_heads, page, head_dim, device=device)
                 for name, t in copy.copy(codec).encode(probe).items():
                     parts[name] = torch.zeros(0, *t.shape[1:], dtype=t.dtype, device=device)
         # the mirror is head-major, [H, pages, P, D]: gathering one row's pages gives [H, n * P, D] in place

@@ -92,9 +92,9 @@ def calibrate_mix_long(loaded, base=None, seq_len: int = 4096, sequences: int = 
     if art is None or "k_bits" not in art.tensors:
         tensors, meta = calibrate_mix(loaded, art, layers, files=files, log=log, **mix)
         art = Artifact(tensors, {k: str(v) for k, v in meta.items()})
-    elif layers is not None and int((art.tensors["k_bits"] == 4).sum()) != layers:
+    elif layers is not None and (have := int((art.tensors["k_bits"] == 4).sum())) != layers:
         if "k_gain" not in art.tensors:
-            raise ValueError(f"the base artifact has 4-bit keys in {int((art.tensors['k_bits'] == 4).sum())} layers "
+            raise ValueError(f"the base artifact has 4-bit keys in {have} layers "
                              f"and no k_gain ranking to choose {layers} from: calibrate it with rotkv calibrate --method oscar-mix")
         tensors, meta = with_key_bits(art, art.tensors["k_gain"].double().numpy(), layers)
         meta["keybits_layers"] = ",".join(str(i) for i in np.flatnonzero(tensors["k_bits"].numpy() == 4))
