@@ -19,7 +19,8 @@
 #   rotkv bf16 and StaticCache (about 20 minutes: poll across calls; CAP36 picks the tries); oscarprof:
 #   profile_step.py and profile_prefill.py on the real SmolLM2 with bf16, quarot-int2 and oscar-mix; cudawrite8:
 #   the CUDA write's e4m3 build, tested, then oscar-mix's prefill and step without and with it; none of
-#   these in the default list)
+#   these in the default list; job1024: the job stage with 1024 new tokens, about 4 minutes;
+#   OSCARMIX_TRITON=0 skips oscarmix's Triton-write run)
 set -u
 R=${RES:-$HOME/close}
 if [ "${1:-}" = start ]; then
@@ -47,6 +48,10 @@ if want tests; then stage tests
 timeout 300 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_prefill.py tests/test_cache_layer.py \
   tests/test_paged_cache.py tests/test_capacity.py tests/kernels > "$R/tests-cuda.log" 2>&1
 echo "tests rc=$?"; tail -3 "$R/tests-cuda.log"; fi
+if want job1024; then stage job1024  # the job with real prefill and a decode-dominated length (1024 new tokens)
+timeout 560 python3 benchmarks/bench_job.py --requests 32 --context 32768 --new-tokens 1024 --layers 36 \
+  --out "$R/job-prefill-1024.json" > "$R/job1024.log" 2>&1
+echo "job1024 rc=$?"; fi
 if want job; then stage job
 timeout 420 python3 benchmarks/bench_job.py --requests 32 --context 32768 --new-tokens 256 --layers 36 \
   --out "$R/job-prefill.json" > "$R/job.log" 2>&1
@@ -112,7 +117,7 @@ for p in oscar-mix oscar-mix-long; do
   echo "$p rc=$?"
 done
 # the write kernel: oscar-mix's clipped INT2 keys go to the CUDA write by default ("auto"); Triton for all
-ROTKV_WRITE_BACKEND=triton timeout 200 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --context 8192 \
+[ "${OSCARMIX_TRITON:-1}" = 1 ] && ROTKV_WRITE_BACKEND=triton timeout 200 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --context 8192 \
   --new-tokens 32 --methods rotkv:oscar-mix+graph --artifact artifacts/oscar-mix.safetensors \
   --out "$R/generate-oscar-mix-tritonwrite-smollm2-64x8k.json" >> "$R/oscarmix.log" 2>&1
 echo "oscar-mix triton write rc=$?"
