@@ -5,8 +5,10 @@ the cache's own write and flush path (``bench_job.fill_synthetic``), the CUDA-gr
 captured; then it times
 
 - ``graph_ms``: ``GraphDecoder.step`` as generation calls it (host planning, table copies, the
-  replay and, every P steps, the eager flush), averaged over a multiple of P steps;
+  replay and, every P steps, the flush graph), averaged over a multiple of P steps;
 - ``replay_ms``: the graph replay alone;
+- ``graph_ms_eager_flush``: ``graph_ms`` with the flush run eagerly instead of replayed from its
+  graph (``GraphDecoder(flush_graph=False)``, what every step did before the flush graph);
 
 and records replays with ``torch.profiler``, summing the GPU time per kernel and per *category*
 (attention body / tier / merge, write and flush, rotations (small matmuls), the model's GEMMs,
@@ -99,6 +101,9 @@ def profile_preset(model, preset: str, rows: int, context: int, chunk: int, step
     for _ in range(3):
         gstep()
     graph_ms = timed(gstep, 4 * p)
+    graph.flush_graph = False
+    eager_flush_ms = timed(gstep, 4 * p)
+    graph.flush_graph = True
     replay_ms = timed(graph.graph.replay, 16)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -116,7 +121,8 @@ def profile_preset(model, preset: str, rows: int, context: int, chunk: int, step
     del graph, cache
     gc.collect()
     torch.cuda.empty_cache()
-    return dict(preset=preset, graph_ms=round(graph_ms, 3), replay_ms=round(replay_ms, 3),
+    return dict(preset=preset, graph_ms=round(graph_ms, 3), graph_ms_eager_flush=round(eager_flush_ms, 3),
+                replay_ms=round(replay_ms, 3),
                 kernel_ms=round(sum(cats.values()) / 1e3, 3), categories=cats,
                 kernels=dict(sorted(kernels.items(), key=lambda kv: -kv[1]["us"])),
                 bits_per_element=round(stats["bits_per_element"], 3), kv_gb=round(stats["kv_bytes"] / 1e9, 3))
@@ -158,7 +164,7 @@ def main(argv=None) -> int:
     print("|---|" + "---|" * len(res))
     for c in cats:
         print(f"| {c} | " + " | ".join(f"{r['categories'].get(c, 0):.0f}" for r in res) + " |")
-    for key in ("kernel_ms", "replay_ms", "graph_ms"):
+    for key in ("kernel_ms", "replay_ms", "graph_ms", "graph_ms_eager_flush"):
         print(f"| **{key}** | " + " | ".join(f"{r[key]:.3f}" for r in res) + " |")
     for r in res:
         print(f"top kernels, {r['preset']}:")

@@ -5,8 +5,13 @@ How (gpt-fast's and the serving engines' recipe): the pools are sized up front f
 step's page tables and write slots are copied into fixed buffers sized for that capacity; the
 kernels' grids are sized by the capacity (rows shorter than it exit early). Per step, on the
 host: plan the step (``PageState.plan``), copy its tables into the buffers, replay the graph,
-then run the step's flush (pages leaving the window, every ``page_size`` steps) eagerly, outside
-the graph. Inside the graph nothing syncs with the host: the NaN check is off. Each layer's
+then, on a step where pages leave the window (every ``page_size`` steps per row), replay the
+*flush graph*: every layer's quantize-on-write of the leaving pages, captured once for ``rows``
+pages (a step that flushes fewer repeats its last page: writing the same page twice stores the
+same bytes). Run eagerly, that flush cost 0.7-1.2 ms per step at SmolLM2 64 x 8K, amortized
+(``benchmarks/profile_step.py``: ``graph_ms`` against ``replay_ms``): 30 layers of small launches
+from Python. Inside the graphs nothing syncs with the host: the NaN check is off, and the e4m3
+range flags are ORed in place on the device. Each layer's
 kernel is its decode plan's (``rotkv.kernels.plan.plan_decode``) for the capacity: the graph
 captures that launch, and a layer no kernel reads is refused before the capture.
 
@@ -74,7 +79,7 @@ class GraphDecoder:
     ``[B]`` and returns the logits ``[B, vocab]`` of the next token.
     """
 
-    def __init__(self, model, cache, max_len: int, cache_kwarg: str = "past_key_values"):
+    def __init__(self, model, cache, max_len: int, cache_kwarg: str = "past_key_values", flush_graph: bool = True):
         if not torch.cuda.is_available() or model.device.type != "cuda":
             raise ValueError("cuda_graph needs the model on a CUDA device")
         self.model, self.cache, self.kw = model, cache, cache_kwarg
@@ -87,6 +92,10 @@ class GraphDecoder:
         self.cache_position = torch.zeros(1, dtype=torch.long, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
+        # the flush graph's (tier page, body page) pairs, one per row; flush_graph=False flushes eagerly
+        self.flush_graph = flush_graph
+        self.flush_pages = torch.zeros(2, rows, dtype=torch.int64, device=dev)
+        self._flush_captured: torch.cuda.CUDAGraph | None = None
 
     def _forward(self) -> torch.Tensor:
         extra = {"cache_position": self.cache_position} if self.takes_cache_position else {}
@@ -128,8 +137,28 @@ class GraphDecoder:
         self._flush(step)
         return self.logits
 
+    def _flush_layers(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for layer in self.static.layers:
+            layer.pools.flush(src, dst)
+
     def _flush(self, step: Step) -> None:
-        if len(step.flush):
-            src, dst = step.device_flush(self.model.device)
-            for layer in self.static.layers:
-                layer.pools.flush(src, dst)
+        n = len(step.flush)
+        if n == 0:
+            return
+        rows = self.flush_pages.shape[1]
+        if not self.flush_graph or n > rows:  # at most one page per row leaves in a decode step
+            self._flush_layers(*step.device_flush(self.model.device))
+            return
+        pairs = np.empty((2, rows), dtype=np.int64)
+        for i, pages in enumerate((step.flush.src, step.flush.dst)):
+            pairs[i, :n], pairs[i, n:] = pages, pages[-1]
+        self.flush_pages.copy_(torch.from_numpy(pairs))
+        if self._flush_captured is not None:
+            self._flush_captured.replay()
+            return
+        # the first flush runs eagerly (it is real, and warms every write kernel); then it is captured
+        self._flush_layers(*self.flush_pages)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self._flush_layers(*self.flush_pages)
+        self._flush_captured = g

@@ -185,8 +185,10 @@ class LayerPools:
                 part = self.paged.parts[i]
                 quant_write(x, slots, part, clip=codec.clip)
                 if part.meta == torch.float8_e4m3fn:  # the kernel marks out-of-range metadata NaN
-                    bad = fp8_meta_out_of_range(part, dst)
-                    self.range_flags[i] = bad if self.range_flags[i] is None else self.range_flags[i] | bad
+                    if self.range_flags[i] is None:
+                        self.range_flags[i] = torch.zeros((), dtype=torch.bool, device=x.device)
+                    # in place: a CUDA graph that captured this flush accumulates into the same flag
+                    self.range_flags[i].logical_or_(fp8_meta_out_of_range(part, dst))
             else:
                 enc = codec.encode(x.reshape(n, p, h, d).transpose(1, 2).float())
                 for name, t in enc.items():

@@ -85,6 +85,58 @@ def test_cuda_graph_decode_matches_eager(preset):
 
 
 @cuda_only
+@pytest.mark.parametrize("meta_v", ["float16", "float8"])
+def test_flush_graph_stores_what_the_eager_flush_does(meta_v):
+    """The captured flush (rows' leaving pages, padded by repeating the last page) stores the same
+    bytes as the eager flush, step for step: a ragged batch (rows flush at different steps, so most
+    flushes are padded) teacher-forced through the same tokens, every body page and the logits
+    compared at the end; e4m3 metadata (``meta_v``) makes the range flag be written in the graph."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rotkv.cache import RotkvCache
+    from rotkv.cache.graph import GraphDecoder
+    from rotkv.generation import prefill, reserve
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      intermediate_size=512, num_hidden_layers=2, vocab_size=512, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).cuda().bfloat16().eval()
+    ids = torch.randint(1, 512, (3, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    mask[2, :5] = 0
+    forced = torch.randint(1, 512, (48, 3), generator=torch.Generator().manual_seed(1)).cuda()
+    runs = []
+    for use_graph in (False, True):
+        cache = RotkvCache(model, "quarot-int2", sink=16, window=32, page_size=16, prefill_chunk=128,
+                           check_finite=False, meta_v=meta_v)
+        reserve(cache, 3, 300 + 48)
+        with torch.no_grad():
+            prefill(model, ids, cache, mask)
+            lengths = mask.sum(-1)
+            dec = GraphDecoder(model, cache, 300 + 48, flush_graph=use_graph)
+            logits = []
+            for t in range(forced.shape[0]):
+                logits.append(dec.step(forced[t], lengths + t).float().clone())
+        torch.cuda.synchronize()
+        cache.check_metadata_range()
+        runs.append((cache, torch.stack(logits), dec))
+    (c0, l0, d0), (c1, l1, d1) = runs
+    assert d1._flush_captured is not None and d0._flush_captured is None  # the graph flush ran
+    st0, st1 = c0.state, c1.state
+    assert (st0.body_count == st1.body_count).all() and st0.body_count.min() >= 15
+    for a, b in zip(c0.layers, c1.layers):
+        for pa, pb in zip(a.pools.body, b.pools.body):
+            for name in pa:
+                for row in range(3):
+                    pages = torch.as_tensor(st0.body_pages[row, :st0.body_count[row]], device="cuda")
+                    assert torch.equal(pa[name][pages].view(torch.uint8), pb[name][pages].view(torch.uint8)), name
+        if meta_v == "float8":
+            assert b.pools.range_flags[1] is not None and not bool(b.pools.range_flags[1])
+    assert (l0 - l1).abs().max().item() < 1e-3
+
+
+@cuda_only
 @pytest.mark.slow
 def test_smollm2_kernel_path_matches_reference(monkeypatch):
     """SmolLM2 on CUDA: teacher-forced decode logits with the kernels equal the reference path's.
