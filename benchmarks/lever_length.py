@@ -173,6 +173,10 @@ def main() -> None:
     ap.add_argument("--window-share", type=float, default=None,
                     help="CacheSpec.window_share: the window grows to this share of each row (default: the preset's)")
     ap.add_argument("--grid-tokens", type=int, default=4096, help="calibration tokens for the grids")
+    ap.add_argument("--context-length", default=None, metavar="N|auto",
+                    help="the cache's expected tokens per row, which picks the key fit of an artifact with several "
+                         "(rotkv calibrate --long-seq-len 4096,8192); auto: the window's, --length + --new-tokens; "
+                         "default: none, the artifact's primary fit")
     ap.add_argument("--tag", default="", help="a label added to the run keys (e.g. the artifact's name)")
     ap.add_argument("--scratch", default=".scratch/levers")
     ap.add_argument("--out", required=True)
@@ -198,6 +202,7 @@ def main() -> None:
         texts = builtin_eval_texts()
     ids = torch.tensor([read_tokens(tok, texts)])
     L, N = args.length, args.new_tokens
+    ctx_len = None if args.context_length is None else L + N if args.context_length == "auto" else int(args.context_length)
     starts = nll.window_starts(ids.shape[1], L, N, args.windows)
     os.makedirs(args.scratch, exist_ok=True)
     refs = []
@@ -214,11 +219,13 @@ def main() -> None:
     results["settings"] = {"preset": args.preset, "artifact": args.artifact, "length": L, "new_tokens": N,
                            "windows": args.windows, "starts": starts, "sink": sink, "window": args.window or spec.window,
                            "chunk": args.chunk, "texts": texts, "grid_tokens": args.grid_tokens,
-                           "window_share": args.window_share}
+                           "window_share": args.window_share, "context_length": ctx_len,
+                           "key_fit_lengths": art.key_fit_lengths}
     for name in args.configs:
         key = name + (f"/{args.tag}" if args.tag else "") + (f"/w{args.window}" if args.window else "") + (
             f"/sink{args.sink}" if args.sink is not None else "") + (f"/{args.text}" if args.text != "eval" else "") + (
-            f"/s{args.window_share:g}" if args.window_share is not None else "")
+            f"/s{args.window_share:g}" if args.window_share is not None else "") + (
+            f"/ctx{ctx_len}" if ctx_len is not None else "")
         if key in results["runs"]:
             continue
         extra = [0]
@@ -233,13 +240,16 @@ def main() -> None:
         def build(ctx_, preset, chunk, mod, win, levers=levers, r4=r4):
             window = r4[0] if r4 else args.window
             share = {} if args.window_share is None else {"window_share": args.window_share}
-            cache = RotkvCache(model, args.preset, art, prefill_chunk=chunk, window=window, sink=sink, **share)
+            cache = RotkvCache(model, args.preset, art, prefill_chunk=chunk, window=window, sink=sink,
+                               context_length=ctx_len, **share)
+            holder["fit"] = cache.key_fit_length
             extra[0] = apply(cache, levers, grids)
             if r4:
                 for layer in cache.layers:
                     if isinstance(layer, HybridLayer):
                         fake_tier(layer, cache.spec)
-                holder["ref"] = RotkvCache(model, args.preset, art, prefill_chunk=chunk, window=args.window)
+                holder["ref"] = RotkvCache(model, args.preset, art, prefill_chunk=chunk, window=args.window,
+                                           context_length=ctx_len)
             return cache
 
         dx.build_cache = build
@@ -247,6 +257,7 @@ def main() -> None:
         r = dx.run_config(ctx, args.preset, args.chunk, {})
         elements = None
         r["grid_bytes"] = extra[0]
+        r["key_fit_length"] = holder.get("fit")
         if extra[0]:  # constant per-layer grids: add them to the measured bits (at this length)
             elements = 2 * (L + N - 1) * model.config.num_key_value_heads * (model.config.hidden_size //
                                                                              model.config.num_attention_heads) * model.config.num_hidden_layers
@@ -259,7 +270,8 @@ def main() -> None:
         r["seconds"] = round(time.time() - t1, 1)
         results["runs"][key] = r
         bits = r["bpe"] if r["bpe"] is not None else float("nan")
-        print(f"L{L} {key:36s} KL {r['kl']:.4f} +- {r['kl_ci95']:.4f} top1 {r['top1']:.3f} bits {bits:.3f} "
+        fit = f" key fit {r['key_fit_length']}" if r["key_fit_length"] else ""
+        print(f"L{L} {key:36s} KL {r['kl']:.4f} +- {r['kl_ci95']:.4f} top1 {r['top1']:.3f} bits {bits:.3f}{fit} "
               f"({r['seconds']:.0f} s)", flush=True)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -199,7 +199,8 @@ def _run_method(model, method, ids, new_tokens, artifact, overrides, prefill_chu
             extra = dict(overrides or {})
             if prefill_chunk:
                 extra["prefill_chunk"] = prefill_chunk
-            cache = RotkvCache(model, preset, artifact, check_finite=False, **extra)
+            cache = RotkvCache(model, preset, artifact, check_finite=False,
+                               context_length=ids.shape[-1] + new_tokens, **extra)
             if "fold" in flags:
                 cache.fold_values(model)
                 _clean(dev)  # the fold's float64 scratch is not the run's peak

@@ -34,7 +34,7 @@ from rotkv.hf.geometry import model_geometry
 from rotkv.hf.models import check_supported, mean_centering_blocker, sliding_layers
 from rotkv.quant.quantizer import check_group
 from rotkv.quant.widths import WIDTHS
-from rotkv.rotations.artifact import Artifact, load_artifact, validate_artifact
+from rotkv.rotations.artifact import Artifact, load_artifact, pick_key_fit, validate_artifact
 from rotkv.rotations.base import LayerRotation
 from rotkv.rotations.registry import build_rotations
 
@@ -90,9 +90,11 @@ def resolve_spec(spec: CacheSpec | str, **overrides) -> CacheSpec:
     return get_preset(spec, **overrides) if isinstance(spec, str) else spec.replace(**overrides)
 
 
-def layer_rotations(model, spec: CacheSpec, artifact: Artifact | str | None) -> tuple[list[LayerRotation], Artifact | None]:
+def layer_rotations(model, spec: CacheSpec, artifact: Artifact | str | None,
+                    context_length: int | None = None) -> tuple[list[LayerRotation], Artifact | None]:
     """Every layer's rotation: the artifact's for ``rotation="artifact"`` (loaded and checked against the
-    model and the spec), else the data-free ones of ``spec.rotation``; and the artifact read (or None)."""
+    model and the spec; with ``context_length``, its key fit picked for that length: ``Artifact.for_context``),
+    else the data-free ones of ``spec.rotation``; and the artifact read (or None)."""
     layers, kv_heads, head_dim = model_geometry(model.config)
     if spec.needs_artifact:
         if artifact is None:
@@ -104,6 +106,7 @@ def layer_rotations(model, spec: CacheSpec, artifact: Artifact | str | None) -> 
             )
         artifact = load_artifact(artifact) if isinstance(artifact, str) else artifact
         validate_artifact(artifact, model, spec)
+        artifact = artifact.for_context(context_length)
         rots = [artifact.layer_rotation(i) for i in range(layers)]
         if not spec.key_mean:
             rots = [LayerRotation(r.R_K, r.R_V, None, r.clip_k, r.clip_v) for r in rots]
@@ -149,18 +152,22 @@ def _check(model, spec: CacheSpec, num_layers: int, head_dim: int, layer_bits) -
                 raise ValueError(f"layer_bits entries must be in {WIDTHS}, got {(kb, vb)}")
 
 
-def plan_cache(model, spec: CacheSpec, artifact: Artifact | str | None = None, layer_bits=None) -> CachePlan:
+def plan_cache(model, spec: CacheSpec, artifact: Artifact | str | None = None, layer_bits=None,
+               context_length: int | None = None) -> CachePlan:
     """Resolve every layer of a cache for ``model`` once: kind, rotation, codecs, widths, clip ratios, budget.
 
     artifact: an Artifact or a path; read for ``rotation="artifact"`` (rotations, key means, clip
     ratios, ``k_bits``) and, for a budgeted spec, for its per-layer final widths (``bits``).
     layer_bits: per-layer ``(key bits, value bits)`` of the token codec (see RotkvCache).
+    context_length: expected tokens per row; picks the artifact's key fit (see RotkvCache).
     Every bad input raises here, before any layer exists.
     """
     check_supported(model)
     num_layers, kv_heads, head_dim = model_geometry(model.config)
     _check(model, spec, num_layers, head_dim, layer_bits)
-    rotations, art = layer_rotations(model, spec, artifact)
+    if context_length is not None:
+        pick_key_fit((), context_length)  # a bad length fails whatever the preset
+    rotations, art = layer_rotations(model, spec, artifact, context_length)
     artifact_bits = None
     if spec.k_bits == "artifact":
         if art is None or "k_bits" not in art.tensors:

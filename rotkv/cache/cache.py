@@ -40,10 +40,15 @@ class RotkvCache(Cache):
     kernels; 8 runs the reference path), one pair per model layer; None: ``spec.bits`` everywhere.
     decode_score: the decode kernels' score variant ("auto", "bf16", "int8"; see
     ``rotkv.kernels.decode.DecodeConfig.score``); None: ``ROTKV_DECODE_SCORE`` or "auto".
+    context_length: the tokens each row is expected to reach (prompt + new tokens). An artifact with several
+    key-side fits (``key_fit_lengths``) then serves the fit nearest that length
+    (:func:`rotkv.rotations.artifact.pick_key_fit`); None keeps its primary fit. The fit used is
+    ``key_fit_length`` (also in :meth:`stats`; None for an artifact without named fits).
     """
 
     def __init__(self, model, spec: CacheSpec | str = DEFAULT_PRESET, artifact: Artifact | str | None = None,
-                 check_finite: bool = True, layer_bits=None, decode_score: str | None = None, **overrides):
+                 check_finite: bool = True, layer_bits=None, decode_score: str | None = None,
+                 context_length: int | None = None, **overrides):
         if not hasattr(model, "config"):
             raise TypeError(f"model has to be a transformers model (with a config), not {type(model).__name__}")
         if artifact is not None and not isinstance(artifact, (str, os.PathLike, Artifact)):
@@ -56,8 +61,10 @@ class RotkvCache(Cache):
         if decode_score is not None and spec.budget_tokens is not None:
             raise ValueError("decode_score picks the paged layers' decode kernel; a spec with `budget_tokens` "
                              "has per-row layers, which run no kernel")
-        self.plan: CachePlan = plan_cache(model, spec, artifact, layer_bits)
+        self.plan: CachePlan = plan_cache(model, spec, artifact, layer_bits, context_length)
         self.spec, self.artifact = spec, self.plan.artifact
+        fits = self.artifact.key_fit_lengths if self.artifact is not None else []
+        self.key_fit_length: int | None = fits[0] if fits else None  # the picked fit is the plan's primary
         self.head_dim, self.kv_heads = self.plan.head_dim, self.plan.kv_heads
         if spec.quantized and (overrides.get("group_size") or 0) > self.head_dim:  # asked for (a preset's is clamped quietly)
             warnings.warn(f"group_size {spec.group_size} is larger than head_dim {self.head_dim}: using {self.head_dim}",
@@ -169,7 +176,8 @@ class RotkvCache(Cache):
 
     # ---- accounting ------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        """Measured resident bytes and bits per element over every layer and tier.
+        """Measured resident bytes and bits per element over every layer and tier (and ``key_fit_length``,
+        the artifact's key fit in use, None without named fits).
 
         kv_bytes counts codes, metadata and the bf16 tiers of the stored tokens (and bf16 sliding
         layers); rotation matrices and means are reported apart as rotation_bytes, the PyTorch
@@ -199,6 +207,7 @@ class RotkvCache(Cache):
             "bits_per_element": 8 * kv_bytes / tot["elements"] if tot["elements"] else 0.0,
             "body_bits_per_element": 8 * tot["body_bytes"] / tot["body_elements"] if tot["body_elements"] else 0.0,
             "elements": tot["elements"],
+            "key_fit_length": self.key_fit_length,
         }
 
     def widths(self) -> list[int | None]:
@@ -212,7 +221,9 @@ class RotkvCache(Cache):
         return float(self.stats()["bits_per_element"])
 
 
-def make_cache(model, spec: CacheSpec | str, artifact: Artifact | str | None = None, **overrides) -> RotkvCache:
+def make_cache(model, spec: CacheSpec | str, artifact: Artifact | str | None = None,
+               context_length: int | None = None, **overrides) -> RotkvCache:
     """A RotkvCache for a preset name or spec; ``bf16`` also goes through rotkv (unquantized tiers).
-    A spec with ``budget_tokens`` gets budgeted layers (progressive precision or eviction)."""
-    return RotkvCache(model, spec, artifact, **overrides)
+    A spec with ``budget_tokens`` gets budgeted layers (progressive precision or eviction).
+    ``context_length``: expected tokens per row, picks the artifact's key fit (see RotkvCache)."""
+    return RotkvCache(model, spec, artifact, context_length=context_length, **overrides)

@@ -10,6 +10,12 @@ artifact's granularity) and every key past the sink enters the mean. Calibration
 
     python -m rotkv.calibrate.longfit --base-artifact oscar-mix.safetensors --seq-len 4096 --sequences 2 \
         --out oscar-mix-long.safetensors
+
+Several lengths (:func:`refit_lengths`, ``rotkv calibrate --method oscar-mix-long --long-seq-len 4096,8192``)
+write one artifact with a key-side fit per length: the first length's as ``R_K``/``k_mean``, the others as
+``R_K@n``/``k_mean@n``, listed in ``key_fit_lengths``; a cache picks one by its context length
+(``RotkvCache(..., context_length=)``). A fit serves best near its own length: the 8K fit halves the KL at 8K
+and costs at 2K (docs/results/levers_length.md).
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ def long_stats(model, chunks: list[torch.Tensor], sink: int = 16, call: int = 51
 def refit(model, tokenizer, artifact, seq_len: int = 4096, sequences: int = 2, call: int = 512, files=None):
     """(tensors, metadata) of ``artifact`` with R_K and the key means refitted on long sequences."""
     from rotkv.calibrate.corpus import token_chunks
+    from rotkv.rotations.artifact import without_key_fits
     from rotkv.rotations.base import pooled
     from rotkv.rotations.oscar import oscar_rotation
 
@@ -63,21 +70,53 @@ def refit(model, tokenizer, artifact, seq_len: int = 4096, sequences: int = 2, c
         raise ValueError(f"the calibration text is shorter than one sequence of {seq_len} tokens")
     t0 = time.time()
     cq, ks, kn = long_stats(model, chunks, int(artifact.meta.get("sink", 16)), call)
-    tensors = dict(artifact.tensors)
+    tensors, base_meta = without_key_fits(artifact.tensors, artifact.meta)  # the key side is replaced whole
     gran = artifact.meta.get("granularity", "layer")
     for layer in cq:
         old = tensors[f"R_K.{layer}"]
         tensors[f"R_K.{layer}"] = oscar_rotation(pooled(cq[layer], gran))[:old.shape[0]].contiguous()
         tensors[f"k_mean.{layer}"] = (ks[layer] / kn[layer]).float()
-    meta = dict(artifact.meta) | {"longfit_seq_len": str(seq_len), "longfit_tokens": str(sum(c.shape[1] for c in chunks)),
+    meta = base_meta | {"longfit_seq_len": str(seq_len), "longfit_tokens": str(sum(c.shape[1] for c in chunks)),
                                   "longfit_seconds": f"{time.time() - t0:.0f}"}
     return tensors, meta
 
 
-def calibrate_mix_long(loaded, base=None, seq_len: int = 4096, sequences: int = 2, files=None, log=print,
+def refit_lengths(model, tokenizer, artifact, seq_lens: list[int], sequences: int = 2, call: int = 512,
+                  files=None, log=print):
+    """(tensors, metadata) of ``artifact`` with one key-side fit per length of ``seq_lens`` (:func:`refit` each):
+    the first's as ``R_K.l``/``k_mean.l``, each other's as ``R_K@n.l``/``k_mean@n.l``, and ``key_fit_lengths``
+    listing them. R_V, clips and key widths are the base's, shared. One length gives :func:`refit`'s artifact
+    unchanged (no ``key_fit_lengths``)."""
+    from rotkv.rotations.artifact import KEY_FIT_SIDE
+
+    seq_lens = list(seq_lens)
+    if not seq_lens or len(set(seq_lens)) != len(seq_lens):
+        raise ValueError(f"`seq_lens` has to be distinct lengths but got {seq_lens}")
+    tensors, meta = None, None
+    seconds, tokens = [], []
+    for n in seq_lens:
+        log(f"refitting R_K and the key means on {sequences} sequences of {n} tokens ...")
+        t, m = refit(model, tokenizer, artifact, n, sequences, call, files)
+        seconds.append(m["longfit_seconds"])
+        tokens.append(m["longfit_tokens"])
+        if tensors is None:
+            tensors, meta = t, m
+            continue
+        for name, v in t.items():
+            prefix, _, idx = name.partition(".")
+            if prefix in KEY_FIT_SIDE:
+                tensors[f"{prefix}@{n}.{idx}"] = v
+    if len(seq_lens) > 1:
+        meta |= {"key_fit_lengths": ",".join(str(n) for n in seq_lens), "key_fit_seconds": ",".join(seconds),
+                 "key_fit_tokens": ",".join(tokens)}
+    return tensors, meta
+
+
+def calibrate_mix_long(loaded, base=None, seq_len: int | list[int] = 4096, sequences: int = 2, files=None, log=print,
                        layers: int | None = None, **mix) -> tuple[dict, dict]:
     """(tensors, metadata) of a complete ``oscar-mix-long`` artifact: R_K and the key means refitted on
-    ``sequences`` sequences of ``seq_len`` tokens (:func:`refit`) over ``base``'s (an Artifact or a path).
+    ``sequences`` sequences of ``seq_len`` tokens (:func:`refit`) over ``base``'s (an Artifact or a path);
+    a list of lengths gives one fit per length (:func:`refit_lengths`, the first the primary).
     A base with key widths (an oscar-mix artifact) keeps them, or with ``layers`` gets 4-bit keys in the
     ``layers`` layers of largest ``k_gain``; a base without them first gets them
     (:func:`rotkv.calibrate.keybits.calibrate_mix`, ``layers`` and ``mix`` its arguments)."""
@@ -100,8 +139,8 @@ def calibrate_mix_long(loaded, base=None, seq_len: int = 4096, sequences: int = 
         meta["keybits_layers"] = ",".join(str(i) for i in np.flatnonzero(tensors["k_bits"].numpy() == 4))
         log(f"4-bit keys in {layers} layers by the base's k_gain: {meta['keybits_layers']}")
         art = Artifact(tensors, {k: str(v) for k, v in meta.items()})
-    log(f"refitting R_K and the key means on {sequences} sequences of {seq_len} tokens ...")
-    return refit(loaded.model, loaded.tokenizer, art, seq_len, sequences, files=files)
+    seq_lens = [seq_len] if isinstance(seq_len, int) else list(seq_len)
+    return refit_lengths(loaded.model, loaded.tokenizer, art, seq_lens, sequences, files=files, log=log)
 
 
 def main(argv=None) -> int:

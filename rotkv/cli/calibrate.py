@@ -50,14 +50,17 @@ def register(sub) -> None:
     mix.add_argument("--key-length", type=int, default=1024, help="context tokens per window (default 1024)")
     mix.add_argument("--key-new-tokens", type=int, default=32, help="decode tokens scored per window (default 32)")
     mix.add_argument("--key-windows", type=int, default=2, help="windows of calibration text (default 2)")
-    mix.add_argument("--long-seq-len", type=int, default=4096,
-                     help=f"{MIX_LONG}: tokens per refit sequence (default 4096)")
+    mix.add_argument("--long-seq-len", default="4096", metavar="N[,N...]",
+                     help=f"{MIX_LONG}: tokens per refit sequence (default 4096); a comma list (4096,8192) stores "
+                          "one key fit per length, the first as the primary, and a cache given its context length "
+                          "(rotkv generate/eval/bench do) uses the fit nearest it")
     mix.add_argument("--long-sequences", type=int, default=2, help=f"{MIX_LONG}: refit sequences (default 2)")
     p.set_defaults(func=run)
 
 
 MIX = "oscar-mix"  # not a rotation method: the oscar-mix preset's artifact (rotkv.calibrate.keybits)
 MIX_LONG = "oscar-mix-long"  # oscar-mix's artifact, key side refitted on long sequences (rotkv.calibrate.longfit)
+LONG_CALL = 512  # tokens per model call of the long refit (rotkv.calibrate.longfit.refit's `call`)
 
 
 def check_mix_args(args):
@@ -100,6 +103,19 @@ def check_mix_args(args):
         raise UsageError(f"--key-layers has to be >= 1 but got {args.key_layers}")
 
 
+def parse_long_seq_len(text) -> list[int]:
+    """--long-seq-len: one length or a comma list, each at least the refit's call size (512 tokens)."""
+    from rotkv.rotations.artifact import parse_fit_lengths
+
+    try:
+        lengths = parse_fit_lengths(text, "--long-seq-len")
+    except ValueError as e:
+        raise UsageError(str(e).replace("`--long-seq-len`", "--long-seq-len")) from None
+    if short := [n for n in lengths if n < LONG_CALL]:
+        raise UsageError(f"--long-seq-len has to be >= {LONG_CALL} (the refit's call size) but got {short[0]}")
+    return lengths
+
+
 def check_args(args):
     """Every check that needs no model (so a bad --out fails before, not after, the calibration)."""
     if (args.method is None) == (args.refit_clip is None):
@@ -118,9 +134,10 @@ def check_args(args):
 
         read_text_file(path, "--data")
     if args.method in (MIX, MIX_LONG):
-        if args.method == MIX_LONG and (args.long_seq_len < 512 or args.long_sequences < 1):
-            raise UsageError(f"--long-seq-len has to be >= 512 and --long-sequences >= 1 but got "
-                             f"{args.long_seq_len}, {args.long_sequences}")
+        if args.method == MIX_LONG:
+            args.long_seq_len = parse_long_seq_len(args.long_seq_len)
+            if args.long_sequences < 1:
+                raise UsageError(f"--long-sequences has to be >= 1 but got {args.long_sequences}")
         return check_mix_args(args)
     if args.refit_clip:
         from rotkv.calibrate.refit import check_refittable
@@ -232,7 +249,11 @@ def mix(args) -> int:
         tensors, meta = calibrate_mix(loaded, args.base_artifact, args.key_layers, files=args.data, log=log, **kw)
     save_artifact(args.out, tensors, meta)
     base = f"base {args.base_artifact}" if args.base_artifact else f"OSCAR calibrated in {meta.get('calib_seconds', '?')} s"
-    long = f"; key side refitted in {meta['longfit_seconds']} s" if args.method == MIX_LONG else ""
+    long = ""
+    if args.method == MIX_LONG:
+        fits = meta.get("key_fit_lengths", meta["longfit_seq_len"])
+        secs = sum(int(x) for x in meta.get("key_fit_seconds", meta["longfit_seconds"]).split(","))
+        long = f"; key side refitted on {fits}-token sequences in {secs} s"
     print(f"wrote {args.out}: {args.method} ({base}; 4-bit keys in layers {meta['keybits_layers']}, measured in "
           f"{meta['keybits_seconds']} s{long}; total {time.time() - t0:.0f} s, {torch.get_num_threads()} threads)")
     print(load_artifact(args.out).summary())

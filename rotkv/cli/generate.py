@@ -79,11 +79,13 @@ def run(args) -> int:
     from rotkv.hf.models import load_model
 
     loaded = load_model(args.model, device=args.device)
-    cache = RotkvCache(loaded.model, args.preset, args.artifact, **cache_overrides(args))
     ids = encode_prompt(loaded.tokenizer, prompt, chat=not args.no_chat)
     if ids.shape[-1] == 0:
         raise UsageError("--prompt encodes to 0 tokens")
     check_length(loaded.model, ids.shape[-1], args.max_new_tokens, args.allow_long)
+    # the row's whole length: an artifact with several key fits serves the one nearest it
+    cache = RotkvCache(loaded.model, args.preset, args.artifact, context_length=ids.shape[-1] + args.max_new_tokens,
+                       **cache_overrides(args))
     if args.cuda_graph:
         g = _generate_graph(loaded, ids, cache, args.max_new_tokens)
     else:
@@ -99,6 +101,7 @@ def run(args) -> int:
             "bits_per_element": round(st["bits_per_element"], 4),
             "body_bits_per_element": round(st["body_bits_per_element"], 4),
             "prefill_s": round(g.prefill_s, 3), "decode_tokens_per_s": round(g.decode_tokens_per_s, 2),
+            "key_fit_length": st["key_fit_length"],
         }))
     else:
         print(g.text)

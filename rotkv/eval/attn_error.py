@@ -69,7 +69,7 @@ def layer_errors(model, method, ids: torch.Tensor, length: int, queries: int, ch
         if pos[0] == length:
             got[i] = (out[0] if isinstance(out, tuple) else out).detach().float()
 
-    cache = method.build(model)
+    cache = method.build(model, context_length=length)
     with _hooks(model, on_in, on_out):
         for c0 in range(0, length, chunk):
             pos[:] = [c0, min(c0 + chunk, length)]

@@ -26,8 +26,9 @@ class Method:
     overrides: dict = field(default_factory=dict)
     artifact: str | None = None
 
-    def build(self, model):
-        """A fresh, empty cache for ``model``."""
+    def build(self, model, context_length: int | None = None):
+        """A fresh, empty cache for ``model``; ``context_length`` (tokens per row the unit reaches) picks the
+        key fit of an artifact with several (``RotkvCache``'s argument; peers take none)."""
         if self.kind == "peer":
             return peers.make_peer(self.name, model)
         from rotkv.cache import RotkvCache
@@ -35,7 +36,8 @@ class Method:
         # the finiteness check costs a host sync per layer and call: off on a GPU, where it would dominate
         # a decode step of a small model (a NaN still shows in the scores)
         check = next(model.parameters()).device.type == "cpu"
-        return RotkvCache(model, self.name, self.artifact, check_finite=check, **self.overrides)
+        return RotkvCache(model, self.name, self.artifact, check_finite=check, context_length=context_length,
+                          **self.overrides)
 
     def measure(self, cache, model) -> dict:
         """Resident bytes of ``cache`` as it is now, and its element count (2 * tokens * kv_heads * D * layers)."""

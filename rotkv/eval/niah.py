@@ -165,7 +165,7 @@ def score_answer(text: str, expected: list[str]) -> float:
 
 def run_sample(model, tokenizer, method, sample: Sample, chunk: int, max_new: int) -> tuple[list[dict], dict]:
     """Prefill the context once, then ask each question on a copy of the filled cache."""
-    cache = method.build(model)
+    cache = method.build(model, context_length=sample.context.shape[1] + max_new)  # the haystack and its answer
     prefill(model, cache, sample.context, chunk)
     stop = {t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int)}
     out, mem = [], None

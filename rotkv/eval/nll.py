@@ -37,7 +37,7 @@ def reference(model, ids: torch.Tensor, length: int, new_tokens: int) -> torch.T
 def score_window(model, method, ids: torch.Tensor, length: int, new_tokens: int, chunk: int,
                  ref: torch.Tensor) -> tuple[dict[str, list[float]], dict]:
     """Per-token nll / kl / top1 of one window through a fresh cache of ``method``, and its measured bytes."""
-    cache = method.build(model)
+    cache = method.build(model, context_length=length + new_tokens)
     ids = ids.to(model.device)  # once, not one host-to-device copy per decoded token
     logps = [prefill(model, cache, ids[:, :length], chunk)]
     for t in range(new_tokens - 1):  # no host sync inside the loop: the scores stay on the device

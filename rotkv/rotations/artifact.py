@@ -7,11 +7,16 @@ Layout (all tensors float32 unless noted; ``l`` is the layer index, ``H`` KV hea
 - ``k_mean.{l}``: ``[H, D]``, the post-RoPE key mean in the unrotated basis;
 - ``clip_k``, ``clip_v``: ``[L]`` per-layer clipping ratios;
 - ``bits``: ``[L]`` int32 final widths (progressive precision), optional;
+- ``R_K@{n}.{l}``, ``k_mean@{n}.{l}``: extra key-side fits, one per length ``n`` of ``key_fit_lengths`` but the
+  first (``rotkv calibrate --method oscar-mix-long --long-seq-len 4096,8192``); the plain ``R_K.{l}`` and
+  ``k_mean.{l}`` are the first length's fit. A cache picks one by its expected context length
+  (:func:`pick_key_fit`, :meth:`Artifact.for_context`);
 - any other tensor a method needs, under its own prefix.
 
 String metadata: ``format_version``, ``method``, ``model_id``, ``config_hash``,
 ``weights_fingerprint``, ``num_layers``, ``kv_heads``, ``head_dim``, ``bits``, ``group_size``,
-``clip_k``, ``clip_v``, ``calib_tokens``, ``date``, ``values_folded`` ("0" or "1").
+``clip_k``, ``clip_v``, ``calib_tokens``, ``date``, ``values_folded`` ("0" or "1"); optional
+``key_fit_lengths`` ("4096,8192": the calibration sequence lengths of the key-side fits, the primary first).
 Never pickle.
 
 Format versions: this rotkv writes and reads ``format_version`` 1. A file without the field
@@ -45,6 +50,7 @@ FORMAT_VERSION_INT = int(FORMAT_VERSION)
 REQUIRED_META = ("format_version", "method", "num_layers", "kv_heads", "head_dim", "weights_fingerprint")
 CONTRACT_META = ("method", "bits", "group_size")  # what a preset checks (check_contract)
 ORTHO_TOL = 1e-3  # max |R^T R - I| of a sound rotation (fp32 calibrations reach ~1e-6)
+KEY_FIT_SIDE = ("R_K", "k_mean")  # the per-layer tensors of one key-side fit (extra fits: ``R_K@8192.{l}``, ...)
 
 
 class ArtifactMismatch(ValueError):
@@ -65,6 +71,43 @@ class Artifact:
     @property
     def values_folded(self) -> bool:
         return self.meta.get("values_folded", "0") == "1"
+
+    @property
+    def key_fit_lengths(self) -> list[int]:
+        """The calibration sequence lengths of the key-side fits, the primary's first; [] for one unnamed fit."""
+        raw = self.meta.get("key_fit_lengths")
+        return parse_fit_lengths(raw) if raw else []
+
+    def with_key_fit(self, length: int) -> "Artifact":
+        """This artifact with the fit of ``length`` (one of :attr:`key_fit_lengths`) as its primary key side.
+
+        The chosen fit's ``R_K@n``/``k_mean@n`` become ``R_K``/``k_mean`` and the old primary moves to its own
+        ``@length`` keys, so the result is still a valid multi-fit artifact (its ``key_fit_lengths`` start with
+        ``length``) and picking again is a no-op. Every other tensor (R_V, clips, key widths) is the same object.
+        """
+        lengths = self.key_fit_lengths
+        if length not in lengths:
+            raise ValueError(f"artifact {self.path} has no key fit for length {length}; its fits: {lengths or 'one, unnamed'}")
+        if length == lengths[0]:
+            return self
+        old, tensors = lengths[0], dict(self.tensors)
+        for name, t in self.tensors.items():
+            prefix, _, idx = name.partition(".")
+            if prefix in KEY_FIT_SIDE:
+                tensors[f"{prefix}@{old}.{idx}"] = t
+                tensors[name] = tensors.pop(f"{prefix}@{length}.{idx}")
+        meta = dict(self.meta) | {"key_fit_lengths": ",".join(str(n) for n in [length] + [n for n in lengths if n != length])}
+        if "longfit_seq_len" in meta:
+            meta["longfit_seq_len"] = str(length)
+        return Artifact(tensors, meta, self.path, self.nbytes)
+
+    def for_context(self, context_length: int | None) -> "Artifact":
+        """The artifact whose primary key side is the fit :func:`pick_key_fit` picks for ``context_length``
+        tokens per row; itself without several fits or without a length."""
+        if context_length is None:
+            return self
+        pick = pick_key_fit(self.key_fit_lengths, context_length)
+        return self if pick is None else self.with_key_fit(pick)
 
     def layer_rotation(self, layer: int) -> LayerRotation:
         h, d = int(self.meta["kv_heads"]), int(self.meta["head_dim"])
@@ -96,6 +139,39 @@ class Artifact:
             shape = tuple(next(t for k, t in self.tensors.items() if k.split(".")[0] == g).shape)
             lines.append(f"    {g}: {n} tensor(s), e.g. shape {shape}")
         return "\n".join(lines)
+
+
+def parse_fit_lengths(text: str, what: str = "key_fit_lengths") -> list[int]:
+    """``"4096,8192"`` -> ``[4096, 8192]``: positive, distinct integers in the order given (the first is the primary fit)."""
+    out = []
+    for item in str(text).split(","):
+        item = item.strip()
+        if not item.isdigit() or int(item) < 1:
+            raise ValueError(f"`{what}` has to be a comma list of positive integers (e.g. 4096,8192) but got {text!r}")
+        if int(item) in out:
+            raise ValueError(f"`{what}` names {int(item)} twice: {text!r}")
+        out.append(int(item))
+    return out
+
+
+def pick_key_fit(lengths, context_length: int) -> int | None:
+    """The fit length for a context of ``context_length`` tokens: the nearest in log distance
+    (``max(n, c) / min(n, c)`` smallest), a tie going to the longer fit; None when there are no fits (the
+    primary serves). A fit refitted on sequences of n tokens is best near n tokens of context
+    (docs/results/levers_length.md): 2K context takes a 4K fit over an 8K one, 6K takes the 8K."""
+    from fractions import Fraction
+
+    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 1:
+        raise ValueError(f"`context_length` has to be a positive int (tokens per row) but got {context_length!r}")
+    if not lengths:
+        return None
+    return min(lengths, key=lambda n: (Fraction(max(n, context_length), min(n, context_length)), -n))
+
+
+def without_key_fits(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> tuple[dict, dict]:
+    """(tensors, meta) without the extra key fits and ``key_fit_lengths``: for a refit that replaces the key side."""
+    return ({k: v for k, v in tensors.items() if "@" not in k.partition(".")[0]},
+            {k: v for k, v in meta.items() if k != "key_fit_lengths"})
 
 
 def config_hash(config) -> str:
@@ -179,13 +255,14 @@ def check_structure(tensors: dict[str, torch.Tensor], meta: dict[str, str], wher
         if k in meta and not meta[k].strip().isdigit():
             raise ArtifactMismatch(f"{where}: metadata `{k}` has to be an integer but got {meta[k]!r}")
     layers, h, d = geo["num_layers"], geo["kv_heads"], geo["head_dim"]
-    per_layer = {"R_K": None, "R_V": None, "k_mean": None}
+    fits = _extra_fits(tensors, meta, where)
+    per_layer = {"R_K": None, "R_V": None, "k_mean": None} | {f"{p}@{n}": None for n in fits for p in KEY_FIT_SIDE}
     for name, t in tensors.items():
         prefix, _, idx = name.partition(".")
         if prefix in per_layer:
             if not idx.isdigit() or int(idx) >= layers:
                 raise ArtifactMismatch(f"{where}: tensor {name!r} names no layer of {layers}")
-            want = [(h, d)] if prefix == "k_mean" else [(h, d, d), (1, d, d)]
+            want = [(h, d)] if prefix.startswith("k_mean") else [(h, d, d), (1, d, d)]
             if tuple(t.shape) not in want:
                 raise ArtifactMismatch(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, expected "
                                        + " or ".join(str(w) for w in want))
@@ -201,6 +278,29 @@ def check_structure(tensors: dict[str, torch.Tensor], meta: dict[str, str], wher
         if present is not None and len(present) != layers:
             missing = sorted(set(range(layers)) - present)
             raise ArtifactMismatch(f"{where}: {prefix} is given for some layers but missing for layers {missing[:8]}")
+    for n in fits:  # an extra fit replaces the primary key side whole: the same tensors, every layer
+        for p in KEY_FIT_SIDE:
+            if (per_layer[p] is None) != (per_layer[f"{p}@{n}"] is None):
+                have, lack = (f"{p}@{n}", p) if per_layer[p] is None else (p, f"{p}@{n}")
+                raise ArtifactMismatch(f"{where}: the key fit for length {n} (key_fit_lengths) is incomplete: "
+                                       f"{have} is given but {lack} is missing for every layer")
+
+
+def _extra_fits(tensors: dict[str, torch.Tensor], meta: dict[str, str], where: str) -> list[int]:
+    """The lengths of the extra key fits (``key_fit_lengths`` but its first); refuses a malformed list and a
+    tensor ``R_K@n.l``/``k_mean@n.l`` whose ``n`` is not one of them."""
+    try:
+        fits = parse_fit_lengths(meta["key_fit_lengths"])[1:] if "key_fit_lengths" in meta else []
+    except ValueError as e:
+        raise ArtifactMismatch(f"{where}: metadata {e}") from None
+    for name in tensors:
+        prefix = name.partition(".")[0]
+        if "@" in prefix:
+            side, _, n = prefix.partition("@")
+            if side not in KEY_FIT_SIDE or not n.isdigit() or int(n) not in fits:
+                raise ArtifactMismatch(f"{where}: tensor {name!r} is no extra key fit: those are {'/'.join(KEY_FIT_SIDE)}@n "
+                                       f"for n in key_fit_lengths but the first ({meta.get('key_fit_lengths', 'absent')})")
+    return fits
 
 
 def value_problems(artifact: "Artifact", tol: float = ORTHO_TOL) -> list[str]:
@@ -227,10 +327,10 @@ def value_problems(artifact: "Artifact", tol: float = ORTHO_TOL) -> list[str]:
 
 
 def orthogonality_error(artifact: "Artifact") -> dict[str, float]:
-    """``max |R^T R - I|`` of every rotation tensor (``R_K.l``, ``R_V.l``)."""
+    """``max |R^T R - I|`` of every rotation tensor (``R_K.l``, ``R_V.l``, extra fits' ``R_K@n.l``)."""
     out = {}
     for name, t in artifact.tensors.items():
-        if name.startswith(("R_K.", "R_V.")):
+        if name.startswith(("R_K.", "R_V.", "R_K@")):
             m = t.double()
             eye = torch.eye(m.shape[-1], dtype=torch.float64)
             out[name] = (m.transpose(-1, -2) @ m - eye).abs().max().item()

@@ -113,6 +113,7 @@ def test_flush_graph_stores_what_the_eager_flush_does(meta_v):
         reserve(cache, 3, 300 + 48)
         with torch.no_grad():
             prefill(model, ids, cache, mask)
+            before = cache.state.body_count.copy()
             lengths = mask.sum(-1)
             dec = GraphDecoder(model, cache, 300 + 48, flush_graph=use_graph)
             logits = []
@@ -120,11 +121,11 @@ def test_flush_graph_stores_what_the_eager_flush_does(meta_v):
                 logits.append(dec.step(forced[t], lengths + t).float().clone())
         torch.cuda.synchronize()
         cache.check_metadata_range()
-        runs.append((cache, torch.stack(logits), dec))
-    (c0, l0, d0), (c1, l1, d1) = runs
+        runs.append((cache, torch.stack(logits), dec, cache.state.body_count - before))
+    (c0, l0, d0, n0), (c1, l1, d1, n1) = runs
     assert d1._flush_captured is not None and d0._flush_captured is None  # the graph flush ran
     st0, st1 = c0.state, c1.state
-    assert (st0.body_count == st1.body_count).all() and st0.body_count.min() >= 15
+    assert (st0.body_count == st1.body_count).all() and n1.min() >= 2  # every row flushed during decode
     for a, b in zip(c0.layers, c1.layers):
         for pa, pb in zip(a.pools.body, b.pools.body):
             for name in pa:
