@@ -20,7 +20,13 @@
 #   profile_step.py and profile_prefill.py on the real SmolLM2 with bf16, quarot-int2 and oscar-mix; cudawrite8:
 #   the CUDA write's e4m3 build, tested, then oscar-mix's prefill and step without and with it; none of
 #   these in the default list; job1024: the job stage with 1024 new tokens, about 4 minutes;
-#   OSCARMIX_TRITON=0 skips oscarmix's Triton-write run)
+#   OSCARMIX_TRITON=0 skips oscarmix's Triton-write run; flushgraph: the flush-graph and decode-config
+#   tests, then profile_step (graph_ms with the flush graph against graph_ms_eager_flush) for quarot-int2
+#   and oscar-mix on the real SmolLM2; smolmix: bench_mixed.py --kinds smolmix (oscar-mix's INT4-key
+#   and INT2 layer formats at SmolLM2's shape over config sweeps) and the best configs' overrides written
+#   to $R/best-overrides.txt; steprows: `rotkv bench` rows at 64 x 8K on the real SmolLM2: oscar-mix
+#   (+graph, +graph+fold, and +graph with $R/best-overrides.txt as ROTKV_DECODE_CONFIG), quarot-int2,
+#   rotkv bf16 and StaticCache)
 set -u
 R=${RES:-$HOME/close}
 if [ "${1:-}" = start ]; then
@@ -48,6 +54,41 @@ if want tests; then stage tests
 timeout 300 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_prefill.py tests/test_cache_layer.py \
   tests/test_paged_cache.py tests/test_capacity.py tests/kernels > "$R/tests-cuda.log" 2>&1
 echo "tests rc=$?"; tail -3 "$R/tests-cuda.log"; fi
+if want flushgraph; then stage flushgraph
+timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_backend.py tests/kernels/test_host_syncs.py \
+  tests/test_cache_model.py tests/kernels/test_kernels.py -k "flush_graph or graph_decode or wide or decode_config or fp8_value or mixed_bits or kernel_path or sync or range or model" \
+  > "$R/tests-flushgraph.log" 2>&1
+echo "flushgraph tests rc=$?"; tail -3 "$R/tests-flushgraph.log"
+timeout 200 python3 benchmarks/profile_step.py --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --artifact-dir artifacts \
+  --presets quarot-int2 oscar-mix --requests 64 --context 8192 --out "$R/stepprof-real-smollm2-64x8k.json" \
+  > "$R/stepprof.log" 2>&1
+echo "flushgraph stepprof rc=$?"; grep -E "graph_ms|replay_ms" "$R/stepprof.log"; fi
+if want smolmix; then stage smolmix
+timeout 300 python3 benchmarks/bench_mixed.py --kinds smolmix --out "$R/mixed-smolmix.json" > "$R/smolmix.log" 2>&1
+echo "smolmix rc=$?"
+python3 - "$R/mixed-smolmix.json" > "$R/best-overrides.txt" <<'PY'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1])) if r.get("kind") == "smolmix" and r["batch"] == 64 and "ms" in r and "k_bits" in r]
+best = [min(g, key=lambda r: r["ms"]) for bits in ((4, 2), (2, 2))
+        if (g := [r for r in rows if (r["k_bits"], r["v_bits"]) == bits])]
+print(",".join(filter(None, (r["overrides"] for r in best))))
+PY
+echo "smolmix best: $(cat "$R/best-overrides.txt")"; fi
+if want steprows; then stage steprows
+timeout 200 python3 -m rotkv.cli bench --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --batch 64 --context 8192 --new-tokens 32 \
+  --methods rotkv:oscar-mix+graph rotkv:oscar-mix+graph+fold --artifact artifacts/oscar-mix.safetensors \
+  --out "$R/generate-oscar-mix-fold-smollm2-64x8k.json" > "$R/steprows.log" 2>&1
+echo "steprows oscar-mix rc=$?"
+if [ -s "$R/best-overrides.txt" ]; then
+  ROTKV_DECODE_CONFIG=$(cat "$R/best-overrides.txt") timeout 150 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 \
+    --context 8192 --new-tokens 32 --methods rotkv:oscar-mix+graph --artifact artifacts/oscar-mix.safetensors \
+    --out "$R/generate-oscar-mix-tuned-smollm2-64x8k.json" >> "$R/steprows.log" 2>&1
+  echo "steprows tuned rc=$?"
+fi
+timeout 240 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --context 8192 --new-tokens 32 \
+  --methods rotkv:quarot-int2+graph rotkv:bf16+graph hf-static-compile --out "$R/generate-real-smollm2-64x8k.json" \
+  >> "$R/steprows.log" 2>&1
+echo "steprows real rc=$?"; fi
 if want job1024; then stage job1024  # the job with real prefill and a decode-dominated length (1024 new tokens)
 timeout 560 python3 benchmarks/bench_job.py --requests 32 --context 32768 --new-tokens 1024 --layers 36 \
   --out "$R/job-prefill-1024.json" > "$R/job1024.log" 2>&1

@@ -49,18 +49,55 @@ def token_encode(x: torch.Tensor, bits: int, group_size: int, clip: float) -> di
 
 def decode_config(score: str | None = None):
     """DecodeConfig for the cache's decode steps; ``ROTKV_DECODE_BACKEND`` = auto | cuda | triton;
-    ``score`` (else ``ROTKV_DECODE_SCORE``) = auto | bf16 | int8."""
+    ``score`` (else ``ROTKV_DECODE_SCORE``) = auto | bf16 | int8; ``ROTKV_DECODE_CONFIG``: other fields
+    of :class:`~rotkv.kernels.plan.DecodeConfig` as ``name=value,...`` (tuning, e.g.
+    ``wide_target_programs=4096,wide_num_warps=2``)."""
     return _decode_config_for(os.environ.get("ROTKV_DECODE_BACKEND", "auto"),
-                              score or os.environ.get("ROTKV_DECODE_SCORE", "auto"))
+                              score or os.environ.get("ROTKV_DECODE_SCORE", "auto"),
+                              os.environ.get("ROTKV_DECODE_CONFIG", ""))
+
+
+def parse_config_overrides(text: str) -> dict:
+    """``"name=value,..."`` -> DecodeConfig fields, each value parsed as its field's type (int, bool:
+    0/1/true/false, str; ``none`` for an optional field). ValueError names an unknown field or a bad value."""
+    import dataclasses
+
+    from rotkv.kernels.plan import DecodeConfig
+
+    fields = {f.name: f for f in dataclasses.fields(DecodeConfig)}
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, eq, raw = item.partition("=")
+        name, raw = name.strip(), raw.strip()
+        if not eq or name not in fields or name in ("backend", "score"):
+            raise ValueError(f"ROTKV_DECODE_CONFIG: {item!r} is not name=value with a DecodeConfig field "
+                             f"(backend and score have their own variables); fields: "
+                             f"{sorted(n for n in fields if n not in ('backend', 'score'))}")
+        default = fields[name].default
+        try:
+            if raw.lower() == "none" and (default is None or name == "cuda_min_blocks"):
+                out[name] = None
+            elif isinstance(default, bool) or (default is None and name == "use_asm"):
+                if raw.lower() not in ("0", "1", "true", "false"):
+                    raise ValueError(raw)
+                out[name] = raw.lower() in ("1", "true")
+            elif isinstance(default, str):
+                out[name] = raw
+            else:
+                out[name] = int(raw)
+        except ValueError:
+            raise ValueError(f"ROTKV_DECODE_CONFIG: bad value {raw!r} for {name}") from None
+    return out
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_config_for(backend: str, score: str = "auto"):
-    # one config per (backend, score): decode steps (every layer, every token) do not rebuild and revalidate it
+def _decode_config_for(backend: str, score: str = "auto", overrides: str = ""):
+    # one config per (backend, score, overrides): decode steps (every layer, every token) do not rebuild
+    # and revalidate it
     from rotkv.kernels.plan import DecodeConfig
 
     if backend not in ("auto", "cuda", "triton"):
         raise ValueError(f"ROTKV_DECODE_BACKEND must be auto, cuda or triton, got {backend!r}")
     if score not in ("auto", "bf16", "int8"):
         raise ValueError(f"the decode score must be auto, bf16 or int8, got {score!r}")
-    return DecodeConfig(backend=backend, score=score)
+    return DecodeConfig(backend=backend, score=score, **parse_config_overrides(overrides))

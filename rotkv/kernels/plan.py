@@ -131,6 +131,12 @@ class DecodeConfig:
     # CUDA kernel, score "bf16": how the exact code operand is made: 1 fp16 subnormals (one LOP3 per
     # register), 2 fp16 1024 + 4^i c minus 1024 (one LOP3 and one HSUB2)
     cuda_score_f16: int = 1
+    # Triton v1 over a body with a 4-bit side (oscar-mix's INT4-key layers, which the CUDA kernel does
+    # not read): its programs, warps and block; None: target_programs, num_warps, block_n (tuned on INT2
+    # at Qwen3-8B's shape). benchmarks/bench_mixed.py --kinds smolmix sweeps them
+    wide_target_programs: int | None = None
+    wide_num_warps: int | None = None
+    wide_block_n: int | None = None
 
     def __post_init__(self):
         if self.backend not in ("auto", "cuda", "triton"):
@@ -154,6 +160,24 @@ class DecodeConfig:
                      "cuda_min_split_tokens", "small_block_n", "small_num_warps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("wide_target_programs", "wide_num_warps", "wide_block_n"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be None or >= 1, got {v}")
+        for name in ("block_n", "wide_block_n", "num_warps", "wide_num_warps"):
+            v = getattr(self, name)
+            if v is not None and v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+
+    def for_bits(self, bits: tuple[int, int]) -> "DecodeConfig":
+        """The config a Triton body launch over K/V widths ``bits`` runs: the ``wide_*`` knobs where a
+        side is 4-bit and they are set, else this config."""
+        if bits == (2, 2) or (self.wide_target_programs, self.wide_num_warps, self.wide_block_n) == (None,) * 3:
+            return self
+        pick = lambda wide, base: base if wide is None else wide
+        return dataclasses.replace(self, target_programs=pick(self.wide_target_programs, self.target_programs),
+                                   num_warps=pick(self.wide_num_warps, self.num_warps),
+                                   block_n=pick(self.wide_block_n, self.block_n))
 
 
 def resolve_score(cfg: DecodeConfig, head_dim: int) -> str:
@@ -385,7 +409,7 @@ class DecodePlan:
         if layout is not None and not self.cuda_expected and why not in _CUDA_WARNED:
             _CUDA_WARNED.add(why)
             warnings.warn(f"rotkv: CUDA INT2 decode kernel not used ({why}); using the Triton kernel", stacklevel=5)
-        return self._triton(cfg, p)
+        return self._triton(cfg.for_bits(self.bits), p)
 
     def launch(self, work: int) -> Launch:
         """The launch for a call over ``work`` token-heads of body (``B * H_kv * max_len``)."""

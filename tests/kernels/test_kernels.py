@@ -658,6 +658,55 @@ def test_decode_config_rejects_bad_values():
             DecodeConfig(**bad)
 
 
+def test_decode_config_wide_knobs_apply_to_bodies_with_a_4bit_side():
+    from rotkv.kernels.plan import plan_decode
+
+    cfg = DecodeConfig(wide_target_programs=4096, wide_num_warps=2, wide_block_n=32)
+    assert cfg.for_bits((2, 2)) is cfg and DecodeConfig().for_bits((4, 2)) == DecodeConfig()
+    wide = cfg.for_bits((4, 2))
+    assert (wide.target_programs, wide.num_warps, wide.block_n) == (4096, 2, 32)
+    half = DecodeConfig(wide_num_warps=4).for_bits((2, 4))
+    assert (half.target_programs, half.num_warps, half.block_n) == (1024, 4, 64)
+    for bad in (dict(wide_num_warps=3), dict(wide_block_n=0), dict(num_warps=6)):
+        with pytest.raises(ValueError):
+            DecodeConfig(**bad)
+    # the plan's main launch over an INT4-key body runs them; INT2 bodies keep the general knobs
+    # (off CUDA the plan runs Triton for both)
+    for bits, want in (((4, 2), (4096, 2, 32)), ((2, 2), (1024, 1, 64))):
+        body, *_ = _build([40], [8], 1, 64, 64, 16, 16, "cpu", 0, bits)
+        launch = plan_decode(torch.zeros(1, 2, 64), body, cfg).main
+        assert (launch.cfg.target_programs, launch.cfg.num_warps, launch.cfg.block_n) == want, bits
+
+
+@pytest.mark.parametrize("bits", [(4, 2), (4, 4)])
+def test_decode_wide_config_matches_reference(bits, device):
+    """The wide_* knobs (more programs, warps, another block) change only the launch: same output."""
+    cfg = DecodeConfig(block_n=32, block_t=16, target_programs=8, min_split_tokens=32, score="bf16",
+                       wide_target_programs=32, wide_num_warps=2, wide_block_n=16)
+    _check_decode([37, 70], [5, 20], 2, 3, 64, 32, 16, False, device, cfg=cfg, bits=bits)
+
+
+def test_decode_config_overrides_from_the_environment(monkeypatch):
+    from rotkv.kernels import backend
+
+    assert backend.parse_config_overrides("") == {}
+    got = backend.parse_config_overrides(" wide_target_programs=4096, wide_num_warps=2,cuda_prefetch=0,"
+                                         "cuda_min_blocks=none,cuda_fuse=block")
+    assert got == dict(wide_target_programs=4096, wide_num_warps=2, cuda_prefetch=False, cuda_min_blocks=None,
+                       cuda_fuse="block")
+    for bad, match in (("nope=1", "nope"), ("block_n", "block_n"), ("block_n=x", "bad value"),
+                       ("backend=cuda", "own variables"), ("cuda_prefetch=2", "bad value")):
+        with pytest.raises(ValueError, match=match):
+            backend.parse_config_overrides(bad)
+    monkeypatch.setenv("ROTKV_DECODE_CONFIG", "wide_num_warps=4")
+    assert backend.decode_config().wide_num_warps == 4
+    monkeypatch.setenv("ROTKV_DECODE_CONFIG", "wide_num_warps=3")
+    with pytest.raises(ValueError, match="power of two"):
+        backend.decode_config()
+    monkeypatch.delenv("ROTKV_DECODE_CONFIG")
+    assert backend.decode_config().wide_num_warps is None
+
+
 def test_decode_cuda_backend_refused_off_cuda():
     if CUDA:
         pytest.skip("checks the CPU refusal")
