@@ -109,7 +109,7 @@ class Prepared:
     def __init__(self, make):
         self.make, self.cache = make, None
 
-    def build(self, model):
+    def build(self, model, context_length=None):  # the cache is this script's: it sets its own context length
         self.cache = self.make()
         return self.cache
 

@@ -135,8 +135,8 @@ def decode_kl(model, ids, paths, sink, window, length, new_tokens, chunk):
                          rotation="artifact", key_mean=mean)
 
         class M:  # the small interface rotkv.eval.nll expects
-            def build(self, model):
-                return RotkvCache(model, spec, path)
+            def build(self, model, context_length=None):
+                return RotkvCache(model, spec, path, context_length=context_length)
 
             def measure(self, cache, model):
                 return cache.stats()
