@@ -8,7 +8,9 @@ captured; then it times
   replay and, every P steps, the flush graph), averaged over a multiple of P steps;
 - ``replay_ms``: the graph replay alone;
 - ``graph_ms_eager_flush``: ``graph_ms`` with the flush run eagerly instead of replayed from its
-  graph (``GraphDecoder(flush_graph=False)``, what every step did before the flush graph);
+  graph (``GraphDecoder(flush_graph=False)``, what every step did before the flush graph), then
+  ``graph_ms_again`` with the flush graph (the spread between the two orders); every timing starts
+  after a flush, so the flush graph's one-off capture is not in them;
 
 and records replays with ``torch.profiler``, summing the GPU time per kernel and per *category*
 (attention body / tier / merge, write and flush, rotations (small matmuls), the model's GEMMs,
@@ -98,12 +100,13 @@ def profile_preset(model, preset: str, rows: int, context: int, chunk: int, step
         state["tok"] = graph.step(state["tok"], state["pos"]).argmax(-1)
         state["pos"] = state["pos"] + 1
 
-    for _ in range(3):
+    for _ in range(p + 3):  # past a flush: the flush graph is captured before anything is timed
         gstep()
     graph_ms = timed(gstep, 4 * p)
     graph.flush_graph = False
     eager_flush_ms = timed(gstep, 4 * p)
     graph.flush_graph = True
+    graph_ms_again = timed(gstep, 4 * p)  # the flush graph again: how much the two orders differ
     replay_ms = timed(graph.graph.replay, 16)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -122,6 +125,7 @@ def profile_preset(model, preset: str, rows: int, context: int, chunk: int, step
     gc.collect()
     torch.cuda.empty_cache()
     return dict(preset=preset, graph_ms=round(graph_ms, 3), graph_ms_eager_flush=round(eager_flush_ms, 3),
+                graph_ms_again=round(graph_ms_again, 3),
                 replay_ms=round(replay_ms, 3),
                 kernel_ms=round(sum(cats.values()) / 1e3, 3), categories=cats,
                 kernels=dict(sorted(kernels.items(), key=lambda kv: -kv[1]["us"])),
@@ -164,7 +168,7 @@ def main(argv=None) -> int:
     print("|---|" + "---|" * len(res))
     for c in cats:
         print(f"| {c} | " + " | ".join(f"{r['categories'].get(c, 0):.0f}" for r in res) + " |")
-    for key in ("kernel_ms", "replay_ms", "graph_ms", "graph_ms_eager_flush"):
+    for key in ("kernel_ms", "replay_ms", "graph_ms", "graph_ms_eager_flush", "graph_ms_again"):
         print(f"| **{key}** | " + " | ".join(f"{r[key]:.3f}" for r in res) + " |")
     for r in res:
         print(f"top kernels, {r['preset']}:")

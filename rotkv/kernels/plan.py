@@ -133,8 +133,10 @@ class DecodeConfig:
     cuda_score_f16: int = 1
     # Triton v1 over a body with a 4-bit side (oscar-mix's INT4-key layers, which the CUDA kernel does
     # not read): its programs, warps and block; None: target_programs, num_warps, block_n (tuned on INT2
-    # at Qwen3-8B's shape). benchmarks/bench_mixed.py --kinds smolmix sweeps them
-    wide_target_programs: int | None = None
+    # at Qwen3-8B's shape). At SmolLM2's shape with INT4 keys, 64 x 8K, 2048 programs took 0.105 ms
+    # against 0.160 with 1024 (more warps: slower; equal at 8 x 8K), and oscar-mix's graph step 7.09
+    # against 7.81 ms (H200, mixed-smolmix-20261203-e54e975.json, benchmarks/bench_mixed.py --kinds smolmix)
+    wide_target_programs: int | None = 2048
     wide_num_warps: int | None = None
     wide_block_n: int | None = None
 

@@ -662,11 +662,13 @@ def test_decode_config_wide_knobs_apply_to_bodies_with_a_4bit_side():
     from rotkv.kernels.plan import plan_decode
 
     cfg = DecodeConfig(wide_target_programs=4096, wide_num_warps=2, wide_block_n=32)
-    assert cfg.for_bits((2, 2)) is cfg and DecodeConfig().for_bits((4, 2)) == DecodeConfig()
+    unset = DecodeConfig(wide_target_programs=None)
+    assert cfg.for_bits((2, 2)) is cfg and unset.for_bits((4, 2)) is unset
+    assert DecodeConfig().for_bits((4, 2)).target_programs == 2048  # the measured default (plan.py)
     wide = cfg.for_bits((4, 2))
     assert (wide.target_programs, wide.num_warps, wide.block_n) == (4096, 2, 32)
     half = DecodeConfig(wide_num_warps=4).for_bits((2, 4))
-    assert (half.target_programs, half.num_warps, half.block_n) == (1024, 4, 64)
+    assert (half.target_programs, half.num_warps, half.block_n) == (2048, 4, 64)
     for bad in (dict(wide_num_warps=3), dict(wide_block_n=0), dict(num_warps=6)):
         with pytest.raises(ValueError):
             DecodeConfig(**bad)
