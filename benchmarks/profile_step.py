@@ -94,7 +94,7 @@ def profile_preset(model, preset: str, rows: int, context: int, chunk: int, step
     p = cache.spec.page_size
     state = {"tok": torch.randint(0, model.config.vocab_size, (rows,), device=dev),
              "pos": torch.full((rows,), context, device=dev)}
-    graph = GraphDecoder(model, cache, context + 8 * p + 16, cache_kwarg(model))
+    graph = GraphDecoder(model, cache, context + 16 * p + 64, cache_kwarg(model))
 
     def gstep():
         state["tok"] = graph.step(state["tok"], state["pos"]).argmax(-1)
