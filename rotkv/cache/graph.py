@@ -8,10 +8,12 @@ host: plan the step (``PageState.plan``), copy its tables into the buffers, repl
 then, on a step where pages leave the window (every ``page_size`` steps per row), replay the
 *flush graph*: every layer's quantize-on-write of the leaving pages, captured once for ``rows``
 pages (a step that flushes fewer repeats its last page: writing the same page twice stores the
-same bytes). Run eagerly, that flush cost 0.7-1.2 ms per step at SmolLM2 64 x 8K, amortized
-(``benchmarks/profile_step.py``: ``graph_ms`` against ``replay_ms``): 30 layers of small launches
-from Python. Inside the graphs nothing syncs with the host: the NaN check is off, and the e4m3
-range flags are ORed in place on the device. Each layer's
+same bytes). It takes the flush's launches (every layer's gather, writes and range check) off
+the host. At SmolLM2's shape, 64 x 8K, quarot-int2, the step measured the same either way (5.83-5.87
+ms against 5.85 eager, replay 5.72; ``benchmarks/profile_step.py``, H200): there the host launches
+the eager flush while the GPU still runs the replay. ``flush_graph=False`` flushes eagerly. Inside
+the graphs nothing syncs with the host: the NaN check is off, and the e4m3 range flags are ORed in
+place on the device. Each layer's
 kernel is its decode plan's (``rotkv.kernels.plan.plan_decode``) for the capacity: the graph
 captures that launch, and a layer no kernel reads is refused before the capture.
 
