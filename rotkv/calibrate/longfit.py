@@ -77,7 +77,7 @@ def refit(model, tokenizer, artifact, seq_len: int = 4096, sequences: int = 2, c
         tensors[f"R_K.{layer}"] = oscar_rotation(pooled(cq[layer], gran))[:old.shape[0]].contiguous()
         tensors[f"k_mean.{layer}"] = (ks[layer] / kn[layer]).float()
     meta = base_meta | {"longfit_seq_len": str(seq_len), "longfit_tokens": str(sum(c.shape[1] for c in chunks)),
-                                  "longfit_seconds": f"{time.time() - t0:.0f}"}
+                        "longfit_seconds": f"{time.time() - t0:.0f}"}
     return tensors, meta
 
 
