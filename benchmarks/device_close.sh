@@ -26,7 +26,9 @@
 #   and INT2 layer formats at SmolLM2's shape over config sweeps) and the best configs' overrides written
 #   to $R/best-overrides.txt; steprows: `rotkv bench` rows at 64 x 8K on the real SmolLM2: oscar-mix
 #   (+graph, +graph+fold, and +graph with $R/best-overrides.txt as ROTKV_DECODE_CONFIG), quarot-int2,
-#   rotkv bf16 and StaticCache)
+#   rotkv bf16 and StaticCache; compile: the compiled-layers tests, profile_step.py with and without
+#   +compile at SmolLM2's shape (random weights) 64 x 8K and 1 x 4K, and `rotkv bench` at 1 x 4K against
+#   StaticCache)
 set -u
 R=${RES:-$HOME/close}
 if [ "${1:-}" = start ]; then
@@ -63,6 +65,18 @@ timeout 200 python3 benchmarks/profile_step.py --model "${ROTKV_GGUF:?the real S
   --presets quarot-int2 oscar-mix --requests 64 --context 8192 --out "$R/stepprof-real-smollm2-64x8k.json" \
   > "$R/stepprof.log" 2>&1
 echo "flushgraph stepprof rc=$?"; grep -E "graph_ms|replay_ms" "$R/stepprof.log"; fi
+if want compile; then stage compile
+timeout 300 python3 -m pytest -q -n 4 -p no:cacheprovider tests/kernels/test_backend.py tests/test_compiled_layers.py \
+  -k "compiled or graph_decode or flush_graph" > "$R/tests-compile.log" 2>&1
+echo "compile tests rc=$?"; tail -3 "$R/tests-compile.log"
+for shape in "64 8192" "1 4096"; do set -- $shape
+timeout 300 python3 benchmarks/profile_step.py --shape smollm2 --presets bf16 bf16+compile quarot-int2 quarot-int2+compile \
+  --requests $1 --context $2 --out "$R/stepprof-compile-smollm2-$1x$2.json" > "$R/stepprof-compile-$1x$2.log" 2>&1
+echo "compile stepprof $1x$2 rc=$?"; grep -E "first_step|graph_ms |replay_ms|kernel_ms|compiled|norm" "$R/stepprof-compile-$1x$2.log"; done
+timeout 300 python3 -m rotkv.cli bench --random smollm2 --batch 1 --context 4096 --new-tokens 64 \
+  --methods hf-static-compile rotkv:bf16+graph rotkv:bf16+graph+compile rotkv:quarot-int2+graph rotkv:quarot-int2+graph+compile \
+  --out "$R/generate-compile-smollm2-1x4k.json" > "$R/bench-compile-1x4k.log" 2>&1
+echo "compile bench 1x4k rc=$?"; tail -8 "$R/bench-compile-1x4k.log"; fi
 if want smolmix; then stage smolmix
 timeout 300 python3 benchmarks/bench_mixed.py --kinds smolmix --out "$R/mixed-smolmix.json" > "$R/smolmix.log" 2>&1
 echo "smolmix rc=$?"

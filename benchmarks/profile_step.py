@@ -18,6 +18,8 @@ norms and elementwise, copies), so that what costs INT2 more than bf16 is read o
 
     python benchmarks/profile_step.py --shape smollm2 --requests 64 --context 8192
     python benchmarks/profile_step.py --shape qwen3-8b --layers 8 --requests 4 --context 32768
+    # "+compile": the model's own layers compiled into the graph (rotkv.cache.compiled)
+    python benchmarks/profile_step.py --shape smollm2 --presets bf16 bf16+compile quarot-int2 quarot-int2+compile
     # a real model (a GGUF or a model directory) and presets that need an artifact (the artifact folder, named as rotkv eval names them)
     python benchmarks/profile_step.py --model $ROTKV_GGUF --artifact-dir artifacts --presets bf16 quarot-int2 oscar-mix
 
@@ -31,6 +33,7 @@ import gc
 import os
 import re
 import sys
+import time
 
 import torch
 
@@ -50,6 +53,7 @@ SHAPES.setdefault("smollm2", dict(num_hidden_layers=30, hidden_size=576, num_att
 
 # kernel name -> category, first match wins (names of the rotkv kernels, cuBLAS/cutlass GEMMs, torch ops)
 CATEGORIES = [
+    ("compiled model ops (inductor)", r"^triton_(poi|red|per|tem)_"),
     ("attn: CUDA INT2 body", r"int2_decode_kernel"),
     ("attn: Triton split (tier; body at D 64)", r"_split_kernel"),
     ("attn: merge", r"_merge_kernel"),
@@ -88,19 +92,27 @@ def profile_preset(model, preset: str, rows: int, context: int, chunk: int, step
     from rotkv.cache.graph import GraphDecoder
     from rotkv.hf.compat import cache_kwarg
 
+    name = preset
+    preset, plus, flag = preset.partition("+")
+    if plus and flag != "compile":
+        raise ValueError(f"{name!r}: the one suffix is +compile (the model's layers compiled into the graph)")
     cache = RotkvCache(model, preset, artifact=preset_artifact(preset, artifact_dir), check_finite=False)
     fill_synthetic(model, cache, rows, context, chunk)
     dev = model.device
     p = cache.spec.page_size
     state = {"tok": torch.randint(0, model.config.vocab_size, (rows,), device=dev),
              "pos": torch.full((rows,), context, device=dev)}
-    graph = GraphDecoder(model, cache, context + 16 * p + 64, cache_kwarg(model))
+    graph = GraphDecoder(model, cache, context + 16 * p + 64, cache_kwarg(model), compile_layers=bool(plus))
 
     def gstep():
         state["tok"] = graph.step(state["tok"], state["pos"]).argmax(-1)
         state["pos"] = state["pos"] + 1
 
-    for _ in range(p + 3):  # past a flush: the flush graph is captured before anything is timed
+    t0 = time.perf_counter()
+    gstep()  # the warm-up step and the capture (and, with +compile, the layers' compile)
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    for _ in range(p + 2):  # past a flush: the flush graph is captured before anything is timed
         gstep()
     graph_ms = timed(gstep, 4 * p)
     graph.flush_graph = False
@@ -124,7 +136,7 @@ def profile_preset(model, preset: str, rows: int, context: int, chunk: int, step
     del graph, cache
     gc.collect()
     torch.cuda.empty_cache()
-    return dict(preset=preset, graph_ms=round(graph_ms, 3), graph_ms_eager_flush=round(eager_flush_ms, 3),
+    return dict(preset=name, first_step_s=round(first_s, 2), graph_ms=round(graph_ms, 3), graph_ms_eager_flush=round(eager_flush_ms, 3),
                 graph_ms_again=round(graph_ms_again, 3),
                 replay_ms=round(replay_ms, 3),
                 kernel_ms=round(sum(cats.values()) / 1e3, 3), categories=cats,

@@ -9,7 +9,8 @@ compilation) and once measured:
   ``torch.compile(mode="reduce-overhead")`` (transformers' fastest bf16 decode; GPU only);
 - ``rotkv:<preset>`` eager and ``rotkv:<preset>+graph`` (the decode step in a CUDA graph); ``+fold``
   (also ``+graph+fold``) folds the cache's value rotations into the model's v_proj / o_proj for the
-  run (:meth:`rotkv.cache.RotkvCache.fold_values`), and restores those weights bit-exactly after it.
+  run (:meth:`rotkv.cache.RotkvCache.fold_values`), and restores those weights bit-exactly after it;
+  ``+graph+compile`` captures the model's own layers compiled (:mod:`rotkv.cache.compiled`).
 
 Rows: method, batch, context, prefill_s, step_ms (median decode step, the first excluded),
 tok_per_s (batch / step), peak_gb (peak allocated GPU memory over the run; on the CPU the process's
@@ -119,16 +120,19 @@ def _clean(dev) -> None:
             pass
 
 
-FLAGS = ("graph", "fold")
+FLAGS = ("graph", "fold", "compile")
 FOLD_MARKS = ("rotkv_values_folded", "rotkv_values_fingerprint")  # what folding sets on model.config
 
 
 def parse_method(method: str) -> tuple[str, frozenset[str]] | None:
-    """``rotkv:<preset>[+graph][+fold]`` -> (preset, flags); None for anything else."""
+    """``rotkv:<preset>[+graph][+fold][+compile]`` -> (preset, flags); None for anything else
+    (``+compile`` needs ``+graph``)."""
     if not method.startswith("rotkv:"):
         return None
     preset, *flags = method.removeprefix("rotkv:").split("+")
     if not preset or any(f not in FLAGS for f in flags) or len(set(flags)) != len(flags):
+        return None
+    if "compile" in flags and "graph" not in flags:
         return None
     return preset, frozenset(flags)
 
@@ -190,11 +194,11 @@ def _run_method(model, method, ids, new_tokens, artifact, overrides, prefill_chu
     else:
         if method == "hf-dynamic":
             cache = DynamicCache(config=model.config)
-            graph = False
+            graph = compile_layers = False
         else:
             if parse_method(method) is None:
                 raise ValueError(f"unknown method {method!r}: hf-dynamic, hf-static-compile or "
-                                 "rotkv:<preset>[+graph][+fold]")
+                                 "rotkv:<preset>[+graph][+fold][+compile]")
             preset, flags = parse_method(method)
             extra = dict(overrides or {})
             if prefill_chunk:
@@ -204,9 +208,10 @@ def _run_method(model, method, ids, new_tokens, artifact, overrides, prefill_chu
             if "fold" in flags:
                 cache.fold_values(model)
                 _clean(dev)  # the fold's float64 scratch is not the run's peak
-            graph = "graph" in flags
+            graph, compile_layers = "graph" in flags, "compile" in flags
         run = generate_batch(model, ids, cache, new_tokens, cuda_graph=graph, prefill_chunk=prefill_chunk,
-                             prefill_tokens=prefill_tokens)
+                             prefill_tokens=prefill_tokens,
+                             compile_layers=compile_layers)
         if method == "hf-dynamic":
             kv, bpe = _hf_kv_bytes(cache), 16.0
         else:

@@ -240,7 +240,8 @@ def _sync(device) -> float:
 @torch.no_grad()
 def generate_batch(model, ids: torch.Tensor, cache, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
                    cuda_graph: bool = False, prefill_chunk: int | None = None,
-                   prefill_tokens: int | str | None = DEFAULT_PREFILL_TOKENS) -> BatchRun:
+                   prefill_tokens: int | str | None = DEFAULT_PREFILL_TOKENS,
+                   compile_layers: bool = False) -> BatchRun:
     """Prefill ``ids [B, L]`` (left padded where ``attention_mask`` says so) into ``cache`` in
     chunks of ``prefill_chunk`` tokens per row, at most ``prefill_tokens`` per call (:func:`prefill`;
     ``"auto"``: from the model's config and :data:`DEFAULT_PREFILL_BYTES`),
@@ -248,8 +249,12 @@ def generate_batch(model, ids: torch.Tensor, cache, max_new_tokens: int, attenti
     for ``L + max_new_tokens`` tokens per row (:func:`reserve`), so its pools are sized once.
 
     ``cache`` is any transformers cache (rotkv's or transformers' own). With ``cuda_graph=True``
-    (a RotkvCache on CUDA) the decode step is captured once and replayed (``rotkv.cache.graph``).
+    (a RotkvCache on CUDA) the decode step is captured once and replayed (``rotkv.cache.graph``);
+    ``compile_layers=True`` (with ``cuda_graph``) captures the model's own layers compiled
+    (``rotkv.cache.compiled``).
     """
+    if compile_layers and not cuda_graph:
+        raise ValueError("compile_layers compiles the captured decode step: pass cuda_graph=True too")
     dev = model.device
     ids = ids.to(dev)
     kw = cache_kwarg(model)
@@ -263,7 +268,7 @@ def generate_batch(model, ids: torch.Tensor, cache, max_new_tokens: int, attenti
     if cuda_graph:
         from rotkv.cache.graph import GraphDecoder
 
-        graph = GraphDecoder(model, cache, int(lengths.max()) + max_new_tokens, kw)
+        graph = GraphDecoder(model, cache, int(lengths.max()) + max_new_tokens, kw, compile_layers=compile_layers)
     new, steps = [tok], []
     for _ in range(max_new_tokens - 1):
         t = _sync(dev)

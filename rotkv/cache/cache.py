@@ -77,6 +77,7 @@ class RotkvCache(Cache):
             self.fold_values(model)  # the weights hold R_V already: these very matrices leave the cache, others raise
         install(model)
 
+    @torch.compiler.disable  # a compiled model breaks its graph here (rotkv.cache.compiled)
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """transformers' entry (the model calls it once per layer and forward); checks what a direct
         call can get wrong: the layer index and the shapes ``[B, kv_heads, q, head_dim]`` (NaN/Inf:

@@ -17,12 +17,17 @@ place on the device. Each layer's
 kernel is its decode plan's (``rotkv.kernels.plan.plan_decode``) for the capacity: the graph
 captures that launch, and a layer no kernel reads is refused before the capture.
 
+``compile_layers=True`` captures the model's own layers compiled (:mod:`rotkv.cache.compiled`:
+norms, RoPE, activations and residuals fused; rotkv's cache calls untouched): the warm-up step
+compiles them, once per layer, and the capture takes the compiled kernels.
+
 Use it through :func:`rotkv.generation.generate_batch` (``cuda_graph=True``) or
 ``rotkv generate --cuda-graph``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import numpy as np
@@ -81,7 +86,8 @@ class GraphDecoder:
     ``[B]`` and returns the logits ``[B, vocab]`` of the next token.
     """
 
-    def __init__(self, model, cache, max_len: int, cache_kwarg: str = "past_key_values", flush_graph: bool = True):
+    def __init__(self, model, cache, max_len: int, cache_kwarg: str = "past_key_values", flush_graph: bool = True,
+                 compile_layers: bool = False):
         if not torch.cuda.is_available() or model.device.type != "cuda":
             raise ValueError("cuda_graph needs the model on a CUDA device")
         self.model, self.cache, self.kw = model, cache, cache_kwarg
@@ -98,6 +104,7 @@ class GraphDecoder:
         self.flush_graph = flush_graph
         self.flush_pages = torch.zeros(2, rows, dtype=torch.int64, device=dev)
         self._flush_captured: torch.cuda.CUDAGraph | None = None
+        self.compile_layers = compile_layers
 
     def _forward(self) -> torch.Tensor:
         extra = {"cache_position": self.cache_position} if self.takes_cache_position else {}
@@ -125,15 +132,22 @@ class GraphDecoder:
         if self.graph is None:
             # the first step runs eagerly on a side stream (it compiles and warms every kernel) and
             # is a real step; the graph is captured after it
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                logits = self._run_static(self._forward).clone()
-            torch.cuda.current_stream().wait_stream(s)
-            self._flush(step)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = self._run_static(self._forward)
+            if self.compile_layers:
+                from rotkv.cache.compiled import compiled_layers
+
+                layers = compiled_layers(self.model)
+            else:
+                layers = contextlib.nullcontext()
+            with layers:
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    logits = self._run_static(self._forward).clone()
+                torch.cuda.current_stream().wait_stream(s)
+                self._flush(step)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.logits = self._run_static(self._forward)
             return logits
         self.graph.replay()
         self._flush(step)

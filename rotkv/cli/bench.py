@@ -37,7 +37,8 @@ def register(sub) -> None:
     p.add_argument("--methods", nargs="+", default=None,
                    help="hf-dynamic, hf-static-compile, rotkv:<preset>, rotkv:<preset>+graph, and +fold on a "
                         "rotkv method (rotkv:<preset>+fold, rotkv:<preset>+graph+fold: the cache's value rotations "
-                        "folded into the model's v_proj / o_proj for that run, restored after it) "
+                        "folded into the model's v_proj / o_proj for that run, restored after it), and "
+                        "+graph+compile (the model's own layers compiled into the captured step) "
                         f"(default: {' '.join(DEFAULT_METHODS)}; hf-static-compile and +graph need CUDA)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, nargs="+", default=[1024])
@@ -143,7 +144,8 @@ def check_args(args) -> tuple[str, list[str]]:
         parsed = parse_method(m)
         if parsed is None:
             raise UsageError(f"--methods: unknown method {m!r}; use hf-dynamic, hf-static-compile, rotkv:<preset>, "
-                             "rotkv:<preset>+graph, rotkv:<preset>+fold or rotkv:<preset>+graph+fold")
+                             "rotkv:<preset>+graph, rotkv:<preset>+fold, rotkv:<preset>+graph+fold or "
+                             "rotkv:<preset>+graph[+fold]+compile")
         preset, flags = parsed
         if "graph" in flags and not cuda:
             raise UsageError(f"--methods {m} needs CUDA (this run is on {device}): +graph captures a CUDA graph")

@@ -42,6 +42,7 @@ def rotkv_mask(**kwargs) -> RotkvMask:
     return RotkvMask(padding, kwargs)
 
 
+@torch.compiler.disable  # a compiled model breaks its graph here (rotkv.cache.compiled)
 def rotkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """AttentionInterface entry: ``query [B, q_heads, q, D]``; returns ``([B, q, q_heads, D], None)``."""
     layer = getattr(key, "_rotkv_layer", None)

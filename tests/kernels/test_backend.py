@@ -85,6 +85,41 @@ def test_cuda_graph_decode_matches_eager(preset):
 
 
 @cuda_only
+@pytest.mark.parametrize("preset", ["quarot-int2", "bf16"])
+def test_graph_with_compiled_layers_decodes_what_the_plain_graph_does(preset):
+    """``GraphDecoder(compile_layers=True)`` (the model's layers compiled by inductor and captured)
+    gives the plain graph's logits within bf16 rounding, teacher-forced through page flushes and a
+    ragged batch; the layers get their own forward back after the capture."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rotkv.cache import RotkvCache
+    from rotkv.cache.graph import GraphDecoder
+    from rotkv.generation import prefill, reserve
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      intermediate_size=512, num_hidden_layers=3, vocab_size=512, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).cuda().bfloat16().eval()
+    ids = torch.randint(1, 512, (3, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    forced = torch.randint(1, 512, (40, 3), generator=torch.Generator().manual_seed(1)).cuda()
+    runs = []
+    for compiled in (False, True):
+        cache = RotkvCache(model, preset, sink=16, window=32, page_size=16, prefill_chunk=128, check_finite=False)
+        reserve(cache, 3, 300 + 40)
+        with torch.no_grad():
+            prefill(model, ids, cache, mask)
+            dec = GraphDecoder(model, cache, 300 + 40, compile_layers=compiled)
+            runs.append(torch.stack([dec.step(forced[t], mask.sum(-1) + t).float().clone()
+                                     for t in range(forced.shape[0])]))
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    diff = (runs[0] - runs[1]).abs().max().item()
+    assert diff < 0.05 * runs[0].abs().max().item(), diff
+    assert (runs[0].argmax(-1) == runs[1].argmax(-1)).float().mean().item() > 0.9
+
+
+@cuda_only
 @pytest.mark.parametrize("meta_v", ["float16", "float8"])
 def test_flush_graph_stores_what_the_eager_flush_does(meta_v):
     """The captured flush (rows' leaving pages, padded by repeating the last page) stores the same

@@ -1,0 +1,79 @@
+"""rotkv.cache.compiled: the model's layers compiled around rotkv's (disabled) cache calls.
+
+On the CPU with dynamo's ``aot_eager`` backend (the same graph breaks and guards as inductor's, no
+code generation): decode steps through the compiled layers give the eager logits exactly, every
+layer is compiled (the per-layer recompiles stay under the raised limit) and the layers get their
+own ``forward`` back. The GPU test (tests/kernels/test_backend.py) runs inductor inside the graph.
+"""
+
+import pytest
+import torch
+from rotkv_testing import make_tiny_llama
+
+from rotkv.cache import make_cache
+from rotkv.cache.compiled import compiled_layers, decoder_layers
+from rotkv.generation import prefill, reserve
+
+
+def _decode(model, preset, steps, compiled):
+    torch.manual_seed(1)
+    ids = torch.randint(1, 128, (2, 70))
+    cache = make_cache(model, preset, sink=4, window=16, page_size=8)
+    reserve(cache, 2, 70 + steps)
+    out = []
+    with torch.no_grad():
+        tok = prefill(model, ids, cache).argmax(-1)
+        pos = torch.full((2,), 70)
+        for _ in range(steps):
+            if compiled:
+                with compiled_layers(model, backend="aot_eager"):
+                    logits = model(input_ids=tok[:, None], position_ids=pos[:, None], use_cache=True,
+                                   past_key_values=cache).logits[:, -1]
+            else:
+                logits = model(input_ids=tok[:, None], position_ids=pos[:, None], use_cache=True,
+                               past_key_values=cache).logits[:, -1]
+            out.append(logits)
+            tok, pos = logits.argmax(-1), pos + 1
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("preset", ["quarot-int2", "bf16"])
+def test_compiled_layers_decode_what_the_eager_layers_do(preset):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = make_tiny_llama(layers=10)  # more layers than dynamo's default recompile limit (8)
+    eager = _decode(model, preset, 20, compiled=False)  # 20 steps: pages flush in between
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    compiled = _decode(model, preset, 20, compiled=True)
+    assert torch.equal(eager, compiled)
+    # every layer's attention frame compiled once (its layer_idx is a constant there): none fell back
+    said = [k.lower() for group in counters.values() for k in group]
+    assert counters["stats"]["unique_graphs"] >= 10
+    assert not [k for k in said if "recompile limit" in k or "cache_size_limit" in k or "recompile_limit" in k]
+    for layer in decoder_layers(model):
+        assert "forward" not in layer.__dict__  # the class's forward is back
+
+
+def test_compiled_layers_refuse_a_model_without_decoder_layers():
+    with pytest.raises(ValueError, match="no decoder layers"):
+        with compiled_layers(torch.nn.Linear(2, 2)):
+            pass
+
+
+def test_bench_compile_flag_needs_the_graph():
+    from rotkv.bench import parse_method
+
+    assert parse_method("rotkv:quarot-int2+graph+compile") == ("quarot-int2", {"graph", "compile"})
+    assert parse_method("rotkv:quarot-int2+compile") is None
+
+
+def test_generate_batch_compile_layers_needs_the_graph():
+    from rotkv.generation import generate_batch
+
+    model = make_tiny_llama()
+    cache = make_cache(model, "bf16")
+    with pytest.raises(ValueError, match="cuda_graph=True"):
+        generate_batch(model, torch.randint(1, 128, (1, 8)), cache, 2, compile_layers=True)
