@@ -28,7 +28,10 @@
 #   (+graph, +graph+fold, and +graph with $R/best-overrides.txt as ROTKV_DECODE_CONFIG), quarot-int2,
 #   rotkv bf16 and StaticCache; compile: the compiled-layers tests, profile_step.py with and without
 #   +compile at SmolLM2's shape (random weights) 64 x 8K and 1 x 4K, and `rotkv bench` at 1 x 4K against
-#   StaticCache)
+#   StaticCache; compilerows: those tests with the layer path's, then +compile rows: profile_step at
+#   64 x 8K, `rotkv bench` at SmolLM2 1 x 4K and Qwen3-8B shape 8 layers 4 x 32K (random weights), each
+#   beside StaticCache; realrows: `rotkv bench` on the real SmolLM2 at 64 x 8K, +graph+compile for bf16,
+#   quarot-int2 and oscar-mix, oscar-mix +graph alone, and StaticCache)
 set -u
 R=${RES:-$HOME/close}
 if [ "${1:-}" = start ]; then
@@ -77,6 +80,27 @@ timeout 300 python3 -m rotkv.cli bench --random smollm2 --batch 1 --context 4096
   --methods hf-static-compile rotkv:bf16+graph rotkv:bf16+graph+compile rotkv:quarot-int2+graph rotkv:quarot-int2+graph+compile \
   --out "$R/generate-compile-smollm2-1x4k.json" > "$R/bench-compile-1x4k.log" 2>&1
 echo "compile bench 1x4k rc=$?"; tail -8 "$R/bench-compile-1x4k.log"; fi
+if want compilerows; then stage compilerows
+timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_backend.py tests/test_compiled_layers.py \
+  tests/test_cache_layer.py tests/test_paged_cache.py tests/kernels/test_host_syncs.py > "$R/tests-compilerows.log" 2>&1
+echo "compilerows tests rc=$?"; tail -3 "$R/tests-compilerows.log"
+timeout 200 python3 benchmarks/profile_step.py --shape smollm2 --presets bf16+compile quarot-int2+compile \
+  --requests 64 --context 8192 --out "$R/stepprof-compile-smollm2-64x8192.json" > "$R/stepprof-compilerows.log" 2>&1
+echo "compilerows stepprof rc=$?"; grep -E "graph_ms |replay_ms|kernel_ms|GEMM|norm" "$R/stepprof-compilerows.log"
+timeout 150 python3 -m rotkv.cli bench --random smollm2 --batch 1 --context 4096 --new-tokens 64 \
+  --methods hf-static-compile rotkv:bf16+graph+compile rotkv:quarot-int2+graph+compile \
+  --out "$R/generate-compile-smollm2-1x4k.json" > "$R/bench-compilerows-1x4k.log" 2>&1
+echo "compilerows 1x4k rc=$?"; grep "^| 1 x" "$R/bench-compilerows-1x4k.log"
+timeout 240 python3 -m rotkv.cli bench --random qwen3-8b --layers 8 --batch 4 --context 32768 --new-tokens 64 \
+  --methods hf-static-compile rotkv:bf16+graph rotkv:bf16+graph+compile rotkv:quarot-int2+graph rotkv:quarot-int2+graph+compile \
+  --out "$R/generate-compile-qwen8L-4x32k.json" > "$R/bench-compilerows-qwen.log" 2>&1
+echo "compilerows qwen rc=$?"; grep "^| 4 x" "$R/bench-compilerows-qwen.log"; fi
+if want realrows; then stage realrows
+timeout 330 python3 -m rotkv.cli bench --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --batch 64 --context 8192 --new-tokens 32 \
+  --methods hf-static-compile rotkv:bf16+graph+compile rotkv:quarot-int2+graph+compile rotkv:oscar-mix+graph+compile \
+  rotkv:oscar-mix+graph --artifact artifacts/oscar-mix.safetensors \
+  --out "$R/generate-compile-real-smollm2-64x8k.json" > "$R/bench-realrows.log" 2>&1
+echo "realrows rc=$?"; grep "^| 64 x" "$R/bench-realrows.log"; fi
 if want smolmix; then stage smolmix
 timeout 300 python3 benchmarks/bench_mixed.py --kinds smolmix --out "$R/mixed-smolmix.json" > "$R/smolmix.log" 2>&1
 echo "smolmix rc=$?"

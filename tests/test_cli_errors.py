@@ -63,6 +63,7 @@ def assert_user_error(rc, err, *needles):
     (["--prompt", "hi", "--model", "/no/such/model"], ["model '/no/such/model' not found"]),
     (["--prompt", "hi", "--device", "tpu"], ["--device has to be cpu, cuda"]),
     (["--prompt", "hi", "--preset", "oscar-int2"], ["--artifact", "oscar-int2", "rotkv calibrate --method oscar"]),
+    (["--prompt", "hi", "--compile-layers"], ["--compile-layers", "add --cuda-graph"]),
 ])
 def test_generate_user_errors_before_the_model(no_model, capsys, argv, needles):
     rc, _, err = run_cli(capsys, "generate", *argv)

@@ -233,7 +233,7 @@ class HybridLayer(RotkvLayer):
         # the same arithmetic as the eager step (LayerRotation's bf16x2 matrices exist before capture)
         self.pools.write_tier(st.slots, rot.keys(k_new, self.tier_dtype)[:, :, 0],
                               rot.values(v_new, self.tier_dtype)[:, :, 0])
-        q = rot.queries(query)[:, :, 0]
+        q = self._kernel_query(query)
         plan = self.pools.decode_plan(q, kernels.decode_config(self.decode_score))
         if plan is None:
             raise ValueError(f"layer {self.layer_idx}: no decode kernel reads this cache's body on this device "
@@ -243,7 +243,15 @@ class HybridLayer(RotkvLayer):
         o = decode_attention(q, body, st.body if body is not None else None, st.body_max,
                              (self.pools.tier_k, self.pools.tier_v), st.tier, st.tier_max, sm_scale=scaling,
                              tier_start=self.state.pad, plan=plan)
-        return rot.outputs(o.float()[:, :, None]).transpose(1, 2).to(query.dtype)
+        return rot.outputs(o[:, :, None], query.dtype).transpose(1, 2)
+
+    def _kernel_query(self, query: torch.Tensor) -> torch.Tensor:
+        """The decode kernels' query ``[B, Hq, D]``: the last position's ``q R_K`` in the query's dtype.
+        On the GPU (bf16) that is LayerRotation's bf16x2 GEMM (float32-exact, rounded to bf16 once, no
+        float32 copy of q); the kernels read any float dtype and return theirs, and the output's turn
+        back (``outputs``) is bf16x2 likewise. Before, q and the output went through float32 GEMMs and
+        casts: at SmolLM2 64 x 8K those were 0.5 ms of a 4.3 ms step (``benchmarks/profile_step.py``)."""
+        return self.rotation.queries(query[:, :, -1:], query.dtype)[:, :, 0]
 
     def _step(self, step: Step, query: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, scaling: float,
               output: bool = True) -> torch.Tensor | None:
@@ -262,7 +270,7 @@ class HybridLayer(RotkvLayer):
         if not output:
             o = None
         elif step.decode and kernels.enabled(query):
-            qr = self.rotation.queries(query[:, :, -1:])[:, :, 0]
+            qr = self._kernel_query(query)
             plan = self.pools.decode_plan(qr, kernels.decode_config(self.decode_score))
         if not output:
             pass
@@ -310,7 +318,7 @@ class HybridLayer(RotkvLayer):
         o = decode_attention(q, body, t.body if body is not None else None, t.body_max,
                              (self.pools.tier_k, self.pools.tier_v), t.tier, t.tier_max, sm_scale=scaling,
                              cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad, plan=plan)
-        return o.float()
+        return o  # in q's dtype (:meth:`_kernel_query`)
 
     def _attend_dense(self, step: Step, query: torch.Tensor, scaling: float, own=None) -> torch.Tensor:
         """Dense attention of the step's queries ``[B, Hq, C, D]`` (float32 on the CPU, bf16 on the

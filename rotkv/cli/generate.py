@@ -25,6 +25,9 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and the measured sizes")
     p.add_argument("--cuda-graph", action="store_true",
                    help="capture the decode step in a CUDA graph and replay it (greedy; needs CUDA; see rotkv.cache.graph)")
+    p.add_argument("--compile-layers", action="store_true",
+                   help="with --cuda-graph: compile the model's own layers (norms, RoPE, MLP) into the captured step "
+                        "(torch.compile, about 15 s once; see rotkv.cache.compiled)")
     p.set_defaults(func=run)
 
 
@@ -44,6 +47,8 @@ def check_args(args) -> str:
     check_device(args.device)
     if args.cuda_graph and args.sample:
         raise UsageError("--cuda-graph decodes greedily: drop --sample")
+    if args.compile_layers and not args.cuda_graph:
+        raise UsageError("--compile-layers compiles the captured decode step: add --cuda-graph")
     if args.cuda_graph and (args.device == "cpu" or not _cuda()):
         raise UsageError("--cuda-graph needs a CUDA device")
     check_model(args.model)
@@ -87,7 +92,7 @@ def run(args) -> int:
     cache = RotkvCache(loaded.model, args.preset, args.artifact, context_length=ids.shape[-1] + args.max_new_tokens,
                        **cache_overrides(args))
     if args.cuda_graph:
-        g = _generate_graph(loaded, ids, cache, args.max_new_tokens)
+        g = _generate_graph(loaded, ids, cache, args.max_new_tokens, args.compile_layers)
     else:
         g = generate(loaded.model, loaded.tokenizer, ids, cache, args.max_new_tokens,
                      do_sample=args.sample, temperature=args.temperature, top_p=args.top_p)
@@ -114,11 +119,11 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _generate_graph(loaded, ids, cache, max_new_tokens: int):
+def _generate_graph(loaded, ids, cache, max_new_tokens: int, compile_layers: bool = False):
     """Greedy generation with the decode step replayed from a CUDA graph; stops at the EOS token."""
     from rotkv.generation import Generated, generate_batch
 
-    run = generate_batch(loaded.model, ids, cache, max_new_tokens, cuda_graph=True)
+    run = generate_batch(loaded.model, ids, cache, max_new_tokens, cuda_graph=True, compile_layers=compile_layers)
     new = run.tokens[0].tolist()
     eos = loaded.tokenizer.eos_token_id
     if eos in new:
