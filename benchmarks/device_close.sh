@@ -96,11 +96,18 @@ timeout 240 python3 -m rotkv.cli bench --random qwen3-8b --layers 8 --batch 4 --
   --out "$R/generate-compile-qwen8L-4x32k.json" > "$R/bench-compilerows-qwen.log" 2>&1
 echo "compilerows qwen rc=$?"; grep "^| 4 x" "$R/bench-compilerows-qwen.log"; fi
 if want realrows; then stage realrows
+timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_backend.py tests/test_compiled_layers.py \
+  -k "graph or compiled" > "$R/tests-realrows.log" 2>&1
+echo "realrows tests rc=$?"; tail -2 "$R/tests-realrows.log"
 timeout 330 python3 -m rotkv.cli bench --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --batch 64 --context 8192 --new-tokens 32 \
   --methods hf-static-compile rotkv:bf16+graph+compile rotkv:quarot-int2+graph+compile rotkv:oscar-mix+graph+compile \
   rotkv:oscar-mix+graph --artifact artifacts/oscar-mix.safetensors \
   --out "$R/generate-compile-real-smollm2-64x8k.json" > "$R/bench-realrows.log" 2>&1
-echo "realrows rc=$?"; grep "^| 64 x" "$R/bench-realrows.log"; fi
+echo "realrows rc=$?"; grep "^| 64 x" "$R/bench-realrows.log"
+timeout 240 python3 benchmarks/profile_step.py --model "$ROTKV_GGUF" --artifact-dir artifacts \
+  --presets bf16+compile quarot-int2+compile oscar-mix+compile --requests 64 --context 8192 \
+  --out "$R/stepprof-compile-real-smollm2-64x8k.json" > "$R/stepprof-realrows.log" 2>&1
+echo "realrows stepprof rc=$?"; grep -E "graph_ms |replay_ms|kernel_ms" "$R/stepprof-realrows.log"; fi
 if want smolmix; then stage smolmix
 timeout 300 python3 benchmarks/bench_mixed.py --kinds smolmix --out "$R/mixed-smolmix.json" > "$R/smolmix.log" 2>&1
 echo "smolmix rc=$?"

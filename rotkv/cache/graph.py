@@ -2,8 +2,8 @@
 
 How (gpt-fast's and the serving engines' recipe): the pools are sized up front for
 ``max_len`` tokens per row (:meth:`StaticDecode.reserve`), so their addresses never change; each
-step's page tables and write slots are copied into fixed buffers sized for that capacity; the
-kernels' grids are sized by the capacity (rows shorter than it exit early). Per step, on the
+step's page tables and write slots (split into page and offset, once for every layer) are copied
+into fixed buffers sized for that capacity; the kernels' grids are sized by the capacity (rows shorter than it exit early). Per step, on the
 host: plan the step (``PageState.plan``), copy its tables into the buffers, replay the graph,
 then, on a step where pages leave the window (every ``page_size`` steps per row), replay the
 *flush graph*: every layer's quantize-on-write of the leaving pages, captured once for ``rows``
@@ -58,7 +58,7 @@ class StaticDecode:
         for layer in self.layers:
             layer.pools.fit(st.tier_free.capacity, st.body_free.capacity)
         i32 = dict(dtype=torch.int32, device=dev)
-        self.slots = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.slot_at = torch.zeros(2, rows, dtype=torch.int64, device=dev)  # each row's write slot: (page, offset)
         self.body = (torch.zeros(rows + 1, **i32), torch.zeros(max(1, rows * self.body_pages), **i32),
                      torch.zeros(rows, **i32))
         self.tier = (torch.zeros(rows + 1, **i32), torch.zeros(rows * self.tier_pages, **i32), torch.zeros(rows, **i32))
@@ -72,8 +72,9 @@ class StaticDecode:
             raise ValueError("only decode steps (one new token per row) run in the CUDA graph")
         if int(self.state.lengths().max()) > self.max_len:
             raise ValueError(f"a row is longer than the graph's capacity of {self.max_len} tokens")
-        dev = self.slots.device
-        self.slots.copy_(torch.from_numpy(step.write_slots).to(dev, non_blocking=True))
+        dev = self.slot_at.device
+        slots, p = np.asarray(step.write_slots, dtype=np.int64), self.state.page
+        self.slot_at.copy_(torch.from_numpy(np.stack([slots // p, slots % p])).to(dev, non_blocking=True))
         t = step.device_tables(dev, self.state)
         for dst, src in zip(self.body + self.tier, t.body + t.tier):
             dst[: src.numel()].copy_(src)

@@ -231,8 +231,8 @@ class HybridLayer(RotkvLayer):
         self.pending = None
         rot = self.rotation
         # the same arithmetic as the eager step (LayerRotation's bf16x2 matrices exist before capture)
-        self.pools.write_tier(st.slots, rot.keys(k_new, self.tier_dtype)[:, :, 0],
-                              rot.values(v_new, self.tier_dtype)[:, :, 0])
+        self.pools.write_tier(None, rot.keys(k_new, self.tier_dtype)[:, :, 0],
+                              rot.values(v_new, self.tier_dtype)[:, :, 0], at=tuple(st.slot_at))
         q = self._kernel_query(query)
         plan = self.pools.decode_plan(q, kernels.decode_config(self.decode_score))
         if plan is None:

@@ -118,9 +118,11 @@ class LayerPools:
         return sum(_nbytes(t) for t in self.mirror) if self.mirror is not None else 0
 
     # ---- tier ------------------------------------------------------------------------------------
-    def write_tier(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k, v [T, H, D]`` at tier ``slots [T]`` (page * P + offset)."""
-        page, off = slots // self.page, slots % self.page
+    def write_tier(self, slots: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
+                   at: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Store ``k, v [T, H, D]`` at tier ``slots [T]`` (page * P + offset), or at ``at`` = (pages,
+        offsets) ``[T]`` already split (the graph decoder splits them once per step for every layer)."""
+        page, off = at if at is not None else (slots // self.page, slots % self.page)
         self.tier_k[page, :, off] = k
         self.tier_v[page, :, off] = v
 
