@@ -99,9 +99,9 @@ if want realrows; then stage realrows
 timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_backend.py tests/test_compiled_layers.py \
   -k "graph or compiled" > "$R/tests-realrows.log" 2>&1
 echo "realrows tests rc=$?"; tail -2 "$R/tests-realrows.log"
-timeout 330 python3 -m rotkv.cli bench --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --batch 64 --context 8192 --new-tokens 32 \
+timeout 400 python3 -m rotkv.cli bench --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --batch 64 --context 8192 --new-tokens 32 \
   --methods hf-static-compile rotkv:bf16+graph+compile rotkv:quarot-int2+graph+compile rotkv:oscar-mix+graph+compile \
-  rotkv:oscar-mix+graph --artifact artifacts/oscar-mix.safetensors \
+  rotkv:oscar-mix+graph+fold+compile rotkv:oscar-mix+graph --artifact artifacts/oscar-mix.safetensors \
   --out "$R/generate-compile-real-smollm2-64x8k.json" > "$R/bench-realrows.log" 2>&1
 echo "realrows rc=$?"; grep "^| 64 x" "$R/bench-realrows.log"
 timeout 240 python3 benchmarks/profile_step.py --model "$ROTKV_GGUF" --artifact-dir artifacts \

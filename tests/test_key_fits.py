@@ -187,6 +187,17 @@ def test_the_eval_harness_and_generate_pass_the_context_length(tiny, tmp_path, m
         assert json.loads(out)["key_fit_length"] == fit
 
 
+def test_the_lm_eval_adapter_builds_each_cache_for_its_request_length(tiny, tmp_path):
+    from types import SimpleNamespace
+
+    pytest.importorskip("lm_eval")
+    from rotkv.integrations.lm_eval import RotkvLM
+
+    path = multi_fit(tiny, tmp_path / "m.safetensors", lengths=(16, 64))
+    lm = SimpleNamespace(model=tiny, preset="oscar-mix-long", artifact_path=path, overrides={"sink": 4, "window": 8})
+    assert [RotkvLM.make_cache(lm, n).key_fit_length for n in (12, 60)] == [16, 64]
+
+
 # ---- the command line -----------------------------------------------------------------------------------------------
 @pytest.fixture
 def no_model(monkeypatch):

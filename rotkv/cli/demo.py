@@ -149,7 +149,8 @@ def run(args) -> int:
     rows, reference = [], None
     for name in presets:
         overrides = {k: v for k, v in (("sink", args.sink), ("window", args.window)) if v is not None}
-        cache = RotkvCache(loaded.model, name, artifacts.get(name), **overrides)
+        # the row's whole length: an artifact with several key fits serves the one nearest it
+        cache = RotkvCache(loaded.model, name, artifacts.get(name), context_length=ids.shape[1] + 10, **overrides)
         g = generate(loaded.model, loaded.tokenizer, ids, cache, max_new_tokens=10, context=ctx)
         st = cache.stats()
         answer = g.text.strip().splitlines()[0] if g.text.strip() else ""

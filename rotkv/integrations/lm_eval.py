@@ -80,8 +80,10 @@ class RotkvLM(HFLM):
         self.last_stats: dict | None = None
 
     # ---- the cache ----------------------------------------------------------------------------
-    def make_cache(self) -> RotkvCache:
-        return RotkvCache(self.model, self.preset, self.artifact_path, **self.overrides)
+    def make_cache(self, context_length: int | None = None) -> RotkvCache:
+        """A fresh cache for one request of ``context_length`` tokens in all (an artifact with several
+        key fits serves the one nearest it)."""
+        return RotkvCache(self.model, self.preset, self.artifact_path, context_length=context_length, **self.overrides)
 
     @property
     def chunk(self) -> int:
@@ -111,7 +113,7 @@ class RotkvLM(HFLM):
             groups.setdefault(tuple(ctx_t), []).append((i, list(cont)))
         bar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="rotkv loglikelihood")
         for ctx, items in groups.items():
-            base = self.make_cache()
+            base = self.make_cache(len(ctx) + max(len(c) for _, c in items))
             first = self._prefill(base, list(ctx))
             for n, (i, cont) in enumerate(items):
                 cache = base if n == len(items) - 1 else copy.deepcopy(base)
@@ -144,7 +146,7 @@ class RotkvLM(HFLM):
             ids = context[r].tolist()
             if mask is not None:
                 ids = [t for t, m in zip(ids, mask[r].tolist()) if m]
-            cache = self.make_cache()
+            cache = self.make_cache(len(ids) + max_new)
             logp = self._prefill(cache, ids)
             new: list[int] = []
             while len(new) < max_new:
