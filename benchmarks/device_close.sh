@@ -31,7 +31,8 @@
 #   StaticCache; compilerows: those tests with the layer path's, then +compile rows: profile_step at
 #   64 x 8K, `rotkv bench` at SmolLM2 1 x 4K and Qwen3-8B shape 8 layers 4 x 32K (random weights), each
 #   beside StaticCache; realrows: `rotkv bench` on the real SmolLM2 at 64 x 8K, +graph+compile for bf16,
-#   quarot-int2 and oscar-mix, oscar-mix +graph alone, and StaticCache)
+#   quarot-int2 and oscar-mix, oscar-mix +graph alone, and StaticCache; tierwrite: the rotation and graph
+#   tests, then profile_step with +compile at SmolLM2's shape 64 x 8K and 1 x 4K)
 set -u
 R=${RES:-$HOME/close}
 if [ "${1:-}" = start ]; then
@@ -108,6 +109,14 @@ timeout 240 python3 benchmarks/profile_step.py --model "$ROTKV_GGUF" --artifact-
   --presets bf16+compile quarot-int2+compile oscar-mix+compile --requests 64 --context 8192 \
   --out "$R/stepprof-compile-real-smollm2-64x8k.json" > "$R/stepprof-realrows.log" 2>&1
 echo "realrows stepprof rc=$?"; grep -E "graph_ms |replay_ms|kernel_ms" "$R/stepprof-realrows.log"; fi
+if want tierwrite; then stage tierwrite
+timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_rotate.py tests/kernels/test_backend.py \
+  tests/test_compiled_layers.py tests/test_cache_layer.py tests/test_paged_cache.py > "$R/tests-tierwrite.log" 2>&1
+echo "tierwrite tests rc=$?"; tail -3 "$R/tests-tierwrite.log"
+for shape in "64 8192" "1 4096"; do set -- $shape
+timeout 200 python3 benchmarks/profile_step.py --shape smollm2 --presets bf16+compile quarot-int2+compile \
+  --requests $1 --context $2 --out "$R/stepprof-tierwrite-smollm2-$1x$2.json" > "$R/stepprof-tierwrite-$1x$2.log" 2>&1
+echo "tierwrite stepprof $1x$2 rc=$?"; grep -E "graph_ms |replay_ms|kernel_ms|write|other" "$R/stepprof-tierwrite-$1x$2.log" | head -8; done; fi
 if want smolmix; then stage smolmix
 timeout 300 python3 benchmarks/bench_mixed.py --kinds smolmix --out "$R/mixed-smolmix.json" > "$R/smolmix.log" 2>&1
 echo "smolmix rc=$?"

@@ -59,6 +59,11 @@ class StaticDecode:
             layer.pools.fit(st.tier_free.capacity, st.body_free.capacity)
         i32 = dict(dtype=torch.int32, device=dev)
         self.slot_at = torch.zeros(2, rows, dtype=torch.int64, device=dev)  # each row's write slot: (page, offset)
+        # ... and as an element offset into every layer's tier pool [pages, H, P, D] (one layout for all),
+        # where the rotation kernel writes the new key and value (LayerRotation.rotate_into)
+        layouts = {(tuple(l.pools.tier_k.shape[1:]), l.pools.tier_k.stride()) for l in self.layers}
+        self.tier_strides = next(iter(layouts))[1] if len(layouts) == 1 else None
+        self.tier_rows = torch.zeros(rows, dtype=torch.int64, device=dev) if self.tier_strides else None
         self.body = (torch.zeros(rows + 1, **i32), torch.zeros(max(1, rows * self.body_pages), **i32),
                      torch.zeros(rows, **i32))
         self.tier = (torch.zeros(rows + 1, **i32), torch.zeros(rows * self.tier_pages, **i32), torch.zeros(rows, **i32))
@@ -74,7 +79,11 @@ class StaticDecode:
             raise ValueError(f"a row is longer than the graph's capacity of {self.max_len} tokens")
         dev = self.slot_at.device
         slots, p = np.asarray(step.write_slots, dtype=np.int64), self.state.page
-        self.slot_at.copy_(torch.from_numpy(np.stack([slots // p, slots % p])).to(dev, non_blocking=True))
+        at = np.stack([slots // p, slots % p])
+        self.slot_at.copy_(torch.from_numpy(at).to(dev, non_blocking=True))
+        if self.tier_rows is not None:
+            s0, _, s2, _ = self.tier_strides
+            self.tier_rows.copy_(torch.from_numpy(at[0] * s0 + at[1] * s2).to(dev, non_blocking=True))
         t = step.device_tables(dev, self.state)
         for dst, src in zip(self.body + self.tier, t.body + t.tier):
             dst[: src.numel()].copy_(src)

@@ -229,10 +229,16 @@ class HybridLayer(RotkvLayer):
         st = self.static
         k_new, v_new = self.pending
         self.pending = None
-        rot = self.rotation
-        # the same arithmetic as the eager step (LayerRotation's bf16x2 matrices exist before capture)
-        self.pools.write_tier(None, rot.keys(k_new, self.tier_dtype)[:, :, 0],
-                              rot.values(v_new, self.tier_dtype)[:, :, 0], at=tuple(st.slot_at))
+        rot, pools = self.rotation, self.pools
+        # the same arithmetic as the eager step (LayerRotation's bf16x2 matrices exist before capture):
+        # the new key and value rotated straight into their tier slots (one kernel each, no scatter);
+        # a side the kernel does not take (no rotation there, an fp32 tier) is rotated, then scattered
+        rows = st.tier_rows if st.tier_rows is not None and pools.tier_k.stride() == st.tier_strides else None
+        k_done = rows is not None and rot.rotate_into("keys", k_new, pools.tier_k, rows)
+        v_done = rows is not None and rot.rotate_into("values", v_new, pools.tier_v, rows)
+        if not (k_done and v_done):
+            pools.write_tier(None, None if k_done else rot.keys(k_new, self.tier_dtype)[:, :, 0],
+                             None if v_done else rot.values(v_new, self.tier_dtype)[:, :, 0], at=tuple(st.slot_at))
         q = self._kernel_query(query)
         plan = self.pools.decode_plan(q, kernels.decode_config(self.decode_score))
         if plan is None:

@@ -118,13 +118,15 @@ class LayerPools:
         return sum(_nbytes(t) for t in self.mirror) if self.mirror is not None else 0
 
     # ---- tier ------------------------------------------------------------------------------------
-    def write_tier(self, slots: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
+    def write_tier(self, slots: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None,
                    at: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Store ``k, v [T, H, D]`` at tier ``slots [T]`` (page * P + offset), or at ``at`` = (pages,
         offsets) ``[T]`` already split (the graph decoder splits them once per step for every layer)."""
         page, off = at if at is not None else (slots // self.page, slots % self.page)
-        self.tier_k[page, :, off] = k
-        self.tier_v[page, :, off] = v
+        if k is not None:  # None: that side is written already (LayerRotation.rotate_into)
+            self.tier_k[page, :, off] = k
+        if v is not None:
+            self.tier_v[page, :, off] = v
 
     def tier_dense(self, pg: torch.Tensor, off: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather ``[B, H, L, D]`` from (page, offset) indices ``[B, L]``."""

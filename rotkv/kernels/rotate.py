@@ -10,6 +10,11 @@ the caller's strides (the projections' ``[B, T, H, D]`` memory seen as ``[B, H, 
 two ``tl.dot`` per K block into one float32 accumulator: reads ``x`` once, writes ``y`` once.
 
 Heads come in groups: query head ``h`` uses matrix ``h // (Hq // H)`` (GQA), as ``_per_group``.
+
+``rows`` (the CUDA-graph decode step): each batch row's result goes to its own place in ``out``, an
+element offset per row (a tier page and slot, ``page * stride0 + slot * stride2`` of the
+``[pages, H, P, D]`` pool), so the rotated key or value of a decode token is written straight into
+the cache's tier: no ``[B, H, 1, D]`` temporary and no scatter kernel after it.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from rotkv.kernels.plan import interpreting
 
 
 @triton.jit
-def _rotate_kernel(x_ptr, sxb, sxh, sxt, a_ptr, y_ptr, syb, syh, syt, T, HQ,
+def _rotate_kernel(x_ptr, sxb, sxh, sxt, a_ptr, y_ptr, syb, syh, syt, rows_ptr, T, HQ,
                    GROUP: tl.constexpr, D: tl.constexpr, K: tl.constexpr, SHIFT: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+                   HAS_ROWS: tl.constexpr):
     pid_bh, pid_t, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b = pid_bh // HQ
     h = pid_bh % HQ
@@ -49,7 +55,11 @@ def _rotate_kernel(x_ptr, sxb, sxh, sxt, a_ptr, y_ptr, syb, syh, syt, T, HQ,
     if SHIFT:  # rows 2D and 2D + 1: -c_hi and -c_lo (c = mu R)
         acc += tl.load(a + 2 * D * D + offs_e).to(tl.float32)[None, :]
         acc += tl.load(a + (2 * D + 1) * D + offs_e).to(tl.float32)[None, :]
-    yrow = y_ptr + b.to(tl.int64) * syb + h.to(tl.int64) * syh + offs_t.to(tl.int64)[:, None] * syt
+    if HAS_ROWS:  # each row's own place in y (a tier slot)
+        ybase = y_ptr + tl.load(rows_ptr + b)
+    else:
+        ybase = y_ptr + b.to(tl.int64) * syb
+    yrow = ybase + h.to(tl.int64) * syh + offs_t.to(tl.int64)[:, None] * syt
     if F32_DOT:  # the interpreter's float32 -> bf16 cast truncates: round to nearest-even by hand first
         bits = acc.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
@@ -80,9 +90,12 @@ def rotate_reason(x: torch.Tensor, a: torch.Tensor) -> str | None:
     return None
 
 
-def rotate_bf16x2(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def rotate_bf16x2(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor | None = None,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
     """``x [B, Hq, T, D]`` bf16 (any strides, last dim contiguous) -> ``(x - mu) R`` per head group,
-    bf16 ``[B, Hq, T, D]`` (contiguous, or ``out``). ``a``: :func:`~rotkv.rotations.base.bf16x2_matrix`."""
+    bf16 ``[B, Hq, T, D]`` (contiguous, or ``out``). ``a``: :func:`~rotkv.rotations.base.bf16x2_matrix`.
+    ``rows`` (int64 ``[B]``, with ``out``): row ``b``'s result starts ``rows[b]`` elements into
+    ``out``, whose dims 1 and 2 are the heads and the tokens (``out [N, Hq, >= T, D]``, a tier pool)."""
     why = rotate_reason(x, a)
     if why is not None:
         raise ValueError(f"rotate_bf16x2: {why}")
@@ -90,7 +103,14 @@ def rotate_bf16x2(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor | None = N
     h, k, _ = a.shape
     a = a.contiguous()
     y = torch.empty(b, hq, t, d, dtype=torch.bfloat16, device=x.device) if out is None else out
-    if y.shape != x.shape or y.stride(-1) != 1:
+    if rows is not None:
+        if out is None or out.dim() != 4 or out.dtype != torch.bfloat16 or out.shape[1] != hq \
+                or out.shape[2] < t or out.shape[3] != d or out.stride(-1) != 1:
+            raise ValueError(f"rotate_bf16x2: rows need an out [N, {hq}, >= {t}, {d}] bf16 pool, got "
+                             f"{None if out is None else (tuple(out.shape), out.dtype)}")
+        if rows.dtype != torch.int64 or rows.shape != (b,) or rows.device != x.device:
+            raise ValueError(f"rotate_bf16x2: rows has to be int64 [{b}] on {x.device}")
+    elif y.shape != x.shape or y.stride(-1) != 1:
         raise ValueError(f"rotate_bf16x2: out {tuple(y.shape)} does not fit x {tuple(x.shape)}")
     if x.numel() == 0:
         return y
@@ -98,6 +118,7 @@ def rotate_bf16x2(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor | None = N
     block_t = 64 if d <= 128 else 32
     grid = (b * hq, triton.cdiv(t, block_t), d // blk)  # rows x heads on axis 0 (the others cap at 65535)
     _rotate_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), a, y, y.stride(0), y.stride(1), y.stride(2),
-                         t, hq, GROUP=hq // h, D=d, K=k, SHIFT=k > 2 * d, BLOCK_T=block_t, BLOCK_E=blk,
-                         BLOCK_K=blk, F32_DOT=interpreting(), num_warps=4)
+                         rows if rows is not None else y, t, hq, GROUP=hq // h, D=d, K=k, SHIFT=k > 2 * d,
+                         BLOCK_T=block_t, BLOCK_E=blk, BLOCK_K=blk, F32_DOT=interpreting(),
+                         HAS_ROWS=rows is not None, num_warps=4)
     return y

@@ -122,6 +122,28 @@ class LayerRotation:
             return _per_group(o, self.R_V.transpose(-1, -2))
         return _per_group(o.float(), self.R_V.transpose(-1, -2)).to(dtype)
 
+    def rotate_into(self, which: str, x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor) -> bool:
+        """Write ``keys(x)`` or ``values(x)`` (``which``), bf16, straight into the pool ``out`` at each
+        batch row's element offset ``rows [B]`` (``rotkv.kernels.rotate``); False, writing nothing,
+        where that kernel does not apply (no matrix on this side, not bf16 on CUDA, kernels off): the
+        caller then rotates and scatters."""
+        if which not in ("keys", "values"):
+            raise ValueError(f"rotate_into: which is 'keys' or 'values', not {which!r}")
+        if (self.R_K if which == "keys" else self.R_V) is None or not x.is_cuda or x.dtype != torch.bfloat16 \
+                or out.dtype != torch.bfloat16:
+            return False
+        from rotkv.kernels.backend import enabled
+
+        if not enabled(x):
+            return False
+        from rotkv.kernels.rotate import rotate_bf16x2, rotate_reason
+
+        a = self._bf16x2(which)[0]
+        if rotate_reason(x, a) is not None:
+            return False
+        rotate_bf16x2(x, a, out=out, rows=rows)
+        return True
+
     def key_shift(self) -> torch.Tensor | None:
         """``c = mu R_K`` ``[kv_heads, D]`` float32 (``mu`` without R_K), None without a key mean: what a
         stored key ``(k - mu) R_K`` lacks of ``k R_K``; made once."""

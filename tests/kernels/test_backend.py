@@ -120,6 +120,52 @@ def test_graph_with_compiled_layers_decodes_what_the_plain_graph_does(preset):
 
 
 @cuda_only
+@pytest.mark.parametrize("preset", ["quarot-int2", "bf16"])
+def test_graph_step_writes_the_tier_bytes_the_eager_step_does(preset):
+    """The graph step rotates each new key and value straight into its tier slot
+    (``LayerRotation.rotate_into``; bf16 has no rotation and scatters): layer 0, whose keys and values
+    depend on the tokens only, holds the same tier and body bytes after the same teacher-forced steps
+    as the eager step, which rotates into a temporary and scatters it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rotkv.cache import RotkvCache
+    from rotkv.cache.graph import GraphDecoder
+    from rotkv.generation import prefill, reserve
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      intermediate_size=512, num_hidden_layers=2, vocab_size=512, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).cuda().bfloat16().eval()
+    ids = torch.randint(1, 512, (3, 200), generator=torch.Generator().manual_seed(0)).cuda()
+    forced = torch.randint(1, 512, (40, 3), generator=torch.Generator().manual_seed(1)).cuda()
+    caches = []
+    for graph in (False, True):
+        cache = RotkvCache(model, preset, sink=16, window=32, page_size=16, prefill_chunk=128, check_finite=False)
+        reserve(cache, 3, 200 + 40)
+        with torch.no_grad():
+            prefill(model, ids, cache)
+            dec = GraphDecoder(model, cache, 200 + 40) if graph else None
+            for t in range(forced.shape[0]):
+                pos = torch.full((3,), 200 + t, device="cuda")
+                if dec is not None:
+                    dec.step(forced[t], pos)
+                else:
+                    model(input_ids=forced[t][:, None], position_ids=pos[:, None], use_cache=True, past_key_values=cache)
+        torch.cuda.synchronize()
+        caches.append(cache)
+    (a, b) = (c.layers[0].pools for c in caches)
+
+    def same(x, y):  # the graph's capacity may have grown a pool: the pages both have
+        n = min(x.shape[0], y.shape[0])
+        return torch.equal(x[:n].contiguous().view(torch.uint8), y[:n].contiguous().view(torch.uint8))
+
+    assert same(a.tier_k, b.tier_k) and same(a.tier_v, b.tier_v)
+    for pa, pb in zip(a.body, b.body):
+        for name in pa:
+            assert same(pa[name], pb[name]), name
+
+
+@cuda_only
 @pytest.mark.parametrize("meta_v", ["float16", "float8"])
 def test_flush_graph_stores_what_the_eager_flush_does(meta_v):
     """The captured flush (rows' leaving pages, padded by repeating the last page) stores the same

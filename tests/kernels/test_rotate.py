@@ -81,3 +81,26 @@ def test_rotate_reason_names_what_it_cannot_take():
     assert "contiguous" in rotate_reason(torch.zeros(1, 1, 64, 4, dtype=torch.bfloat16).transpose(-1, -2), a)
     with pytest.raises(ValueError, match="rotate_bf16x2: bf16"):
         rotate_bf16x2(torch.zeros(1, 1, 4, 64), a)
+
+
+@pytest.mark.parametrize("shift", [True, False])
+def test_rotate_kernel_writes_each_row_into_its_tier_slot(shift, device):
+    """``rows``: each decode row's rotated key lands in its own (page, slot) of a ``[pages, H, P, D]``
+    pool, the same bytes as rotating into a temporary and scattering it there; nothing else changes."""
+    torch.manual_seed(0)
+    b, h, p, d, pages = 5, 3, 16, 64, 12
+    r = torch.stack([random_orthogonal(d, seed=i) for i in range(h)])
+    a = bf16x2_matrix(r, torch.randn(h, d) if shift else None).to(device)
+    x = torch.randn(b, 1, h, d).to(torch.bfloat16).to(device).transpose(1, 2)  # [B, H, 1, D], the projection's memory
+    pool = torch.randn(pages, h, p, d).to(torch.bfloat16).to(device)
+    page = torch.tensor([3, 0, 11, 7, 5], device=device)
+    slot = torch.tensor([0, 15, 4, 9, 4], device=device)
+    want = pool.clone()
+    want[page, :, slot] = rotate_bf16x2(x, a)[:, :, 0]
+    rows = page * pool.stride(0) + slot * pool.stride(2)
+    assert rotate_bf16x2(x, a, out=pool, rows=rows) is pool
+    assert torch.equal(pool.view(torch.int16), want.view(torch.int16))
+    with pytest.raises(ValueError, match="rows has to be int64"):
+        rotate_bf16x2(x, a, out=pool, rows=rows.int())
+    with pytest.raises(ValueError, match="rows need an out"):
+        rotate_bf16x2(x, a, out=pool[:, :2], rows=rows)
