@@ -90,7 +90,7 @@ def sync(dev) -> float:
 
 @torch.no_grad()
 def run_wave(model, preset: str, rows: int, context: int, new_tokens: int, chunk: int | None, overrides: dict,
-             fill: str = "prefill", seed: int = 0):
+             fill: str = "prefill", seed: int = 0, compile_layers: bool = False):
     """One wave: ``rows`` requests prefilled (or filled synthetically) then decoded greedily.
     Returns (prefill_s, first_step_s, decode_s, cache stats)."""
     from rotkv.generation import prefill
@@ -115,7 +115,7 @@ def run_wave(model, preset: str, rows: int, context: int, new_tokens: int, chunk
     if dev.type == "cuda":
         from rotkv.cache.graph import GraphDecoder
 
-        graph = GraphDecoder(model, cache, context + new_tokens, kw)
+        graph = GraphDecoder(model, cache, context + new_tokens, kw, compile_layers=compile_layers)
 
         def step(tok, pos):
             return graph.step(tok, pos).argmax(-1)
@@ -187,6 +187,8 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrent-int2", type=int, default=None, help="INT2 requests at once (default: what fits)")
     ap.add_argument("--reserve-gb", type=float, default=12.0,
                     help="GPU memory kept free for the prefill's activations when estimating what fits")
+    ap.add_argument("--compile-layers", action="store_true",
+                    help="the model's own layers compiled into the captured decode step (rotkv.cache.compiled; CUDA)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     for name in ("requests", "context"):
@@ -224,7 +226,7 @@ def main(argv=None) -> int:
             n = min(concurrent, a.requests - done)
             try:
                 f, f1, d, stats = run_wave(model, preset, n, a.context, a.new_tokens, a.chunk, overrides[method], a.fill,
-                                           seed=done)
+                                           seed=done, compile_layers=a.compile_layers)
             except Exception as e:  # noqa: BLE001 - an OOM is retried at half the rows
                 if not _is_oom(e) or n == 1:
                     raise
@@ -256,7 +258,7 @@ def main(argv=None) -> int:
     out = a.out or os.path.join("benchmarks", "results", time.strftime("job-%Y%m%d-%H%M.json", time.gmtime()))
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"rows": rows, "kv_bytes_per_request_bf16": per_req["bf16"],
+        json.dump({"rows": rows, "compile_layers": a.compile_layers, "kv_bytes_per_request_bf16": per_req["bf16"],
                    "kv_bytes_per_request_int2_estimate": per_req["rotkv-int2"]}, f, indent=1)
     for r in rows:
         print(f"{r['method']}: {r['concurrent']} at once in {r['waves']} waves, prefill {r['prefill_s']} s "
