@@ -61,6 +61,24 @@ def test_compiled_layers_decode_what_the_eager_layers_do(preset):
         assert "forward" not in layer.__dict__  # the class's forward is back
 
 
+def test_a_failing_compile_says_to_run_without_it_and_gives_the_layers_back():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+    def broken(gm, inputs):
+        raise NotImplementedError("no code for this graph")
+
+    model = make_tiny_llama()
+    cache = make_cache(model, "bf16")
+    with pytest.raises(RuntimeError, match="Run without compile_layers") as info:
+        with torch.no_grad(), compiled_layers(model, backend=broken):
+            model(input_ids=torch.ones(1, 4, dtype=torch.long), use_cache=True, past_key_values=cache)
+    assert "no code for this graph" in str(info.value)
+    assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))
+    torch._dynamo.reset()
+
+
 def test_compiled_layers_refuse_a_model_without_decoder_layers():
     with pytest.raises(ValueError, match="no decoder layers"):
         with compiled_layers(torch.nn.Linear(2, 2)):

@@ -58,6 +58,12 @@ def compiled_layers(model, backend: str = "inductor"):
     try:
         with torch._dynamo.config.patch(**{name: limit}):
             yield
+    except torch._dynamo.exc.TorchDynamoException as e:  # the compile itself failed: say what to do
+        inner = getattr(e, "inner_exception", None) or e.__cause__ or e
+        why = (str(inner).strip().splitlines() or [""])[0]
+        raise RuntimeError(f"compiling {type(model).__name__}'s decoder layers ({getattr(backend, '__name__', backend)}) "
+                           f"failed: {type(inner).__name__}: {why}. Run without compile_layers (--compile-layers); "
+                           "the cache holds a partly written step: reset it") from e
     finally:
         for layer, old in zip(layers, saved):
             if old is None:
