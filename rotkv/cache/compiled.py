@@ -10,8 +10,9 @@ How: :meth:`rotkv.cache.RotkvCache.update` and the registered attention function
 (:func:`rotkv.hf.attention.rotkv_attention`) are ``torch.compiler.disable``-d, so dynamo breaks the
 graph at exactly those two calls and runs them as they are (their kernels, page tables and host
 planning are untouched). What lies between them (norms, projections, RoPE, MLP, residuals) is
-compiled, once per layer: the attention module's ``layer_idx`` is a constant in its frame, so the
-recompile limit is raised to the number of layers for the compile. Only inside
+compiled, once per layer and batch size: the attention module's ``layer_idx`` is a constant in its
+frame, so the recompile limit is raised to 8 per layer for the compile, and hitting it is an error
+(never a quiet fall back to the uncompiled layers). Only inside
 :func:`compiled_layers` do the layers run compiled; :class:`rotkv.cache.graph.GraphDecoder` enters
 it for its warm-up step and its capture, so the replays run the compiled kernels and nothing else
 (the prefill and eager decode never compile).
@@ -23,7 +24,7 @@ import contextlib
 
 import torch
 
-_COMPILED = "_rotkv_compiled_layers"  # (backend, [compiled forward per layer]) kept on the model
+_COMPILED = "_rotkv_compiled_layers"  # ((backend, the layers' own forwards), [compiled forward per layer])
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -36,9 +37,19 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def _limit_name() -> str:
-    cfg = torch._dynamo.config
-    return "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+def _limits(layers: int) -> dict:
+    """dynamo settings for the block: a recompile limit of 8 per layer (each layer's attention frame is
+    one entry per batch size, ``dynamic=False``), the same in all, and a limit hit is an error, not a
+    quiet fall back to the uncompiled layers. Named as this torch names them."""
+    cfg, want = torch._dynamo.config, {}
+    for names, value in ((("recompile_limit", "cache_size_limit"), 8 * layers),
+                         (("accumulated_recompile_limit", "accumulated_cache_size_limit"), 16 * layers),
+                         (("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"), True)):
+        name = next((n for n in names if hasattr(cfg, n)), None)
+        if name is not None:
+            old = getattr(cfg, name)
+            want[name] = value if isinstance(value, bool) else max(old, value)
+    return want
 
 
 @contextlib.contextmanager
@@ -46,17 +57,16 @@ def compiled_layers(model, backend: str = "inductor"):
     """Within this block the model's decoder layers run compiled (the compiled functions are made
     once per model and backend and kept); on exit their own ``forward`` is back."""
     layers = decoder_layers(model)
-    kept = getattr(model, _COMPILED, None)
-    if kept is None or kept[0] != backend:
-        kept = (backend, [torch.compile(layer.forward, backend=backend, dynamic=False) for layer in layers])
-        object.__setattr__(model, _COMPILED, kept)  # a plain attribute, not a submodule
     saved = [layer.__dict__.get("forward") for layer in layers]  # an accelerate hook may have set one
-    name = _limit_name()
-    limit = max(getattr(torch._dynamo.config, name), 2 * len(layers) + 8)
+    key = (backend, tuple(id(f) for f in saved))  # compiled over the forwards the layers have now
+    kept = getattr(model, _COMPILED, None)
+    if kept is None or kept[0] != key:
+        kept = (key, [torch.compile(layer.forward, backend=backend, dynamic=False) for layer in layers])
+        object.__setattr__(model, _COMPILED, kept)  # a plain attribute, not a submodule
     for layer, fn in zip(layers, kept[1]):
         layer.forward = fn
     try:
-        with torch._dynamo.config.patch(**{name: limit}):
+        with torch._dynamo.config.patch(**_limits(len(layers))):
             yield
     except torch._dynamo.exc.TorchDynamoException as e:  # the compile itself failed: say what to do
         inner = getattr(e, "inner_exception", None) or e.__cause__ or e

@@ -155,9 +155,10 @@ class GraphDecoder:
                     logits = self._run_static(self._forward).clone()
                 torch.cuda.current_stream().wait_stream(s)
                 self._flush(step)
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
                     self.logits = self._run_static(self._forward)
+            self.graph = g  # only a capture that finished is replayed
             return logits
         self.graph.replay()
         self._flush(step)

@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     tensors, meta = refit_lengths(loaded.model, loaded.tokenizer, art, lengths, args.sequences, files=args.data)
     save_artifact(args.out, tensors, meta)
     print(f"wrote {args.out}: R_K and key means refitted on sequences of {args.seq_len} tokens "
-          f"({meta['longfit_seconds']} s)", file=sys.stderr)
+          f"({meta.get('key_fit_seconds', meta['longfit_seconds'])} s)", file=sys.stderr)
     return 0
 
 

@@ -130,8 +130,8 @@ class LayerRotation:
         if which not in ("keys", "values"):
             raise ValueError(f"rotate_into: which is 'keys' or 'values', not {which!r}")
         if (self.R_K if which == "keys" else self.R_V) is None or not x.is_cuda or x.dtype != torch.bfloat16 \
-                or out.dtype != torch.bfloat16:
-            return False
+                or out.dtype != torch.bfloat16 or rotation_math(x, out.dtype) != "bf16x2":
+            return False  # (ROTKV_ROTATION_MATH=fp32: the eager step's float32 rotation, then the scatter)
         from rotkv.kernels.backend import enabled
 
         if not enabled(x):
