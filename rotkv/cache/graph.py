@@ -59,10 +59,10 @@ class StaticDecode:
             layer.pools.fit(st.tier_free.capacity, st.body_free.capacity)
         i32 = dict(dtype=torch.int32, device=dev)
         self.slot_at = torch.zeros(2, rows, dtype=torch.int64, device=dev)  # each row's write slot: (page, offset)
-        # ... and as an element offset into every layer's tier pool [pages, H, P, D] (one layout for all),
-        # where the rotation kernel writes the new key and value (LayerRotation.rotate_into)
-        layouts = {(tuple(l.pools.tier_k.shape[1:]), l.pools.tier_k.stride()) for l in self.layers}
-        self.tier_strides = next(iter(layouts))[1] if len(layouts) == 1 else None
+        # ... and as an element offset into every layer's tier pool [pages, H, P, D], where the rotation
+        # kernel writes the new key and value (LayerRotation.rotate_into); None unless all share one layout
+        strides = {l.pools.tier_k.stride() for l in self.layers}
+        self.tier_strides = strides.pop() if len(strides) == 1 else None
         self.tier_rows = torch.zeros(rows, dtype=torch.int64, device=dev) if self.tier_strides else None
         self.body = (torch.zeros(rows + 1, **i32), torch.zeros(max(1, rows * self.body_pages), **i32),
                      torch.zeros(rows, **i32))

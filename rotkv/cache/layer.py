@@ -233,7 +233,7 @@ class HybridLayer(RotkvLayer):
         # the same arithmetic as the eager step (LayerRotation's bf16x2 matrices exist before capture):
         # the new key and value rotated straight into their tier slots (one kernel each, no scatter);
         # a side the kernel does not take (no rotation there, an fp32 tier) is rotated, then scattered
-        rows = st.tier_rows if st.tier_rows is not None and pools.tier_k.stride() == st.tier_strides else None
+        rows = st.tier_rows  # None where the layers' tier pools differ in layout
         k_done = rows is not None and rot.rotate_into("keys", k_new, pools.tier_k, rows)
         v_done = rows is not None and rot.rotate_into("values", v_new, pools.tier_v, rows)
         if not (k_done and v_done):

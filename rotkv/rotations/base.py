@@ -129,18 +129,13 @@ class LayerRotation:
         caller then rotates and scatters."""
         if which not in ("keys", "values"):
             raise ValueError(f"rotate_into: which is 'keys' or 'values', not {which!r}")
-        if (self.R_K if which == "keys" else self.R_V) is None or not x.is_cuda or x.dtype != torch.bfloat16 \
-                or out.dtype != torch.bfloat16 or rotation_math(x, out.dtype) != "bf16x2":
+        if (self.R_K if which == "keys" else self.R_V) is None or rotation_math(x, out.dtype) != "bf16x2":
             return False  # (ROTKV_ROTATION_MATH=fp32: the eager step's float32 rotation, then the scatter)
-        from rotkv.kernels.backend import enabled
-
-        if not enabled(x):
-            return False
-        from rotkv.kernels.rotate import rotate_bf16x2, rotate_reason
-
         a = self._bf16x2(which)[0]
-        if rotate_reason(x, a) is not None:
+        if not _kernel_takes(x, a):
             return False
+        from rotkv.kernels.rotate import rotate_bf16x2
+
         rotate_bf16x2(x, a, out=out, rows=rows)
         return True
 
@@ -209,17 +204,27 @@ def _fp32_reduction(on: bool):
             m.allow_bf16_reduced_precision_reduction = True
 
 
+def _kernel_takes(x: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether ``rotkv.kernels.rotate`` runs the bf16x2 rotation of ``x`` by ``a``: on CUDA, with the
+    kernels on, in a shape the kernel takes."""
+    if not x.is_cuda:
+        return False
+    from rotkv.kernels.backend import enabled
+
+    if not enabled(x):
+        return False
+    from rotkv.kernels.rotate import rotate_reason
+
+    return rotate_reason(x, a) is None
+
+
 def _rotate_bf16x2(x: torch.Tensor, a: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
     """The bf16x2 rotation: on CUDA with the kernels, one Triton kernel that reads ``x`` in place
     (``rotkv.kernels.rotate``: no concatenated copy); else :func:`_rotate_bf16x2_bmm`."""
-    if x.is_cuda:
-        from rotkv.kernels.backend import enabled
+    if _kernel_takes(x, a):
+        from rotkv.kernels.rotate import rotate_bf16x2
 
-        if enabled(x):
-            from rotkv.kernels.rotate import rotate_bf16x2, rotate_reason
-
-            if rotate_reason(x, a) is None:
-                return rotate_bf16x2(x, a)
+        return rotate_bf16x2(x, a)
     return _rotate_bf16x2_bmm(x, a, ones)
 
 

@@ -19,6 +19,16 @@ from rotkv.rotations.registry import build_rotations  # noqa: E402
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def _graph_llama(layers: int = 2):
+    """The CUDA-graph tests' model: a random bf16 Llama on the GPU (4 query / 2 KV heads, head_dim 64), seed 0."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      intermediate_size=512, num_hidden_layers=layers, vocab_size=512, pad_token_id=0)
+    return LlamaForCausalLM(cfg).cuda().bfloat16().eval()
+
+
 def test_backend_declines_on_cpu():
     x = torch.randn(2, 1, 16, 64)
     assert backend.token_encode(x, 2, 32, 1.0) is None
@@ -64,15 +74,10 @@ def test_layer_kernel_path_matches_reference(d, g, rep, monkeypatch):
 def test_cuda_graph_decode_matches_eager(preset):
     """A decode step replayed from a CUDA graph computes what the eager step does (same kernels,
     splits sized by capacity instead of length), through page flushes and a ragged batch."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from rotkv.cache import RotkvCache
     from rotkv.generation import generate_batch
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      intermediate_size=512, num_hidden_layers=2, vocab_size=512, pad_token_id=0)
-    model = LlamaForCausalLM(cfg).cuda().bfloat16().eval()
+    model = _graph_llama()
     ids = torch.randint(1, 512, (3, 300), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :37] = 0
@@ -90,16 +95,11 @@ def test_graph_with_compiled_layers_decodes_what_the_plain_graph_does(preset):
     """``GraphDecoder(compile_layers=True)`` (the model's layers compiled by inductor and captured)
     gives the plain graph's logits within bf16 rounding, teacher-forced through page flushes and a
     ragged batch; the layers get their own forward back after the capture."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from rotkv.cache import RotkvCache
     from rotkv.cache.graph import GraphDecoder
     from rotkv.generation import prefill, reserve
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      intermediate_size=512, num_hidden_layers=3, vocab_size=512, pad_token_id=0)
-    model = LlamaForCausalLM(cfg).cuda().bfloat16().eval()
+    model = _graph_llama(layers=3)
     ids = torch.randint(1, 512, (3, 300), generator=torch.Generator().manual_seed(0)).cuda()
     mask = torch.ones_like(ids)
     mask[1, :37] = 0
@@ -132,16 +132,11 @@ def test_graph_step_writes_the_tier_bytes_the_eager_step_does(preset):
     (``LayerRotation.rotate_into``; bf16 has no rotation and scatters): layer 0, whose keys and values
     depend on the tokens only, holds the same tier and body bytes after the same teacher-forced steps
     as the eager step, which rotates into a temporary and scatters it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from rotkv.cache import RotkvCache
     from rotkv.cache.graph import GraphDecoder
     from rotkv.generation import prefill, reserve
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      intermediate_size=512, num_hidden_layers=2, vocab_size=512, pad_token_id=0)
-    model = LlamaForCausalLM(cfg).cuda().bfloat16().eval()
+    model = _graph_llama()
     ids = torch.randint(1, 512, (3, 200), generator=torch.Generator().manual_seed(0)).cuda()
     forced = torch.randint(1, 512, (40, 3), generator=torch.Generator().manual_seed(1)).cuda()
     caches = []
@@ -178,16 +173,11 @@ def test_flush_graph_stores_what_the_eager_flush_does(meta_v):
     bytes as the eager flush, step for step: a ragged batch (rows flush at different steps, so most
     flushes are padded) teacher-forced through the same tokens, every body page and the logits
     compared at the end; e4m3 metadata (``meta_v``) makes the range flag be written in the graph."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from rotkv.cache import RotkvCache
     from rotkv.cache.graph import GraphDecoder
     from rotkv.generation import prefill, reserve
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                      intermediate_size=512, num_hidden_layers=2, vocab_size=512, pad_token_id=0)
-    model = LlamaForCausalLM(cfg).cuda().bfloat16().eval()
+    model = _graph_llama()
     ids = torch.randint(1, 512, (3, 300), generator=torch.Generator().manual_seed(0)).cuda()
     mask = torch.ones_like(ids)
     mask[1, :37] = 0
