@@ -24,6 +24,14 @@ Levers (``+``-joined tokens of one config; a config is one run):
                        the base run's measured bits plus the analytic cost of that tier (keys of R - 32 tokens at
                        4 + 32/G bits instead of the layer's width), printed as ``bpe``; the emulation's own measured
                        bits (the tier counted as bf16) are kept as ``bpe_emulated``
+  T4@<R>[m8]           (emulation) a 4-bit key tier for the recent body, read as the real format would: the bf16
+                       window is widened to R tokens; at every read, the tier tokens past the sink and older than
+                       the base window's newest tokens (``max(window, ceil(share * (length + new)))``) are read as
+                       4-bit keys (unclipped; ``m8``: e4m3 scale and lo) and the value codec's values, the newest
+                       exact; tokens leaving the R window are encoded into the body from their exact values, as
+                       in the base. Bits: the base run's plus the tier's extra key bits (analytic, ``tier_bits``)
+  N4@<R>               as T4@, the tier's keys read as the body's 2-bit code refined by 2 more bits (no metadata
+                       of their own: ``nested_keys``), the format where a page's refinement is dropped as it ages
   K4@<layers>          4-bit keys in exactly these layers (comma-free: 4.7.14), replacing the artifact's widths
   K2@<layers>          2-bit keys (clipped at the layer's ratio) in these layers
 
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -120,6 +129,51 @@ def fake_tier(layer, spec):
     layer.update = update
 
 
+def nested_keys(x: torch.Tensor, kc) -> torch.Tensor:
+    """Keys read through a 2-bit refinement of the layer's own 2-bit code: the code ``h`` and its metadata
+    are the body's (clipped), two more bits ``j`` place the key inside its bucket, ``h + (j - 1.5) / 4``."""
+    from rotkv.quant.packing import unpack
+    from rotkv.quant.quantizer import quantize
+
+    q = quantize(x, kc.bits, kc.group_size, kc.clip, kc.meta)
+    d, g = x.shape[-1], kc.group_size
+    h = unpack(q.codes, kc.bits).float().reshape(*x.shape[:-1], d // g, g)
+    s, lo = q.scale.float().unsqueeze(-1), q.lo.float().unsqueeze(-1)
+    base = h * s + lo
+    xs = x.float().reshape(base.shape)
+    j = torch.round((xs - base) / torch.where(s > 0, s, torch.ones_like(s)) * 4 + 1.5).clamp(0, 3)
+    return (base + (j - 1.5) / 4 * s).reshape(x.shape)
+
+
+def recent_tier(pools, sink: int, exact: int, meta: str | None, nested: bool = False):
+    """Wrap ``pools.tier_dense`` (one row): tier tokens past the sink and older than the ``exact`` newest are
+    returned as 4-bit keys (``nested``: the 2-bit code refined by 2 bits, :func:`nested_keys`) and the value
+    codec's values (the stored basis), the rest as stored."""
+    from rotkv.quant.quantizer import fake_quantize
+
+    kc, vc = pools.codecs
+    orig = pools.tier_dense
+
+    def tier_dense(pg, off, dtype):
+        tk, tv = orig(pg, off, dtype)
+        if tk.shape[0] != 1:
+            raise SystemExit("T4@ emulates one row")
+        a, b = sink, tk.shape[2] - exact
+        if b > a:
+            tk, tv = tk.clone(), tv.clone()
+            x = tk[:, :, a:b].float()
+            if nested and kc.bits == 2:
+                tk[:, :, a:b] = nested_keys(x, kc).to(dtype)
+            elif nested:  # a 4-bit key layer: its body's own codec
+                tk[:, :, a:b] = kc.decode(kc.encode(x)).to(dtype)
+            else:
+                tk[:, :, a:b] = fake_quantize(x, 4, kc.group_size, 1.0, meta).to(dtype)
+            tv[:, :, a:b] = vc.decode(vc.encode(tv[:, :, a:b].float())).to(dtype)
+        return tk, tv
+
+    pools.tier_dense = tier_dense
+
+
 def tier_bits(cache, r: int, tokens: int) -> float:
     """Analytic extra bits per element of a 4-bit key tier for the R - window newest body tokens."""
     layers = [l for l in cache.layers if isinstance(l, HybridLayer)]
@@ -172,6 +226,8 @@ def main() -> None:
                          "without looking at the held-out ones)")
     ap.add_argument("--window-share", type=float, default=None,
                     help="CacheSpec.window_share: the window grows to this share of each row (default: the preset's)")
+    ap.add_argument("--refine-tokens", type=int, default=None,
+                    help="CacheSpec.refine_tokens: 2 more key bits for each row's newest body tokens (default: the preset's)")
     ap.add_argument("--grid-tokens", type=int, default=4096, help="calibration tokens for the grids")
     ap.add_argument("--context-length", default=None, metavar="N|auto",
                     help="the cache's expected tokens per row, which picks the key fit of an artifact with several "
@@ -219,12 +275,13 @@ def main() -> None:
     results["settings"] = {"preset": args.preset, "artifact": args.artifact, "length": L, "new_tokens": N,
                            "windows": args.windows, "starts": starts, "sink": sink, "window": args.window or spec.window,
                            "chunk": args.chunk, "texts": texts, "grid_tokens": args.grid_tokens,
-                           "window_share": args.window_share, "context_length": ctx_len,
+                           "window_share": args.window_share, "context_length": ctx_len, "refine_tokens": args.refine_tokens,
                            "key_fit_lengths": art.key_fit_lengths}
     for name in args.configs:
         key = name + (f"/{args.tag}" if args.tag else "") + (f"/w{args.window}" if args.window else "") + (
             f"/sink{args.sink}" if args.sink is not None else "") + (f"/{args.text}" if args.text != "eval" else "") + (
             f"/s{args.window_share:g}" if args.window_share is not None else "") + (
+            f"/refine{args.refine_tokens}" if args.refine_tokens is not None else "") + (
             f"/ctx{ctx_len}" if ctx_len is not None else "")
         if key in results["runs"]:
             continue
@@ -232,18 +289,31 @@ def main() -> None:
 
         levers = name.split("+")
         r4 = [int(x[3:]) for x in levers if x.startswith("R4@")]
-        levers = [x for x in levers if not x.startswith("R4@")] or ["base"]
+        t4 = [x[3:] for x in levers if x.startswith(("T4@", "N4@"))]
+        nested = any(x.startswith("N4@") for x in levers)
+        levers = [x for x in levers if not x.startswith(("R4@", "T4@", "N4@"))] or ["base"]
         if r4 and levers != ["base"]:
             raise SystemExit("R4@ is measured alone (its bits are the base run's plus the tier's)")
         holder = {}
 
+        t4_r = int(t4[0].removesuffix("m8")) if t4 else None
+        t4_meta = "float8" if t4 and t4[0].endswith("m8") else None
+        base_window = args.window or spec.window
+        share_ = spec.window_share if args.window_share is None else args.window_share
+        exact = max(base_window, math.ceil((share_ or 0) * (L + N))) if t4 else None
+
         def build(ctx_, preset, chunk, mod, win, levers=levers, r4=r4):
-            window = r4[0] if r4 else args.window
+            window = r4[0] if r4 else t4_r if t4 else args.window
             share = {} if args.window_share is None else {"window_share": args.window_share}
+            if args.refine_tokens is not None:
+                share["refine_tokens"] = args.refine_tokens
             cache = RotkvCache(model, args.preset, art, prefill_chunk=chunk, window=window, sink=sink,
                                context_length=ctx_len, **share)
             holder["fit"] = cache.key_fit_length
             extra[0] = apply(cache, levers, grids)
+            if t4:  # the pools' reads wrapped once per config (LayerPools.__init__ patched below)
+                holder["ref"] = RotkvCache(model, args.preset, art, prefill_chunk=chunk, window=exact, sink=sink,
+                                           context_length=ctx_len)
             if r4:
                 for layer in cache.layers:
                     if isinstance(layer, HybridLayer):
@@ -253,6 +323,15 @@ def main() -> None:
             return cache
 
         dx.build_cache = build
+        if t4:  # every layer's pools of this config's caches read the tier as the emulated format
+            from rotkv.cache.pools import LayerPools
+            init = LayerPools.__init__
+
+            def wrapped(self_, *a, _init=init, **kw):
+                _init(self_, *a, **kw)
+                recent_tier(self_, sink, exact, t4_meta, nested)
+            holder["restore"] = (LayerPools, init)
+            LayerPools.__init__ = wrapped
         t1 = time.time()
         r = dx.run_config(ctx, args.preset, args.chunk, {})
         elements = None
@@ -267,6 +346,14 @@ def main() -> None:
             r["bpe_emulated"] = r["bpe"]
             r["tier_bits"] = tier_bits(holder["ref"], r4[0], L + N - 1)
             r["bpe"] = None
+        if t4:
+            cls, init = holder.pop("restore")
+            cls.__init__ = init
+            r["bpe_emulated"] = r["bpe"]
+            tb = tier_bits(holder["ref"], t4_r, L + N - 1)
+            r["tier_bits"] = tb * (1.75 / 2 if t4_meta else 1)  # e4m3 metadata: 4.25 bits a key element, not 4.5
+            r["bpe"] = None
+            r["exact_window"] = exact
         r["seconds"] = round(time.time() - t1, 1)
         results["runs"][key] = r
         bits = r["bpe"] if r["bpe"] is not None else float("nan")

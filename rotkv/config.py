@@ -49,6 +49,14 @@ class CacheSpec:
         2K at every length; the error of a 2-bit cache grows with context mostly through the recent
         body's keys (docs/results/diagnosis_length.md), and this holds that part constant at a
         constant cost in bits per element. Paged caches only (no ``budget_tokens``).
+    refine_tokens: the newest body tokens of a row whose 2-bit keys keep 2 more bits (a refine tier):
+        a key's 2-bit code ``h`` and its group's scale ``s`` and ``lo`` are the body's own, and 2 more
+        bits ``j`` place it inside its bucket, read as ``lo + s * (h + (j - 1.5) / 4)`` (a 4-bit grid
+        of step ``s / 4``). A page keeps them while it is one of its row's ``ceil(refine_tokens /
+        page_size)`` newest body pages, then drops them: what remains is the 2-bit page the body holds
+        anyway (``rotkv.cache.refine``). 2 bits per key element of those pages, no metadata. Keys at 2 bits
+        only (layers whose keys are at 4 bits ignore it); the recent body's keys are where the INT2
+        error of long contexts concentrates (docs/results/diagnosis_length.md). 0: off.
     page_size: tokens leave the window in blocks of this many (the GPU pool's page size).
     prefill_chunk: a prefill longer than this is processed in chunks, each attending to the
         quantized cache of the earlier ones (its own tokens at tier precision); also the tokens
@@ -94,6 +102,7 @@ class CacheSpec:
     sink: int = 64
     window: int = 256
     window_share: float = 0.0
+    refine_tokens: int = 0
     page_size: int = 16
     prefill_chunk: int = 4096
     rotation: str = "identity"
@@ -120,7 +129,7 @@ class CacheSpec:
             raise ValueError(f"`bits` has to be one of {list(WIDTHS)} or None (no quantization) but got {self.bits}")
         if self.group_size is not None and self.group_size <= 0:
             raise ValueError(f"`group_size` has to be a positive divisor of head_dim or None but got {self.group_size}")
-        for field in ("sink", "window"):
+        for field in ("sink", "window", "refine_tokens"):
             if getattr(self, field) < 0:
                 raise ValueError(f"`{field}` has to be >= 0 but got {getattr(self, field)}")
         if not 0.0 <= self.window_share < 1.0:
@@ -166,6 +175,10 @@ class CacheSpec:
             if self.rotation != "artifact" or self.codec != "token" or self.start_bits is not None or self.bits != 2:
                 raise ValueError("`k_table` reads calibrated tables from an artifact: needs `rotation`='artifact', "
                                  "`codec`='token', `bits`=2 and no `start_bits`")
+        if self.refine_tokens and (self.bits != 2 or self.codec != "token" or self.start_bits is not None
+                                   or self.budget_tokens is not None or self.k_table is not None):
+            raise ValueError("`refine_tokens` refines 2-bit token-codec keys of a paged cache: needs `bits`=2, "
+                             "`codec`='token', no `start_bits`, `budget_tokens` or `k_table`")
         self._check_progressive()
 
     def key_bits(self, layer: int, artifact_bits: list[int] | None = None) -> int | None:

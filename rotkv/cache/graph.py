@@ -48,6 +48,9 @@ class StaticDecode:
         if len(self.layers) != len(cache.layers):
             raise ValueError("CUDA-graph decode needs every layer in rotkv's paged pools (no sliding-window "
                              "or budgeted layers); run without cuda_graph")
+        if cache.spec.refine_tokens:
+            raise ValueError("CUDA-graph decode runs the decode kernels, which do not read the refine tier "
+                             f"(refine_tokens={cache.spec.refine_tokens}) yet; run without cuda_graph")
         dev = self.layers[0].device
         p = st.page
         self.body_pages = -(-max_len // p) if st.quantized else 0

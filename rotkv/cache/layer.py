@@ -34,6 +34,7 @@ from torch.nn.attention.bias import causal_lower_right
 from rotkv.cache.base import RotkvLayer
 from rotkv.cache.plan import PageState, Step
 from rotkv.cache.pools import LayerPools
+from rotkv.cache.refine import newest_pages
 from rotkv.config import CacheSpec
 from rotkv.kernels import backend as kernels
 from rotkv.rotations.base import LayerRotation
@@ -65,7 +66,8 @@ class HybridLayer(RotkvLayer):
         self.rotation = self.rotation_cpu.to(self.device)
         self.pools = LayerPools(self.kv_heads, self.head_dim, self.spec.page_size, self.tier_dtype, self.device,
                                 self.key_codec, self.value_codec,
-                                mirror=self.spec.quantized and not kernels.enabled(key_states))
+                                mirror=self.spec.quantized and not kernels.enabled(key_states),
+                                refine_pages=-(-self.spec.refine_tokens // self.spec.page_size))
         if self.state.rows == 0 and self.state.seen == 0:
             self.state.reset(key_states.shape[0])
         self.is_initialized = True
@@ -93,6 +95,10 @@ class HybridLayer(RotkvLayer):
         n_body = int(st.body_count[row])
         pages = torch.as_tensor(st.body_pages[row, :n_body], device=self.device)
         bk, bv = self.pools.body_dense(pages[None], torch.float32, use_mirror=False)
+        if self.pools.refine is not None:
+            _, idx = newest_pages(np.array([n_body]), self.pools.refine.pages)
+            i = torch.as_tensor(idx, device=self.device)
+            self.pools.add_refinement(bk, n_body, torch.full_like(i, row), torch.zeros_like(i), i, pages[i])
         tt = int(st.tier_tokens[row])
         s = min(tt, st.sink)
         tk, tv = self.pools.tier_dense(*self._tier_index(st.tier_pages[row:row + 1], np.array([tt])), torch.float32)
@@ -126,7 +132,7 @@ class HybridLayer(RotkvLayer):
         b, hq, q, d = query.shape
         counts = self._counts(real, b, q)
         steps = self.state.steps_for(self.layer_idx, q, counts)
-        self.pools.fit(self.state.tier_free.capacity, self.state.body_free.capacity)
+        self.pools.fit(self.state.tier_free.capacity, self.state.body_free.capacity, self.state.rows)
         rot = self.rotation
         # rotated straight into the tier dtype (on CUDA from bf16 on tensor cores: LayerRotation)
         kr, vr = rot.keys(k_new, self.tier_dtype), rot.values(v_new, self.tier_dtype)
@@ -242,8 +248,10 @@ class HybridLayer(RotkvLayer):
         q = self._kernel_query(query)
         plan = self.pools.decode_plan(q, kernels.decode_config(self.decode_score))
         if plan is None:
-            raise ValueError(f"layer {self.layer_idx}: no decode kernel reads this cache's body on this device "
-                             "(CUDA-graph decode runs the kernels only); run without cuda_graph")
+            what = ("the refine tier (`refine_tokens`), which only the PyTorch path reads" if pools.refine is not None
+                    else "this cache's body on this device")
+            raise ValueError(f"layer {self.layer_idx}: no decode kernel reads {what} (CUDA-graph decode runs the "
+                             "kernels only); run without cuda_graph")
         body = self.pools.paged if self.spec.quantized else None
         # the graph captures the plan's launch for the capacity (st.body_max): one kernel every replay
         o = decode_attention(q, body, st.body if body is not None else None, st.body_max,
@@ -285,8 +293,12 @@ class HybridLayer(RotkvLayer):
         else:
             o = self._attend_dense(step, query, scaling)
         if len(step.flush):
-            self.pools.flush(*step.device_flush(self.device))
+            self.pools.flush(*step.device_flush(self.device), refine_at=self._refine_at(step))
         return o
+
+    def _refine_at(self, step: Step):
+        """(batch row, body index) of the step's flushed pages where the layer has a refine tier, else None."""
+        return step.device_flush_rows(self.device) if self.pools.refine is not None else None
 
     def store(self, step: Step, take) -> None:
         """Store a prefill step's tokens: the pages that leave the window are assembled from the
@@ -307,7 +319,7 @@ class HybridLayer(RotkvLayer):
                 k, v = take(new_rows, new_pos)
                 xk[new_at] = k
                 xv[new_at] = v
-            self.pools.flush_tokens(xk, xv, dst)
+            self.pools.flush_tokens(xk, xv, dst, self._refine_at(step))
             del xk, xv
         rows, pos, slots = step.device_write(dev)
         if len(slots):
@@ -396,7 +408,18 @@ class HybridLayer(RotkvLayer):
             table = step.cached(("body_table", dev, r0, r1), lambda: page_table(
                 step.body_pages[r0:r1], bc, np.where(bc > 0, self.spec.page_size, 0), dev))
         run = step.cached(("run", r0, r1), lambda: _consecutive_run(sub, nb))
-        return self.pools.body_dense(pages, cdt, table=table, run=run, out=out)
+        k, v = self.pools.body_dense(pages, cdt, table=table, run=run, out=out)
+        if self.pools.refine is not None:
+            if out is None:
+                k = k.clone()  # may be a view of the mirror, which holds the 2-bit reading
+            self.pools.add_refinement(k, nb, *step.cached(("refined", dev, r0, r1), lambda: self._refined(step, r0, r1)))
+        return k, v
+
+    def _refined(self, step: Step, r0: int, r1: int) -> tuple[torch.Tensor, ...]:
+        """(batch row, local row, body index, page id) of the refined body pages of rows ``r0:r1``, on the device."""
+        rows, idx = newest_pages(step.body_count[r0:r1], self.pools.refine.pages)
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)  # noqa: E731
+        return t(rows + r0), t(rows), t(idx), t(step.body_pages[r0 + rows, idx])
 
     def _history(self, step: Step, r0: int, r1: int, nb: int, lt: int, cdt, own=None,
                  whole: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -440,7 +463,9 @@ class HybridLayer(RotkvLayer):
         return {
             "tokens": tokens,
             "body_tokens": body_tokens,
-            "body_bytes": body_tokens // self.spec.page_size * pools.body_page_bytes if pools else 0,
+            "body_bytes": (body_tokens // self.spec.page_size * pools.body_page_bytes
+                           + (pools.refine.stored_bytes(st.body_count) if pools.refine is not None and st.rows else 0))
+            if pools else 0,
             "tier_bytes": tier_tokens * 2 * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.tier_dtype).element_size(),
             "scratch_bytes": pools.mirror_bytes() if pools else 0,
             "pool_bytes": pools.nbytes() if pools else 0,

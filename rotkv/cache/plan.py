@@ -79,7 +79,8 @@ class Flush:
     """Pages that leave the window for the body pages ``dst``.
 
     A decode step's flush moves whole tier pages: ``rows[i]``'s tier page ``src[i]`` becomes body
-    page ``dst[i]``. A prefill step's flush (``direct``) takes the leaving tokens from where they
+    page ``dst[i]``, the ``index[i]``-th page of that row's body (0-based; every flush sets ``rows``
+    and ``index``, which the refine tier's ring uses). A prefill step's flush (``direct``) takes the leaving tokens from where they
     are: the flushed pages' tokens, in order (page ``i`` of ``dst`` is tokens ``i*P .. i*P+P-1``),
     are either stored tier tokens (``old_slots``, at ``old_at``) or the step's own new tokens
     (batch row ``new_rows``, call position ``new_pos``, at ``new_at``), which never enter the tier.
@@ -94,6 +95,7 @@ class Flush:
     new_pos: np.ndarray = field(default_factory=lambda: _EMPTY)
     new_at: np.ndarray = field(default_factory=lambda: _EMPTY)
     direct: bool = False
+    index: np.ndarray = field(default_factory=lambda: _EMPTY)
 
     def __len__(self) -> int:
         return len(self.dst)
@@ -157,6 +159,10 @@ class Step:
     def device_flush(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(tier pages, body pages) of a decode step's flush, int64 on ``device``."""
         return self.cached(("flush", device), lambda: (_dev(self.flush.src, device), _dev(self.flush.dst, device)))
+
+    def device_flush_rows(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batch row, index in that row's body) of every flushed page, int64 on ``device``."""
+        return self.cached(("flush_rows", device), lambda: (_dev(self.flush.rows, device), _dev(self.flush.index, device)))
 
     def device_flush_tokens(self, device) -> tuple[torch.Tensor, ...]:
         """A prefill step's flush on ``device``: (old_slots, old_at, new_rows, new_pos, new_at, dst)."""
@@ -364,8 +370,9 @@ class PageState:
             at = np.arange(total * p)
             old = t < before[trow]
             tpos = pad + t[old]
-            flush = Flush(_EMPTY, _EMPTY, dst, old_pages[trow[old], tpos // p] * p + tpos % p, at[old],
-                          trow[~old], start[trow[~old]] + t[~old] - before[trow[~old]], at[~old], direct=True)
+            flush = Flush(frow, _EMPTY, dst, old_pages[trow[old], tpos // p] * p + tpos % p, at[old],
+                          trow[~old], start[trow[~old]] + t[~old] - before[trow[~old]], at[~old], direct=True,
+                          index=body_count[frow] + foff)
         # the tier after the step: sink pages, the stored window pages that stay (moved up by the
         # flushed ones, which are freed), new pages for the rest
         used_old = self.tier_used_pages(before)
@@ -418,7 +425,8 @@ class PageState:
         src = self.tier_pages[rows, self.sink_pages + offs]
         dst = self.body_free.alloc(total)
         self.body_pages = self._widen(self.body_pages, int((self.body_count + k).max()))
-        self.body_pages[rows, np.repeat(self.body_count, k) + offs] = dst
+        index = np.repeat(self.body_count, k) + offs
+        self.body_pages[rows, index] = dst
         self.body_count = self.body_count + k
         # the rows' remaining tier pages move up by k places
         width = self.tier_pages.shape[1]
@@ -430,7 +438,7 @@ class PageState:
         # a flushed page is free for the next step's tokens: every layer runs a step's flush (which
         # reads the page) before the next step's write, so a long prefill needs only one chunk of tier
         self.tier_free.free(src)
-        return Flush(rows, src, dst)
+        return Flush(rows, src, dst, index=index)
 
     # ---- batch edits (beam search, row removal) ---------------------------------------------------
     def select_rows(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -20,6 +20,7 @@ import copy
 import torch
 
 from rotkv.cache.codecs import TokenCodec
+from rotkv.cache.refine import RefineRing
 from rotkv.kernels import backend as kernels
 from rotkv.kernels import plan
 from rotkv.kernels.body import PagedBody, TokenPart
@@ -47,9 +48,13 @@ def _grow(t: torch.Tensor, pages: int) -> torch.Tensor:
 
 class LayerPools:
     def __init__(self, kv_heads: int, head_dim: int, page: int, tier_dtype: torch.dtype, device, key_codec,
-                 value_codec, mirror: bool):
+                 value_codec, mirror: bool, refine_pages: int = 0):
         self.kv_heads, self.head_dim, self.page, self.device = kv_heads, head_dim, page, device
         self.codecs = (key_codec, value_codec)
+        # the refine tier (rotkv.cache.refine): 2 more bits for the keys of each row's newest body pages,
+        # 2-bit token-codec keys only (a layer whose keys are at 4 bits has none)
+        refines = refine_pages > 0 and isinstance(key_codec, TokenCodec) and key_codec.bits == 2
+        self.refine = RefineRing(refine_pages, kv_heads, page, head_dim, key_codec.group_size, device) if refines else None
         shape = (0, kv_heads, page, head_dim)
         self.tier_k = torch.zeros(shape, dtype=tier_dtype, device=device)
         self.tier_v = torch.zeros(shape, dtype=tier_dtype, device=device)
@@ -85,8 +90,8 @@ class LayerPools:
     def decode_plan(self, q: torch.Tensor, cfg) -> plan.DecodePlan | None:
         """The decode plan of a step with rotated queries ``q [B, Hq, D]`` (``rotkv.kernels.plan``),
         or None where no kernel runs it (kernels off, or a body the kernels do not read)."""
-        if not kernels.enabled(q) or (self.codecs[0] is not None and self.paged is None):
-            return None
+        if not kernels.enabled(q) or (self.codecs[0] is not None and self.paged is None) or self.refine is not None:
+            return None  # the decode kernels do not read the refine tier (yet): the dense path does
         p = plan.plan_decode(q, self.paged, cfg)
         return p if p.covered else None
 
@@ -98,8 +103,10 @@ class LayerPools:
                                            self.head_dim) for parts, c in zip(self.body, self.codecs)))
 
     # ---- capacity ------------------------------------------------------------------------------
-    def fit(self, tier_pages: int, body_pages: int) -> None:
-        """Make room for page ids below ``tier_pages`` and ``body_pages``."""
+    def fit(self, tier_pages: int, body_pages: int, rows: int | None = None) -> None:
+        """Make room for page ids below ``tier_pages`` and ``body_pages`` (and the refine rings of ``rows`` rows)."""
+        if self.refine is not None and rows is not None:
+            self.refine.fit(rows)
         if self.tier_k.shape[0] < tier_pages:
             self.tier_k, self.tier_v = _grow(self.tier_k, tier_pages), _grow(self.tier_v, tier_pages)
         if self.body[0] and self.body[0]["codes"].shape[0] < body_pages:
@@ -112,7 +119,8 @@ class LayerPools:
 
     def nbytes(self) -> int:
         """Bytes the pools hold (capacity, free pages included), the mirror not counted."""
-        return _nbytes(self.tier_k) * 2 + sum(_nbytes(t) for parts in self.body for t in parts.values())
+        ring = _nbytes(self.refine.data) if self.refine is not None else 0
+        return _nbytes(self.tier_k) * 2 + sum(_nbytes(t) for parts in self.body for t in parts.values()) + ring
 
     def mirror_bytes(self) -> int:
         return sum(_nbytes(t) for t in self.mirror) if self.mirror is not None else 0
@@ -171,15 +179,18 @@ class LayerPools:
             o[:, :, : n * p].copy_(r)
         return out
 
-    def flush(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def flush(self, src: torch.Tensor, dst: torch.Tensor, refine_at: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Quantize tier pages ``src`` into body pages ``dst`` (keys and values)."""
         n, h, p, d = len(src), self.kv_heads, self.page, self.head_dim
-        self.flush_tokens(*(t[src].transpose(1, 2).reshape(n * p, h, d) for t in (self.tier_k, self.tier_v)), dst)
+        self.flush_tokens(*(t[src].transpose(1, 2).reshape(n * p, h, d) for t in (self.tier_k, self.tier_v)), dst,
+                          refine_at)
 
-    def flush_tokens(self, xk: torch.Tensor, xv: torch.Tensor, dst: torch.Tensor) -> None:
+    def flush_tokens(self, xk: torch.Tensor, xv: torch.Tensor, dst: torch.Tensor,
+                     refine_at: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Quantize the tokens ``xk, xv [n * P, H, D]`` (page ``i`` of ``dst``: tokens ``i*P .. i*P+P-1``)
         into body pages ``dst``: on CUDA one call of the fused write kernel each (INT2/INT4 token
-        codec), else the codec's reference encoder."""
+        codec), else the codec's reference encoder. ``refine_at``: (batch row, index in the row's body)
+        of every page, for the refine tier (required when the pools have one)."""
         n, h, p, d = len(dst), self.kv_heads, self.page, self.head_dim
         for x, parts, codec, i in zip((xk, xv), self.body, self.codecs, (0, 1)):
             if self.part_kernels[i] and kernels.enabled(x):
@@ -199,6 +210,19 @@ class LayerPools:
                     parts[name][dst] = t
                 if self.mirror is not None:
                     self.mirror[i][:, dst] = codec.decode(enc).transpose(0, 1)
+        if self.refine is not None:
+            if refine_at is None:
+                raise ValueError("a flush into pools with a refine tier needs the pages' rows and body indices")
+            parts = self.body[0]
+            stored = {name: t[dst] for name, t in parts.items()}
+            x = xk.reshape(n, p, h, d).transpose(1, 2)
+            self.refine.write(x, self.codecs[0].decode(stored), stored["scale"], *refine_at)
+
+    def add_refinement(self, k: torch.Tensor, nb: int, rows: torch.Tensor, local: torch.Tensor, index: torch.Tensor,
+                       pages: torch.Tensor) -> None:
+        """Add the refine tier to dequantized body keys ``k [b, H, >= nb * P, D]`` in place: the
+        ``index[i]``-th body page (id ``pages[i]``) of local row ``local[i]``, batch row ``rows[i]``."""
+        self.refine.add(k, nb, rows, local, index, self.body[0]["scale"][pages])
 
     def copy_pages(self, tier_src, tier_dst, body_src, body_dst) -> None:
         """Copy pages (a row repeated by beam search gets its own pages)."""

@@ -1,0 +1,100 @@
+"""The refine tier: 2 more bits for the keys of every row's newest body pages (``CacheSpec.refine_tokens``).
+
+Why. The INT2 error of long contexts concentrates in the keys of the recent body, the tokens just out
+of the bf16 window (docs/results/diagnosis_length.md); a 4-bit grid there does most of what a wider
+bf16 window does, at a fraction of its bytes.
+
+Format. A 2-bit key element of the body reads ``lo + s * h`` (``h`` its code 0..3, ``s`` and ``lo`` its
+group's scale and minimum). For the ``K = ceil(refine_tokens / P)`` newest body pages of a row, the
+refine tier stores 2 more bits ``j`` per key element, and the element reads
+``lo + s * (h + (j - 1.5) / 4)``: the four points that split ``h``'s bucket ``[h - 1/2, h + 1/2]`` in
+quarters, a 4-bit grid of step ``s / 4`` nested in the 2-bit one. ``j`` is chosen from the exact key
+when its page is written; a clipped element moves at most ``3/8 s`` towards its value. The body's
+codes and metadata are not touched, so when a page is no longer among its row's K newest it reads as
+the 2-bit page it always was: nothing is re-quantized and nothing moves.
+
+Storage: ``uint8 [rows, K, H, P, D / 4]`` per layer, a ring per row: the row's ``i``-th body page
+(0-based) keeps its bits in slot ``i % K``, which the page ``K`` places later overwrites. No metadata
+of its own: 2 bits per key element of the refined pages, counted in the cache's measured bits.
+
+Read by the PyTorch paths (dense decode, prefill history, :meth:`HybridLayer.read`); the decode
+kernels do not read it yet, so a cache with a refine tier decodes through the dense path and not in
+a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rotkv.quant.packing import pack, unpack
+
+
+def refine_codes(x: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The refinement ``j`` (uint8, 0..3, unpacked) of exact values ``x [..., D]`` whose 2-bit reading is
+    ``base [..., D]``, with group scales ``scale [..., D / G]``."""
+    s = scale.float().repeat_interleave(group_size, -1)
+    safe = torch.where(s > 0, s, torch.ones_like(s))  # a constant group reads exactly: any j adds 0
+    return torch.round((x.float() - base.float()) / safe * 4 + 1.5).clamp_(0, 3).to(torch.uint8)
+
+
+def refine_delta(j: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """What the refinement ``j [..., D]`` (unpacked) adds to the 2-bit reading: ``(j - 1.5) / 4 * s``, float32."""
+    return (j.float() - 1.5) * 0.25 * scale.float().repeat_interleave(group_size, -1)
+
+
+def newest_pages(counts: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, body index) of the ``min(k, counts[b])`` newest body pages of every row ``b``, flat."""
+    m = np.minimum(np.asarray(counts, dtype=np.int64), k)
+    rows = np.repeat(np.arange(len(m)), m)
+    idx = np.repeat(np.asarray(counts, dtype=np.int64) - m, m) + (np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m))
+    return rows, idx
+
+
+class RefineRing:
+    """One layer's refine tier: ``data uint8 [rows, K, H, P, D / 4]``; see the module docstring."""
+
+    def __init__(self, pages: int, kv_heads: int, page: int, head_dim: int, group_size: int, device):
+        if pages < 1:
+            raise ValueError(f"a refine ring needs >= 1 page per row but got {pages}")
+        self.pages, self.group_size = pages, group_size
+        self.shape = (pages, kv_heads, page, head_dim // 4)
+        self.data = torch.zeros(0, *self.shape, dtype=torch.uint8, device=device)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one refined page (every KV head)."""
+        return int(np.prod(self.shape[1:]))
+
+    def fit(self, rows: int) -> None:
+        """Hold ``rows`` rings (a new batch: the old contents are not read again)."""
+        if self.data.shape[0] != rows:
+            self.data = torch.zeros(rows, *self.shape, dtype=torch.uint8, device=self.data.device)
+
+    def select(self, index: torch.Tensor) -> None:
+        """Rows become ``index`` (beam search, row removal): each row takes its source row's ring."""
+        self.data = self.data[index.to(self.data.device)]
+
+    def stored_bytes(self, counts: np.ndarray) -> int:
+        """The bytes that hold refinements now: ``min(K, body pages)`` pages of every row."""
+        return int(np.minimum(np.asarray(counts, dtype=np.int64), self.pages).sum()) * self.page_bytes
+
+    def write(self, x: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
+              index: torch.Tensor) -> None:
+        """Refine the body pages just written: exact keys ``x [n, H, P, D]``, their 2-bit reading ``base``
+        and scales ``scale [n, H, P, D / G]``; page ``i`` is the ``index[i]``-th of row ``rows[i]``."""
+        j = refine_codes(x, base, scale, self.group_size)
+        self.data[rows, index % self.pages] = pack(j, 2)
+
+    def add(self, k: torch.Tensor, nb: int, rows: torch.Tensor, local: torch.Tensor, index: torch.Tensor,
+            scale: torch.Tensor) -> None:
+        """Add the refinements to the dequantized keys of ``nb`` body pages per row, ``k [b, H, >= nb * P, D]``
+        (in place): page ``index[i]`` of local row ``local[i]`` (batch row ``rows[i]``), whose scales are
+        ``scale [n, H, P, D / G]``."""
+        if not len(index):
+            return
+        b, h, _, d = k.shape
+        p = self.shape[2]
+        view = k[:, :, : nb * p].view(b, h, nb, p, d)
+        delta = refine_delta(unpack(self.data[rows, index % self.pages], 2), scale, self.group_size)
+        view[local, :, index] += delta.to(k.dtype)
