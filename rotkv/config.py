@@ -307,6 +307,14 @@ PRESETS: dict[str, CacheSpec] = {
         name="oscar-mix-long", bits=2, sink=16, window=32, window_share=1 / 64, rotation="artifact", clip_k=0.96,
         clip_v=0.92, key_mean=True, method="oscar", k_bits="artifact", meta_v="float8",
     ),
+    # oscar-mix-long's artifact with a refine tier: 2 more bits for the keys of each row's 224 newest body
+    # tokens (CacheSpec.refine_tokens, rotkv.cache.refine), paid for by a 4-token sink instead of 16: 3.08
+    # measured bits at 2K, 2.96 at 8K (docs/results/levers_length.md, "The refine tier"). The decode kernels
+    # do not read the tier yet: it decodes through the PyTorch path (no CUDA graph)
+    "oscar-refine": CacheSpec(
+        name="oscar-refine", bits=2, sink=4, window=32, window_share=1 / 64, refine_tokens=224, rotation="artifact",
+        clip_k=0.96, clip_v=0.92, key_mean=True, method="oscar", k_bits="artifact", meta_v="float8",
+    ),
     # progressive precision: final widths from the artifact's `bits` (rotkv calibrate --method pmkvq),
     # else `bits` for every layer; each layer reaches its final width at budget_tokens
     "pmkvq": CacheSpec(name="pmkvq", bits=2, start_bits=16, budget_tokens=8192),
@@ -316,6 +324,9 @@ PRESETS: dict[str, CacheSpec] = {
     ),
 }
 
+
+# presets that read another preset's artifact (the same calibration, another storage format)
+SHARED_ARTIFACTS = {"oscar-refine": "oscar-mix-long"}
 
 DEFAULT_PRESET = "quarot-int2"  # the cache a caller gets without naming one: INT2, no artifact needed
 
@@ -341,8 +352,15 @@ def artifact_file(spec: CacheSpec | str, base: bool = False) -> str:
     """
     spec = get_preset(spec) if isinstance(spec, str) else spec
     if spec.k_bits == "artifact" and not base:
-        return f"{spec.name}.safetensors"
+        return f"{calibration_preset(spec)}.safetensors"
     return f"{calibration_method(spec)}.safetensors"
+
+
+def calibration_preset(spec: CacheSpec | str) -> str:
+    """The ``rotkv calibrate --method`` that makes the artifact of a preset with its own artifact
+    (``k_bits="artifact"``): the preset's name, or the preset whose artifact it shares (``SHARED_ARTIFACTS``)."""
+    name = spec if isinstance(spec, str) else spec.name
+    return SHARED_ARTIFACTS.get(name, name)
 
 
 def get_preset(name: str, **overrides) -> CacheSpec:

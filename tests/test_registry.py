@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rotkv.cli import build_parser
-from rotkv.config import PRESETS, ROTATIONS, CacheSpec, artifact_file, calibration_method
+from rotkv.config import PRESETS, ROTATIONS, SHARED_ARTIFACTS, CacheSpec, artifact_file, calibration_method
 from rotkv.eval import peers
 from rotkv.eval.config import EvalConfig, make_config
 from rotkv.eval.methods import known_methods, resolve
@@ -54,7 +54,9 @@ def test_eval_methods_are_the_presets_and_peers():
         if spec.needs_artifact:  # a calibrated preset reads its method's artifact (or its own, made from it)
             assert calibration_method(name) == spec.method
             assert artifact_file(name, base=True) == f"{spec.method}.safetensors"
-            assert artifact_file(name) == (f"{name}.safetensors" if spec.k_bits == "artifact" else f"{spec.method}.safetensors")
+            own = SHARED_ARTIFACTS.get(name, name)  # oscar-refine reads oscar-mix-long's artifact
+            assert artifact_file(name) == (f"{own}.safetensors" if spec.k_bits == "artifact" else f"{spec.method}.safetensors")
+    assert artifact_file("oscar-refine") == "oscar-mix-long.safetensors"
 
 
 def test_build_rotations_dispatches_through_the_registry():

@@ -28,7 +28,7 @@ from rotkv.cache.codecs import TokenCodec, make_codecs, with_key_table
 from rotkv.cache.layer import HybridLayer
 from rotkv.cache.plan import PageState
 from rotkv.cache.progressive import EvictingLayer, ProgressiveCodec, ProgressiveLayer, layer_budget
-from rotkv.config import CacheSpec, artifact_file, calibration_method, get_preset, parse_layer_bits
+from rotkv.config import CacheSpec, artifact_file, calibration_method, calibration_preset, get_preset, parse_layer_bits
 from rotkv.hf import compat
 from rotkv.hf.geometry import model_geometry
 from rotkv.hf.models import check_supported, mean_centering_blocker, sliding_layers
@@ -99,7 +99,7 @@ def layer_rotations(model, spec: CacheSpec, artifact: Artifact | str | None,
     if spec.needs_artifact:
         if artifact is None:
             own = spec.k_bits == "artifact"  # its own artifact (`rotkv calibrate --method <preset>`)
-            method, name = (spec.name if own else calibration_method(spec)), artifact_file(spec, base=not own)
+            method, name = (calibration_preset(spec) if own else calibration_method(spec)), artifact_file(spec, base=not own)
             raise ValueError(
                 f"preset {spec.name!r} needs a calibration artifact (rotations, key means, clip ratios); make one with "
                 f"`rotkv calibrate --method {method} --out {name}` and pass --artifact {name}"
@@ -172,7 +172,7 @@ def plan_cache(model, spec: CacheSpec, artifact: Artifact | str | None = None, l
     if spec.k_bits == "artifact":
         if art is None or "k_bits" not in art.tensors:
             raise ValueError("`k_bits`='artifact' needs an artifact with per-layer key widths (`k_bits`); make one with "
-                             f"`rotkv calibrate --method {spec.name} --out {artifact_file(spec)}`")
+                             f"`rotkv calibrate --method {calibration_preset(spec)} --out {artifact_file(spec)}`")
         artifact_bits = [int(b) for b in art.tensors["k_bits"].tolist()]
     budgeted = spec.budget_tokens is not None
     if budgeted and art is None and artifact is not None:  # rotation-free budgeted presets read only `bits`

@@ -333,9 +333,11 @@ class HybridLayer(RotkvLayer):
         body = self.pools.paged if self.spec.quantized and t.body_max > 0 else None
         if body is None and plan.layout is not None:  # no body tokens yet: the tier's plan
             plan = None
+        ring = self.pools.refine
         o = decode_attention(q, body, t.body if body is not None else None, t.body_max,
                              (self.pools.tier_k, self.pools.tier_v), t.tier, t.tier_max, sm_scale=scaling,
-                             cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad, plan=plan)
+                             cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad, plan=plan,
+                             refine=(ring.data, ring.pages) if ring is not None and body is not None else None)
         return o  # in q's dtype (:meth:`_kernel_query`)
 
     def _attend_dense(self, step: Step, query: torch.Tensor, scaling: float, own=None) -> torch.Tensor:

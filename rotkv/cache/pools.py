@@ -16,6 +16,7 @@ Pools grow (by at least 25%, copying once) when the cache's free lists grow; the
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
@@ -90,8 +91,10 @@ class LayerPools:
     def decode_plan(self, q: torch.Tensor, cfg) -> plan.DecodePlan | None:
         """The decode plan of a step with rotated queries ``q [B, Hq, D]`` (``rotkv.kernels.plan``),
         or None where no kernel runs it (kernels off, or a body the kernels do not read)."""
-        if not kernels.enabled(q) or (self.codecs[0] is not None and self.paged is None) or self.refine is not None:
-            return None  # the decode kernels do not read the refine tier (yet): the dense path does
+        if not kernels.enabled(q) or (self.codecs[0] is not None and self.paged is None):
+            return None
+        if self.refine is not None and os.environ.get("ROTKV_REFINE_KERNEL", "0") != "1":
+            return None  # the Triton v1 kernel reads the refine tier, but has not run on a GPU yet: opt-in
         p = plan.plan_decode(q, self.paged, cfg)
         return p if p.covered else None
 

@@ -57,12 +57,12 @@ def cache_spec(preset: str, overrides: dict):
 def early_artifact(command: str, spec, path: str | None):
     """Load and check ``--artifact`` against the preset before the model loads (the contract and the
     file itself; the model fingerprint is checked when the cache is built). Returns the Artifact or None."""
-    from rotkv.config import artifact_file, calibration_method
+    from rotkv.config import artifact_file, calibration_method, calibration_preset
     from rotkv.rotations.artifact import check_contract, load_artifact
 
     if path is None:
         if spec.needs_artifact:
-            method = spec.name if spec.k_bits == "artifact" else calibration_method(spec)
+            method = calibration_preset(spec) if spec.k_bits == "artifact" else calibration_method(spec)
             raise UsageError(f"--artifact: preset {spec.name!r} needs a calibration artifact; make one with "
                              f"`rotkv calibrate --method {method} --out {artifact_file(spec)}`")
         return None

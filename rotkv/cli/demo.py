@@ -6,7 +6,7 @@ import os
 
 from rotkv.cli.common import add_model_args, cache_spec, early_artifact
 from rotkv.cli.errors import UsageError, check_device, check_model, warn
-from rotkv.config import PRESETS, artifact_file
+from rotkv.config import PRESETS, artifact_file, calibration_preset
 
 DEFAULT_PRESETS = ["bf16", "int4", "kivi-2", "naive-int2", "quarot-int2"]
 NEEDLE = "The secret code of the blue vault is {code}."
@@ -92,7 +92,7 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
                     presets.append(preset)
                 artifacts[preset] = path
             elif preset not in presets:
-                how = f"rotkv calibrate --method {preset if spec.k_bits == 'artifact' else method} --out {path}"
+                how = f"rotkv calibrate --method {calibration_preset(preset) if spec.k_bits == 'artifact' else method} --out {path}"
                 warn("demo", f"skipping {preset}: no {os.path.basename(path)} in {args.artifact_dir} (make one with "
                              f"`{how}`, or name it in --presets to have it made)")
             else:

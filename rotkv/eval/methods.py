@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from rotkv.config import PRESETS, artifact_file, calibration_method
+from rotkv.config import PRESETS, artifact_file, calibration_method, calibration_preset
 from rotkv.eval import peers
 from rotkv.hf.geometry import model_geometry
 
@@ -90,8 +90,9 @@ def resolve(name: str, sink: int | None, window: int | None, artifact_dir: str |
         if PRESETS[name].k_bits == "artifact":  # its own artifact: the base rotation plus per-layer key widths
             if not os.path.exists(path):
                 if calibrate is None:
-                    return None, f"artifact {path} is missing: make it with `rotkv calibrate --method {name} --out {path}`"
-                why = calibrate(name, path)  # the base artifact beside it is made (or reused) first
+                    return None, (f"artifact {path} is missing: make it with `rotkv calibrate --method "
+                                  f"{calibration_preset(name)} --out {path}`")
+                why = calibrate(calibration_preset(name), path)  # the base artifact beside it is made (or reused) first
                 if why:
                     return None, why
             m.artifact = path

@@ -171,8 +171,11 @@ def _int2_part(
     o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
     REP: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
     BLOCK_N: tl.constexpr, QK_INT8: tl.constexpr, USE_ASM: tl.constexpr, STATIC_STEPS: tl.constexpr,
-    F16: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    F16: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, rf_ptr, RK, REFINE: tl.constexpr,
 ):
+    # REFINE (INT2 keys): the refine tier (rotkv.cache.refine), ``rf_ptr`` uint8 [B, RK, H, P, D/4]: the
+    # RK newest pages of request b add (j - 1.5) / 4 * s to each key element, i.e. a second key of scale
+    # s / 4 and minimum -3/8 s read like the codes (ring slot: the page's index in the request mod RK)
     # K_BITS, V_BITS in {2, 4}: a code row is D * bits / 8 bytes; quarter i of the dims is one bit
     # field of the first (INT2) or of the first or second D/4 bytes (INT4), see _quarter_bf16
     Q4: tl.constexpr = D // 4
@@ -264,6 +267,32 @@ def _int2_part(
             sc = (s0[None, :] * d0 + s1[None, :] * d1 + s2[None, :] * d2 + s3[None, :] * d3) * qsc[:, None]
             sc += z0[None, :] * qs0[:, None] + z1[None, :] * qs1[:, None]
             sc += z2[None, :] * qs2[:, None] + z3[None, :] * qs3[:, None]
+        if REFINE:
+            npages = tl.load(indptr_ptr + b + 1) - start
+            pidx = offs_n // P  # the token's page index in its request
+            fmask = nmask & (pidx >= npages - RK)
+            frow = ((b.to(tl.int64) * RK + pidx % RK) * H + hh) * P + offs_n % P
+            fc = tl.load(rf_ptr + frow[:, None] * Q4 + offs_c[None, :], mask=fmask[:, None], other=0)
+            f0 = _score_plane(q0, i0, fc, fc, 0, 2, QK_INT8, USE_ASM, F16)
+            f1 = _score_plane(q1, i1, fc, fc, 1, 2, QK_INT8, USE_ASM, F16)
+            f2 = _score_plane(q2, i2, fc, fc, 2, 2, QK_INT8, USE_ASM, F16)
+            f3 = _score_plane(q3, i3, fc, fc, 3, 2, QK_INT8, USE_ASM, F16)
+            zf = -(0.375 + 0.25 * off)  # the second key's minimum (and the bf16 codes' +128) per unit of s
+            r0 = _load_meta(ks_ptr, row, 0, NG, nmask)
+            if PPG == 4:
+                rt = (0.25 * r0[None, :] * (f0 + f1 + f2 + f3)) * qsc[:, None] + (zf * r0)[None, :] * (qs0 + qs1 + qs2 + qs3)[:, None]
+            elif PPG == 2:
+                r1 = _load_meta(ks_ptr, row, 1, NG, nmask)
+                rt = (0.25 * r0[None, :] * (f0 + f1) + 0.25 * r1[None, :] * (f2 + f3)) * qsc[:, None]
+                rt += (zf * r0)[None, :] * (qs0 + qs1)[:, None] + (zf * r1)[None, :] * (qs2 + qs3)[:, None]
+            else:
+                r1 = _load_meta(ks_ptr, row, 1, NG, nmask)
+                r2 = _load_meta(ks_ptr, row, 2, NG, nmask)
+                r3 = _load_meta(ks_ptr, row, 3, NG, nmask)
+                rt = (0.25 * (r0[None, :] * f0 + r1[None, :] * f1 + r2[None, :] * f2 + r3[None, :] * f3)) * qsc[:, None]
+                rt += (zf * r0)[None, :] * qs0[:, None] + (zf * r1)[None, :] * qs1[:, None]
+                rt += (zf * r2)[None, :] * qs2[:, None] + (zf * r3)[None, :] * qs3[:, None]
+            sc += tl.where(fmask[None, :], rt, 0.0)
         sc = tl.where(nmask[None, :], sc, float("-inf"))
         # ---- online softmax (base 2: q carries log2(e))
         p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i)
@@ -484,7 +513,7 @@ def _split_kernel(
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, QK_INT8: tl.constexpr, USE_ASM: tl.constexpr,
     HAS_INT2: tl.constexpr, HAS_TIER: tl.constexpr, STATIC_STEPS: tl.constexpr,
     TIER_STATIC_STEPS: tl.constexpr, F16: tl.constexpr, V2: tl.constexpr, RP: tl.constexpr, PB: tl.constexpr,
-    K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, rf_ptr, RK, REFINE: tl.constexpr,
 ):
     pid, s = tl.program_id(0), tl.program_id(1) + s0  # s0 > 0: the body's splits were written elsewhere
     b, h = pid // H, pid % H
@@ -496,7 +525,8 @@ def _split_kernel(
         else:
             _int2_part(q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
                        o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
-                       REP, HPAD, D, G, P, BLOCK_N, QK_INT8, USE_ASM, STATIC_STEPS, F16, K_BITS, V_BITS)
+                       REP, HPAD, D, G, P, BLOCK_N, QK_INT8, USE_ASM, STATIC_STEPS, F16, K_BITS, V_BITS,
+                       rf_ptr, RK, REFINE)
     elif HAS_TIER:
         _bf16_part(q_ptr, tk_ptr, tv_ptr, tindptr_ptr, tindices_ptr, tlast_ptr,
                    o_ptr, m_ptr, l_ptr, b, h, s - n_int2_splits, s, H, HQ, NS, qk_scale, tier_tokens_per_split,
@@ -543,7 +573,7 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
                      tier: tuple | None = None, tier_table: tuple | None = None, tier_max_len: int = 0,
                      sm_scale: float | None = None, cfg: DecodeConfig | None = None,
                      out: torch.Tensor | None = None, tier_start: int = 0,
-                     plan: DecodePlan | None = None) -> torch.Tensor:
+                     plan: DecodePlan | None = None, refine: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Attention of one decode token per request over an INT2 paged body and a bf16 paged tier.
 
     q ``[B, Hq, D]`` (rotated by R_K; any float dtype). body a :class:`~rotkv.kernels.body.PagedBody`,
@@ -553,6 +583,9 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
     and ``tier_max_len`` likewise; tier positions below ``tier_start`` are skipped (they hold no token).
     ``plan``: the call's :class:`~rotkv.kernels.plan.DecodePlan` (``plan_decode(q, body, cfg)``,
     looked up here when not given); it says which kernel runs, this function only launches it.
+    ``refine``: ``(ring [B, K, H, P, D/4] uint8, K)``, the refine tier of an INT2-key body
+    (:mod:`rotkv.cache.refine`): only the Triton v1 body kernel reads it, so that kernel runs in place of the
+    plan's body kernel.
     Returns ``[B, Hq, D]`` in q's dtype (or written into ``out``).
     """
     b_sz, hq, d = q.shape
@@ -570,6 +603,18 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
     use_asm = (not _interpreting()) if cfg.use_asm is None else cfg.use_asm
     has_int2 = body is not None and max_len > 0
     has_tier = tier is not None and tier_max_len > 0
+    if refine is not None and has_int2:
+        if bits[0] != 2:
+            raise ValueError(f"the refine tier refines INT2 keys, not INT{bits[0]}")
+        ring, rk = refine
+        if ring.dtype != torch.uint8 or ring.shape[:2] != (b_sz, rk) or ring.shape[2:] != (h, body.page_size, d // 4):
+            raise ValueError(f"refine ring {tuple(ring.shape)} {ring.dtype} does not match {b_sz} requests x {rk} pages "
+                             f"x ({h}, {body.page_size}, {d // 4}) uint8")
+        launch = plan.v1_launch()  # only the v1 body kernel reads the tier
+        cfg = launch.cfg
+        use_asm = (not _interpreting()) if cfg.use_asm is None else cfg.use_asm
+    else:
+        ring, rk = None, 1
     use_cuda = has_int2 and launch.kernel == "cuda"
     fuse_mode = resolve_fuse(cfg, d)
     fuse = use_cuda and fuse_mode != "none"  # the CUDA kernel pre-merges blocks of 4 splits
@@ -622,6 +667,7 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
                 STATIC_STEPS=per // cfg.block_n if _interpreting() else 0,
                 TIER_STATIC_STEPS=tper // cfg.block_t if _interpreting() else 0, F16=_interpreting(),
                 V2=v2, RP=max(4, triton.next_power_of_2(rep)), PB=min(p, cfg.block_n), K_BITS=bits[0], V_BITS=bits[1],
+                rf_ptr=ring if ring is not None else dummy, RK=rk, REFINE=ring is not None,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
         if use_cuda:

@@ -413,6 +413,13 @@ class DecodePlan:
             warnings.warn(f"rotkv: CUDA INT2 decode kernel not used ({why}); using the Triton kernel", stacklevel=5)
         return self._triton(cfg.for_bits(self.bits), p)
 
+    def v1_launch(self) -> Launch:
+        """The Triton v1 body kernel's launch: the one kernel that reads the refine tier (rotkv.cache.refine)."""
+        if self.triton_why is not None:
+            raise ValueError(self.triton_why)
+        p = self.layout.page_size if self.layout is not None else 16
+        return self._triton(dataclasses.replace(self.cfg.for_bits(self.bits), v2=False), p)
+
     def launch(self, work: int) -> Launch:
         """The launch for a call over ``work`` token-heads of body (``B * H_kv * max_len``)."""
         if self.small is not None and work < self.small_below:

@@ -397,8 +397,10 @@ def contract_diffs(artifact: Artifact, spec) -> list[str]:
         if "group_size" in artifact.meta and int(artifact.meta["group_size"]) != want:
             diffs.append(f"group_size: artifact {artifact.meta['group_size']} vs preset {want}")
     if getattr(spec, "k_bits", None) == "artifact" and "k_bits" not in artifact.tensors:
+        from rotkv.config import SHARED_ARTIFACTS
+
         diffs.append(f"k_bits: preset {spec.name!r} reads per-layer key widths from the artifact, which has none "
-                     f"(make them with `rotkv calibrate --method {spec.name}`)")
+                     f"(make them with `rotkv calibrate --method {SHARED_ARTIFACTS.get(spec.name, spec.name)}`)")
     return diffs
 
 
