@@ -32,7 +32,9 @@
 #   64 x 8K, `rotkv bench` at SmolLM2 1 x 4K and Qwen3-8B shape 8 layers 4 x 32K (random weights), each
 #   beside StaticCache; realrows: `rotkv bench` on the real SmolLM2 at 64 x 8K, +graph+compile for bf16,
 #   quarot-int2 and oscar-mix, oscar-mix +graph alone, and StaticCache; tierwrite: the rotation and graph
-#   tests, then profile_step with +compile at SmolLM2's shape 64 x 8K and 1 x 4K)
+#   tests, then profile_step with +compile at SmolLM2's shape 64 x 8K and 1 x 4K; refine: the refine tier's
+#   kernel and cache tests compiled, then `rotkv bench` of oscar-refine on the real SmolLM2 at 16 x 8K with
+#   ROTKV_REFINE_KERNEL=0 and 1, beside oscar-mix-long eager and +graph)
 set -u
 R=${RES:-$HOME/close}
 if [ "${1:-}" = start ]; then
@@ -248,4 +250,20 @@ for on in 0 1; do
     --out "$R/generate-cudawrite8-$on.json" >> "$R/cudawrite8.log" 2>&1
   echo "cudawrite8 $on rc=$?"
 done; fi
+if want refine; then stage refine  # the refine tier (oscar-refine): its kernel compiled and tested, then the step
+timeout 300 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_refine_kernel.py tests/test_refine.py \
+  > "$R/tests-refine.log" 2>&1
+echo "refine tests rc=$?"; tail -3 "$R/tests-refine.log"
+# real SmolLM2 ($ROTKV_GGUF), 16 x 8K: oscar-refine eager through the PyTorch path and through the kernel,
+# beside oscar-mix-long eager and +graph (same artifact)
+for k in 0 1; do
+  ROTKV_REFINE_KERNEL=$k timeout 200 python3 -m rotkv.cli bench --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --batch 16 \
+    --context 8192 --new-tokens 32 --methods rotkv:oscar-refine --artifact artifacts/oscar-mix-long.safetensors \
+    --out "$R/generate-refine-kernel$k-smollm2-16x8k.json" >> "$R/refine.log" 2>&1
+  echo "refine kernel=$k rc=$?"
+done
+timeout 200 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 16 --context 8192 --new-tokens 32 \
+  --methods rotkv:oscar-mix-long rotkv:oscar-mix-long+graph --artifact artifacts/oscar-mix-long.safetensors \
+  --out "$R/generate-refine-base-smollm2-16x8k.json" >> "$R/refine.log" 2>&1
+echo "refine base rc=$?"; fi
 echo "all done $(date +%T)"
