@@ -35,6 +35,7 @@ import torch
 
 from rotkv.cache.layer import HybridLayer
 from rotkv.cache.plan import Step
+from rotkv.cache.pools import refine_kernel
 
 
 class StaticDecode:
@@ -48,9 +49,10 @@ class StaticDecode:
         if len(self.layers) != len(cache.layers):
             raise ValueError("CUDA-graph decode needs every layer in rotkv's paged pools (no sliding-window "
                              "or budgeted layers); run without cuda_graph")
-        if cache.spec.refine_tokens:
-            raise ValueError("CUDA-graph decode runs the decode kernels, which do not read the refine tier "
-                             f"(refine_tokens={cache.spec.refine_tokens}) yet; run without cuda_graph")
+        if cache.spec.refine_tokens and not refine_kernel():
+            raise ValueError("CUDA-graph decode runs the decode kernels; the one that reads the refine tier "
+                             f"(refine_tokens={cache.spec.refine_tokens}) is opt-in until it has run on a GPU: set "
+                             "ROTKV_REFINE_KERNEL=1, or run without cuda_graph")
         dev = self.layers[0].device
         p = st.page
         self.body_pages = -(-max_len // p) if st.quantized else 0
@@ -113,9 +115,10 @@ class GraphDecoder:
         self.cache_position = torch.zeros(1, dtype=torch.long, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
-        # the flush graph's (tier page, body page) pairs, one per row; flush_graph=False flushes eagerly
+        # the flush graph's (tier page, body page, row, index in the row's body) per row (the last two for
+        # the refine tier's ring); flush_graph=False flushes eagerly
         self.flush_graph = flush_graph
-        self.flush_pages = torch.zeros(2, rows, dtype=torch.int64, device=dev)
+        self.flush_pages = torch.zeros(4, rows, dtype=torch.int64, device=dev)
         self._flush_captured: torch.cuda.CUDAGraph | None = None
         self.compile_layers = compile_layers
 
@@ -167,9 +170,9 @@ class GraphDecoder:
         self._flush(step)
         return self.logits
 
-    def _flush_layers(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def _flush_layers(self, src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> None:
         for layer in self.static.layers:
-            layer.pools.flush(src, dst)
+            layer.pools.flush(src, dst, (rows, index) if layer.pools.refine is not None else None)
 
     def _flush(self, step: Step) -> None:
         n = len(step.flush)
@@ -177,10 +180,12 @@ class GraphDecoder:
             return
         rows = self.flush_pages.shape[1]
         if not self.flush_graph or n > rows:  # at most one page per row leaves in a decode step
-            self._flush_layers(*step.device_flush(self.model.device))
+            dev = self.model.device
+            self._flush_layers(*step.device_flush(dev), *step.device_flush_rows(dev))
             return
-        pairs = np.empty((2, rows), dtype=np.int64)
-        for i, pages in enumerate((step.flush.src, step.flush.dst)):
+        # a step that flushes fewer pages than rows repeats its last page (the same bytes written twice)
+        pairs = np.empty((4, rows), dtype=np.int64)
+        for i, pages in enumerate((step.flush.src, step.flush.dst, step.flush.rows, step.flush.index)):
             pairs[i, :n], pairs[i, n:] = pages, pages[-1]
         self.flush_pages.copy_(torch.from_numpy(pairs))
         if self._flush_captured is not None:

@@ -254,9 +254,11 @@ class HybridLayer(RotkvLayer):
                              "kernels only); run without cuda_graph")
         body = self.pools.paged if self.spec.quantized else None
         # the graph captures the plan's launch for the capacity (st.body_max): one kernel every replay
+        ring = self.pools.refine
         o = decode_attention(q, body, st.body if body is not None else None, st.body_max,
                              (self.pools.tier_k, self.pools.tier_v), st.tier, st.tier_max, sm_scale=scaling,
-                             tier_start=self.state.pad, plan=plan)
+                             tier_start=self.state.pad, plan=plan,
+                             refine=(ring.data, ring.pages) if ring is not None and body is not None else None)
         return rot.outputs(o[:, :, None], query.dtype).transpose(1, 2)
 
     def _kernel_query(self, query: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,11 @@ def _grow(t: torch.Tensor, pages: int) -> torch.Tensor:
     return out
 
 
+def refine_kernel() -> bool:
+    """Decode a refine tier with the Triton v1 kernel (``ROTKV_REFINE_KERNEL=1``), else the PyTorch path."""
+    return os.environ.get("ROTKV_REFINE_KERNEL", "0") == "1"
+
+
 class LayerPools:
     def __init__(self, kv_heads: int, head_dim: int, page: int, tier_dtype: torch.dtype, device, key_codec,
                  value_codec, mirror: bool, refine_pages: int = 0):
@@ -93,7 +98,7 @@ class LayerPools:
         or None where no kernel runs it (kernels off, or a body the kernels do not read)."""
         if not kernels.enabled(q) or (self.codecs[0] is not None and self.paged is None):
             return None
-        if self.refine is not None and os.environ.get("ROTKV_REFINE_KERNEL", "0") != "1":
+        if self.refine is not None and not refine_kernel():
             return None  # the Triton v1 kernel reads the refine tier, but has not run on a GPU yet: opt-in
         p = plan.plan_decode(q, self.paged, cfg)
         return p if p.covered else None

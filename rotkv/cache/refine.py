@@ -20,7 +20,7 @@ of its own: 2 bits per key element of the refined pages, counted in the cache's 
 Read by the PyTorch paths (dense decode, prefill history, :meth:`HybridLayer.read`) and by the Triton v1
 decode kernel (``rotkv.kernels.decode``: a second key of scale ``s / 4`` and minimum ``-3/8 s`` added to
 the score of a refined page), which is opt-in (``ROTKV_REFINE_KERNEL=1``) until it has been compiled on a
-GPU. A cache with a refine tier is not captured in a CUDA graph (its flush would need the ring writes).
+GPU; with it on, the CUDA-graph decoder captures a refined cache too (its flush graph writes the ring).
 """
 
 from __future__ import annotations
