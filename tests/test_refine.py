@@ -9,7 +9,8 @@ import torch
 from rotkv.cache import RotkvCache
 from rotkv.cache.codecs import TokenCodec, make_codecs
 from rotkv.cache.layer import HybridLayer
-from rotkv.cache.refine import newest_pages, refine_codes, refine_delta
+from rotkv.cache.refine import newest_pages
+from rotkv.quant.refine import refine_codes, refine_delta
 from rotkv.config import CacheSpec
 from rotkv.hf.compat import cache_kwarg
 from rotkv.rotations.registry import build_rotations

@@ -29,19 +29,7 @@ import numpy as np
 import torch
 
 from rotkv.quant.packing import pack, unpack
-
-
-def refine_codes(x: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The refinement ``j`` (uint8, 0..3, unpacked) of exact values ``x [..., D]`` whose 2-bit reading is
-    ``base [..., D]``, with group scales ``scale [..., D / G]``."""
-    s = scale.float().repeat_interleave(group_size, -1)
-    safe = torch.where(s > 0, s, torch.ones_like(s))  # a constant group reads exactly: any j adds 0
-    return torch.round((x.float() - base.float()) / safe * 4 + 1.5).clamp_(0, 3).to(torch.uint8)
-
-
-def refine_delta(j: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
-    """What the refinement ``j [..., D]`` (unpacked) adds to the 2-bit reading: ``(j - 1.5) / 4 * s``, float32."""
-    return (j.float() - 1.5) * 0.25 * scale.float().repeat_interleave(group_size, -1)
+from rotkv.quant.refine import refine_codes, refine_delta
 
 
 def newest_pages(counts: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -69,7 +69,7 @@ def refine_dense(dense: list, body: PagedBody, table: tuple, refine: tuple[torch
     """Add the refine tier (rotkv.cache.refine) to the dense keys of :func:`dequant_pages`, in place:
     ``refine = (ring [B, K, H, P, D/4], K)``; page ``i`` of request ``b`` is refined from slot ``i % K``
     when it is one of the request's ``K`` newest pages."""
-    from rotkv.cache.refine import refine_delta
+    from rotkv.quant.refine import refine_delta
     from rotkv.quant.packing import unpack
 
     ring, k_pages = refine
