@@ -3,6 +3,9 @@ transformers' sliding layers, after a 2048-token prefill of the evaluation text 
 (the state an nll window at 2K ends in, as in `rotkv eval --tasks nll --lengths nll=2048 --new-tokens 64`).
 
 usage: OMP_NUM_THREADS=1 python benchmarks/layer_bits.py MODEL ARTIFACT_DIR METHODS OUT.json
+
+METHODS: comma-separated; every rotkv preset runs at sink 16 / window 32 as in the evaluations, unless a
+method names its sink (``oscar-refine:4``, as `rotkv eval` without --sink runs that preset).
 """
 import json
 import sys
@@ -21,8 +24,9 @@ text = open("rotkv/data/eval_python_reference.txt").read()
 ids = torch.tensor([tok(text, add_special_tokens=False).input_ids[: 2048 + 64]])
 rows = {}
 with torch.inference_mode():
-    for name in methods:
-        m, why = resolve(name, 16, 32, adir)
+    for item in methods:
+        name, _, sink = item.partition(":")
+        m, why = resolve(name, int(sink) if sink else 16, 32, adir)
         assert m is not None, why
         cache = m.build(model)
         prefill(model, cache, ids[:, :2048], 512)
