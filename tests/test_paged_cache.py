@@ -241,3 +241,32 @@ def test_churn_keeps_pages_and_contents_consistent(ops):
             _check_pages(paged.state)
             for r in range(paged.state.rows):
                 assert torch.allclose(paged.read(r)[0], ref.read(ref.rows[r])[0], atol=1e-6)
+
+
+def test_static_decode_loads_the_step_tables_in_two_copies(tiny_llama):
+    """StaticDecode's buffers (views of one int64 and one int32 buffer, each loaded by one copy) hold
+    what the eager step reads: the write slots as (page, offset) and element rows, and the body and
+    tier page tables, over a ragged batch through page flushes (on the CPU: the same code as on CUDA)."""
+    from rotkv.cache.graph import StaticDecode
+
+    cache = RotkvCache(tiny_llama, "quarot-int2", sink=4, window=8, page_size=4, prefill_chunk=16)
+    ids = torch.randint(1, 100, (3, 30), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :11] = 0
+    kw = {cache_kwarg(tiny_llama): cache}
+    tiny_llama(input_ids=ids, attention_mask=mask, use_cache=True, **kw)
+    st = cache.state
+    sd = StaticDecode(cache, 3, 80)
+    p = st.page
+    for _ in range(12):
+        step = st.plan(1, np.ones(3, dtype=np.int64))[0]
+        sd.load(step)
+        want = st.tables(step, "cpu")
+        for got, ref in zip(sd.body + sd.tier, want.body + want.tier):
+            assert torch.equal(got[: ref.numel()], ref)
+        slots = torch.as_tensor(step.write_slots)
+        assert torch.equal(sd.slot_at, torch.stack([slots // p, slots % p]))
+        s0, _, s2, _ = sd.tier_strides
+        assert torch.equal(sd.tier_rows, slots // p * s0 + slots % p * s2)
+    with pytest.raises(ValueError, match="capacity"):
+        StaticDecode(cache, 3, 20).load(st.plan(1, np.ones(3, dtype=np.int64))[0])

@@ -62,16 +62,23 @@ class StaticDecode:
         st.body_free.grow(max(st.body_free.capacity, rows * self.body_pages + 1))
         for layer in self.layers:
             layer.pools.fit(st.tier_free.capacity, st.body_free.capacity)
-        i32 = dict(dtype=torch.int32, device=dev)
-        self.slot_at = torch.zeros(2, rows, dtype=torch.int64, device=dev)  # each row's write slot: (page, offset)
-        # ... and as an element offset into every layer's tier pool [pages, H, P, D], where the rotation
-        # kernel writes the new key and value (LayerRotation.rotate_into); None unless all share one layout
+        # every buffer a step reads is a view of one int64 and one int32 device buffer, each loaded by one
+        # copy from its host mirror per step (:meth:`load`; before, eight host-to-device and six
+        # device-to-device copies)
         strides = {l.pools.tier_k.stride() for l in self.layers}
         self.tier_strides = strides.pop() if len(strides) == 1 else None
-        self.tier_rows = torch.zeros(rows, dtype=torch.int64, device=dev) if self.tier_strides else None
-        self.body = (torch.zeros(rows + 1, **i32), torch.zeros(max(1, rows * self.body_pages), **i32),
-                     torch.zeros(rows, **i32))
-        self.tier = (torch.zeros(rows + 1, **i32), torch.zeros(rows * self.tier_pages, **i32), torch.zeros(rows, **i32))
+        self._host64 = np.zeros(3 * rows if self.tier_strides else 2 * rows, dtype=np.int64)
+        self._dev64 = torch.zeros(len(self._host64), dtype=torch.int64, device=dev)
+        self.slot_at = self._dev64[: 2 * rows].view(2, rows)  # each row's write slot: (page, offset)
+        # ... and as an element offset into every layer's tier pool [pages, H, P, D], where the rotation
+        # kernel writes the new key and value (LayerRotation.rotate_into); None unless all share one layout
+        self.tier_rows = self._dev64[2 * rows:] if self.tier_strides else None
+        # the page tables (kv_indptr, kv_indices, kv_last_page_len) of the body and the tier
+        self._sizes32 = (rows + 1, max(1, rows * self.body_pages), rows, rows + 1, max(1, rows * self.tier_pages), rows)
+        self._host32 = np.zeros(sum(self._sizes32), dtype=np.int32)
+        self._dev32 = torch.zeros(len(self._host32), dtype=torch.int32, device=dev)
+        views = torch.split(self._dev32, self._sizes32)
+        self.body, self.tier = tuple(views[:3]), tuple(views[3:])
         self.body_max = self.body_pages * p
         self.tier_max = self.tier_pages * p
         self.state, self.rows, self.max_len = st, rows, max_len
@@ -82,16 +89,23 @@ class StaticDecode:
             raise ValueError("only decode steps (one new token per row) run in the CUDA graph")
         if int(self.state.lengths().max()) > self.max_len:
             raise ValueError(f"a row is longer than the graph's capacity of {self.max_len} tokens")
-        dev = self.slot_at.device
-        slots, p = np.asarray(step.write_slots, dtype=np.int64), self.state.page
-        at = np.stack([slots // p, slots % p])
-        self.slot_at.copy_(torch.from_numpy(at).to(dev, non_blocking=True))
+        rows, slots, p = self.rows, np.asarray(step.write_slots, dtype=np.int64), self.state.page
+        h64 = self._host64
+        h64[:rows], h64[rows:2 * rows] = slots // p, slots % p
         if self.tier_rows is not None:
             s0, _, s2, _ = self.tier_strides
-            self.tier_rows.copy_(torch.from_numpy(at[0] * s0 + at[1] * s2).to(dev, non_blocking=True))
-        t = step.device_tables(dev, self.state)
-        for dst, src in zip(self.body + self.tier, t.body + t.tier):
-            dst[: src.numel()].copy_(src)
+            h64[2 * rows:] = h64[:rows] * s0 + h64[rows:2 * rows] * s2
+        (body, _), (tier, _) = self.state.host_tables(step)
+        at = 0
+        for a, size in zip(body + tier, self._sizes32):
+            if len(a) > size:
+                raise ValueError(f"a page table of {len(a)} entries exceeds the graph's buffer of {size}")
+            self._host32[at: at + len(a)] = a
+            at += size
+        # from pageable host memory an asynchronous copy returns once it has staged its source (no wait
+        # for the stream's work), so the mirrors can be refilled for the next step
+        self._dev64.copy_(torch.from_numpy(h64), non_blocking=True)
+        self._dev32.copy_(torch.from_numpy(self._host32), non_blocking=True)
 
 
 class GraphDecoder:

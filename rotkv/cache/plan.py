@@ -240,13 +240,19 @@ class PageState:
         return self.plan_steps
 
     def tables(self, step: Step, device) -> Tables:
+        (body, body_max), (tier, tier_max) = self.host_tables(step)
+        dev = lambda t: tuple(torch.from_numpy(a).to(device, non_blocking=True) for a in t)  # noqa: E731
+        return Tables(dev(body), body_max, dev(tier), tier_max)
+
+    def host_tables(self, step: Step) -> tuple[tuple[tuple, int], tuple[tuple, int]]:
+        """The step's ``((body table, body max), (tier table, tier max))`` as int32 numpy arrays (:class:`Tables`)."""
         p = self.page
         bc = step.body_count
-        body = page_table(step.body_pages, bc, np.where(bc > 0, p, 0), device)
+        body = page_table_host(step.body_pages, bc, np.where(bc > 0, p, 0))
         used = self.tier_used_pages(step.tier_tokens)
         tpos = np.where(step.tier_tokens > 0, self.pad + step.tier_tokens, 0)
-        tier = page_table(step.tier_pages, used, tpos - np.maximum(used - 1, 0) * p, device)
-        return Tables(body, int(bc.max(initial=0)) * p, tier, int(tpos.max(initial=0)))
+        tier = page_table_host(step.tier_pages, used, tpos - np.maximum(used - 1, 0) * p)
+        return (body, int(bc.max(initial=0)) * p), (tier, int(tpos.max(initial=0)))
 
     # ---- per-row quantities -------------------------------------------------------------------
     def tier_used_pages(self, tokens: np.ndarray | None = None) -> np.ndarray:
@@ -473,9 +479,9 @@ class PageState:
         return cat(tier_cp[0]), cat(tier_cp[1]), cat(body_cp[0]), cat(body_cp[1])
 
 
-def page_table(pages: np.ndarray, counts: np.ndarray, last: np.ndarray, device) -> tuple[torch.Tensor, ...]:
-    """``kv_indptr [B+1]``, ``kv_indices``, ``kv_last_page_len [B]`` (int32 on ``device``) of the
-    first ``counts[b]`` pages of every row of ``pages [B, N]``."""
+def page_table_host(pages: np.ndarray, counts: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``kv_indptr [B+1]``, ``kv_indices``, ``kv_last_page_len [B]`` (int32 numpy) of the first
+    ``counts[b]`` pages of every row of ``pages [B, N]``."""
     width = pages.shape[1]
     mask = np.arange(width)[None, :] < counts[:, None]
     indptr = np.zeros(len(counts) + 1, dtype=np.int32)
@@ -483,5 +489,10 @@ def page_table(pages: np.ndarray, counts: np.ndarray, last: np.ndarray, device) 
     indices = pages[mask].astype(np.int32)
     if not len(indices):
         indices = np.zeros(1, dtype=np.int32)
-    mk = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device, non_blocking=True)  # noqa: E731
-    return mk(indptr), mk(indices), mk(last)
+    return indptr, indices, np.ascontiguousarray(last, dtype=np.int32)
+
+
+def page_table(pages: np.ndarray, counts: np.ndarray, last: np.ndarray, device) -> tuple[torch.Tensor, ...]:
+    """:func:`page_table_host` on ``device``."""
+    return tuple(torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+                 for a in page_table_host(pages, counts, last))
