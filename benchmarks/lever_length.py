@@ -30,6 +30,8 @@ Levers (``+``-joined tokens of one config; a config is one run):
                        4-bit keys (unclipped; ``m8``: e4m3 scale and lo) and the value codec's values, the newest
                        exact; tokens leaving the R window are encoded into the body from their exact values, as
                        in the base. Bits: the base run's plus the tier's extra key bits (analytic, ``tier_bits``)
+  N4V@<R>              as N4@, the tier's values refined the same way (2 more bits per value element)
+  N4VO@<R>             only the tier's values refined (its keys read as the body's)
   N4@<R>               as T4@, the tier's keys read as the body's 2-bit code refined by 2 more bits (no metadata
                        of their own: ``nested_keys``), the format where a page's refinement is dropped as it ages
   K4@<layers>          4-bit keys in exactly these layers (comma-free: 4.7.14), replacing the artifact's widths
@@ -145,7 +147,8 @@ def nested_keys(x: torch.Tensor, kc) -> torch.Tensor:
     return (base + (j - 1.5) / 4 * s).reshape(x.shape)
 
 
-def recent_tier(pools, sink: int, exact: int, meta: str | None, nested: bool = False):
+def recent_tier(pools, sink: int, exact: int, meta: str | None, nested: bool = False, values: bool = False,
+                keys: bool = True):
     """Wrap ``pools.tier_dense`` (one row): tier tokens past the sink and older than the ``exact`` newest are
     returned as 4-bit keys (``nested``: the 2-bit code refined by 2 bits, :func:`nested_keys`) and the value
     codec's values (the stored basis), the rest as stored."""
@@ -162,24 +165,28 @@ def recent_tier(pools, sink: int, exact: int, meta: str | None, nested: bool = F
         if b > a:
             tk, tv = tk.clone(), tv.clone()
             x = tk[:, :, a:b].float()
-            if nested and kc.bits == 2:
+            if nested and kc.bits == 2 and keys:
                 tk[:, :, a:b] = nested_keys(x, kc).to(dtype)
             elif nested:  # a 4-bit key layer: its body's own codec
                 tk[:, :, a:b] = kc.decode(kc.encode(x)).to(dtype)
             else:
                 tk[:, :, a:b] = fake_quantize(x, 4, kc.group_size, 1.0, meta).to(dtype)
-            tv[:, :, a:b] = vc.decode(vc.encode(tv[:, :, a:b].float())).to(dtype)
+            xv = tv[:, :, a:b].float()
+            tv[:, :, a:b] = (nested_keys(xv, vc) if values else vc.decode(vc.encode(xv))).to(dtype)
         return tk, tv
 
     pools.tier_dense = tier_dense
 
 
-def tier_bits(cache, r: int, tokens: int) -> float:
-    """Analytic extra bits per element of a 4-bit key tier for the R - window newest body tokens."""
+def tier_bits(cache, r: int, tokens: int, values: bool = False, keys: bool = True) -> float:
+    """Analytic extra bits per element of a 4-bit key tier for the R - window newest body tokens
+    (``values``: 2 more bits for their 2-bit values too)."""
     layers = [l for l in cache.layers if isinstance(l, HybridLayer)]
     n = min(max(r - cache.spec.window, 0), max(tokens - cache.spec.sink - cache.spec.window, 0))
     g = layers[0].key_codec.group_size
-    extra = sum((4 + 32 / g) - (l.key_codec.bits + 32 / g) for l in layers)  # per token and head dim, keys only
+    extra = sum((4 + 32 / g) - (l.key_codec.bits + 32 / g) for l in layers) if keys else 0  # per token and head dim
+    if values:
+        extra += 2 * sum(l.value_codec.bits == 2 for l in layers)
     return n * extra / (2 * tokens * len(layers))
 
 
@@ -289,9 +296,12 @@ def main() -> None:
 
         levers = name.split("+")
         r4 = [int(x[3:]) for x in levers if x.startswith("R4@")]
-        t4 = [x[3:] for x in levers if x.startswith(("T4@", "N4@"))]
-        nested = any(x.startswith("N4@") for x in levers)
-        levers = [x for x in levers if not x.startswith(("R4@", "T4@", "N4@"))] or ["base"]
+        tiers = ("T4@", "N4@", "N4V@", "N4VO@")
+        t4 = [x.split("@")[1] for x in levers if x.startswith(tiers)]
+        nested = any(x.startswith(tiers[1:]) for x in levers)
+        nested_v = any(x.startswith(("N4V@", "N4VO@")) for x in levers)
+        nested_k = not any(x.startswith("N4VO@") for x in levers)
+        levers = [x for x in levers if not x.startswith(("R4@",) + tiers)] or ["base"]
         if r4 and levers != ["base"]:
             raise SystemExit("R4@ is measured alone (its bits are the base run's plus the tier's)")
         holder = {}
@@ -329,7 +339,7 @@ def main() -> None:
 
             def wrapped(self_, *a, _init=init, **kw):
                 _init(self_, *a, **kw)
-                recent_tier(self_, sink, exact, t4_meta, nested)
+                recent_tier(self_, sink, exact, t4_meta, nested, nested_v, nested_k)
             holder["restore"] = (LayerPools, init)
             LayerPools.__init__ = wrapped
         t1 = time.time()
@@ -350,7 +360,7 @@ def main() -> None:
             cls, init = holder.pop("restore")
             cls.__init__ = init
             r["bpe_emulated"] = r["bpe"]
-            tb = tier_bits(holder["ref"], t4_r, L + N - 1)
+            tb = tier_bits(holder["ref"], t4_r, L + N - 1, values=nested_v, keys=nested_k)
             r["tier_bits"] = tb * (1.75 / 2 if t4_meta else 1)  # e4m3 metadata: 4.25 bits a key element, not 4.5
             r["bpe"] = None
             r["exact_window"] = exact

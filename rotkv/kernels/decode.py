@@ -222,6 +222,7 @@ def _int2_part(
     a2 = tl.zeros([HPAD, Q4], tl.float32)
     a3 = tl.zeros([HPAD, Q4], tl.float32)
     hh = h.to(tl.int64)
+    npages_r = tl.load(indptr_ptr + b + 1) - start  # the request's body pages (the refine tier's newest RK)
     for it in range(0, _n_steps(tok_lo, tok_hi, BLOCK_N, STATIC_STEPS)):
         offs_n = tok_lo + it * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < tok_hi
@@ -267,32 +268,34 @@ def _int2_part(
             sc = (s0[None, :] * d0 + s1[None, :] * d1 + s2[None, :] * d2 + s3[None, :] * d3) * qsc[:, None]
             sc += z0[None, :] * qs0[:, None] + z1[None, :] * qs1[:, None]
             sc += z2[None, :] * qs2[:, None] + z3[None, :] * qs3[:, None]
+        # a block holds refined tokens only if its last token's page is among the RK newest (the blocks
+        # before that skip the ring: its loads and four dots)
         if REFINE:
-            npages = tl.load(indptr_ptr + b + 1) - start
-            pidx = offs_n // P  # the token's page index in its request
-            fmask = nmask & (pidx >= npages - RK)
-            frow = ((b.to(tl.int64) * RK + pidx % RK) * H + hh) * P + offs_n % P
-            fc = tl.load(rf_ptr + frow[:, None] * Q4 + offs_c[None, :], mask=fmask[:, None], other=0)
-            f0 = _score_plane(q0, i0, fc, fc, 0, 2, QK_INT8, USE_ASM, F16)
-            f1 = _score_plane(q1, i1, fc, fc, 1, 2, QK_INT8, USE_ASM, F16)
-            f2 = _score_plane(q2, i2, fc, fc, 2, 2, QK_INT8, USE_ASM, F16)
-            f3 = _score_plane(q3, i3, fc, fc, 3, 2, QK_INT8, USE_ASM, F16)
-            zf = -(0.375 + 0.25 * off)  # the second key's minimum (and the bf16 codes' +128) per unit of s
-            r0 = _load_meta(ks_ptr, row, 0, NG, nmask)
-            if PPG == 4:
-                rt = (0.25 * r0[None, :] * (f0 + f1 + f2 + f3)) * qsc[:, None] + (zf * r0)[None, :] * (qs0 + qs1 + qs2 + qs3)[:, None]
-            elif PPG == 2:
-                r1 = _load_meta(ks_ptr, row, 1, NG, nmask)
-                rt = (0.25 * r0[None, :] * (f0 + f1) + 0.25 * r1[None, :] * (f2 + f3)) * qsc[:, None]
-                rt += (zf * r0)[None, :] * (qs0 + qs1)[:, None] + (zf * r1)[None, :] * (qs2 + qs3)[:, None]
-            else:
-                r1 = _load_meta(ks_ptr, row, 1, NG, nmask)
-                r2 = _load_meta(ks_ptr, row, 2, NG, nmask)
-                r3 = _load_meta(ks_ptr, row, 3, NG, nmask)
-                rt = (0.25 * (r0[None, :] * f0 + r1[None, :] * f1 + r2[None, :] * f2 + r3[None, :] * f3)) * qsc[:, None]
-                rt += (zf * r0)[None, :] * qs0[:, None] + (zf * r1)[None, :] * qs1[:, None]
-                rt += (zf * r2)[None, :] * qs2[:, None] + (zf * r3)[None, :] * qs3[:, None]
-            sc += tl.where(fmask[None, :], rt, 0.0)
+            if (tl.minimum(tok_lo + it * BLOCK_N + BLOCK_N, tok_hi) - 1) // P >= npages_r - RK:
+                pidx = offs_n // P  # the token's page index in its request
+                fmask = nmask & (pidx >= npages_r - RK)
+                frow = ((b.to(tl.int64) * RK + pidx % RK) * H + hh) * P + offs_n % P
+                fc = tl.load(rf_ptr + frow[:, None] * Q4 + offs_c[None, :], mask=fmask[:, None], other=0)
+                f0 = _score_plane(q0, i0, fc, fc, 0, 2, QK_INT8, USE_ASM, F16)
+                f1 = _score_plane(q1, i1, fc, fc, 1, 2, QK_INT8, USE_ASM, F16)
+                f2 = _score_plane(q2, i2, fc, fc, 2, 2, QK_INT8, USE_ASM, F16)
+                f3 = _score_plane(q3, i3, fc, fc, 3, 2, QK_INT8, USE_ASM, F16)
+                zf = -(0.375 + 0.25 * off)  # the second key's minimum (and the bf16 codes' +128) per unit of s
+                r0 = _load_meta(ks_ptr, row, 0, NG, nmask)
+                if PPG == 4:
+                    rt = (0.25 * r0[None, :] * (f0 + f1 + f2 + f3)) * qsc[:, None] + (zf * r0)[None, :] * (qs0 + qs1 + qs2 + qs3)[:, None]
+                elif PPG == 2:
+                    r1 = _load_meta(ks_ptr, row, 1, NG, nmask)
+                    rt = (0.25 * r0[None, :] * (f0 + f1) + 0.25 * r1[None, :] * (f2 + f3)) * qsc[:, None]
+                    rt += (zf * r0)[None, :] * (qs0 + qs1)[:, None] + (zf * r1)[None, :] * (qs2 + qs3)[:, None]
+                else:
+                    r1 = _load_meta(ks_ptr, row, 1, NG, nmask)
+                    r2 = _load_meta(ks_ptr, row, 2, NG, nmask)
+                    r3 = _load_meta(ks_ptr, row, 3, NG, nmask)
+                    rt = (0.25 * (r0[None, :] * f0 + r1[None, :] * f1 + r2[None, :] * f2 + r3[None, :] * f3)) * qsc[:, None]
+                    rt += (zf * r0)[None, :] * qs0[:, None] + (zf * r1)[None, :] * qs1[:, None]
+                    rt += (zf * r2)[None, :] * qs2[:, None] + (zf * r3)[None, :] * qs3[:, None]
+                sc += tl.where(fmask[None, :], rt, 0.0)
         sc = tl.where(nmask[None, :], sc, float("-inf"))
         # ---- online softmax (base 2: q carries log2(e))
         p, alpha, m_i, l_i = _online_softmax(sc, m_i, l_i)
