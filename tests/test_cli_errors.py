@@ -64,6 +64,9 @@ def assert_user_error(rc, err, *needles):
     (["--prompt", "hi", "--device", "tpu"], ["--device has to be cpu, cuda"]),
     (["--prompt", "hi", "--preset", "oscar-int2"], ["--artifact", "oscar-int2", "rotkv calibrate --method oscar"]),
     (["--prompt", "hi", "--compile-layers"], ["--compile-layers", "add --cuda-graph"]),
+    (["--prompt", "hi", "--refine-tokens", "-3"], ["--refine-tokens has to be >= 0"]),
+    (["--prompt", "hi", "--preset", "int4", "--refine-tokens", "64"], ["--refine-tokens refines 2-bit"]),
+    (["--prompt", "hi", "--preset", "oscar-refine"], ["--artifact", "rotkv calibrate --method oscar-mix-long"]),
 ])
 def test_generate_user_errors_before_the_model(no_model, capsys, argv, needles):
     rc, _, err = run_cli(capsys, "generate", *argv)
