@@ -235,6 +235,7 @@ def main() -> None:
                     help="CacheSpec.window_share: the window grows to this share of each row (default: the preset's)")
     ap.add_argument("--refine-tokens", type=int, default=None,
                     help="CacheSpec.refine_tokens: 2 more key bits for each row's newest body tokens (default: the preset's)")
+    ap.add_argument("--refine-values", action="store_true", help="CacheSpec.refine_values: the refine tier's values too")
     ap.add_argument("--grid-tokens", type=int, default=4096, help="calibration tokens for the grids")
     ap.add_argument("--context-length", default=None, metavar="N|auto",
                     help="the cache's expected tokens per row, which picks the key fit of an artifact with several "
@@ -289,6 +290,7 @@ def main() -> None:
             f"/sink{args.sink}" if args.sink is not None else "") + (f"/{args.text}" if args.text != "eval" else "") + (
             f"/s{args.window_share:g}" if args.window_share is not None else "") + (
             f"/refine{args.refine_tokens}" if args.refine_tokens is not None else "") + (
+            "/kv" if args.refine_values else "") + (
             f"/ctx{ctx_len}" if ctx_len is not None else "")
         if key in results["runs"]:
             continue
@@ -317,6 +319,8 @@ def main() -> None:
             share = {} if args.window_share is None else {"window_share": args.window_share}
             if args.refine_tokens is not None:
                 share["refine_tokens"] = args.refine_tokens
+            if args.refine_values:
+                share["refine_values"] = True
             cache = RotkvCache(model, args.preset, art, prefill_chunk=chunk, window=window, sink=sink,
                                context_length=ctx_len, **share)
             holder["fit"] = cache.key_fit_length

@@ -57,6 +57,10 @@ class CacheSpec:
         anyway (``rotkv.cache.refine``). 2 bits per key element of those pages, no metadata. Keys at 2 bits
         only (layers whose keys are at 4 bits ignore it); the recent body's keys are where the INT2
         error of long contexts concentrates (docs/results/diagnosis_length.md). 0: off.
+    refine_values: the refine tier's pages keep 2 more bits for their 2-bit values too, the same nested
+        grid (an emulation on calibration text found keys and values together worth more than twice the
+        tokens of keys alone; docs/results/levers_length.md). The PyTorch paths read it; the decode kernel
+        does not yet, so on the GPU such a cache decodes through the PyTorch path.
     page_size: tokens leave the window in blocks of this many (the GPU pool's page size).
     prefill_chunk: a prefill longer than this is processed in chunks, each attending to the
         quantized cache of the earlier ones (its own tokens at tier precision); also the tokens
@@ -103,6 +107,7 @@ class CacheSpec:
     window: int = 256
     window_share: float = 0.0
     refine_tokens: int = 0
+    refine_values: bool = False
     page_size: int = 16
     prefill_chunk: int = 4096
     rotation: str = "identity"
@@ -179,6 +184,8 @@ class CacheSpec:
                                    or self.budget_tokens is not None or self.k_table is not None):
             raise ValueError("`refine_tokens` refines 2-bit token-codec keys of a paged cache: needs `bits`=2, "
                              "`codec`='token', no `start_bits`, `budget_tokens` or `k_table`")
+        if self.refine_values and not self.refine_tokens:
+            raise ValueError("`refine_values` refines the refine tier's values: needs `refine_tokens` > 0")
         self._check_progressive()
 
     def key_bits(self, layer: int, artifact_bits: list[int] | None = None) -> int | None:

@@ -66,6 +66,7 @@ def assert_user_error(rc, err, *needles):
     (["--prompt", "hi", "--compile-layers"], ["--compile-layers", "add --cuda-graph"]),
     (["--prompt", "hi", "--refine-tokens", "-3"], ["--refine-tokens has to be >= 0"]),
     (["--prompt", "hi", "--preset", "int4", "--refine-tokens", "64"], ["--refine-tokens refines 2-bit"]),
+    (["--prompt", "hi", "--refine-values"], ["--refine-values refines the refine tier's values", "--refine-tokens"]),
     (["--prompt", "hi", "--preset", "oscar-refine"], ["--artifact", "rotkv calibrate --method oscar-mix-long"]),
 ])
 def test_generate_user_errors_before_the_model(no_model, capsys, argv, needles):

@@ -35,11 +35,14 @@ def nested_reference(x: torch.Tensor, codec: TokenCodec) -> torch.Tensor:
 
 def test_refine_codes_pick_the_nearest_point_of_the_bucket():
     codec = TokenCodec(2, G, 0.9)
-    x = torch.randn(5, 3, 7, D) * torch.linspace(0.2, 3, D)
+    x = torch.randn(5, 3, 7, D, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.2, 3, D)
     enc = codec.encode(x)
     base = codec.decode(enc)
     got = base + refine_delta(refine_codes(x, base, enc["scale"], G), enc["scale"], G)
     assert torch.allclose(got, nested_reference(x, codec), atol=1e-6)
+    # never further from x than the 2-bit reading, beyond the s/8 of an element the 2-bit code hits exactly
+    s = enc["scale"].float().repeat_interleave(G, -1)
+    assert ((got - x).abs() <= (base - x).abs() + s / 8 + 1e-5).all()
     assert ((got - x) ** 2).mean() < ((base - x) ** 2).mean() / 2  # clipped elements move 3/8 s at most
     # unclipped: a 4-bit grid of step s / 4, so every error is at most s / 8 (~16x less MSE than 2 bits)
     codec = TokenCodec(2, G, 1.0)
@@ -56,28 +59,31 @@ def test_newest_pages():
     assert rows.tolist() == [1, 1, 2, 2, 2, 3, 3, 3] and idx.tolist() == [0, 1, 4, 5, 6, 0, 1, 2]
 
 
-def refined_layer(refine_tokens, sink=4, window=8, page=4, chunk=512, share=0.0):
+def refined_layer(refine_tokens, sink=4, window=8, page=4, chunk=512, share=0.0, values=False):
     spec = CacheSpec(bits=2, group_size=G, sink=sink, window=window, page_size=page, prefill_chunk=chunk,
-                     tier_dtype="float32", window_share=share, refine_tokens=refine_tokens)
+                     tier_dtype="float32", window_share=share, refine_tokens=refine_tokens, refine_values=values)
     rot = build_rotations("hadamard", 1, H, D)[0]
     return HybridLayer(spec, rot, D, H, 0, make_codecs("token", 2, G, 0.9, 1.0)), rot
 
 
-@pytest.mark.parametrize("refine,sink,window,page,chunk,share", [
-    (8, 4, 8, 4, 512, 0.0), (12, 3, 8, 4, 16, 0.0), (5, 0, 5, 4, 7, 0.0), (16, 4, 3, 4, 16, 0.25), (100, 2, 4, 4, 9, 0.0),
+@pytest.mark.parametrize("refine,sink,window,page,chunk,share,values", [
+    (8, 4, 8, 4, 512, 0.0, False), (12, 3, 8, 4, 16, 0.0, False), (5, 0, 5, 4, 7, 0.0, False),
+    (16, 4, 3, 4, 16, 0.25, False), (100, 2, 4, 4, 9, 0.0, False),
+    (8, 4, 8, 4, 512, 0.0, True), (12, 3, 8, 4, 16, 0.0, True), (16, 4, 3, 4, 16, 0.25, True),
 ])
-def test_refined_layer_reads_and_attends_the_nested_keys(refine, sink, window, page, chunk, share):
+def test_refined_layer_reads_and_attends_the_nested_keys(refine, sink, window, page, chunk, share, values):
     """Ragged prefill, decode steps and short calls: every row reads its newest ceil(refine / page) body
     pages' keys refined (written from the exact rotated keys), older ones as the plain 2-bit body, the
     values and tiers as without the tier; each decode step's attention is dense attention over those reads; and
-    the bytes count 2 bits per key element of the refined pages."""
-    paged, rot = refined_layer(refine, sink, window, page, chunk, share)
+    the bytes count 2 bits per key element of the refined pages (``values``: the same for the values)."""
+    paged, rot = refined_layer(refine, sink, window, page, chunk, share, values)
     plain, _ = refined_layer(0, sink, window, page, chunk, share)
     codec = paged.key_codec
     kpages = -(-refine // page)
     g = torch.Generator().manual_seed(refine + chunk)
     b = 3
     exact = [[] for _ in range(b)]  # every row's real rotated keys in order
+    exact_v = [[] for _ in range(b)]
     checked = 0
     for i, n in enumerate([45, 1, 1, 3, 1, 17, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 9, 1]):
         k, v, q = (torch.randn(b, H, n, D, generator=g) for _ in range(3))
@@ -85,10 +91,11 @@ def test_refined_layer_reads_and_attends_the_nested_keys(refine, sink, window, p
         if i == 0:
             real = torch.ones(b, n, dtype=torch.bool)
             real[1, :13], real[2, :44] = False, False
-        kr = rot.keys(k, torch.float32)
+        kr, vr = rot.keys(k, torch.float32), rot.values(v, torch.float32)
         for r in range(b):
             keep = real[r] if real is not None else torch.ones(n, dtype=torch.bool)
             exact[r].append(kr[r][:, keep])
+            exact_v[r].append(vr[r][:, keep])
         counts = paged.state.body_count.copy() if paged.is_initialized else np.zeros(b, dtype=np.int64)
         outs = []
         for layer in (paged, plain):
@@ -98,15 +105,18 @@ def test_refined_layer_reads_and_attends_the_nested_keys(refine, sink, window, p
         for r in range(b):
             ks, vs = paged.read(r)
             pk, pv = plain.read(r)
-            assert torch.equal(vs, pv)
             allk = torch.cat(exact[r], 1)
             s, nb = int(st.sink_tokens()[r]), int(st.body_count[r])
             want = pk.clone()
             first = max(nb - kpages, 0)
             lo, hi = s + first * page, s + nb * page
+            want_v = pv.clone()
             if hi > lo:
                 want[:, lo:hi] = nested_reference(allk[:, lo:hi], codec)
+                if values:
+                    want_v[:, lo:hi] = nested_reference(torch.cat(exact_v[r], 1)[:, lo:hi], paged.value_codec)
             assert torch.allclose(ks, want, atol=1e-5), (i, r)
+            assert torch.allclose(vs, want_v, atol=1e-5) if values else torch.equal(vs, pv), (i, r)
             if nb > kpages:  # older pages read exactly as the plain body
                 assert torch.equal(ks[:, s:lo], pk[:, s:lo])
             if n > 1 or nb != counts[r]:  # a prefill call attends its own tokens exactly; a decode step reads what
@@ -121,7 +131,7 @@ def test_refined_layer_reads_and_attends_the_nested_keys(refine, sink, window, p
     assert checked >= 10  # decode steps over a refined body were compared
     refined_pages = int(np.minimum(paged.state.body_count, kpages).sum())
     extra = paged.stats()["body_bytes"] - plain.stats()["body_bytes"]
-    assert extra == refined_pages * H * page * D // 4  # 2 bits per key element, no metadata
+    assert extra == refined_pages * H * page * D // 4 * (2 if values else 1)  # 2 bits per refined element, no metadata
 
 
 def test_refine_tier_in_a_model_cache(tiny_llama):
@@ -151,6 +161,11 @@ def test_refine_tier_in_a_model_cache(tiny_llama):
 
     with pytest.raises(ValueError, match="refine tier"):
         StaticDecode(c, 2, 256)
+    cv = RotkvCache(tiny_llama, "quarot-int2", sink=4, window=8, refine_tokens=64, refine_values=True)
+    out = tiny_llama(input_ids=ids, use_cache=True, **{cache_kwarg(tiny_llama): cv})
+    assert out.logits.isfinite().all() and cv.stats()["body_bytes"] > c.stats()["body_bytes"]
+    with pytest.raises(ValueError, match="refine tier's values"):
+        StaticDecode(cv, 2, 256)
 
 
 def test_refine_spec_errors():
@@ -162,6 +177,8 @@ def test_refine_spec_errors():
         CacheSpec(bits=2, refine_tokens=-1)
     with pytest.raises(TypeError, match="refine_tokens"):
         CacheSpec(bits=2, refine_tokens="64")
+    with pytest.raises(ValueError, match="refine_values"):
+        CacheSpec(bits=2, refine_values=True)
     assert CacheSpec(bits=2, refine_tokens=64).refine_tokens == 64
 
 

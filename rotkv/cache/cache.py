@@ -148,8 +148,8 @@ class RotkvCache(Cache):
             for layer in paged:
                 layer.pools.fit(self.state.tier_free.capacity, self.state.body_free.capacity)
                 layer.pools.copy_pages(*(torch.as_tensor(c, device=layer.device) for c in copies))
-                if layer.pools.refine is not None:  # a ring per row: each row takes its source row's
-                    layer.pools.refine.select(torch.as_tensor(index))
+                for ring in layer.pools.refine_rings:  # a ring per row: each row takes its source row's
+                    ring.select(torch.as_tensor(index))
         for layer in self.layers:
             if not isinstance(layer, HybridLayer) and getattr(layer, "is_initialized", False):
                 layer.reorder_cache(torch.as_tensor(index))  # index_select (row-store layers copy rows)

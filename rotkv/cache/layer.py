@@ -67,7 +67,8 @@ class HybridLayer(RotkvLayer):
         self.pools = LayerPools(self.kv_heads, self.head_dim, self.spec.page_size, self.tier_dtype, self.device,
                                 self.key_codec, self.value_codec,
                                 mirror=self.spec.quantized and not kernels.enabled(key_states),
-                                refine_pages=-(-self.spec.refine_tokens // self.spec.page_size))
+                                refine_pages=-(-self.spec.refine_tokens // self.spec.page_size),
+                                refine_values=self.spec.refine_values)
         if self.state.rows == 0 and self.state.seen == 0:
             self.state.reset(key_states.shape[0])
         self.is_initialized = True
@@ -95,10 +96,10 @@ class HybridLayer(RotkvLayer):
         n_body = int(st.body_count[row])
         pages = torch.as_tensor(st.body_pages[row, :n_body], device=self.device)
         bk, bv = self.pools.body_dense(pages[None], torch.float32, use_mirror=False)
-        if self.pools.refine is not None:
-            _, idx = newest_pages(np.array([n_body]), self.pools.refine.pages)
+        if self.pools.refine_rings:
+            _, idx = newest_pages(np.array([n_body]), self.pools.refine_pages)
             i = torch.as_tensor(idx, device=self.device)
-            self.pools.add_refinement(bk, n_body, torch.full_like(i, row), torch.zeros_like(i), i, pages[i])
+            self.pools.add_refinement(bk, bv, n_body, torch.full_like(i, row), torch.zeros_like(i), i, pages[i])
         tt = int(st.tier_tokens[row])
         s = min(tt, st.sink)
         tk, tv = self.pools.tier_dense(*self._tier_index(st.tier_pages[row:row + 1], np.array([tt])), torch.float32)
@@ -248,7 +249,7 @@ class HybridLayer(RotkvLayer):
         q = self._kernel_query(query)
         plan = self.pools.decode_plan(q, kernels.decode_config(self.decode_score))
         if plan is None:
-            what = ("the refine tier (`refine_tokens`), which only the PyTorch path reads" if pools.refine is not None
+            what = ("the refine tier (`refine_tokens`), which only the PyTorch path reads" if pools.refine_rings
                     else "this cache's body on this device")
             raise ValueError(f"layer {self.layer_idx}: no decode kernel reads {what} (CUDA-graph decode runs the "
                              "kernels only); run without cuda_graph")
@@ -300,7 +301,7 @@ class HybridLayer(RotkvLayer):
 
     def _refine_at(self, step: Step):
         """(batch row, body index) of the step's flushed pages where the layer has a refine tier, else None."""
-        return step.device_flush_rows(self.device) if self.pools.refine is not None else None
+        return step.device_flush_rows(self.device) if self.pools.refine_rings else None
 
     def store(self, step: Step, take) -> None:
         """Store a prefill step's tokens: the pages that leave the window are assembled from the
@@ -413,15 +414,16 @@ class HybridLayer(RotkvLayer):
                 step.body_pages[r0:r1], bc, np.where(bc > 0, self.spec.page_size, 0), dev))
         run = step.cached(("run", r0, r1), lambda: _consecutive_run(sub, nb))
         k, v = self.pools.body_dense(pages, cdt, table=table, run=run, out=out)
-        if self.pools.refine is not None:
-            if out is None:
-                k = k.clone()  # may be a view of the mirror, which holds the 2-bit reading
-            self.pools.add_refinement(k, nb, *step.cached(("refined", dev, r0, r1), lambda: self._refined(step, r0, r1)))
+        if self.pools.refine_rings:
+            if out is None:  # may be views of the mirror, which holds the 2-bit reading
+                k = k.clone() if self.pools.refine is not None else k
+                v = v.clone() if self.pools.refine_v is not None else v
+            self.pools.add_refinement(k, v, nb, *step.cached(("refined", dev, r0, r1), lambda: self._refined(step, r0, r1)))
         return k, v
 
     def _refined(self, step: Step, r0: int, r1: int) -> tuple[torch.Tensor, ...]:
         """(batch row, local row, body index, page id) of the refined body pages of rows ``r0:r1``, on the device."""
-        rows, idx = newest_pages(step.body_count[r0:r1], self.pools.refine.pages)
+        rows, idx = newest_pages(step.body_count[r0:r1], self.pools.refine_pages)
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)  # noqa: E731
         return t(rows + r0), t(rows), t(idx), t(step.body_pages[r0 + rows, idx])
 
@@ -468,7 +470,7 @@ class HybridLayer(RotkvLayer):
             "tokens": tokens,
             "body_tokens": body_tokens,
             "body_bytes": (body_tokens // self.spec.page_size * pools.body_page_bytes
-                           + (pools.refine.stored_bytes(st.body_count) if pools.refine is not None and st.rows else 0))
+                           + (sum(r.stored_bytes(st.body_count) for r in pools.refine_rings) if st.rows else 0))
             if pools else 0,
             "tier_bytes": tier_tokens * 2 * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.tier_dtype).element_size(),
             "scratch_bytes": pools.mirror_bytes() if pools else 0,

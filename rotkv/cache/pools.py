@@ -54,13 +54,16 @@ def refine_kernel() -> bool:
 
 class LayerPools:
     def __init__(self, kv_heads: int, head_dim: int, page: int, tier_dtype: torch.dtype, device, key_codec,
-                 value_codec, mirror: bool, refine_pages: int = 0):
+                 value_codec, mirror: bool, refine_pages: int = 0, refine_values: bool = False):
         self.kv_heads, self.head_dim, self.page, self.device = kv_heads, head_dim, page, device
         self.codecs = (key_codec, value_codec)
-        # the refine tier (rotkv.cache.refine): 2 more bits for the keys of each row's newest body pages,
-        # 2-bit token-codec keys only (a layer whose keys are at 4 bits has none)
-        refines = refine_pages > 0 and isinstance(key_codec, TokenCodec) and key_codec.bits == 2
-        self.refine = RefineRing(refine_pages, kv_heads, page, head_dim, key_codec.group_size, device) if refines else None
+        # the refine tier (rotkv.cache.refine): 2 more bits for the keys (and with refine_values the values)
+        # of each row's newest body pages, 2-bit token-codec sides only (4-bit keys have none)
+        two = lambda c: isinstance(c, TokenCodec) and c.bits == 2  # noqa: E731
+        self.refine = (RefineRing(refine_pages, kv_heads, page, head_dim, key_codec.group_size, device)
+                       if refine_pages > 0 and two(key_codec) else None)
+        self.refine_v = (RefineRing(refine_pages, kv_heads, page, head_dim, value_codec.group_size, device)
+                         if refine_pages > 0 and refine_values and two(value_codec) else None)
         shape = (0, kv_heads, page, head_dim)
         self.tier_k = torch.zeros(shape, dtype=tier_dtype, device=device)
         self.tier_v = torch.zeros(shape, dtype=tier_dtype, device=device)
@@ -98,8 +101,8 @@ class LayerPools:
         or None where no kernel runs it (kernels off, or a body the kernels do not read)."""
         if not kernels.enabled(q) or (self.codecs[0] is not None and self.paged is None):
             return None
-        if self.refine is not None and not refine_kernel():
-            return None  # the Triton v1 kernel reads the refine tier, but has not run on a GPU yet: opt-in
+        if self.refine_v is not None or (self.refine is not None and not refine_kernel()):
+            return None  # the Triton v1 kernel reads the keys' refine tier (opt-in until it has run on a GPU), not the values
         p = plan.plan_decode(q, self.paged, cfg)
         return p if p.covered else None
 
@@ -113,8 +116,9 @@ class LayerPools:
     # ---- capacity ------------------------------------------------------------------------------
     def fit(self, tier_pages: int, body_pages: int, rows: int | None = None) -> None:
         """Make room for page ids below ``tier_pages`` and ``body_pages`` (and the refine rings of ``rows`` rows)."""
-        if self.refine is not None and rows is not None:
-            self.refine.fit(rows)
+        if rows is not None:
+            for ring in self.refine_rings:
+                ring.fit(rows)
         if self.tier_k.shape[0] < tier_pages:
             self.tier_k, self.tier_v = _grow(self.tier_k, tier_pages), _grow(self.tier_v, tier_pages)
         if self.body[0] and self.body[0]["codes"].shape[0] < body_pages:
@@ -127,7 +131,7 @@ class LayerPools:
 
     def nbytes(self) -> int:
         """Bytes the pools hold (capacity, free pages included), the mirror not counted."""
-        ring = _nbytes(self.refine.data) if self.refine is not None else 0
+        ring = sum(_nbytes(r.data) for r in self.refine_rings)
         return _nbytes(self.tier_k) * 2 + sum(_nbytes(t) for parts in self.body for t in parts.values()) + ring
 
     def mirror_bytes(self) -> int:
@@ -218,19 +222,30 @@ class LayerPools:
                     parts[name][dst] = t
                 if self.mirror is not None:
                     self.mirror[i][:, dst] = codec.decode(enc).transpose(0, 1)
-        if self.refine is not None:
-            if refine_at is None:
-                raise ValueError("a flush into pools with a refine tier needs the pages' rows and body indices")
-            parts = self.body[0]
-            stored = {name: t[dst] for name, t in parts.items()}
-            x = xk.reshape(n, p, h, d).transpose(1, 2)
-            self.refine.write(x, self.codecs[0].decode(stored), stored["scale"], *refine_at)
+        if self.refine_rings and refine_at is None:
+            raise ValueError("a flush into pools with a refine tier needs the pages' rows and body indices")
+        for x, parts, codec, ring in zip((xk, xv), self.body, self.codecs, (self.refine, self.refine_v)):
+            if ring is not None:
+                stored = {name: t[dst] for name, t in parts.items()}
+                ring.write(x.reshape(n, p, h, d).transpose(1, 2), codec.decode(stored), stored["scale"], *refine_at)
 
-    def add_refinement(self, k: torch.Tensor, nb: int, rows: torch.Tensor, local: torch.Tensor, index: torch.Tensor,
-                       pages: torch.Tensor) -> None:
-        """Add the refine tier to dequantized body keys ``k [b, H, >= nb * P, D]`` in place: the
+    @property
+    def refine_rings(self) -> list[RefineRing]:
+        """The refine tier's rings (keys, then values), those the layer has."""
+        return [r for r in (self.refine, self.refine_v) if r is not None]
+
+    @property
+    def refine_pages(self) -> int:
+        """Body pages per row the refine tier covers (0: none)."""
+        return self.refine_rings[0].pages if self.refine_rings else 0
+
+    def add_refinement(self, k: torch.Tensor, v: torch.Tensor, nb: int, rows: torch.Tensor, local: torch.Tensor,
+                       index: torch.Tensor, pages: torch.Tensor) -> None:
+        """Add the refine tier to dequantized body keys and values ``[b, H, >= nb * P, D]`` in place: the
         ``index[i]``-th body page (id ``pages[i]``) of local row ``local[i]``, batch row ``rows[i]``."""
-        self.refine.add(k, nb, rows, local, index, self.body[0]["scale"][pages])
+        for t, parts, ring in zip((k, v), self.body, (self.refine, self.refine_v)):
+            if ring is not None:
+                ring.add(t, nb, rows, local, index, parts["scale"][pages])
 
     def copy_pages(self, tier_src, tier_dst, body_src, body_dst) -> None:
         """Copy pages (a row repeated by beam search gets its own pages)."""

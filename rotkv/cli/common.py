@@ -8,7 +8,8 @@ from rotkv.cli.errors import UsageError, warn
 from rotkv.config import DEFAULT_PRESET, PRESETS
 
 FLAGS = {"sink": "--sink", "window": "--window", "window_share": "--window-share",
-         "refine_tokens": "--refine-tokens", "group_size": "--group-size"}  # CacheSpec field -> flag
+         "refine_tokens": "--refine-tokens", "refine_values": "--refine-values",
+         "group_size": "--group-size"}  # CacheSpec field -> flag
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -30,13 +31,16 @@ def add_cache_args(p: argparse.ArgumentParser, preset: bool = True) -> None:
     p.add_argument("--refine-tokens", type=int, default=None,
                    help="2 more bits for the keys of each row's newest body tokens (the refine tier; INT2 keys of a "
                         "paged cache; overrides the preset; 0: none)")
+    p.add_argument("--refine-values", action="store_true", default=None,
+                   help="the refine tier refines the values too (the PyTorch path reads it; the kernels do not yet)")
     p.add_argument("--group-size", type=int, default=None, help="quantization group size (overrides the preset)")
 
 
 def cache_overrides(args) -> dict:
     """The preset overrides given on the command line (flags left out keep the preset's values)."""
     given = {"sink": args.sink, "window": getattr(args, "window", None), "window_share": getattr(args, "window_share", None),
-             "refine_tokens": getattr(args, "refine_tokens", None), "group_size": getattr(args, "group_size", None)}
+             "refine_tokens": getattr(args, "refine_tokens", None), "refine_values": getattr(args, "refine_values", None),
+             "group_size": getattr(args, "group_size", None)}
     return {k: v for k, v in given.items() if v is not None}
 
 
