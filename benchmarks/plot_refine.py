@@ -1,4 +1,5 @@
-"""KL against measured bits at 2K and 8K: the refine tier beside the INT4 caches and the earlier INT2 presets.
+"""KL against measured bits at 2K and 8K: the refine tier (keys; "+ values": keys and values, its size in
+tokens) beside the INT4 caches and the earlier INT2 presets.
 
 Reads the committed runs (the rotkv rows from ``benchmarks/lever_length.py`` JSONs, the INT4 peers from
 ``rotkv eval`` records) and draws one panel per length: every method a point at its measured bits with
@@ -21,11 +22,13 @@ RUNS = [
     ("oscar-mix", 2048, f"{W6}/eval2k-w6-mix.json", "lever"),
     ("oscar-mix-long", 2048, f"{W6}/eval2k-w6-long.json", "lever"),
     ("oscar-refine", 2048, f"{T4}/eval2k-w6-refine.json", "lever"),
+    ("oscar-refine + values (112)", 2048, f"{T4}/eval2k-w6-refine-kv.json", "lever"),
     ("rotkv int4", 2048, f"{W6}/peers-2048-results.json:int4", "eval"),
     ("HF quanto INT4", 2048, f"{W6}/peers-2048-results.json:hf-quanto-int4", "eval"),
     ("oscar-mix", 8192, f"{W6}/eval8k-w6-mix.json", "lever"),
     ("oscar-mix-long", 8192, f"{W6}/eval8k-w6-long.json", "lever"),
     ("oscar-refine", 8192, f"{T4}/eval8k-w6-refine.json", "lever"),
+    ("oscar-refine + values (224)", 8192, f"{T4}/eval8k-w6-refine-kv.json", "lever"),
     ("rotkv int4", 8192, f"{W6}/peers-8192-results.json:int4", "eval"),
     ("HF quanto INT4", 8192, f"{W6}/peers-8192-quanto.json", "record"),
 ]
@@ -67,15 +70,15 @@ def plot(runs, out: str) -> dict:
                 continue
             bits, kl, ci = point(path, kind)
             table[f"{label}@{length}"] = {"bits": bits, "kl": kl, "kl_ci95": ci}
-            c = colors.setdefault(label, f"C{len(colors)}")
-            ax.errorbar(bits, kl, yerr=ci, fmt="o", color=c, capsize=3, label=label)
-            low = label == "oscar-refine"  # beside oscar-mix-long at 8K: its label below the point
-            ax.annotate(label, (bits, kl), textcoords="offset points", xytext=(6, -11 if low else 4), fontsize=8)
+            c = colors.setdefault(label.split(" (")[0], f"C{len(colors)}")
+            marker = "D" if "+ values" in label else "o"
+            ax.errorbar(bits, kl, yerr=ci, fmt=marker, color=c, capsize=3, label=f"{label}: {kl:.4f} at {bits:.2f}")
+        ax.legend(fontsize=8, loc="upper right")  # the INT2 points crowd at ~3 bits: named in the legend
         ax.set_title(f"{length} tokens (6 held-out windows, 384 tokens)")
         ax.set_xlabel("measured bits per element (every tier and all metadata)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("KL against the fp32 model (95% CI)")
-    axes[0].set_ylim(bottom=0)
+    axes[0].set_ylim(0, 0.075)
     fig.suptitle("SmolLM2-135M: the refine tier against INT4 caches")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
