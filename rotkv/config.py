@@ -59,8 +59,8 @@ class CacheSpec:
         error of long contexts concentrates (docs/results/diagnosis_length.md). 0: off.
     refine_values: the refine tier's pages keep 2 more bits for their 2-bit values too, the same nested
         grid (an emulation on calibration text found keys and values together worth more than twice the
-        tokens of keys alone; docs/results/levers_length.md). The PyTorch paths read it; the decode kernel
-        does not yet, so on the GPU such a cache decodes through the PyTorch path.
+        tokens of keys alone; docs/results/levers_length.md). Read as the keys' tier is: the PyTorch paths,
+        and the Triton v1 decode kernel with ``ROTKV_REFINE_KERNEL=1``.
     page_size: tokens leave the window in blocks of this many (the GPU pool's page size).
     prefill_chunk: a prefill longer than this is processed in chunks, each attending to the
         quantized cache of the earlier ones (its own tokens at tier precision); also the tokens

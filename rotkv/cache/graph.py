@@ -49,9 +49,6 @@ class StaticDecode:
         if len(self.layers) != len(cache.layers):
             raise ValueError("CUDA-graph decode needs every layer in rotkv's paged pools (no sliding-window "
                              "or budgeted layers); run without cuda_graph")
-        if cache.spec.refine_values:
-            raise ValueError("CUDA-graph decode runs the decode kernels, which do not read the refine tier's values "
-                             "(refine_values) yet; run without cuda_graph")
         if cache.spec.refine_tokens and not refine_kernel():
             raise ValueError("CUDA-graph decode runs the decode kernels; the one that reads the refine tier "
                              f"(refine_tokens={cache.spec.refine_tokens}) is opt-in until it has run on a GPU: set "

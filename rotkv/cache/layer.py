@@ -255,11 +255,9 @@ class HybridLayer(RotkvLayer):
                              "kernels only); run without cuda_graph")
         body = self.pools.paged if self.spec.quantized else None
         # the graph captures the plan's launch for the capacity (st.body_max): one kernel every replay
-        ring = self.pools.refine
         o = decode_attention(q, body, st.body if body is not None else None, st.body_max,
                              (self.pools.tier_k, self.pools.tier_v), st.tier, st.tier_max, sm_scale=scaling,
-                             tier_start=self.state.pad, plan=plan,
-                             refine=(ring.data, ring.pages) if ring is not None and body is not None else None)
+                             tier_start=self.state.pad, plan=plan, **self._rings(body))
         return rot.outputs(o[:, :, None], query.dtype).transpose(1, 2)
 
     def _kernel_query(self, query: torch.Tensor) -> torch.Tensor:
@@ -336,12 +334,18 @@ class HybridLayer(RotkvLayer):
         body = self.pools.paged if self.spec.quantized and t.body_max > 0 else None
         if body is None and plan.layout is not None:  # no body tokens yet: the tier's plan
             plan = None
-        ring = self.pools.refine
         o = decode_attention(q, body, t.body if body is not None else None, t.body_max,
                              (self.pools.tier_k, self.pools.tier_v), t.tier, t.tier_max, sm_scale=scaling,
                              cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad, plan=plan,
-                             refine=(ring.data, ring.pages) if ring is not None and body is not None else None)
+                             **self._rings(body))
         return o  # in q's dtype (:meth:`_kernel_query`)
+
+    def _rings(self, body) -> dict:
+        """The decode kernel's refine-tier arguments (``refine``, ``refine_values``) for a call over ``body``."""
+        if body is None:
+            return {}
+        pick = lambda r: (r.data, r.pages) if r is not None else None  # noqa: E731
+        return {"refine": pick(self.pools.refine), "refine_values": pick(self.pools.refine_v)}
 
     def _attend_dense(self, step: Step, query: torch.Tensor, scaling: float, own=None) -> torch.Tensor:
         """Dense attention of the step's queries ``[B, Hq, C, D]`` (float32 on the CPU, bf16 on the

@@ -101,8 +101,8 @@ class LayerPools:
         or None where no kernel runs it (kernels off, or a body the kernels do not read)."""
         if not kernels.enabled(q) or (self.codecs[0] is not None and self.paged is None):
             return None
-        if self.refine_v is not None or (self.refine is not None and not refine_kernel()):
-            return None  # the Triton v1 kernel reads the keys' refine tier (opt-in until it has run on a GPU), not the values
+        if self.refine_rings and not refine_kernel():
+            return None  # the Triton v1 kernel reads the refine tier, but has not run on a GPU yet: opt-in
         p = plan.plan_decode(q, self.paged, cfg)
         return p if p.covered else None
 

@@ -17,9 +17,10 @@ Storage: ``uint8 [rows, K, H, P, D / 4]`` per layer, a ring per row: the row's `
 (0-based) keeps its bits in slot ``i % K``, which the page ``K`` places later overwrites. No metadata
 of its own: 2 bits per key element of the refined pages, counted in the cache's measured bits.
 
-Read by the PyTorch paths (dense decode, prefill history, :meth:`HybridLayer.read`) and by the Triton v1
-decode kernel (``rotkv.kernels.decode``: a second key of scale ``s / 4`` and minimum ``-3/8 s`` added to
-the score of a refined page), which is opt-in (``ROTKV_REFINE_KERNEL=1``) until it has been compiled on a
+With ``CacheSpec.refine_values`` the values get a ring of their own, the same way. Read by the PyTorch
+paths (dense decode, prefill history, :meth:`HybridLayer.read`) and by the Triton v1 decode kernel
+(``rotkv.kernels.decode``: a second key, or value, of scale ``s / 4`` and minimum ``-3/8 s`` for the refined
+pages), which is opt-in (``ROTKV_REFINE_KERNEL=1``) until it has been compiled on a
 GPU; with it on, the CUDA-graph decoder captures a refined cache too (its flush graph writes the ring).
 """
 

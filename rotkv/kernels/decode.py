@@ -172,6 +172,7 @@ def _int2_part(
     REP: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
     BLOCK_N: tl.constexpr, QK_INT8: tl.constexpr, USE_ASM: tl.constexpr, STATIC_STEPS: tl.constexpr,
     F16: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, rf_ptr, RK, REFINE: tl.constexpr,
+    rv_ptr, REFINE_V: tl.constexpr,
 ):
     # REFINE (INT2 keys): the refine tier (rotkv.cache.refine), ``rf_ptr`` uint8 [B, RK, H, P, D/4]: the
     # RK newest pages of request b add (j - 1.5) / 4 * s to each key element, i.e. a second key of scale
@@ -325,6 +326,39 @@ def _int2_part(
         a1 = tl.dot(ps1, _quarter_bf16(vc, vc2, 1, V_BITS, USE_ASM, F16), a1 * alpha[:, None]) + cr1[:, None]
         a2 = tl.dot(ps2, _quarter_bf16(vc, vc2, 2, V_BITS, USE_ASM, F16), a2 * alpha[:, None]) + cr2[:, None]
         a3 = tl.dot(ps3, _quarter_bf16(vc, vc2, 3, V_BITS, USE_ASM, F16), a3 * alpha[:, None]) + cr3[:, None]
+        # REFINE_V (INT2 values): the value ring ``rv_ptr`` (as rf_ptr's) adds (j - 1.5) / 4 * s to each value
+        # element of the refined pages: a second value of scale s / 4 and minimum -3/8 s in p @ V
+        if REFINE_V:
+            if (tl.minimum(tok_lo + it * BLOCK_N + BLOCK_N, tok_hi) - 1) // P >= npages_r - RK:
+                vmask = nmask & (offs_n // P >= npages_r - RK)
+                vrow = ((b.to(tl.int64) * RK + (offs_n // P) % RK) * H + hh) * P + offs_n % P
+                gc = tl.load(rv_ptr + vrow[:, None] * Q4 + offs_c[None, :], mask=vmask[:, None], other=0)
+                pr = tl.where(vmask[None, :], p, 0.0)
+                w0 = 0.25 * _load_meta(vs_ptr, row, 0, NG, nmask)
+                u0 = _mma(pr * w0[None, :], F16)
+                e0 = tl.sum(pr * (-1.5 * w0)[None, :] - 128.0 * u0.to(tl.float32), axis=1)
+                if PPG == 4:
+                    u1, u2, u3, e1, e2, e3 = u0, u0, u0, e0, e0, e0
+                elif PPG == 2:
+                    u1, e1 = u0, e0
+                    w2 = 0.25 * _load_meta(vs_ptr, row, 1, NG, nmask)
+                    u2 = _mma(pr * w2[None, :], F16)
+                    e2 = tl.sum(pr * (-1.5 * w2)[None, :] - 128.0 * u2.to(tl.float32), axis=1)
+                    u3, e3 = u2, e2
+                else:
+                    w1 = 0.25 * _load_meta(vs_ptr, row, 1, NG, nmask)
+                    u1 = _mma(pr * w1[None, :], F16)
+                    e1 = tl.sum(pr * (-1.5 * w1)[None, :] - 128.0 * u1.to(tl.float32), axis=1)
+                    w2 = 0.25 * _load_meta(vs_ptr, row, 2, NG, nmask)
+                    u2 = _mma(pr * w2[None, :], F16)
+                    e2 = tl.sum(pr * (-1.5 * w2)[None, :] - 128.0 * u2.to(tl.float32), axis=1)
+                    w3 = 0.25 * _load_meta(vs_ptr, row, 3, NG, nmask)
+                    u3 = _mma(pr * w3[None, :], F16)
+                    e3 = tl.sum(pr * (-1.5 * w3)[None, :] - 128.0 * u3.to(tl.float32), axis=1)
+                a0 = tl.dot(u0, _quarter_bf16(gc, gc, 0, 2, USE_ASM, F16), a0) + e0[:, None]
+                a1 = tl.dot(u1, _quarter_bf16(gc, gc, 1, 2, USE_ASM, F16), a1) + e1[:, None]
+                a2 = tl.dot(u2, _quarter_bf16(gc, gc, 2, 2, USE_ASM, F16), a2) + e2[:, None]
+                a3 = tl.dot(u3, _quarter_bf16(gc, gc, 3, 2, USE_ASM, F16), a3) + e3[:, None]
     # ---- partials
     prow = (qrow * NS + s)
     tl.store(m_ptr + prow, m_i, mask=rmask)
@@ -516,7 +550,7 @@ def _split_kernel(
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, QK_INT8: tl.constexpr, USE_ASM: tl.constexpr,
     HAS_INT2: tl.constexpr, HAS_TIER: tl.constexpr, STATIC_STEPS: tl.constexpr,
     TIER_STATIC_STEPS: tl.constexpr, F16: tl.constexpr, V2: tl.constexpr, RP: tl.constexpr, PB: tl.constexpr,
-    K_BITS: tl.constexpr, V_BITS: tl.constexpr, rf_ptr, RK, REFINE: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, rf_ptr, RK, REFINE: tl.constexpr, rv_ptr, REFINE_V: tl.constexpr,
 ):
     pid, s = tl.program_id(0), tl.program_id(1) + s0  # s0 > 0: the body's splits were written elsewhere
     b, h = pid // H, pid % H
@@ -529,7 +563,7 @@ def _split_kernel(
             _int2_part(q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
                        o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
                        REP, HPAD, D, G, P, BLOCK_N, QK_INT8, USE_ASM, STATIC_STEPS, F16, K_BITS, V_BITS,
-                       rf_ptr, RK, REFINE)
+                       rf_ptr, RK, REFINE, rv_ptr, REFINE_V)
     elif HAS_TIER:
         _bf16_part(q_ptr, tk_ptr, tv_ptr, tindptr_ptr, tindices_ptr, tlast_ptr,
                    o_ptr, m_ptr, l_ptr, b, h, s - n_int2_splits, s, H, HQ, NS, qk_scale, tier_tokens_per_split,
@@ -576,7 +610,8 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
                      tier: tuple | None = None, tier_table: tuple | None = None, tier_max_len: int = 0,
                      sm_scale: float | None = None, cfg: DecodeConfig | None = None,
                      out: torch.Tensor | None = None, tier_start: int = 0,
-                     plan: DecodePlan | None = None, refine: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                     plan: DecodePlan | None = None, refine: tuple[torch.Tensor, int] | None = None,
+                     refine_values: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """Attention of one decode token per request over an INT2 paged body and a bf16 paged tier.
 
     q ``[B, Hq, D]`` (rotated by R_K; any float dtype). body a :class:`~rotkv.kernels.body.PagedBody`,
@@ -588,7 +623,7 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
     looked up here when not given); it says which kernel runs, this function only launches it.
     ``refine``: ``(ring [B, K, H, P, D/4] uint8, K)``, the refine tier of an INT2-key body
     (:mod:`rotkv.cache.refine`): only the Triton v1 body kernel reads it, so that kernel runs in place of the
-    plan's body kernel.
+    plan's body kernel. ``refine_values``: the same for the INT2 values (``CacheSpec.refine_values``).
     Returns ``[B, Hq, D]`` in q's dtype (or written into ``out``).
     """
     b_sz, hq, d = q.shape
@@ -606,18 +641,25 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
     use_asm = (not _interpreting()) if cfg.use_asm is None else cfg.use_asm
     has_int2 = body is not None and max_len > 0
     has_tier = tier is not None and tier_max_len > 0
-    if refine is not None and has_int2:
-        if bits[0] != 2:
-            raise ValueError(f"the refine tier refines INT2 keys, not INT{bits[0]}")
-        ring, rk = refine
-        if ring.dtype != torch.uint8 or ring.shape[:2] != (b_sz, rk) or ring.shape[2:] != (h, body.page_size, d // 4):
-            raise ValueError(f"refine ring {tuple(ring.shape)} {ring.dtype} does not match {b_sz} requests x {rk} pages "
-                             f"x ({h}, {body.page_size}, {d // 4}) uint8")
+    ring = vring = None
+    rk = 1
+    if has_int2 and (refine is not None or refine_values is not None):
+        for side, given, width in (("keys", refine, bits[0]), ("values", refine_values, bits[1])):
+            if given is None:
+                continue
+            if width != 2:
+                raise ValueError(f"the refine tier refines INT2 {side}, not INT{width}")
+            r, rk = given
+            if r.dtype != torch.uint8 or r.shape[:2] != (b_sz, rk) or r.shape[2:] != (h, body.page_size, d // 4):
+                raise ValueError(f"refine ring {tuple(r.shape)} {r.dtype} does not match {b_sz} requests x {rk} pages "
+                                 f"x ({h}, {body.page_size}, {d // 4}) uint8")
+        if refine is not None and refine_values is not None and refine[1] != refine_values[1]:
+            raise ValueError(f"the key and value refine rings cover different pages ({refine[1]}, {refine_values[1]})")
+        ring = refine[0] if refine is not None else None
+        vring = refine_values[0] if refine_values is not None else None
         launch = plan.v1_launch()  # only the v1 body kernel reads the tier
         cfg = launch.cfg
         use_asm = (not _interpreting()) if cfg.use_asm is None else cfg.use_asm
-    else:
-        ring, rk = None, 1
     use_cuda = has_int2 and launch.kernel == "cuda"
     fuse_mode = resolve_fuse(cfg, d)
     fuse = use_cuda and fuse_mode != "none"  # the CUDA kernel pre-merges blocks of 4 splits
@@ -671,6 +713,7 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
                 TIER_STATIC_STEPS=tper // cfg.block_t if _interpreting() else 0, F16=_interpreting(),
                 V2=v2, RP=max(4, triton.next_power_of_2(rep)), PB=min(p, cfg.block_n), K_BITS=bits[0], V_BITS=bits[1],
                 rf_ptr=ring if ring is not None else dummy, RK=rk, REFINE=ring is not None,
+                rv_ptr=vring if vring is not None else dummy, REFINE_V=vring is not None,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
         if use_cuda:

@@ -65,17 +65,18 @@ def dequant_pages(body: PagedBody, kv_indptr: torch.Tensor, kv_indices: torch.Te
     return out
 
 
-def refine_dense(dense: list, body: PagedBody, table: tuple, refine: tuple[torch.Tensor, int]) -> None:
-    """Add the refine tier (rotkv.cache.refine) to the dense keys of :func:`dequant_pages`, in place:
-    ``refine = (ring [B, K, H, P, D/4], K)``; page ``i`` of request ``b`` is refined from slot ``i % K``
-    when it is one of the request's ``K`` newest pages."""
+def refine_dense(dense: list, body: PagedBody, table: tuple, refine: tuple[torch.Tensor, int], side: int = 0) -> None:
+    """Add the refine tier (rotkv.cache.refine) to the dense keys (``side`` 0; 1: values) of
+    :func:`dequant_pages`, in place: ``refine = (ring [B, K, H, P, D/4], K)``; page ``i`` of request ``b`` is
+    refined from slot ``i % K`` when it is one of the request's ``K`` newest pages."""
     from rotkv.quant.refine import refine_delta
     from rotkv.quant.packing import unpack
 
     ring, k_pages = refine
     indptr, indices = table[0].tolist(), table[1]
-    part, p = body.parts[0], body.page_size
-    for b, (k, _) in enumerate(dense):
+    part, p = body.parts[side], body.page_size
+    for b, kv in enumerate(dense):
+        k = kv[side]
         n = indptr[b + 1] - indptr[b]
         for i in range(max(n - k_pages, 0), n):
             page = int(indices[indptr[b] + i])
@@ -87,19 +88,22 @@ def refine_dense(dense: list, body: PagedBody, table: tuple, refine: tuple[torch
 def decode_reference(q: torch.Tensor, body: PagedBody | None, table: tuple | None,
                      tier_k: torch.Tensor | None = None, tier_v: torch.Tensor | None = None,
                      tier_table: tuple | None = None, sm_scale: float | None = None,
-                     tier_start: int = 0, refine: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                     tier_start: int = 0, refine: tuple[torch.Tensor, int] | None = None,
+                     refine_values: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """One decode step in float32.
 
     q ``[B, Hq, D]`` (already rotated); body a :class:`~rotkv.kernels.body.PagedBody` (any width);
     table ``(kv_indptr, kv_indices, kv_last_page_len)`` of the body; tier_k/tier_v
     ``[NPT, H, PT, D]`` with tier_table likewise (positions below ``tier_start`` hold no token).
-    ``refine``: the body's refine tier (:func:`refine_dense`). Returns ``[B, Hq, D]`` float32.
+    ``refine``, ``refine_values``: the body's refine tier of keys and values (:func:`refine_dense`). Returns ``[B, Hq, D]`` float32.
     """
     b_sz, hq, d = q.shape
     sm_scale = d ** -0.5 if sm_scale is None else sm_scale
     dense = dequant_pages(body, *table) if table is not None else [None] * b_sz
     if refine is not None and table is not None:
         refine_dense(dense, body, table, refine)
+    if refine_values is not None and table is not None:
+        refine_dense(dense, body, table, refine_values, side=1)
     if tier_table is not None:
         pt = tier_k.shape[2]
         tier_lens = lengths_from_table(tier_table[0], tier_table[2], pt).tolist()

@@ -20,17 +20,21 @@ CASES = [  # (body lens, tier lens, kv heads, n_rep, head_dim, group, page, qk_i
 ]
 
 
+@pytest.mark.parametrize("sides", ["k", "v", "kv"])  # the key ring, the value ring (refine_values), both
 @pytest.mark.parametrize("v2", [False, True])  # v2 asked for: the refine tier runs v1
 @pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p,int8,k", CASES)
-def test_decode_reads_the_refine_tier(lens, tier_lens, h, rep, d, g, p, int8, k, v2, device):
+def test_decode_reads_the_refine_tier(lens, tier_lens, h, rep, d, g, p, int8, k, v2, sides, device):
     body, table, tier, ttable, ml, tml = _build(lens, tier_lens, h, d, g, p, 16, device, seed=k)
     gen = torch.Generator().manual_seed(k + 1)
     q = torch.randn(len(lens), h * rep, d, generator=gen).to(device, torch.bfloat16)
-    ring = torch.randint(0, 256, (len(lens), k, h, p, d // 4), generator=gen, dtype=torch.uint8).to(device)
+    rings = {s: (torch.randint(0, 256, (len(lens), k, h, p, d // 4), generator=gen, dtype=torch.uint8).to(device), k)
+             for s in sides}
     cfg = DecodeConfig(qk_int8=int8, block_n=32, block_t=16, target_programs=8, min_split_tokens=32, v2=v2,
                        score="int8" if int8 else "bf16")
-    out = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg, refine=(ring, k))
-    ref = decode_reference(q.float(), body, table, tier[0], tier[1], ttable, refine=(ring, k))
+    out = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg, refine=rings.get("k"),
+                           refine_values=rings.get("v"))
+    ref = decode_reference(q.float(), body, table, tier[0], tier[1], ttable, refine=rings.get("k"),
+                           refine_values=rings.get("v"))
     plain = decode_reference(q.float(), body, table, tier[0], tier[1], ttable)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     assert torch.isfinite(out).all()
@@ -47,7 +51,8 @@ def test_decode_refuses_a_ring_that_does_not_match(device):
         decode_attention(q, body, table, ml, tier, ttable, tml, refine=(ring, 2))
 
 
-def test_layer_decodes_the_refine_tier_through_the_kernel(device, monkeypatch):
+@pytest.mark.parametrize("values", [False, True])
+def test_layer_decodes_the_refine_tier_through_the_kernel(values, device, monkeypatch):
     """A HybridLayer with a refine tier: decode steps through the kernel (ROTKV_REFINE_KERNEL=1) give the
     PyTorch path's outputs, through page flushes that move pages in and out of the tier."""
     from rotkv.cache.codecs import make_codecs
@@ -60,13 +65,14 @@ def test_layer_decodes_the_refine_tier_through_the_kernel(device, monkeypatch):
     calls = []
     kernel = decode_mod.decode_attention
     monkeypatch.setattr(decode_mod, "decode_attention",
-                        lambda *a, **k: calls.append(k.get("refine") is not None) or kernel(*a, **k))
+                        lambda *a, **k: calls.append(k.get("refine") is not None
+                                                     and (k.get("refine_values") is not None) == values) or kernel(*a, **k))
     if device == "cpu":
         monkeypatch.setattr(backend, "enabled", lambda t: os.environ.get("ROTKV_KERNELS", "1") != "0")
     monkeypatch.setenv("ROTKV_REFINE_KERNEL", "1")
     h, d, rep, b = 2, 64, 3, 2
     spec = CacheSpec(bits=2, group_size=64, sink=4, window=16, page_size=16, prefill_chunk=64, rotation="hadamard",
-                     clip_k=0.96, clip_v=0.92, refine_tokens=32)
+                     clip_k=0.96, clip_v=0.92, refine_tokens=32, refine_values=values)
     rot = build_rotations("hadamard", 1, h, d)[0]
     layers = [HybridLayer(spec, rot, d, h, 0, make_codecs("token", 2, 64, 0.96, 0.92), torch.bfloat16)
               for _ in range(2)]
