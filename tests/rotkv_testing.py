@@ -1,5 +1,8 @@
 """Helpers shared by test modules (a uniquely named module: tests/kernels has its own conftest)."""
 
+import importlib.util
+import os
+
 import torch
 from safetensors.torch import save_file
 
@@ -59,3 +62,12 @@ def save_tiny_llama_dir(path, seed: int = 0, **kw) -> str:
     model.save_pretrained(str(path))
     char_tokenizer().save_pretrained(str(path))
     return str(path)
+
+
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (the benchmarks are scripts, not a package)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,17 +1,15 @@
 """benchmarks/plot_memory.py on the committed result files: the capacity panel's labels, and the figure."""
 
-import importlib.util
 import json
 import os
 
 import pytest
+from rotkv_testing import load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RES = os.path.join(ROOT, "benchmarks", "results")
 pytest.importorskip("matplotlib")
-_spec = importlib.util.spec_from_file_location("plot_memory", os.path.join(ROOT, "benchmarks", "plot_memory.py"))
-plot_memory = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plot_memory)
+plot_memory = load_benchmark("plot_memory")
 
 
 def test_capacity_labels():

@@ -1,16 +1,14 @@
 """benchmarks/plot_refine.py on the committed result files: the points it reads, the figure, a bad file refused."""
 
-import importlib.util
 import json
 import os
 
 import pytest
+from rotkv_testing import load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("matplotlib")
-_spec = importlib.util.spec_from_file_location("plot_refine", os.path.join(ROOT, "benchmarks", "plot_refine.py"))
-plot = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plot)
+plot = load_benchmark("plot_refine")
 
 
 def test_the_figure_from_committed_results(tmp_path, monkeypatch):

@@ -1,17 +1,15 @@
 """benchmarks/plot_step_compile.py on the committed result files: bar labels, the figure, an empty file refused."""
 
-import importlib.util
 import json
 import os
 
 import pytest
+from rotkv_testing import load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RES = os.path.join(ROOT, "benchmarks", "results")
 pytest.importorskip("matplotlib")
-_spec = importlib.util.spec_from_file_location("plot_step_compile", os.path.join(ROOT, "benchmarks", "plot_step_compile.py"))
-plot = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plot)
+plot = load_benchmark("plot_step_compile")
 
 FILES = ["generate-compile-smollm2-1x4k-20261204-6e62d7f.json", "generate-compile-qwen8L-4x32k-20261204-6e62d7f.json",
          "generate-compile-real-smollm2-64x8k-20261204-d525038.json", "generate-compile-qwen36L-8x32k-20261204-d525038.json"]

@@ -1,21 +1,16 @@
 """benchmarks/profile_prefill.py at a tiny shape on the CPU: the profile and the sweep write rows
 with positive times (the GPU runs of issue 20 use the same code at full shapes)."""
 
-import importlib.util
 import json
-import os
 
 import pytest
+from rotkv_testing import load_benchmark
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def _script():
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "profile_prefill.py")
-    spec = importlib.util.spec_from_file_location("profile_prefill", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("profile_prefill")
 
 
 SHAPE = ["--random", "smollm2", "--layers", "2", "--batch", "2", "--context", "96", "--device", "cpu"]

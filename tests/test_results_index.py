@@ -2,7 +2,6 @@
 benchmarks/results_io.py stamps and names what the tools write. Cheap: no model, no GPU."""
 
 import datetime
-import importlib.util
 import json
 import os
 import re
@@ -10,19 +9,13 @@ import shutil
 import subprocess
 
 import pytest
+from rotkv_testing import load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ri = _load("results_index")
-rio = _load("results_io")
+ri = load_benchmark("results_index")
+rio = load_benchmark("results_io")
 INDEX = os.path.join(ROOT, "benchmarks", "results", "INDEX.md")
 
 

@@ -204,7 +204,11 @@ class LayerPools:
         codec), else the codec's reference encoder. ``refine_at``: (batch row, index in the row's body)
         of every page, for the refine tier (required when the pools have one)."""
         n, h, p, d = len(dst), self.kv_heads, self.page, self.head_dim
-        for x, parts, codec, i in zip((xk, xv), self.body, self.codecs, (0, 1)):
+        if self.refine_rings and refine_at is None:
+            raise ValueError("a flush into pools with a refine tier needs the pages' rows and body indices")
+        for x, parts, codec, i, ring in zip((xk, xv), self.body, self.codecs, (0, 1), (self.refine, self.refine_v)):
+            pages = x.reshape(n, p, h, d).transpose(1, 2)  # [n, H, P, D]
+            stored = base = None  # the pages' parts and their 2-bit reading, where this flush has them
             if self.part_kernels[i] and kernels.enabled(x):
                 from rotkv.kernels.write import quant_write
 
@@ -217,17 +221,18 @@ class LayerPools:
                     # in place: a CUDA graph that captured this flush accumulates into the same flag
                     self.range_flags[i].logical_or_(fp8_meta_out_of_range(part, dst))
             else:
-                enc = codec.encode(x.reshape(n, p, h, d).transpose(1, 2).float())
-                for name, t in enc.items():
+                stored = codec.encode(pages.float())
+                for name, t in stored.items():
                     parts[name][dst] = t
+                if self.mirror is not None or ring is not None:
+                    base = codec.decode(stored)
                 if self.mirror is not None:
-                    self.mirror[i][:, dst] = codec.decode(enc).transpose(0, 1)
-        if self.refine_rings and refine_at is None:
-            raise ValueError("a flush into pools with a refine tier needs the pages' rows and body indices")
-        for x, parts, codec, ring in zip((xk, xv), self.body, self.codecs, (self.refine, self.refine_v)):
-            if ring is not None:
-                stored = {name: t[dst] for name, t in parts.items()}
-                ring.write(x.reshape(n, p, h, d).transpose(1, 2), codec.decode(stored), stored["scale"], *refine_at)
+                    self.mirror[i][:, dst] = base.transpose(0, 1)
+            if ring is not None:  # the refine tier: from the exact pages and their stored 2-bit reading
+                if stored is None:  # written by the kernel: read back
+                    stored = {name: t[dst] for name, t in parts.items()}
+                    base = codec.decode(stored)
+                ring.write(pages, base, stored["scale"], *refine_at)
 
     @property
     def refine_rings(self) -> list[RefineRing]:

@@ -166,6 +166,14 @@ def _load_meta(ptr, row, g: tl.constexpr, NG: tl.constexpr, nmask):
 
 
 @triton.jit
+def _ring_rows(offs_n, nmask, npages, RK, b, H, hh, P: tl.constexpr):
+    """(mask, row) of a block's tokens in the refine ring ``[B, RK, H, P, D/4]``: the tokens of the request's
+    RK newest pages, at slot ``page index % RK``."""
+    pidx = offs_n // P  # the token's page index in its request
+    return nmask & (pidx >= npages - RK), ((b.to(tl.int64) * RK + pidx % RK) * H + hh) * P + offs_n % P
+
+
+@triton.jit
 def _int2_part(
     q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
     o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
@@ -270,12 +278,11 @@ def _int2_part(
             sc += z0[None, :] * qs0[:, None] + z1[None, :] * qs1[:, None]
             sc += z2[None, :] * qs2[:, None] + z3[None, :] * qs3[:, None]
         # a block holds refined tokens only if its last token's page is among the RK newest (the blocks
-        # before that skip the ring: its loads and four dots)
+        # before that skip the rings: their loads and dots)
+        refined = (tl.minimum(tok_lo + it * BLOCK_N + BLOCK_N, tok_hi) - 1) // P >= npages_r - RK
         if REFINE:
-            if (tl.minimum(tok_lo + it * BLOCK_N + BLOCK_N, tok_hi) - 1) // P >= npages_r - RK:
-                pidx = offs_n // P  # the token's page index in its request
-                fmask = nmask & (pidx >= npages_r - RK)
-                frow = ((b.to(tl.int64) * RK + pidx % RK) * H + hh) * P + offs_n % P
+            if refined:
+                fmask, frow = _ring_rows(offs_n, nmask, npages_r, RK, b, H, hh, P)
                 fc = tl.load(rf_ptr + frow[:, None] * Q4 + offs_c[None, :], mask=fmask[:, None], other=0)
                 f0 = _score_plane(q0, i0, fc, fc, 0, 2, QK_INT8, USE_ASM, F16)
                 f1 = _score_plane(q1, i1, fc, fc, 1, 2, QK_INT8, USE_ASM, F16)
@@ -329,9 +336,8 @@ def _int2_part(
         # REFINE_V (INT2 values): the value ring ``rv_ptr`` (as rf_ptr's) adds (j - 1.5) / 4 * s to each value
         # element of the refined pages: a second value of scale s / 4 and minimum -3/8 s in p @ V
         if REFINE_V:
-            if (tl.minimum(tok_lo + it * BLOCK_N + BLOCK_N, tok_hi) - 1) // P >= npages_r - RK:
-                vmask = nmask & (offs_n // P >= npages_r - RK)
-                vrow = ((b.to(tl.int64) * RK + (offs_n // P) % RK) * H + hh) * P + offs_n % P
+            if refined:
+                vmask, vrow = _ring_rows(offs_n, nmask, npages_r, RK, b, H, hh, P)
                 gc = tl.load(rv_ptr + vrow[:, None] * Q4 + offs_c[None, :], mask=vmask[:, None], other=0)
                 pr = tl.where(vmask[None, :], p, 0.0)
                 w0 = 0.25 * _load_meta(vs_ptr, row, 0, NG, nmask)

@@ -29,6 +29,22 @@ def _graph_llama(layers: int = 2):
     return LlamaForCausalLM(cfg).cuda().bfloat16().eval()
 
 
+def kernel_against_reference(layers, ks, vs, qs, n_prefill: int, monkeypatch) -> list[float]:
+    """Two identical layers see the same tokens, the first through the PyTorch reference (ROTKV_KERNELS=0),
+    the second through the kernels: a prefill of ``n_prefill`` positions, then one decode step per remaining
+    position. Returns each call's relative output error."""
+    d, errs = qs.shape[-1], []
+    for t0, t1 in [(0, n_prefill)] + [(t, t + 1) for t in range(n_prefill, qs.shape[2])]:
+        outs = []
+        for use, layer in zip(("0", "1"), layers):
+            monkeypatch.setenv("ROTKV_KERNELS", use)
+            layer.update(ks[:, :, t0:t1], vs[:, :, t0:t1])
+            outs.append(layer.attend(qs[:, :, t0:t1], None, d**-0.5).float())
+        ref, got = outs
+        errs.append(((got - ref).norm() / ref.norm()).item())
+    return errs
+
+
 def test_backend_declines_on_cpu():
     x = torch.randn(2, 1, 16, 64)
     assert backend.token_encode(x, 2, 32, 1.0) is None
@@ -48,15 +64,7 @@ def test_layer_kernel_path_matches_reference(d, g, rep, monkeypatch):
     ks = torch.randn(b, h, n_prefill + steps, d, device="cuda", generator=gen).bfloat16()
     vs = torch.randn(b, h, n_prefill + steps, d, device="cuda", generator=gen).bfloat16()
     qs = torch.randn(b, h * rep, n_prefill + steps, d, device="cuda", generator=gen).bfloat16()
-    errs = []
-    for t0, t1 in [(0, n_prefill)] + [(t, t + 1) for t in range(n_prefill, n_prefill + steps)]:
-        outs = []
-        for use, layer in zip(("0", "1"), layers):
-            monkeypatch.setenv("ROTKV_KERNELS", use)
-            layer.update(ks[:, :, t0:t1], vs[:, :, t0:t1])
-            outs.append(layer.attend(qs[:, :, t0:t1], None, d**-0.5).float())
-        ref, got = outs
-        errs.append(((got - ref).norm() / ref.norm()).item())
+    errs = kernel_against_reference(layers, ks, vs, qs, n_prefill, monkeypatch)
     assert max(errs[1:]) < 2e-2, errs
     st_ref, st_got = layers[0].state, layers[1].state
     assert (st_ref.body_count == st_got.body_count).all() and st_ref.body_count.min() > 0

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from test_backend import kernel_against_reference  # noqa: E402
 from test_kernels import _build  # noqa: E402
 
 from rotkv.kernels.decode import DecodeConfig, decode_attention  # noqa: E402
@@ -80,14 +81,7 @@ def test_layer_decodes_the_refine_tier_through_the_kernel(values, device, monkey
     n_pre, steps = 70, 36
     ks, vs = (torch.randn(b, h, n_pre + steps, d, generator=gen).bfloat16().to(device) for _ in range(2))
     qs = torch.randn(b, h * rep, n_pre + steps, d, generator=gen).bfloat16().to(device)
-    errs = []
-    for t0, t1 in [(0, n_pre)] + [(t, t + 1) for t in range(n_pre, n_pre + steps)]:
-        outs = []
-        for use, layer in zip(("0", "1"), layers):
-            monkeypatch.setenv("ROTKV_KERNELS", use)
-            layer.update(ks[:, :, t0:t1], vs[:, :, t0:t1])
-            outs.append(layer.attend(qs[:, :, t0:t1], None, d ** -0.5).float())
-        errs.append(((outs[1] - outs[0]).norm() / outs[0].norm()).item())
+    errs = kernel_against_reference(layers, ks, vs, qs, n_pre, monkeypatch)
     assert any(calls) and layers[1].state.body_count.min() > spec.refine_tokens // 16  # pages aged out of the tier
     assert max(errs[1:]) < 2e-2, errs
 
