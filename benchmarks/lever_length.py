@@ -235,7 +235,10 @@ def main() -> None:
                     help="CacheSpec.window_share: the window grows to this share of each row (default: the preset's)")
     ap.add_argument("--refine-tokens", type=int, default=None,
                     help="CacheSpec.refine_tokens: 2 more key bits for each row's newest body tokens (default: the preset's)")
-    ap.add_argument("--refine-values", action="store_true", help="CacheSpec.refine_values: the refine tier's values too")
+    ap.add_argument("--refine-values", action=argparse.BooleanOptionalAction, default=None,
+                    help="CacheSpec.refine_values: the refine tier's values too, or not (default: the preset's)")
+    ap.add_argument("--refine-every", type=int, default=None,
+                    help="CacheSpec.refine_every: one refined page per this many body pages (default: the preset's)")
     ap.add_argument("--grid-tokens", type=int, default=4096, help="calibration tokens for the grids")
     ap.add_argument("--context-length", default=None, metavar="N|auto",
                     help="the cache's expected tokens per row, which picks the key fit of an artifact with several "
@@ -284,13 +287,15 @@ def main() -> None:
                            "windows": args.windows, "starts": starts, "sink": sink, "window": args.window or spec.window,
                            "chunk": args.chunk, "texts": texts, "grid_tokens": args.grid_tokens,
                            "window_share": args.window_share, "context_length": ctx_len, "refine_tokens": args.refine_tokens,
+                           "refine_values": args.refine_values, "refine_every": args.refine_every,
                            "key_fit_lengths": art.key_fit_lengths}
     for name in args.configs:
         key = name + (f"/{args.tag}" if args.tag else "") + (f"/w{args.window}" if args.window else "") + (
             f"/sink{args.sink}" if args.sink is not None else "") + (f"/{args.text}" if args.text != "eval" else "") + (
             f"/s{args.window_share:g}" if args.window_share is not None else "") + (
             f"/refine{args.refine_tokens}" if args.refine_tokens is not None else "") + (
-            "/kv" if args.refine_values else "") + (
+            "/kv" if args.refine_values else "/k" if args.refine_values is False else "") + (
+            f"/every{args.refine_every}" if args.refine_every is not None else "") + (
             f"/ctx{ctx_len}" if ctx_len is not None else "")
         if key in results["runs"]:
             continue
@@ -319,8 +324,10 @@ def main() -> None:
             share = {} if args.window_share is None else {"window_share": args.window_share}
             if args.refine_tokens is not None:
                 share["refine_tokens"] = args.refine_tokens
-            if args.refine_values:
-                share["refine_values"] = True
+            if args.refine_values is not None:
+                share["refine_values"] = args.refine_values
+            if args.refine_every is not None:
+                share["refine_every"] = args.refine_every
             cache = RotkvCache(model, args.preset, art, prefill_chunk=chunk, window=window, sink=sink,
                                context_length=ctx_len, **share)
             holder["fit"] = cache.key_fit_length

@@ -9,8 +9,8 @@ import torch
 from rotkv.cache import RotkvCache
 from rotkv.cache.codecs import TokenCodec, make_codecs
 from rotkv.cache.layer import HybridLayer
-from rotkv.cache.refine import newest_pages
-from rotkv.quant.refine import refine_codes, refine_delta
+from rotkv.cache.refine import RefineRing, newest_pages, ring_writes
+from rotkv.quant.refine import refine_codes, refine_delta, refined_pages
 from rotkv.config import CacheSpec
 from rotkv.hf.compat import cache_kwarg
 from rotkv.rotations.registry import build_rotations
@@ -57,26 +57,53 @@ def test_refine_codes_pick_the_nearest_point_of_the_bucket():
 def test_newest_pages():
     rows, idx = newest_pages(np.array([0, 2, 7, 3]), 3)
     assert rows.tolist() == [1, 1, 2, 2, 2, 3, 3, 3] and idx.tolist() == [0, 1, 4, 5, 6, 0, 1, 2]
+    # the size rule: one refined page per `every` body pages, at most k
+    assert refined_pages(np.array([0, 1, 2, 3, 4, 7, 40]), 3, 2).tolist() == [0, 1, 1, 2, 2, 3, 3]
+    assert refined_pages(5, 8, 0) == 5 and refined_pages(5, 8, 1) == 5 and refined_pages(5, 8, 4) == 2
+    rows, idx = newest_pages(np.array([0, 2, 7, 3]), 3, every=3)
+    assert rows.tolist() == [1, 2, 2, 2, 3] and idx.tolist() == [1, 4, 5, 6, 2]
 
 
-def refined_layer(refine_tokens, sink=4, window=8, page=4, chunk=512, share=0.0, values=False):
+def test_ring_writes_keep_each_rows_newest_pages_of_a_flush():
+    # a prefill flushes rows 0 and 2 many pages at once: a 2-slot ring keeps the newest 2 of each
+    rows = np.array([0, 0, 0, 0, 2, 2, 2, 1])
+    index = np.array([3, 4, 5, 6, 0, 1, 2, 9])
+    assert ring_writes(rows, index, 2).tolist() == [2, 3, 5, 6, 7]
+    assert ring_writes(rows, index, 4) is None  # every page has a slot of its own
+    assert ring_writes(np.array([], dtype=np.int64), np.array([], dtype=np.int64), 2) is None
+
+
+def refined_layer(refine_tokens, sink=4, window=8, page=4, chunk=512, share=0.0, values=False, every=0):
     spec = CacheSpec(bits=2, group_size=G, sink=sink, window=window, page_size=page, prefill_chunk=chunk,
-                     tier_dtype="float32", window_share=share, refine_tokens=refine_tokens, refine_values=values)
+                     tier_dtype="float32", window_share=share, refine_tokens=refine_tokens, refine_values=values,
+                     refine_every=every)
     rot = build_rotations("hadamard", 1, H, D)[0]
     return HybridLayer(spec, rot, D, H, 0, make_codecs("token", 2, G, 0.9, 1.0)), rot
 
 
-@pytest.mark.parametrize("refine,sink,window,page,chunk,share,values", [
-    (8, 4, 8, 4, 512, 0.0, False), (12, 3, 8, 4, 16, 0.0, False), (5, 0, 5, 4, 7, 0.0, False),
-    (16, 4, 3, 4, 16, 0.25, False), (100, 2, 4, 4, 9, 0.0, False),
-    (8, 4, 8, 4, 512, 0.0, True), (12, 3, 8, 4, 16, 0.0, True), (16, 4, 3, 4, 16, 0.25, True),
+@pytest.mark.parametrize("refine,sink,window,page,chunk,share,values,every", [
+    (8, 4, 8, 4, 512, 0.0, False, 0), (12, 3, 8, 4, 16, 0.0, False, 0), (5, 0, 5, 4, 7, 0.0, False, 0),
+    (16, 4, 3, 4, 16, 0.25, False, 0), (100, 2, 4, 4, 9, 0.0, False, 0),
+    (8, 4, 8, 4, 512, 0.0, True, 0), (12, 3, 8, 4, 16, 0.0, True, 0), (16, 4, 3, 4, 16, 0.25, True, 0),
+    (100, 2, 4, 4, 9, 0.0, True, 3), (24, 4, 8, 4, 16, 0.0, False, 2),  # the size rule: one per 3 (2) body pages
 ])
-def test_refined_layer_reads_and_attends_the_nested_keys(refine, sink, window, page, chunk, share, values):
+def test_refined_layer_reads_and_attends_the_nested_keys(refine, sink, window, page, chunk, share, values, every,
+                                                         monkeypatch):
     """Ragged prefill, decode steps and short calls: every row reads its newest ceil(refine / page) body
-    pages' keys refined (written from the exact rotated keys), older ones as the plain 2-bit body, the
-    values and tiers as without the tier; each decode step's attention is dense attention over those reads; and
-    the bytes count 2 bits per key element of the refined pages (``values``: the same for the values)."""
-    paged, rot = refined_layer(refine, sink, window, page, chunk, share, values)
+    pages' keys refined (with ``every``, min of that and ceil(body pages / every); written from the exact
+    rotated keys), older ones as the plain 2-bit body, the values and tiers as without the tier; each decode
+    step's attention is dense attention over those reads; the bytes count 2 bits per key element of the
+    refined pages (``values``: the same for the values); and no ring write puts two pages in one slot (a
+    prefill flushes many pages of a row at once, and which write lands is undefined on the GPU)."""
+    write = RefineRing.write
+
+    def checked_write(ring, x, base, scale, rows, index):
+        slots = rows * ring.pages + index % ring.pages
+        assert len(torch.unique(slots)) == len(slots), "two pages written to one ring slot"
+        return write(ring, x, base, scale, rows, index)
+
+    monkeypatch.setattr(RefineRing, "write", checked_write)
+    paged, rot = refined_layer(refine, sink, window, page, chunk, share, values, every)
     plain, _ = refined_layer(0, sink, window, page, chunk, share)
     codec = paged.key_codec
     kpages = -(-refine // page)
@@ -108,7 +135,7 @@ def test_refined_layer_reads_and_attends_the_nested_keys(refine, sink, window, p
             allk = torch.cat(exact[r], 1)
             s, nb = int(st.sink_tokens()[r]), int(st.body_count[r])
             want = pk.clone()
-            first = max(nb - kpages, 0)
+            first = nb - refined_pages(nb, kpages, every)
             lo, hi = s + first * page, s + nb * page
             want_v = pv.clone()
             if hi > lo:
@@ -129,9 +156,11 @@ def test_refined_layer_reads_and_attends_the_nested_keys(refine, sink, window, p
             assert torch.allclose(outs[0][r, -1], o, atol=1e-4), (i, r, (outs[0][r, -1] - o).abs().max())
             checked += int(nb > 0)
     assert checked >= 10  # decode steps over a refined body were compared
-    refined_pages = int(np.minimum(paged.state.body_count, kpages).sum())
+    n_refined = int(refined_pages(paged.state.body_count, kpages, every).sum())
+    if every:  # the rule refines fewer pages than the cap at the end: it was exercised
+        assert n_refined < int(np.minimum(paged.state.body_count, kpages).sum())
     extra = paged.stats()["body_bytes"] - plain.stats()["body_bytes"]
-    assert extra == refined_pages * H * page * D // 4 * (2 if values else 1)  # 2 bits per refined element, no metadata
+    assert extra == n_refined * H * page * D // 4 * (2 if values else 1)  # 2 bits per refined element, no metadata
 
 
 def test_refine_tier_in_a_model_cache(tiny_llama):
@@ -179,6 +208,10 @@ def test_refine_spec_errors():
         CacheSpec(bits=2, refine_tokens="64")
     with pytest.raises(ValueError, match="refine_values"):
         CacheSpec(bits=2, refine_values=True)
+    with pytest.raises(ValueError, match="refine_every"):
+        CacheSpec(bits=2, refine_every=16)
+    with pytest.raises(ValueError, match="refine_every"):
+        CacheSpec(bits=2, refine_tokens=64, refine_every=-1)
     assert CacheSpec(bits=2, refine_tokens=64).refine_tokens == 64
 
 

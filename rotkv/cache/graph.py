@@ -184,9 +184,13 @@ class GraphDecoder:
         self._flush(step)
         return self.logits
 
-    def _flush_layers(self, src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> None:
+    def _flush_layers(self, src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, index: torch.Tensor,
+                      sel: torch.Tensor | None = None) -> None:
+        """Flush every layer's pages ``src`` into ``dst``; the refine rings keep the pages ``sel`` of them
+        (None: all; a decode step flushes at most one page per row, so no two share a ring slot,
+        rotkv.cache.refine.ring_writes)."""
         for layer in self.static.layers:
-            layer.pools.flush(src, dst, (rows, index) if layer.pools.refine_rings else None)
+            layer.pools.flush(src, dst, (rows, index, sel) if layer.pools.refine_rings else None)
 
     def _flush(self, step: Step) -> None:
         n = len(step.flush)
@@ -195,7 +199,9 @@ class GraphDecoder:
         rows = self.flush_pages.shape[1]
         if not self.flush_graph or n > rows:  # at most one page per row leaves in a decode step
             dev = self.model.device
-            self._flush_layers(*step.device_flush(dev), *step.device_flush_rows(dev))
+            k = max(layer.pools.refine_pages for layer in self.static.layers)
+            self._flush_layers(*step.device_flush(dev), *(step.device_refine_at(dev, k) if k else
+                                                            step.device_flush_rows(dev)))
             return
         # a step that flushes fewer pages than rows repeats its last page (the same bytes written twice)
         pairs = np.empty((4, rows), dtype=np.int64)

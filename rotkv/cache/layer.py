@@ -37,6 +37,7 @@ from rotkv.cache.pools import LayerPools
 from rotkv.cache.refine import newest_pages
 from rotkv.config import CacheSpec
 from rotkv.kernels import backend as kernels
+from rotkv.kernels.body import RefineTier
 from rotkv.rotations.base import LayerRotation
 
 
@@ -68,7 +69,7 @@ class HybridLayer(RotkvLayer):
                                 self.key_codec, self.value_codec,
                                 mirror=self.spec.quantized and not kernels.enabled(key_states),
                                 refine_pages=-(-self.spec.refine_tokens // self.spec.page_size),
-                                refine_values=self.spec.refine_values)
+                                refine_values=self.spec.refine_values, refine_every=self.spec.refine_every)
         if self.state.rows == 0 and self.state.seen == 0:
             self.state.reset(key_states.shape[0])
         self.is_initialized = True
@@ -97,7 +98,7 @@ class HybridLayer(RotkvLayer):
         pages = torch.as_tensor(st.body_pages[row, :n_body], device=self.device)
         bk, bv = self.pools.body_dense(pages[None], torch.float32, use_mirror=False)
         if self.pools.refine_rings:
-            _, idx = newest_pages(np.array([n_body]), self.pools.refine_pages)
+            _, idx = newest_pages(np.array([n_body]), self.pools.refine_pages, self.pools.refine_every)
             i = torch.as_tensor(idx, device=self.device)
             self.pools.add_refinement(bk, bv, n_body, torch.full_like(i, row), torch.zeros_like(i), i, pages[i])
         tt = int(st.tier_tokens[row])
@@ -299,7 +300,7 @@ class HybridLayer(RotkvLayer):
 
     def _refine_at(self, step: Step):
         """(batch row, body index) of the step's flushed pages where the layer has a refine tier, else None."""
-        return step.device_flush_rows(self.device) if self.pools.refine_rings else None
+        return step.device_refine_at(self.device, self.pools.refine_pages) if self.pools.refine_rings else None
 
     def store(self, step: Step, take) -> None:
         """Store a prefill step's tokens: the pages that leave the window are assembled from the
@@ -344,7 +345,7 @@ class HybridLayer(RotkvLayer):
         """The decode kernel's refine-tier arguments (``refine``, ``refine_values``) for a call over ``body``."""
         if body is None:
             return {}
-        pick = lambda r: (r.data, r.pages) if r is not None else None  # noqa: E731
+        pick = lambda r: RefineTier(r.data, r.pages, r.every) if r is not None else None  # noqa: E731
         return {"refine": pick(self.pools.refine), "refine_values": pick(self.pools.refine_v)}
 
     def _attend_dense(self, step: Step, query: torch.Tensor, scaling: float, own=None) -> torch.Tensor:
@@ -427,7 +428,7 @@ class HybridLayer(RotkvLayer):
 
     def _refined(self, step: Step, r0: int, r1: int) -> tuple[torch.Tensor, ...]:
         """(batch row, local row, body index, page id) of the refined body pages of rows ``r0:r1``, on the device."""
-        rows, idx = newest_pages(step.body_count[r0:r1], self.pools.refine_pages)
+        rows, idx = newest_pages(step.body_count[r0:r1], self.pools.refine_pages, self.pools.refine_every)
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)  # noqa: E731
         return t(rows + r0), t(rows), t(idx), t(step.body_pages[r0 + rows, idx])
 

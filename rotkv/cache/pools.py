@@ -54,15 +54,15 @@ def refine_kernel() -> bool:
 
 class LayerPools:
     def __init__(self, kv_heads: int, head_dim: int, page: int, tier_dtype: torch.dtype, device, key_codec,
-                 value_codec, mirror: bool, refine_pages: int = 0, refine_values: bool = False):
+                 value_codec, mirror: bool, refine_pages: int = 0, refine_values: bool = False, refine_every: int = 0):
         self.kv_heads, self.head_dim, self.page, self.device = kv_heads, head_dim, page, device
         self.codecs = (key_codec, value_codec)
         # the refine tier (rotkv.cache.refine): 2 more bits for the keys (and with refine_values the values)
         # of each row's newest body pages, 2-bit token-codec sides only (4-bit keys have none)
         two = lambda c: isinstance(c, TokenCodec) and c.bits == 2  # noqa: E731
-        self.refine = (RefineRing(refine_pages, kv_heads, page, head_dim, key_codec.group_size, device)
+        self.refine = (RefineRing(refine_pages, kv_heads, page, head_dim, key_codec.group_size, device, refine_every)
                        if refine_pages > 0 and two(key_codec) else None)
-        self.refine_v = (RefineRing(refine_pages, kv_heads, page, head_dim, value_codec.group_size, device)
+        self.refine_v = (RefineRing(refine_pages, kv_heads, page, head_dim, value_codec.group_size, device, refine_every)
                          if refine_pages > 0 and refine_values and two(value_codec) else None)
         shape = (0, kv_heads, page, head_dim)
         self.tier_k = torch.zeros(shape, dtype=tier_dtype, device=device)
@@ -191,18 +191,20 @@ class LayerPools:
             o[:, :, : n * p].copy_(r)
         return out
 
-    def flush(self, src: torch.Tensor, dst: torch.Tensor, refine_at: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def flush(self, src: torch.Tensor, dst: torch.Tensor, refine_at: tuple | None = None) -> None:
         """Quantize tier pages ``src`` into body pages ``dst`` (keys and values)."""
         n, h, p, d = len(src), self.kv_heads, self.page, self.head_dim
         self.flush_tokens(*(t[src].transpose(1, 2).reshape(n * p, h, d) for t in (self.tier_k, self.tier_v)), dst,
                           refine_at)
 
     def flush_tokens(self, xk: torch.Tensor, xv: torch.Tensor, dst: torch.Tensor,
-                     refine_at: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                     refine_at: tuple | None = None) -> None:
         """Quantize the tokens ``xk, xv [n * P, H, D]`` (page ``i`` of ``dst``: tokens ``i*P .. i*P+P-1``)
         into body pages ``dst``: on CUDA one call of the fused write kernel each (INT2/INT4 token
-        codec), else the codec's reference encoder. ``refine_at``: (batch row, index in the row's body)
-        of every page, for the refine tier (required when the pools have one)."""
+        codec), else the codec's reference encoder. ``refine_at``, for the refine tier (required when
+        the pools have one): ``(rows, index, sel)``, the batch row and body index of the pages the rings
+        keep, the positions ``sel`` of those pages in ``dst`` (None: all of them, in order;
+        :func:`rotkv.cache.refine.ring_writes`)."""
         n, h, p, d = len(dst), self.kv_heads, self.page, self.head_dim
         if self.refine_rings and refine_at is None:
             raise ValueError("a flush into pools with a refine tier needs the pages' rows and body indices")
@@ -229,10 +231,15 @@ class LayerPools:
                 if self.mirror is not None:
                     self.mirror[i][:, dst] = base.transpose(0, 1)
             if ring is not None:  # the refine tier: from the exact pages and their stored 2-bit reading
+                rows, index, sel = refine_at
+                if sel is not None:
+                    pages = pages[sel]
                 if stored is None:  # written by the kernel: read back
-                    stored = {name: t[dst] for name, t in parts.items()}
+                    stored = {name: t[dst if sel is None else dst[sel]] for name, t in parts.items()}
                     base = codec.decode(stored)
-                ring.write(pages, base, stored["scale"], *refine_at)
+                elif sel is not None:
+                    stored, base = {name: t[sel] for name, t in stored.items()}, base[sel]
+                ring.write(pages, base, stored["scale"], rows, index)
 
     @property
     def refine_rings(self) -> list[RefineRing]:
@@ -243,6 +250,11 @@ class LayerPools:
     def refine_pages(self) -> int:
         """Body pages per row the refine tier covers (0: none)."""
         return self.refine_rings[0].pages if self.refine_rings else 0
+
+    @property
+    def refine_every(self) -> int:
+        """The refine tier's size rule: one refined page per this many body pages (0: ``refine_pages``)."""
+        return self.refine_rings[0].every if self.refine_rings else 0
 
     def add_refinement(self, k: torch.Tensor, v: torch.Tensor, nb: int, rows: torch.Tensor, local: torch.Tensor,
                        index: torch.Tensor, pages: torch.Tensor) -> None:

@@ -17,6 +17,11 @@ Storage: ``uint8 [rows, K, H, P, D / 4]`` per layer, a ring per row: the row's `
 (0-based) keeps its bits in slot ``i % K``, which the page ``K`` places later overwrites. No metadata
 of its own: 2 bits per key element of the refined pages, counted in the cache's measured bits.
 
+Size rule (``CacheSpec.refine_every``): a row of ``n`` body pages reads its ``min(K, ceil(n / every))``
+newest pages refined, so that at short contexts the tier is a share of the body (its cost in bits per
+element constant) and at long ones ``K`` pages. Every page is refined when it is written (it is one of
+its row's K newest then), so a row whose share grows finds its older pages' bits in the ring.
+
 With ``CacheSpec.refine_values`` the values get a ring of their own, the same way. Read by the PyTorch
 paths (dense decode, prefill history, :meth:`HybridLayer.read`) and by the Triton v1 decode kernel
 (``rotkv.kernels.decode``: a second key, or value, of scale ``s / 4`` and minimum ``-3/8 s`` for the refined
@@ -30,24 +35,41 @@ import numpy as np
 import torch
 
 from rotkv.quant.packing import pack, unpack
-from rotkv.quant.refine import refine_codes, refine_delta
+from rotkv.quant.refine import refine_codes, refine_delta, refined_pages
 
 
-def newest_pages(counts: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(row, body index) of the ``min(k, counts[b])`` newest body pages of every row ``b``, flat."""
-    m = np.minimum(np.asarray(counts, dtype=np.int64), k)
+def newest_pages(counts: np.ndarray, k: int, every: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(row, body index) of the refined pages of every row ``b`` of ``counts[b]`` body pages, its
+    ``refined_pages(counts[b], k, every)`` newest, flat."""
+    m = refined_pages(np.asarray(counts, dtype=np.int64), k, every)
     rows = np.repeat(np.arange(len(m)), m)
     idx = np.repeat(np.asarray(counts, dtype=np.int64) - m, m) + (np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m))
     return rows, idx
 
 
+def ring_writes(rows: np.ndarray, index: np.ndarray, k: int) -> np.ndarray | None:
+    """The flushed pages (``rows[i]``'s ``index[i]``-th body page) that a K-slot ring keeps: each row's
+    ``k`` newest of the flush, as positions into the flush, or None when that is all of them. A prefill
+    flushes many pages of a row at once; the older ones would share slots with the newer and be
+    overwritten in an undefined order."""
+    rows, index = np.asarray(rows, dtype=np.int64), np.asarray(index, dtype=np.int64)
+    if not len(rows):
+        return None
+    newest = np.full(int(rows.max()) + 1, -1, dtype=np.int64)
+    np.maximum.at(newest, rows, index)
+    keep = index > newest[rows] - k
+    return None if keep.all() else np.flatnonzero(keep)
+
+
 class RefineRing:
     """One layer's refine tier: ``data uint8 [rows, K, H, P, D / 4]``; see the module docstring."""
 
-    def __init__(self, pages: int, kv_heads: int, page: int, head_dim: int, group_size: int, device):
+    def __init__(self, pages: int, kv_heads: int, page: int, head_dim: int, group_size: int, device, every: int = 0):
         if pages < 1:
             raise ValueError(f"a refine ring needs >= 1 page per row but got {pages}")
-        self.pages, self.group_size = pages, group_size
+        if every < 0:
+            raise ValueError(f"a refine ring's size rule needs every >= 0 but got {every}")
+        self.pages, self.group_size, self.every = pages, group_size, every
         self.shape = (pages, kv_heads, page, head_dim // 4)
         self.data = torch.zeros(0, *self.shape, dtype=torch.uint8, device=device)
 
@@ -66,13 +88,15 @@ class RefineRing:
         self.data = self.data[index.to(self.data.device)]
 
     def stored_bytes(self, counts: np.ndarray) -> int:
-        """The bytes that hold refinements now: ``min(K, body pages)`` pages of every row."""
-        return int(np.minimum(np.asarray(counts, dtype=np.int64), self.pages).sum()) * self.page_bytes
+        """The bytes of the refinements read now: the refined pages of every row (:func:`newest_pages`)."""
+        return int(refined_pages(np.asarray(counts, dtype=np.int64), self.pages, self.every).sum()) * self.page_bytes
 
     def write(self, x: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
               index: torch.Tensor) -> None:
         """Refine the body pages just written: exact keys ``x [n, H, P, D]``, their 2-bit reading ``base``
-        and scales ``scale [n, H, P, D / G]``; page ``i`` is the ``index[i]``-th of row ``rows[i]``."""
+        and scales ``scale [n, H, P, D / G]``; page ``i`` is the ``index[i]``-th of row ``rows[i]``.
+        No two pages may share a slot unless they are the same page (:func:`ring_writes` picks them):
+        which of two writes to one element lands is undefined on the GPU."""
         j = refine_codes(x, base, scale, self.group_size)
         self.data[rows, index % self.pages] = pack(j, 2)
 

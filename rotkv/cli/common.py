@@ -8,7 +8,7 @@ from rotkv.cli.errors import UsageError, warn
 from rotkv.config import DEFAULT_PRESET, PRESETS
 
 FLAGS = {"sink": "--sink", "window": "--window", "window_share": "--window-share",
-         "refine_tokens": "--refine-tokens", "refine_values": "--refine-values",
+         "refine_tokens": "--refine-tokens", "refine_values": "--refine-values", "refine_every": "--refine-every",
          "group_size": "--group-size"}  # CacheSpec field -> flag
 
 
@@ -31,8 +31,11 @@ def add_cache_args(p: argparse.ArgumentParser, preset: bool = True) -> None:
     p.add_argument("--refine-tokens", type=int, default=None,
                    help="2 more bits for the keys of each row's newest body tokens (the refine tier; INT2 keys of a "
                         "paged cache; overrides the preset; 0: none)")
-    p.add_argument("--refine-values", action="store_true", default=None,
-                   help="the refine tier refines the values too (the PyTorch path reads it; the kernels do not yet)")
+    p.add_argument("--refine-values", action=argparse.BooleanOptionalAction, default=None,
+                   help="the refine tier refines the values too, or not (overrides the preset)")
+    p.add_argument("--refine-every", type=int, default=None,
+                   help="the refine tier's size: one refined page per this many body pages, at most --refine-tokens "
+                        "(overrides the preset; 0: always --refine-tokens)")
     p.add_argument("--group-size", type=int, default=None, help="quantization group size (overrides the preset)")
 
 
@@ -40,6 +43,7 @@ def cache_overrides(args) -> dict:
     """The preset overrides given on the command line (flags left out keep the preset's values)."""
     given = {"sink": args.sink, "window": getattr(args, "window", None), "window_share": getattr(args, "window_share", None),
              "refine_tokens": getattr(args, "refine_tokens", None), "refine_values": getattr(args, "refine_values", None),
+             "refine_every": getattr(args, "refine_every", None),
              "group_size": getattr(args, "group_size", None)}
     return {k: v for k, v in given.items() if v is not None}
 

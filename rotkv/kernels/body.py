@@ -14,6 +14,7 @@ hands the kernels a :class:`PagedBody` whatever its parts are.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -174,3 +175,22 @@ class PagedBody:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """``(k_codes, k_scale, k_lo, v_codes, v_scale, v_lo)``: the kernels' pointer order."""
         return (*self.k.tensors, *self.v.tensors)
+
+
+class RefineTier(NamedTuple):
+    """One side (keys or values) of a body's refine tier (``rotkv.cache.refine``) as the kernels read it:
+    ``ring uint8 [B, pages, H, P, D/4]``, the ``i``-th body page of request ``b`` in slot ``i % pages``;
+    a request of ``n`` body pages has its ``refined_pages(n, pages, every)`` newest pages refined
+    (``rotkv.quant.refine.refined_pages``: ``min(pages, n)``, or one per ``every`` body pages)."""
+
+    ring: torch.Tensor
+    pages: int
+    every: int = 0
+
+    @classmethod
+    def of(cls, given) -> "RefineTier":
+        """A RefineTier from itself or a ``(ring, pages[, every])`` tuple, checked."""
+        t = cls(*given)
+        if t.pages < 1 or t.every < 0:
+            raise ValueError(f"a refine tier needs pages >= 1 and every >= 0, got pages={t.pages}, every={t.every}")
+        return t

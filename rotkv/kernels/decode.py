@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rotkv.kernels.body import PagedBody
+from rotkv.kernels.body import PagedBody, RefineTier
 from rotkv.kernels.plan import DecodeConfig, DecodePlan, plan_decode, resolve_fuse  # noqa: F401 (DecodeConfig: re-exported)
 from rotkv.kernels.plan import interpreting as _interpreting
 
@@ -166,11 +166,11 @@ def _load_meta(ptr, row, g: tl.constexpr, NG: tl.constexpr, nmask):
 
 
 @triton.jit
-def _ring_rows(offs_n, nmask, npages, RK, b, H, hh, P: tl.constexpr):
+def _ring_rows(offs_n, nmask, npages, RK, RN, b, H, hh, P: tl.constexpr):
     """(mask, row) of a block's tokens in the refine ring ``[B, RK, H, P, D/4]``: the tokens of the request's
-    RK newest pages, at slot ``page index % RK``."""
+    RN newest pages (its refined pages), at slot ``page index % RK``."""
     pidx = offs_n // P  # the token's page index in its request
-    return nmask & (pidx >= npages - RK), ((b.to(tl.int64) * RK + pidx % RK) * H + hh) * P + offs_n % P
+    return nmask & (pidx >= npages - RN), ((b.to(tl.int64) * RK + pidx % RK) * H + hh) * P + offs_n % P
 
 
 @triton.jit
@@ -179,12 +179,13 @@ def _int2_part(
     o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
     REP: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
     BLOCK_N: tl.constexpr, QK_INT8: tl.constexpr, USE_ASM: tl.constexpr, STATIC_STEPS: tl.constexpr,
-    F16: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, rf_ptr, RK, REFINE: tl.constexpr,
+    F16: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, rf_ptr, RK, RE, REFINE: tl.constexpr,
     rv_ptr, REFINE_V: tl.constexpr,
 ):
     # REFINE (INT2 keys): the refine tier (rotkv.cache.refine), ``rf_ptr`` uint8 [B, RK, H, P, D/4]: the
-    # RK newest pages of request b add (j - 1.5) / 4 * s to each key element, i.e. a second key of scale
-    # s / 4 and minimum -3/8 s read like the codes (ring slot: the page's index in the request mod RK)
+    # refined pages of request b, its min(RK, ceil(npages / RE)) newest (rotkv.quant.refine.refined_pages;
+    # RE >= 1), add (j - 1.5) / 4 * s to each key element, i.e. a second key of
+    # scale s / 4 and minimum -3/8 s read like the codes (ring slot: the page's index in the request mod RK)
     # K_BITS, V_BITS in {2, 4}: a code row is D * bits / 8 bytes; quarter i of the dims is one bit
     # field of the first (INT2) or of the first or second D/4 bytes (INT4), see _quarter_bf16
     Q4: tl.constexpr = D // 4
@@ -231,7 +232,9 @@ def _int2_part(
     a2 = tl.zeros([HPAD, Q4], tl.float32)
     a3 = tl.zeros([HPAD, Q4], tl.float32)
     hh = h.to(tl.int64)
-    npages_r = tl.load(indptr_ptr + b + 1) - start  # the request's body pages (the refine tier's newest RK)
+    npages_r = tl.load(indptr_ptr + b + 1) - start  # the request's body pages
+    # its refined pages, the newest rn_r: one per RE body pages, at most RK (RE >= 1; every = 0 is RE = 1)
+    rn_r = tl.minimum((npages_r + RE - 1) // RE, RK)
     for it in range(0, _n_steps(tok_lo, tok_hi, BLOCK_N, STATIC_STEPS)):
         offs_n = tok_lo + it * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < tok_hi
@@ -277,12 +280,12 @@ def _int2_part(
             sc = (s0[None, :] * d0 + s1[None, :] * d1 + s2[None, :] * d2 + s3[None, :] * d3) * qsc[:, None]
             sc += z0[None, :] * qs0[:, None] + z1[None, :] * qs1[:, None]
             sc += z2[None, :] * qs2[:, None] + z3[None, :] * qs3[:, None]
-        # a block holds refined tokens only if its last token's page is among the RK newest (the blocks
+        # a block holds refined tokens only if its last token's page is among the rn_r newest (the blocks
         # before that skip the rings: their loads and dots)
-        refined = (tl.minimum(tok_lo + it * BLOCK_N + BLOCK_N, tok_hi) - 1) // P >= npages_r - RK
+        refined = (tl.minimum(tok_lo + it * BLOCK_N + BLOCK_N, tok_hi) - 1) // P >= npages_r - rn_r
         if REFINE:
             if refined:
-                fmask, frow = _ring_rows(offs_n, nmask, npages_r, RK, b, H, hh, P)
+                fmask, frow = _ring_rows(offs_n, nmask, npages_r, RK, rn_r, b, H, hh, P)
                 fc = tl.load(rf_ptr + frow[:, None] * Q4 + offs_c[None, :], mask=fmask[:, None], other=0)
                 f0 = _score_plane(q0, i0, fc, fc, 0, 2, QK_INT8, USE_ASM, F16)
                 f1 = _score_plane(q1, i1, fc, fc, 1, 2, QK_INT8, USE_ASM, F16)
@@ -337,7 +340,7 @@ def _int2_part(
         # element of the refined pages: a second value of scale s / 4 and minimum -3/8 s in p @ V
         if REFINE_V:
             if refined:
-                vmask, vrow = _ring_rows(offs_n, nmask, npages_r, RK, b, H, hh, P)
+                vmask, vrow = _ring_rows(offs_n, nmask, npages_r, RK, rn_r, b, H, hh, P)
                 gc = tl.load(rv_ptr + vrow[:, None] * Q4 + offs_c[None, :], mask=vmask[:, None], other=0)
                 pr = tl.where(vmask[None, :], p, 0.0)
                 w0 = 0.25 * _load_meta(vs_ptr, row, 0, NG, nmask)
@@ -556,7 +559,7 @@ def _split_kernel(
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, QK_INT8: tl.constexpr, USE_ASM: tl.constexpr,
     HAS_INT2: tl.constexpr, HAS_TIER: tl.constexpr, STATIC_STEPS: tl.constexpr,
     TIER_STATIC_STEPS: tl.constexpr, F16: tl.constexpr, V2: tl.constexpr, RP: tl.constexpr, PB: tl.constexpr,
-    K_BITS: tl.constexpr, V_BITS: tl.constexpr, rf_ptr, RK, REFINE: tl.constexpr, rv_ptr, REFINE_V: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, rf_ptr, RK, RE, REFINE: tl.constexpr, rv_ptr, REFINE_V: tl.constexpr,
 ):
     pid, s = tl.program_id(0), tl.program_id(1) + s0  # s0 > 0: the body's splits were written elsewhere
     b, h = pid // H, pid % H
@@ -569,7 +572,7 @@ def _split_kernel(
             _int2_part(q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
                        o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
                        REP, HPAD, D, G, P, BLOCK_N, QK_INT8, USE_ASM, STATIC_STEPS, F16, K_BITS, V_BITS,
-                       rf_ptr, RK, REFINE, rv_ptr, REFINE_V)
+                       rf_ptr, RK, RE, REFINE, rv_ptr, REFINE_V)
     elif HAS_TIER:
         _bf16_part(q_ptr, tk_ptr, tv_ptr, tindptr_ptr, tindices_ptr, tlast_ptr,
                    o_ptr, m_ptr, l_ptr, b, h, s - n_int2_splits, s, H, HQ, NS, qk_scale, tier_tokens_per_split,
@@ -616,8 +619,8 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
                      tier: tuple | None = None, tier_table: tuple | None = None, tier_max_len: int = 0,
                      sm_scale: float | None = None, cfg: DecodeConfig | None = None,
                      out: torch.Tensor | None = None, tier_start: int = 0,
-                     plan: DecodePlan | None = None, refine: tuple[torch.Tensor, int] | None = None,
-                     refine_values: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                     plan: DecodePlan | None = None, refine: RefineTier | tuple | None = None,
+                     refine_values: RefineTier | tuple | None = None) -> torch.Tensor:
     """Attention of one decode token per request over an INT2 paged body and a bf16 paged tier.
 
     q ``[B, Hq, D]`` (rotated by R_K; any float dtype). body a :class:`~rotkv.kernels.body.PagedBody`,
@@ -627,9 +630,10 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
     and ``tier_max_len`` likewise; tier positions below ``tier_start`` are skipped (they hold no token).
     ``plan``: the call's :class:`~rotkv.kernels.plan.DecodePlan` (``plan_decode(q, body, cfg)``,
     looked up here when not given); it says which kernel runs, this function only launches it.
-    ``refine``: ``(ring [B, K, H, P, D/4] uint8, K)``, the refine tier of an INT2-key body
-    (:mod:`rotkv.cache.refine`): only the Triton v1 body kernel reads it, so that kernel runs in place of the
-    plan's body kernel. ``refine_values``: the same for the INT2 values (``CacheSpec.refine_values``).
+    ``refine``: the refine tier of an INT2-key body (:class:`~rotkv.kernels.body.RefineTier`, or ``(ring [B,
+    K, H, P, D/4] uint8, K[, every])``; :mod:`rotkv.cache.refine`): only the Triton v1 body kernel reads
+    it, so that kernel runs in place of the plan's body kernel. ``refine_values``: the same for the INT2
+    values (``CacheSpec.refine_values``); both cover the same pages.
     Returns ``[B, Hq, D]`` in q's dtype (or written into ``out``).
     """
     b_sz, hq, d = q.shape
@@ -648,21 +652,24 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
     has_int2 = body is not None and max_len > 0
     has_tier = tier is not None and tier_max_len > 0
     ring = vring = None
-    rk = 1
+    rk, re = 1, 0
     if has_int2 and (refine is not None or refine_values is not None):
+        refine = RefineTier.of(refine) if refine is not None else None
+        refine_values = RefineTier.of(refine_values) if refine_values is not None else None
         for side, given, width in (("keys", refine, bits[0]), ("values", refine_values, bits[1])):
             if given is None:
                 continue
             if width != 2:
                 raise ValueError(f"the refine tier refines INT2 {side}, not INT{width}")
-            r, rk = given
+            r, rk, re = given
             if r.dtype != torch.uint8 or r.shape[:2] != (b_sz, rk) or r.shape[2:] != (h, body.page_size, d // 4):
                 raise ValueError(f"refine ring {tuple(r.shape)} {r.dtype} does not match {b_sz} requests x {rk} pages "
                                  f"x ({h}, {body.page_size}, {d // 4}) uint8")
-        if refine is not None and refine_values is not None and refine[1] != refine_values[1]:
-            raise ValueError(f"the key and value refine rings cover different pages ({refine[1]}, {refine_values[1]})")
-        ring = refine[0] if refine is not None else None
-        vring = refine_values[0] if refine_values is not None else None
+        if refine is not None and refine_values is not None and refine[1:] != refine_values[1:]:
+            raise ValueError(f"the key and value refine rings cover different pages (pages, every: {refine[1:]}, "
+                             f"{refine_values[1:]})")
+        ring = refine.ring if refine is not None else None
+        vring = refine_values.ring if refine_values is not None else None
         launch = plan.v1_launch()  # only the v1 body kernel reads the tier
         cfg = launch.cfg
         use_asm = (not _interpreting()) if cfg.use_asm is None else cfg.use_asm
@@ -718,7 +725,7 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
                 STATIC_STEPS=per // cfg.block_n if _interpreting() else 0,
                 TIER_STATIC_STEPS=tper // cfg.block_t if _interpreting() else 0, F16=_interpreting(),
                 V2=v2, RP=max(4, triton.next_power_of_2(rep)), PB=min(p, cfg.block_n), K_BITS=bits[0], V_BITS=bits[1],
-                rf_ptr=ring if ring is not None else dummy, RK=rk, REFINE=ring is not None,
+                rf_ptr=ring if ring is not None else dummy, RK=rk, RE=max(re, 1), REFINE=ring is not None,
                 rv_ptr=vring if vring is not None else dummy, REFINE_V=vring is not None,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )

@@ -65,20 +65,22 @@ def dequant_pages(body: PagedBody, kv_indptr: torch.Tensor, kv_indices: torch.Te
     return out
 
 
-def refine_dense(dense: list, body: PagedBody, table: tuple, refine: tuple[torch.Tensor, int], side: int = 0) -> None:
+def refine_dense(dense: list, body: PagedBody, table: tuple, refine, side: int = 0) -> None:
     """Add the refine tier (rotkv.cache.refine) to the dense keys (``side`` 0; 1: values) of
-    :func:`dequant_pages`, in place: ``refine = (ring [B, K, H, P, D/4], K)``; page ``i`` of request ``b`` is
-    refined from slot ``i % K`` when it is one of the request's ``K`` newest pages."""
-    from rotkv.quant.refine import refine_delta
+    :func:`dequant_pages`, in place: ``refine``, a :class:`~rotkv.kernels.body.RefineTier` or ``(ring [B, K, H,
+    P, D/4], K[, every])``; page ``i`` of request ``b`` is refined from slot ``i % K`` when it is one of the
+    request's ``refined_pages(n, K, every)`` newest of its ``n`` pages."""
+    from rotkv.kernels.body import RefineTier
     from rotkv.quant.packing import unpack
+    from rotkv.quant.refine import refine_delta, refined_pages
 
-    ring, k_pages = refine
+    ring, k_pages, every = RefineTier.of(refine)
     indptr, indices = table[0].tolist(), table[1]
     part, p = body.parts[side], body.page_size
     for b, kv in enumerate(dense):
         k = kv[side]
         n = indptr[b + 1] - indptr[b]
-        for i in range(max(n - k_pages, 0), n):
+        for i in range(n - refined_pages(n, k_pages, every), n):
             page = int(indices[indptr[b] + i])
             delta = refine_delta(unpack(ring[b, i % k_pages], 2), part.scale[page], part.group_size)  # [H, P, D]
             end = min(k.shape[1], (i + 1) * p)
@@ -88,8 +90,7 @@ def refine_dense(dense: list, body: PagedBody, table: tuple, refine: tuple[torch
 def decode_reference(q: torch.Tensor, body: PagedBody | None, table: tuple | None,
                      tier_k: torch.Tensor | None = None, tier_v: torch.Tensor | None = None,
                      tier_table: tuple | None = None, sm_scale: float | None = None,
-                     tier_start: int = 0, refine: tuple[torch.Tensor, int] | None = None,
-                     refine_values: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                     tier_start: int = 0, refine=None, refine_values=None) -> torch.Tensor:
     """One decode step in float32.
 
     q ``[B, Hq, D]`` (already rotated); body a :class:`~rotkv.kernels.body.PagedBody` (any width);

@@ -9,7 +9,18 @@ scale ``s / 4`` and minimum ``-3/8 s``.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def refined_pages(counts, pages: int, every: int = 0):
+    """How many of a row's newest body pages the refine tier covers, for rows of ``counts`` body pages:
+    ``min(pages, counts)``, or with a size rule (``every`` > 0) ``min(pages, ceil(counts / every))``, one
+    refined page per ``every`` body pages. An int for an int, else an int64 array. The decode kernel
+    computes the same in integers (``rotkv.kernels.decode``)."""
+    c = np.asarray(counts, dtype=np.int64)
+    out = np.minimum(pages, -(-c // every) if every else c)
+    return int(out) if c.ndim == 0 else out
 
 
 def refine_codes(x: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:

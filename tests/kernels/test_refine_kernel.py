@@ -10,6 +10,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_backend import kernel_against_reference  # noqa: E402
 from test_kernels import _build  # noqa: E402
 
+from rotkv.kernels.body import RefineTier  # noqa: E402
 from rotkv.kernels.decode import DecodeConfig, decode_attention  # noqa: E402
 from rotkv.kernels.reference import decode_reference  # noqa: E402
 
@@ -42,6 +43,30 @@ def test_decode_reads_the_refine_tier(lens, tier_lens, h, rep, d, g, p, int8, k,
     assert err < (2e-2 if int8 else 1e-2), err
     # the tier moves the output by much more than the kernel's error: the comparison can fail
     assert ((plain - ref).norm() / ref.norm()).item() > 5 * err
+
+
+@pytest.mark.parametrize("lens,tier_lens,h,rep,d,g,p,int8,k", CASES)
+def test_decode_reads_the_refine_tiers_size_rule(lens, tier_lens, h, rep, d, g, p, int8, k, device):
+    """``every`` (CacheSpec.refine_every): a request of n body pages reads its min(K, ceil(n / 3)) newest
+    refined, keys and values; the kernel computes that count itself, as the reference does."""
+    body, table, tier, ttable, ml, tml = _build(lens, tier_lens, h, d, g, p, 16, device, seed=k)
+    gen = torch.Generator().manual_seed(k + 2)
+    q = torch.randn(len(lens), h * rep, d, generator=gen).to(device, torch.bfloat16)
+    rings = [torch.randint(0, 256, (len(lens), k, h, p, d // 4), generator=gen, dtype=torch.uint8).to(device)
+             for _ in range(2)]
+    cfg = DecodeConfig(qk_int8=int8, block_n=32, block_t=16, target_programs=8, min_split_tokens=32,
+                       score="int8" if int8 else "bf16")
+    tiers = [RefineTier(r, k, 3) for r in rings]
+    out = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg, refine=tiers[0], refine_values=tiers[1])
+    ref = decode_reference(q.float(), body, table, tier[0], tier[1], ttable, refine=tiers[0], refine_values=tiers[1])
+    whole = decode_reference(q.float(), body, table, tier[0], tier[1], ttable, refine=(rings[0], k),
+                             refine_values=(rings[1], k))
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < (2e-2 if int8 else 1e-2), err
+    # the rule refines fewer pages than the ring holds: reading them all differs by far more than the error
+    assert ((whole - ref).norm() / ref.norm()).item() > 5 * err
+    with pytest.raises(ValueError, match="cover different pages"):
+        decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg, refine=tiers[0], refine_values=(rings[1], k))
 
 
 def test_decode_refuses_a_ring_that_does_not_match(device):
