@@ -150,10 +150,12 @@ def test_debug_shows_the_traceback(failing_model, capsys, monkeypatch, how):
     assert rc == 1 and "Traceback" in err and "load_model" in err
 
 
-@pytest.mark.parametrize("argv,flag", [(["--sink", "many"], "--sink"), (["--preset", "nope"], "--preset")])
+@pytest.mark.parametrize("argv,flag", [(["generate", "--prompt", "hi", "--sink", "many"], "--sink"),
+                                       (["generate", "--prompt", "hi", "--preset", "nope"], "--preset"),
+                                       (["eval", "--window", "own"], "'preset'")])
 def test_argparse_errors_are_one_line(capsys, argv, flag):
     with pytest.raises(SystemExit) as e:
-        main(["generate", "--prompt", "hi", *argv])
+        main(argv)
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and flag in err and "--help" in err
 
@@ -345,6 +347,7 @@ def test_over_long_prompt_is_refused_unless_allowed(tiny, capsys):
     (["--lengths", "nll=1K", "foo=2K"], ["--lengths", "unknown task 'foo'"]),
     (["--depths", "x"], ["--depths"]),
     (["--window-share", "1"], ["--window-share has to be in [0, 1)"]),
+    (["--sink", "-1"], ["--sink has to be >= 0 or 'preset'"]),
 ])
 def test_eval_user_errors_before_the_model(no_model, capsys, tmp_path, argv, needles):
     rc, _, err = run_cli(capsys, "eval", "--out", str(tmp_path / "e"), *argv)

@@ -11,7 +11,7 @@ import torch
 from rotkv.cli.eval import parse_lengths
 from rotkv.eval import niah, peers
 from rotkv.eval.config import EvalConfig, make_config
-from rotkv.config import calibration_method
+from rotkv.config import calibration_method, get_preset
 from rotkv.eval.methods import resolve
 from rotkv.eval.nll import window_starts
 from rotkv.eval.stats import mean_ci, wilson
@@ -81,6 +81,15 @@ def test_artifact_names_and_missing_artifact(tmp_path):
     assert m is None and why == "no oscar"
     m, why = resolve("quarot-int2", 16, 64, None)
     assert why is None and m.overrides == {"sink": 16, "window": 64} and m.bpe_nominal == 2.0
+    # `--sink preset`: the preset keeps its own sink (oscar-refine's 4 pays for its refine tier), and the
+    # needle's tier label follows it
+    from rotkv.eval.run import _tiers
+
+    m, why = resolve("quarot-int2", "preset", 64, None)
+    assert why is None and m.overrides == {"window": 64}
+    assert _tiers(m, make_config("smoke", sink="preset", window=64)) == (get_preset("quarot-int2").sink, 64)
+    m, _ = resolve("quarot-int2", 16, 64, None)
+    assert _tiers(m, make_config("smoke", sink=16, window=64)) == (16, 64)
     # a preset with per-layer key widths reads its own artifact: made when missing, or says how to make it
     m, why = resolve("oscar-mix", 16, 32, str(tmp_path), calibrate=lambda method, path: f"made {method} at {path}")
     assert m is None and why == f"made oscar-mix at {tmp_path / 'oscar-mix.safetensors'}"
@@ -205,6 +214,13 @@ def test_the_cache_fingerprint_follows_the_window_share():
     assert mix != old_style("oscar-mix")
     assert _fingerprint(settings, Method("oscar-mix", "rotkv", 3.1, {"window_share": 0.0})) == old_style("oscar-mix")
     assert _fingerprint(settings, Method("oscar-mix", "rotkv", 3.1, {"window_share": 0.03})) not in (mix, old_style("oscar-mix"))
+    # the refine tier's fields likewise: a preset that gains values or a size rule is not served its old results
+    refine = _fingerprint(settings, Method("oscar-refine", "rotkv", 3.1))
+    keys_only = _fingerprint(settings, Method("oscar-refine", "rotkv", 3.1, {"refine_values": False, "refine_every": 0}))
+    assert refine != keys_only
+    assert keys_only != _fingerprint(settings, Method("oscar-refine", "rotkv", 3.1, {"refine_values": False,
+                                                                                       "refine_every": 0,
+                                                                                       "refine_tokens": 112}))
 
 
 def test_niah_lengths_given_hold_for_every_variant():

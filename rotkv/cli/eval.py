@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 from rotkv.cli.common import with_flags
 from rotkv.cli.errors import UsageError, resolve_device
 from rotkv.config import PRESETS, CacheSpec
+
+
+def _tokens_or_preset(text: str):
+    """``--sink`` / ``--window``: a token count, or ``preset`` (each preset keeps its own)."""
+    if text == "preset":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'preset', got {text!r}") from None
 
 
 def _list(s: str | None) -> list[str] | None:
@@ -72,8 +83,11 @@ def register(sub) -> None:
     p.add_argument("--haystack", nargs="+", default=None, help="text files for the essay haystack of niah")
     p.add_argument("--artifact-dir", default=None, help="calibration artifacts, one per method: oscar.safetensors, "
                    "optr.safetensors, ...; a missing one is calibrated with the defaults and stored there")
-    p.add_argument("--sink", type=int, default=None, help="bf16 sink tokens of every rotkv preset (profile: 16)")
-    p.add_argument("--window", type=int, default=None, help="bf16 window tokens of every rotkv preset (full: 64)")
+    p.add_argument("--sink", type=_tokens_or_preset, default=None,
+                   help="bf16 sink tokens of every rotkv preset (profile: 16), or 'preset': each preset's own (oscar-refine's "
+                        "4, which pays for its refine tier)")
+    p.add_argument("--window", type=_tokens_or_preset, default=None,
+                   help="bf16 window tokens of every rotkv preset (full: 64), or 'preset': each preset's own")
     p.add_argument("--window-share", type=float, default=None,
                    help="the window of every rotkv preset grows to this share of each row (0: fixed; default: the "
                         "presets' own, 1/64 for oscar-mix)")
@@ -98,6 +112,10 @@ def run(args) -> int:
             CacheSpec(window_share=args.window_share)
         except ValueError as e:
             raise UsageError(with_flags(str(e))) from None
+    for flag in ("sink", "window"):
+        value = getattr(args, flag)
+        if isinstance(value, int) and value < 0:
+            raise UsageError(f"--{flag} has to be >= 0 or 'preset' but got {value}")
     for flag in ("threads", "samples", "windows", "new_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:

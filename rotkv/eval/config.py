@@ -29,7 +29,8 @@ class EvalConfig:
     niah_depths: needle depths of the single-needle variants (one haystack per depth and sample);
     niah_multi_depths: the depths of the needles of one multikey / multivalue haystack;
     niah_variant_lengths: lengths of some variants when they differ from ``lengths["niah"]``.
-    sink, window, window_share: override every rotkv preset (None keeps the presets' own values).
+    sink, window, window_share: override every rotkv preset (None keeps the profile's, ``"preset"`` (sink and
+        window) each preset's own; window_share: None keeps the presets' own).
     device: where the model (float32, also the KL reference) and the caches run: cpu, cuda or cuda:N.
     """
 
@@ -41,8 +42,8 @@ class EvalConfig:
     texts: list[str] = field(default_factory=builtin_eval_texts)
     haystacks: list[str] = field(default_factory=builtin_eval_texts)
     artifact_dir: str | None = None
-    sink: int | None = 16
-    window: int | None = 32
+    sink: int | str | None = 16
+    window: int | str | None = 32
     window_share: float | None = None
     chunk: int = 128
     nll_windows: int = 1

@@ -75,13 +75,14 @@ def main_methods() -> list[str]:
 def resolve(name: str, sink: int | None, window: int | None, artifact_dir: str | None,
             calibrate=None, window_share: float | None = None) -> tuple[Method | None, str | None]:
     """(Method, None) or (None, why it is unavailable). ``calibrate(method, path)`` makes a missing artifact;
-    ``sink``, ``window``, ``window_share``: overrides of every rotkv preset (None keeps the preset's)."""
+    ``sink``, ``window``, ``window_share``: overrides of every rotkv preset (None or ``"preset"`` keeps the preset's)."""
     if name in peers.PEERS:
         why = peers.unavailable(name)
         return (None, why) if why else (Method(name, "peer", nominal_bits(name)), None)
     if name not in PRESETS:
         raise ValueError(f"unknown method {name!r}; available: {known_methods()}")
-    overrides = {k: v for k, v in (("sink", sink), ("window", window), ("window_share", window_share)) if v is not None}
+    overrides = {k: v for k, v in (("sink", sink), ("window", window), ("window_share", window_share))
+                 if v is not None and v != "preset"}
     m = Method(name, "rotkv", nominal_bits(name), overrides)
     if PRESETS[name].needs_artifact:
         if artifact_dir is None:

@@ -11,6 +11,12 @@ from rotkv.eval.peers import PEERS
 from rotkv.eval.stats import wilson
 
 
+
+def _tiers_text(cfg: dict) -> str:
+    """'sink 16 and window 32', with ``"preset"`` (or none given) written as each preset's own."""
+    own = lambda v: "each preset's own" if v in (None, "preset") else v  # noqa: E731
+    return f"sink {own(cfg.get('sink'))} and window {own(cfg.get('window'))}"
+
 def _f(x, spec=".3f", none="-"):
     return none if x is None else format(x, spec)
 
@@ -155,8 +161,8 @@ def write_report(out_dir: str) -> list[str]:
     L = ["# rotkv evaluation", ""]
     if prov:
         v = prov.get("versions", {})
-        L += [f"- model: `{prov.get('model_id')}`; profile `{cfg.get('profile')}`; rotkv presets run with sink "
-              f"{cfg.get('sink')} and window {cfg.get('window')} (bf16 tiers), prefill chunks of {cfg.get('chunk')} tokens",
+        L += [f"- model: `{prov.get('model_id')}`; profile `{cfg.get('profile')}`; rotkv presets run with "
+              f"{_tiers_text(cfg)} (bf16 tiers), prefill chunks of {cfg.get('chunk')} tokens",
               f"- commit `{(prov.get('git') or {}).get('commit')}`; torch {v.get('torch')}, transformers "
               f"{v.get('transformers')}, optimum-quanto {v.get('optimum-quanto')}, hqq {v.get('hqq')}, turboquant "
               f"{v.get('turboquant')}; {prov.get('threads')} CPU thread(s)",
@@ -233,8 +239,8 @@ def write_readme_section(out_dir: str, records: list[dict], prov: dict, paths: l
     L = ["## Results", "",
          f"SmolLM2-135M-Instruct on {where}, every method through its own cache: the context is prefilled in chunks of "
          f"{cfg.get('chunk')} tokens that read the quantized cache of the earlier ones, and whatever is scored (the next "
-         f"tokens, the question) reads the stored cache. rotkv presets keep a bf16 sink of {cfg.get('sink')} and window of "
-         f"{cfg.get('window')} tokens; peers run with their own defaults. Every score has the measured bits per element "
+         f"tokens, the question) reads the stored cache. rotkv presets keep a bf16 {_tiers_text(cfg)} "
+         f"(tokens); peers run with their own defaults. Every score has the measured bits per element "
          "(all tiers, metadata and peer residuals counted) beside it. Full tables, intervals and plots: "
          f"[{rel}/report.md]({rel}/report.md).", ""]
     L += main_table(records) + [""]

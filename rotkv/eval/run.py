@@ -89,8 +89,9 @@ def _spec_key(method: Method) -> dict:
         return {}
     from rotkv.config import get_preset
 
-    share = get_preset(method.name, **method.overrides).window_share
-    return {"window_share": share} if share else {}
+    spec = get_preset(method.name, **method.overrides)
+    later = ("window_share", "refine_tokens", "refine_values", "refine_every")
+    return {f: getattr(spec, f) for f in later if getattr(spec, f)}
 
 
 def _fingerprint(settings: dict, method: Method) -> str:
@@ -147,6 +148,17 @@ def niah_samples(tokenizer, cfg: EvalConfig, variant: str, length: int, essay_id
         else:
             out.append(niah.make_sample(tokenizer, variant, length, cfg.niah_multi_depths, essay_ids, seed))
     return out
+
+
+def _tiers(method, cfg) -> tuple[int, int]:
+    """(sink, window) tokens a method keeps unquantized, for the needle's tier label: the run's override, or
+    with ``"preset"`` (or none given) a rotkv preset's own; 0 for a peer without one."""
+    if method.kind == "rotkv":
+        from rotkv.config import get_preset
+
+        spec = get_preset(method.name, **method.overrides)
+        return spec.sink, spec.window
+    return tuple(v if isinstance(v, int) else 0 for v in (cfg.sink, cfg.window))
 
 
 def run_niah(model, tokenizer, method, cfg, length, samples, sink: int, window: int) -> list[dict]:
@@ -251,8 +263,6 @@ def evaluate(cfg: EvalConfig, out_dir: str, loaded=None, log=print) -> list[dict
     text_sha = hashlib.sha256(b"".join(_sha(f).encode() for f in cfg.texts)).hexdigest()[:16]
     hay_sha = hashlib.sha256(b"".join(_sha(f).encode() for f in cfg.haystacks)).hexdigest()[:16]
     ids_all = torch.tensor([text_ids]) if text_ids else None
-    sink = cfg.sink if cfg.sink is not None else 0
-    window = cfg.window if cfg.window is not None else 0
     _write_provenance(cfg, out_dir, loaded, methods, unavailable)
     failed: dict[str, str] = {}
     for unit in plan(cfg):
@@ -272,7 +282,7 @@ def evaluate(cfg: EvalConfig, out_dir: str, loaded=None, log=print) -> list[dict
                 elif task == "attn-error":
                     recs = run_attn(model, m, ids_all, cfg, length, ref)
                 else:
-                    recs = run_niah(model, tok, m, cfg, length, ref, sink, window)
+                    recs = run_niah(model, tok, m, cfg, length, ref, *_tiers(m, cfg))
             except Exception as e:  # a failing method (a peer's bug) is reported, the run goes on
                 failed[f"{m.name} {name}"] = f"{type(e).__name__}: {e}"
                 log(f"[{time.time() - t0:7.0f}s]   {m.name} {name}: FAILED {type(e).__name__}: {e}")
