@@ -61,6 +61,10 @@ class CacheSpec:
         grid (an emulation on calibration text found keys and values together worth more than twice the
         tokens of keys alone; docs/results/levers_length.md). Read as the keys' tier is: the PyTorch paths,
         and the Triton v1 decode kernel with ``ROTKV_REFINE_KERNEL=1``.
+    refine_every: the refine tier's size rule: a row of ``n`` body pages keeps ``min(ceil(refine_tokens /
+        page_size), ceil(n / refine_every))`` pages refined, one per ``refine_every`` body pages, so that
+        the tier's cost in bits per element stays constant at short contexts (at 1K, 224 refined tokens are a
+        fifth of the body) and ``refine_tokens`` caps it at long ones. 0: always ``refine_tokens``.
     page_size: tokens leave the window in blocks of this many (the GPU pool's page size).
     prefill_chunk: a prefill longer than this is processed in chunks, each attending to the
         quantized cache of the earlier ones (its own tokens at tier precision); also the tokens
@@ -108,6 +112,7 @@ class CacheSpec:
     window_share: float = 0.0
     refine_tokens: int = 0
     refine_values: bool = False
+    refine_every: int = 0
     page_size: int = 16
     prefill_chunk: int = 4096
     rotation: str = "identity"
@@ -134,7 +139,7 @@ class CacheSpec:
             raise ValueError(f"`bits` has to be one of {list(WIDTHS)} or None (no quantization) but got {self.bits}")
         if self.group_size is not None and self.group_size <= 0:
             raise ValueError(f"`group_size` has to be a positive divisor of head_dim or None but got {self.group_size}")
-        for field in ("sink", "window", "refine_tokens"):
+        for field in ("sink", "window", "refine_tokens", "refine_every"):
             if getattr(self, field) < 0:
                 raise ValueError(f"`{field}` has to be >= 0 but got {getattr(self, field)}")
         if not 0.0 <= self.window_share < 1.0:
@@ -186,6 +191,8 @@ class CacheSpec:
                              "`codec`='token', no `start_bits`, `budget_tokens` or `k_table`")
         if self.refine_values and not self.refine_tokens:
             raise ValueError("`refine_values` refines the refine tier's values: needs `refine_tokens` > 0")
+        if self.refine_every and not self.refine_tokens:
+            raise ValueError("`refine_every` sizes the refine tier: needs `refine_tokens` > 0 (its cap)")
         self._check_progressive()
 
     def key_bits(self, layer: int, artifact_bits: list[int] | None = None) -> int | None:
@@ -314,13 +321,16 @@ PRESETS: dict[str, CacheSpec] = {
         name="oscar-mix-long", bits=2, sink=16, window=32, window_share=1 / 64, rotation="artifact", clip_k=0.96,
         clip_v=0.92, key_mean=True, method="oscar", k_bits="artifact", meta_v="float8",
     ),
-    # oscar-mix-long's artifact with a refine tier: 2 more bits for the keys of each row's 224 newest body
-    # tokens (CacheSpec.refine_tokens, rotkv.cache.refine), paid for by a 4-token sink instead of 16: 3.08
-    # measured bits at 2K, 2.96 at 8K (docs/results/levers_length.md, "The refine tier"). The decode kernels
-    # do not read the tier yet: it decodes through the PyTorch path (no CUDA graph)
+    # oscar-mix-long's artifact with a refine tier: 2 more bits for the keys and values of each row's newest
+    # body pages, one per 19 body pages and at most 224 tokens (CacheSpec.refine_tokens, refine_values,
+    # refine_every; rotkv.cache.refine), paid for by a 4-token sink instead of 16: 3.09 measured bits at 2K
+    # (7 refined pages), 2.98 at 8K (14) (docs/results/levers_length.md, "The refine tier"). The Triton v1
+    # decode kernel reads the tier with ROTKV_REFINE_KERNEL=1 (opt-in until it has run on a GPU); without
+    # it the tier decodes through the PyTorch path (no CUDA graph)
     "oscar-refine": CacheSpec(
-        name="oscar-refine", bits=2, sink=4, window=32, window_share=1 / 64, refine_tokens=224, rotation="artifact",
-        clip_k=0.96, clip_v=0.92, key_mean=True, method="oscar", k_bits="artifact", meta_v="float8",
+        name="oscar-refine", bits=2, sink=4, window=32, window_share=1 / 64, refine_tokens=224, refine_values=True,
+        refine_every=19, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="oscar",
+        k_bits="artifact", meta_v="float8",
     ),
     # progressive precision: final widths from the artifact's `bits` (rotkv calibrate --method pmkvq),
     # else `bits` for every layer; each layer reaches its final width at budget_tokens
