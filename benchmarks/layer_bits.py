@@ -5,7 +5,8 @@ transformers' sliding layers, after a 2048-token prefill of the evaluation text 
 usage: OMP_NUM_THREADS=1 python benchmarks/layer_bits.py MODEL ARTIFACT_DIR METHODS OUT.json
 
 METHODS: comma-separated; every rotkv preset runs at sink 16 / window 32 as in the evaluations, unless a
-method names its sink (``oscar-refine:4``, as `rotkv eval` without --sink runs that preset).
+method names its sink (``oscar-refine:4``, as `rotkv eval --sink preset` runs that preset; `rotkv eval`
+without --sink runs every preset at the profile's 16).
 """
 import json
 import sys

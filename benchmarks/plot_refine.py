@@ -1,5 +1,6 @@
-"""KL against measured bits at 2K and 8K: the refine tier (keys; "+ values": keys and values, its size in
-tokens) beside the INT4 caches and the earlier INT2 presets.
+"""KL against measured bits at 2K and 8K: the preset oscar-refine (keys and values refined, one page per 19
+body pages, at most 224 tokens) and its first, keys-only form, beside the INT4 caches and the earlier INT2
+presets.
 
 Reads the committed runs (the rotkv rows from ``benchmarks/lever_length.py`` JSONs, the INT4 peers from
 ``rotkv eval`` records) and draws one panel per length: every method a point at its measured bits with
@@ -21,14 +22,14 @@ T4 = "docs/results/levers_length/tier4"
 RUNS = [
     ("oscar-mix", 2048, f"{W6}/eval2k-w6-mix.json", "lever"),
     ("oscar-mix-long", 2048, f"{W6}/eval2k-w6-long.json", "lever"),
-    ("oscar-refine", 2048, f"{T4}/eval2k-w6-refine.json", "lever"),
-    ("oscar-refine + values (112)", 2048, f"{T4}/eval2k-w6-refine-kv.json", "lever"),
+    ("keys-only tier (224)", 2048, f"{T4}/eval2k-w6-refine.json", "lever"),
+    ("oscar-refine", 2048, f"{T4}/eval2k-w6-refine-kv-every19.json", "lever"),
     ("rotkv int4", 2048, f"{W6}/peers-2048-results.json:int4", "eval"),
     ("HF quanto INT4", 2048, f"{W6}/peers-2048-results.json:hf-quanto-int4", "eval"),
     ("oscar-mix", 8192, f"{W6}/eval8k-w6-mix.json", "lever"),
     ("oscar-mix-long", 8192, f"{W6}/eval8k-w6-long.json", "lever"),
-    ("oscar-refine", 8192, f"{T4}/eval8k-w6-refine.json", "lever"),
-    ("oscar-refine + values (224)", 8192, f"{T4}/eval8k-w6-refine-kv.json", "lever"),
+    ("keys-only tier (224)", 8192, f"{T4}/eval8k-w6-refine.json", "lever"),
+    ("oscar-refine", 8192, f"{T4}/eval8k-w6-refine-kv-every19.json", "lever"),
     ("rotkv int4", 8192, f"{W6}/peers-8192-results.json:int4", "eval"),
     ("HF quanto INT4", 8192, f"{W6}/peers-8192-quanto.json", "record"),
 ]
@@ -71,7 +72,7 @@ def plot(runs, out: str) -> dict:
             bits, kl, ci = point(path, kind)
             table[f"{label}@{length}"] = {"bits": bits, "kl": kl, "kl_ci95": ci}
             c = colors.setdefault(label.split(" (")[0], f"C{len(colors)}")
-            marker = "D" if "+ values" in label else "o"
+            marker = "D" if label == "oscar-refine" else "s" if label.startswith("keys-only") else "o"
             ax.errorbar(bits, kl, yerr=ci, fmt=marker, color=c, capsize=3, label=f"{label}: {kl:.4f} at {bits:.2f}")
         ax.legend(fontsize=8, loc="upper right")  # the INT2 points crowd at ~3 bits: named in the legend
         ax.set_title(f"{length} tokens (6 held-out windows, 384 tokens)")

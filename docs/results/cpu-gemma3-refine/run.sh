@@ -11,6 +11,8 @@ echo "[$(date +%T)] longfit"
 $P -m rotkv.calibrate.longfit --model $M --base-artifact $A/oscar-mix.safetensors --seq-len 4096 --sequences 2 --out $A/oscar-mix-long.safetensors
 echo "[$(date +%T)] eval refine"
 $P -m rotkv.cli eval --model $M --profile full --window 32 --tasks nll,niah --lengths nll=2048 niah=1024,2048 --windows 4 --new-tokens 64 --variants essay,multikey --depths 0.1,0.5,0.9 --samples 2 --methods oscar-refine --artifact-dir $A --threads 1 --out /tmp/gemrun/eval-refine
+echo "[$(date +%T)] eval refine, the preset of 2026-12-05 at its own sink"
+$P -m rotkv.cli eval --model $M --profile full --sink preset --window 32 --tasks nll,niah --lengths nll=2048 niah=1024,2048 --windows 4 --new-tokens 64 --variants essay,multikey --depths 0.1,0.5,0.9 --samples 2 --methods oscar-refine --artifact-dir $A --threads 1 --out /tmp/gemrun2/eval-refine
 echo "[$(date +%T)] eval others"
 $P -m rotkv.cli eval --model $M --profile full --sink 16 --window 32 --tasks nll,niah --lengths nll=2048 niah=1024,2048 --windows 4 --new-tokens 64 --variants essay,multikey --depths 0.1,0.5,0.9 --samples 2 --methods int4,oscar-mix,oscar-mix-long --artifact-dir $A --threads 1 --out /tmp/gemrun/eval-others
 echo "[$(date +%T)] done"
