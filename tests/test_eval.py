@@ -90,6 +90,8 @@ def test_artifact_names_and_missing_artifact(tmp_path):
     assert _tiers(m, make_config("smoke", sink="preset", window=64)) == (get_preset("quarot-int2").sink, 64)
     m, _ = resolve("quarot-int2", 16, 64, None)
     assert _tiers(m, make_config("smoke", sink=16, window=64)) == (16, 64)
+    m, _ = resolve("bf16", "preset", 64, None)
+    assert _tiers(m, make_config("smoke", sink="preset", window=64)) == (0, 0)  # no quantized tokens to miss
     # a preset with per-layer key widths reads its own artifact: made when missing, or says how to make it
     m, why = resolve("oscar-mix", 16, 32, str(tmp_path), calibrate=lambda method, path: f"made {method} at {path}")
     assert m is None and why == f"made oscar-mix at {tmp_path / 'oscar-mix.safetensors'}"

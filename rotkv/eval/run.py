@@ -152,12 +152,13 @@ def niah_samples(tokenizer, cfg: EvalConfig, variant: str, length: int, essay_id
 
 def _tiers(method, cfg) -> tuple[int, int]:
     """(sink, window) tokens a method keeps unquantized, for the needle's tier label: the run's override, or
-    with ``"preset"`` (or none given) a rotkv preset's own; 0 for a peer without one."""
+    with ``"preset"`` (or none given) a rotkv preset's own; 0 for a peer without one and for an unquantized
+    preset (bf16: every token is in a bf16 tier)."""
     if method.kind == "rotkv":
         from rotkv.config import get_preset
 
         spec = get_preset(method.name, **method.overrides)
-        return spec.sink, spec.window
+        return (spec.sink, spec.window) if spec.quantized else (0, 0)
     return tuple(v if isinstance(v, int) else 0 for v in (cfg.sink, cfg.window))
 
 
