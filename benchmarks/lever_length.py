@@ -290,7 +290,7 @@ def main() -> None:
                            "refine_values": args.refine_values, "refine_every": args.refine_every,
                            "key_fit_lengths": art.key_fit_lengths}
     for name in args.configs:
-        key = name + (f"/{args.tag}" if args.tag else "") + (f"/w{args.window}" if args.window else "") + (
+        key = name + (f"/{args.tag}" if args.tag else "") + (f"/w{args.window}" if args.window is not None else "") + (
             f"/sink{args.sink}" if args.sink is not None else "") + (f"/{args.text}" if args.text != "eval" else "") + (
             f"/s{args.window_share:g}" if args.window_share is not None else "") + (
             f"/refine{args.refine_tokens}" if args.refine_tokens is not None else "") + (

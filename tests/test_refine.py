@@ -64,6 +64,26 @@ def test_newest_pages():
     assert rows.tolist() == [1, 2, 2, 2, 3] and idx.tolist() == [1, 4, 5, 6, 2]
 
 
+def test_ring_growth_moves_every_rows_pages_to_their_new_slots():
+    ring = RefineRing(4, 1, 2, 8, 8, "cpu")
+    ring.fit(2)
+    ring.grow(np.array([0, 0]), 2)  # rows of up to 2 pages: 2 slots
+    assert ring.pages == 2 and ring.data.shape == (2, 2, 1, 2, 2)
+    # row 0 holds pages 0..4 (the ring keeps 3 and 4), row 1 page 0: page i's bytes are i + 10 * row
+    counts = np.array([5, 1])
+    for row, n in enumerate(counts):
+        for i in range(max(0, n - 2), n):
+            ring.data[row, i % 2] = i + 10 * row
+    ring.grow(counts, 6)  # a flush takes row 0 to 6 pages: 4 slots, the cap
+    assert ring.pages == 4 and ring.data.shape[1] == 4
+    assert ring.data[0, 3 % 4].unique().tolist() == [3] and ring.data[0, 4 % 4].unique().tolist() == [4]
+    assert ring.data[1, 0].unique().tolist() == [10]
+    ring.grow(counts, 40)  # never past the cap
+    assert ring.pages == 4
+    ring.fit(3)  # a new batch starts at one slot again
+    assert ring.pages == 1 and ring.data.shape[:2] == (3, 1)
+
+
 def test_ring_writes_keep_each_rows_newest_pages_of_a_flush():
     # a prefill flushes rows 0 and 2 many pages at once: a 2-slot ring keeps the newest 2 of each
     rows = np.array([0, 0, 0, 0, 2, 2, 2, 1])
@@ -160,7 +180,11 @@ def test_refined_layer_reads_and_attends_the_nested_keys(refine, sink, window, p
     if every:  # the rule refines fewer pages than the cap at the end: it was exercised
         assert n_refined < int(np.minimum(paged.state.body_count, kpages).sum())
     extra = paged.stats()["body_bytes"] - plain.stats()["body_bytes"]
-    assert extra == n_refined * H * page * D // 4 * (2 if values else 1)  # 2 bits per refined element, no metadata
+    assert extra == n_refined * H * page * D // 4 * (2 if values else 1)
+    # the rings hold what is counted: as many slots as the longest row reads (they grew from one)
+    for ring in paged.pools.refine_rings:
+        assert ring.pages == refined_pages(int(paged.state.body_count.max()), kpages, every)
+        assert ring.data.shape[1] == ring.pages  # 2 bits per refined element, no metadata
 
 
 def test_refine_tier_in_a_model_cache(tiny_llama):

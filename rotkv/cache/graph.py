@@ -62,6 +62,8 @@ class StaticDecode:
         st.body_free.grow(max(st.body_free.capacity, rows * self.body_pages + 1))
         for layer in self.layers:
             layer.pools.fit(st.tier_free.capacity, st.body_free.capacity)
+            # the refine rings at the size a row of max_len needs: the captured graph keeps their tensors
+            layer.pools.grow_refine(st.body_count, self.body_pages)
         # every buffer a step reads is a view of one int64 and one int32 device buffer, each loaded by one
         # copy from its host mirror per step (:meth:`load`; before, eight host-to-device and six
         # device-to-device copies)

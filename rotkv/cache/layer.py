@@ -300,7 +300,11 @@ class HybridLayer(RotkvLayer):
 
     def _refine_at(self, step: Step):
         """(batch row, body index) of the step's flushed pages where the layer has a refine tier, else None."""
-        return step.device_refine_at(self.device, self.pools.refine_pages) if self.pools.refine_rings else None
+        if not self.pools.refine_rings:
+            return None
+        # the rings grow (before the write) to hold the refined pages of the longest row after the flush
+        self.pools.grow_refine(step.body_count, int(step.flush.index.max()) + 1)
+        return step.device_refine_at(self.device, self.pools.refine_pages)
 
     def store(self, step: Step, take) -> None:
         """Store a prefill step's tokens: the pages that leave the window are assembled from the

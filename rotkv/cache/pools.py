@@ -121,7 +121,8 @@ class LayerPools:
                 ring.fit(rows)
         if self.tier_k.shape[0] < tier_pages:
             self.tier_k, self.tier_v = _grow(self.tier_k, tier_pages), _grow(self.tier_v, tier_pages)
-        if self.body[0] and self.body[0]["codes"].shape[0] < body_pages:
+        first = next(iter(self.body[0].values()), None)  # any codec's parts: [pages, ...]
+        if first is not None and first.shape[0] < body_pages:
             for parts in self.body:
                 for name, t in parts.items():
                     parts[name] = _grow(t, body_pages)
@@ -248,8 +249,14 @@ class LayerPools:
 
     @property
     def refine_pages(self) -> int:
-        """Body pages per row the refine tier covers (0: none)."""
+        """Slots per row of the refine rings now, the most refined pages any row reads (0: no tier)."""
         return self.refine_rings[0].pages if self.refine_rings else 0
+
+    def grow_refine(self, counts, upto: int) -> None:
+        """Grow the refine rings to hold a row of ``upto`` body pages (rows of ``counts`` pages now;
+        :meth:`rotkv.cache.refine.RefineRing.grow`)."""
+        for ring in self.refine_rings:
+            ring.grow(counts, upto)
 
     @property
     def refine_every(self) -> int:

@@ -15,7 +15,9 @@ the 2-bit page it always was: nothing is re-quantized and nothing moves.
 
 Storage: ``uint8 [rows, K, H, P, D / 4]`` per layer, a ring per row: the row's ``i``-th body page
 (0-based) keeps its bits in slot ``i % K``, which the page ``K`` places later overwrites. No metadata
-of its own: 2 bits per key element of the refined pages, counted in the cache's measured bits.
+of its own: 2 bits per key element of the refined pages, counted in the cache's measured bits. ``K``
+grows with the rows, up to ``ceil(refine_tokens / P)``: it is the most refined pages any row reads
+(:meth:`RefineRing.grow`, before each flush), so the ring holds what is counted, not the cap.
 
 Size rule (``CacheSpec.refine_every``): a row of ``n`` body pages reads its ``min(K, ceil(n / every))``
 newest pages refined, so that at short contexts the tier is a share of the body (its cost in bits per
@@ -69,9 +71,26 @@ class RefineRing:
             raise ValueError(f"a refine ring needs >= 1 page per row but got {pages}")
         if every < 0:
             raise ValueError(f"a refine ring's size rule needs every >= 0 but got {every}")
-        self.pages, self.group_size, self.every = pages, group_size, every
-        self.shape = (pages, kv_heads, page, head_dim // 4)
+        # cap: the most refined pages of a row (refine_tokens / P); pages: the slots now (K), which grow to it
+        self.cap, self.pages, self.group_size, self.every = pages, 1, group_size, every
+        self.shape = (1, kv_heads, page, head_dim // 4)
         self.data = torch.zeros(0, *self.shape, dtype=torch.uint8, device=device)
+
+    def grow(self, counts: np.ndarray, upto: int) -> None:
+        """Make the slots hold the refined pages of a row of ``upto`` body pages: ``K`` grows to
+        ``refined_pages(upto, cap, every)`` when that is more, and every row's refined pages (rows of
+        ``counts`` body pages now) move to their new slots ``i % K``. Before a flush that takes a row to
+        ``upto`` pages; a CUDA graph's rings are grown to its longest row before capture."""
+        need = refined_pages(upto, self.cap, self.every)
+        if need <= self.pages:
+            return
+        old, k_old = self.data, self.pages
+        self.pages, self.shape = need, (need, *self.shape[1:])
+        self.data = torch.zeros(old.shape[0], *self.shape, dtype=torch.uint8, device=old.device)
+        rows, idx = newest_pages(np.asarray(counts, dtype=np.int64)[: old.shape[0]], k_old)
+        if len(rows):
+            r, i = torch.from_numpy(rows).to(old.device), torch.from_numpy(idx).to(old.device)
+            self.data[r, i % need] = old[r, i % k_old]
 
     @property
     def page_bytes(self) -> int:
@@ -79,8 +98,9 @@ class RefineRing:
         return int(np.prod(self.shape[1:]))
 
     def fit(self, rows: int) -> None:
-        """Hold ``rows`` rings (a new batch: the old contents are not read again)."""
+        """Hold ``rows`` rings (a new batch: the old contents are not read again, and the slots start at one)."""
         if self.data.shape[0] != rows:
+            self.pages, self.shape = 1, (1, *self.shape[1:])
             self.data = torch.zeros(rows, *self.shape, dtype=torch.uint8, device=self.data.device)
 
     def select(self, index: torch.Tensor) -> None:
