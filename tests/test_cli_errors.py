@@ -67,6 +67,8 @@ def assert_user_error(rc, err, *needles):
     (["--prompt", "hi", "--refine-tokens", "-3"], ["--refine-tokens has to be >= 0"]),
     (["--prompt", "hi", "--preset", "int4", "--refine-tokens", "64"], ["--refine-tokens refines 2-bit"]),
     (["--prompt", "hi", "--refine-values"], ["--refine-values refines the refine tier's values", "--refine-tokens"]),
+    (["--prompt", "hi", "--refine-every", "4"], ["--refine-every sizes the refine tier", "--refine-tokens"]),
+    (["--prompt", "hi", "--refine-tokens", "64", "--refine-every", "-2"], ["--refine-every has to be >= 0"]),
     (["--prompt", "hi", "--preset", "oscar-refine"], ["--artifact", "rotkv calibrate --method oscar-mix-long"]),
 ])
 def test_generate_user_errors_before_the_model(no_model, capsys, argv, needles):
