@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 
 import torch
+from tqdm.auto import tqdm
 
 
 @torch.no_grad()
@@ -46,13 +47,16 @@ def long_stats(model, chunks: list[torch.Tensor], sink: int = 16, call: int = 51
         kn[layer] = kn.get(layer, 0) + max(t - skip, 0)
 
     dev = next(model.parameters()).device
-    with capturing(model, rec):
+    calls = sum(-(-ids.shape[1] // call) for ids in chunks)
+    with capturing(model, rec), tqdm(total=calls, desc=f"key statistics ({len(chunks)} x {chunks[0].shape[1]} tokens)",
+                                     unit="call", leave=False) as bar:
         for ids in chunks:
             cache = DynamicCache()
             for c0 in range(0, ids.shape[1], call):
                 pos[0] = c0
                 model(input_ids=ids[:, c0:c0 + call].to(dev), use_cache=True, logits_to_keep=1,
                       **{compat.cache_kwarg(model): cache})
+                bar.update()
     return cq, ks, kn
 
 
