@@ -356,6 +356,17 @@ def test_eval_user_errors_before_the_model(no_model, capsys, tmp_path, argv, nee
     assert_user_error(rc, err, *needles)
 
 
+@pytest.mark.parametrize("sink,warned", [(None, True), ("16", True), ("4", False), ("preset", False)])
+def test_eval_says_when_it_overrides_a_refine_presets_sink(no_model, capsys, tmp_path, sink, warned):
+    """oscar-refine's 4-token sink pays for its tier: a run that gives it another (the profile's 16) says so."""
+    argv = ["eval", "--out", str(tmp_path / "e"), "--methods", "oscar-refine,quarot-int2", "--tasks", "nll"]
+    rc, _, err = run_cli(capsys, *argv, *(["--sink", sink] if sink else []))  # stops at the model load (no_model)
+    assert rc != 0 and "the model was loaded" in err
+    msg = f"oscar-refine runs with sink {sink or 16}, not its own 4"
+    assert (msg in err) == warned, err
+    assert "quarot-int2 runs with sink" not in err  # presets without a tier take the run's sink silently
+
+
 def test_demo_code_has_to_be_digits(no_model, capsys):
     rc, _, err = run_cli(capsys, "demo", "--code", "abc")
     assert_user_error(rc, err, "--code has to be digits", "'abc'")

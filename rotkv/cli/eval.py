@@ -7,7 +7,7 @@ import os
 import sys
 
 from rotkv.cli.common import with_flags
-from rotkv.cli.errors import UsageError, resolve_device
+from rotkv.cli.errors import UsageError, resolve_device, warn
 from rotkv.config import PRESETS, CacheSpec
 
 
@@ -137,6 +137,11 @@ def run(args) -> int:
         niah_depths=[float(x) for x in _list(args.depths)] if args.depths else None, niah_samples=args.samples,
         nll_windows=args.windows, new_tokens=args.new_tokens, threads=args.threads, device=device,
     )
+    for name in cfg.methods:  # a refine preset's small sink pays for its tier: say when the run overrides it
+        spec = PRESETS.get(name)
+        if spec is not None and spec.refine_tokens and isinstance(cfg.sink, int) and cfg.sink != spec.sink:
+            warn("eval", f"{name} runs with sink {cfg.sink}, not its own {spec.sink} (its smaller sink pays for its "
+                         "refine tier); pass --sink preset to keep each preset's own")
     if args.report_only:
         from rotkv.eval.run import rebuild
 
