@@ -201,9 +201,7 @@ class GraphDecoder:
         rows = self.flush_pages.shape[1]
         if not self.flush_graph or n > rows:  # at most one page per row leaves in a decode step
             dev = self.model.device
-            k = max(layer.pools.refine_pages for layer in self.static.layers)
-            self._flush_layers(*step.device_flush(dev), *(step.device_refine_at(dev, k) if k else
-                                                            step.device_flush_rows(dev)))
+            self._flush_layers(*step.device_flush(dev), *step.device_flush_rows(dev))
             return
         # a step that flushes fewer pages than rows repeats its last page (the same bytes written twice)
         pairs = np.empty((4, rows), dtype=np.int64)

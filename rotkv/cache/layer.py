@@ -299,7 +299,8 @@ class HybridLayer(RotkvLayer):
         return o
 
     def _refine_at(self, step: Step):
-        """(batch row, body index) of the step's flushed pages where the layer has a refine tier, else None."""
+        """Where the layer has a refine tier: its rings grown for the flush, and ``(rows, index, sel)`` of the
+        flushed pages they keep (:meth:`Step.device_refine_at`); else None."""
         if not self.pools.refine_rings:
             return None
         # the rings grow (before the write) to hold the refined pages of the longest row after the flush

@@ -115,20 +115,12 @@ def test_layer_decodes_the_refine_tier_through_the_kernel(values, device, monkey
 def test_cuda_graph_decode_with_a_refine_tier_matches_eager(monkeypatch):
     """With the kernel on, a refined cache decodes in a CUDA graph (the flush graph writes the ring) as it
     does eagerly through the PyTorch path, through page flushes and a ragged batch."""
-    from test_backend import _graph_llama
+    from test_backend import graph_agreement
 
     from rotkv.cache import RotkvCache
-    from rotkv.generation import generate_batch
 
-    model = _graph_llama()
-    ids = torch.randint(1, 512, (3, 300), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[1, :37] = 0
-    runs = {}
-    for graph in (False, True):
-        monkeypatch.setenv("ROTKV_REFINE_KERNEL", "1" if graph else "0")
-        cache = RotkvCache(model, "quarot-int2", sink=4, window=32, page_size=16, prefill_chunk=128, refine_tokens=64,
-                           check_finite=False)
-        runs[graph] = generate_batch(model, ids, cache, 40, attention_mask=mask, cuda_graph=graph)
-    agree = (runs[False].tokens == runs[True].tokens).float().mean().item()
+    agree = graph_agreement(
+        lambda model: RotkvCache(model, "quarot-int2", sink=4, window=32, page_size=16, prefill_chunk=128,
+                                 refine_tokens=64, check_finite=False),
+        before=lambda graph: monkeypatch.setenv("ROTKV_REFINE_KERNEL", "1" if graph else "0"))
     assert agree > 0.9, agree
