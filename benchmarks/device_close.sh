@@ -262,8 +262,26 @@ for k in 0 1; do
     --out "$R/generate-refine-kernel$k-smollm2-16x8k.json" >> "$R/refine.log" 2>&1
   echo "refine kernel=$k rc=$?"
 done
+ROTKV_REFINE_KERNEL=1 timeout 200 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 16 --context 8192 --new-tokens 32 \
+  --methods rotkv:oscar-refine+graph --artifact artifacts/oscar-mix-long.safetensors \
+  --out "$R/generate-refine-graph-smollm2-16x8k.json" >> "$R/refine.log" 2>&1
+echo "refine graph rc=$?"
 timeout 200 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 16 --context 8192 --new-tokens 32 \
   --methods rotkv:oscar-mix-long rotkv:oscar-mix-long+graph --artifact artifacts/oscar-mix-long.safetensors \
   --out "$R/generate-refine-base-smollm2-16x8k.json" >> "$R/refine.log" 2>&1
 echo "refine base rc=$?"; fi
+if want niah; then stage niah  # NIAH 1-3K on the real SmolLM2 ($ROTKV_GGUF), 8 haystacks a cell, bf16 beside the refine preset
+ROTKV_REFINE_KERNEL=1 timeout 400 python3 -m rotkv.cli eval --device cuda --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" \
+  --artifact-dir artifacts --methods bf16,oscar-refine,oscar-mix-long --sink preset --window preset --tasks niah \
+  --lengths niah=1024,2048,3072 --samples 8 --out "$R/niah-smollm2" > "$R/niah.log" 2>&1
+echo "niah rc=$?"; grep -E "^\| (bf16|oscar)" "$R/niah-smollm2/report.md" | head -12; fi
+if want gemma; then stage gemma  # Gemma3-270M on the GPU: KL at 2K/8K and NIAH 1-4K; the GGUF arrives in parts (~/g)
+G=${ROTKV_GEMMA:-$HOME/g/gemma3.gguf}
+for _ in $(seq 60); do [ -s "$G" ] && break; sleep 5; done
+for at in "preset oscar-refine" "16 bf16,int4,oscar-mix-long"; do set -- $at
+  ROTKV_REFINE_KERNEL=1 timeout 420 python3 -m rotkv.cli eval --device cuda --model "$G" --artifact-dir artifacts/gemma \
+    --methods $2 --sink $1 --window 32 --tasks nll,niah --lengths nll=2048,8192 niah=1024,2048,4096 --windows 8 \
+    --new-tokens 128 --variants essay,multikey --depths 0.1,0.5,0.9 --samples 4 --out "$R/gemma-sink$1" > "$R/gemma-$1.log" 2>&1
+  echo "gemma sink $1 rc=$?"; tail -4 "$R/gemma-$1.log"
+done; fi
 echo "all done $(date +%T)"
