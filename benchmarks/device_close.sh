@@ -277,9 +277,9 @@ ROTKV_REFINE_KERNEL=1 timeout 400 python3 -m rotkv.cli eval --device cuda --mode
 echo "niah rc=$?"; grep -E "^\| (bf16|oscar)" "$R/niah-smollm2/report.md" | head -12; fi
 if want gemma; then stage gemma  # Gemma3-270M on the GPU: KL at 2K/8K and NIAH 1-4K; the GGUF arrives in parts (~/g)
 G=${ROTKV_GEMMA:-$HOME/g/gemma3.gguf}
-for _ in $(seq 60); do [ -s "$G" ] && break; sleep 5; done
+for _ in $(seq 60); do [ -s "$G" ] && [ -s "${ROTKV_GEMMA_ART:-$HOME/g/art}/oscar-mix-long.safetensors" ] && break; sleep 5; done
 for at in "preset oscar-refine" "16 bf16,int4,oscar-mix-long"; do set -- $at
-  ROTKV_REFINE_KERNEL=1 timeout 420 python3 -m rotkv.cli eval --device cuda --model "$G" --artifact-dir artifacts/gemma \
+  ROTKV_REFINE_KERNEL=1 timeout 420 python3 -m rotkv.cli eval --device cuda --model "$G" --artifact-dir "${ROTKV_GEMMA_ART:-$HOME/g/art}" \
     --methods $2 --sink $1 --window 32 --tasks nll,niah --lengths nll=2048,8192 niah=1024,2048,4096 --windows 8 \
     --new-tokens 128 --variants essay,multikey --depths 0.1,0.5,0.9 --samples 4 --out "$R/gemma-sink$1" > "$R/gemma-$1.log" 2>&1
   echo "gemma sink $1 rc=$?"; tail -4 "$R/gemma-$1.log"
