@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -234,3 +235,32 @@ def test_niah_lengths_given_hold_for_every_variant():
     cfg = make_config("full", tasks=["niah"], lengths={"niah": [4096, 8192]})
     assert cfg.niah_lengths("noise") == [4096, 8192] and cfg.niah_lengths("essay") == [4096, 8192]
     assert make_config("full", tasks=["nll"], lengths={"nll": [2048]}).niah_lengths("noise") == [2048]
+
+
+def test_report_only_rebuilds_a_gpu_runs_folder_from_its_config(tmp_path, monkeypatch):
+    """`rotkv eval --report-only --out DIR` needs no other flag and no GPU: it takes the settings the run
+    recorded (here on a GPU host, with its own paths to rotkv's texts) and finds the cached records."""
+    from rotkv.cli import main
+    from rotkv.eval.methods import Method
+    from rotkv.eval.run import _sha, _store, plan, unit_settings
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = make_config("smoke", model="/elsewhere/smol.gguf", methods=["bf16"], tasks=["niah"],
+                      lengths={"niah": [1024]}, niah_variants=["noise"], niah_samples=2, device="cpu")
+    text_sha = hashlib.sha256(b"".join(_sha(f).encode() for f in cfg.texts)).hexdigest()[:16]
+    cfg.device = "cuda"  # as recorded there (made on the CPU: the config refuses no device, the CLI does)
+    blob = cfg.to_dict()
+    blob["texts"] = blob["haystacks"] = ["/root/repo/rotkv/data/" + os.path.basename(f) for f in cfg.texts]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"config": blob}, f)
+    (unit,) = plan(cfg)
+    rec = {"method": "bf16", "task": "niah", "length": 1024, "variant": "noise", "depth": 0.5, "n": 2, "ci95": 0.5,
+           "accuracy": 0.5, "context_tokens": 1020, "bf16_tier": "", "kv_bytes": 2.0, "kv_bytes_at_bf16": 2.0,
+           "elements": 1.0, "bpe_measured": 16.0, "bpe_at_bf16": 16.0, "bpe_nominal": 16.0, "seconds": 1.0}
+    _store(str(tmp_path), Method("bf16", "rotkv", 16.0, {}), unit, unit_settings(cfg, unit, text_sha, text_sha), [rec])
+    assert main(["eval", "--report-only", "--out", str(tmp_path)]) == 0
+    got = json.load(open(tmp_path / "results.json"))
+    assert [r["accuracy"] for r in got["records"]] == [0.5] and got["missing"] == []
+    assert "| bf16 |" in open(tmp_path / "report.md").read()
+    # a folder without a run in it is a one-line usage error (exit status 2)
+    assert main(["eval", "--report-only", "--out", str(tmp_path / "nothing")]) == 2

@@ -101,11 +101,15 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu",
                    help="cpu (default), cuda, cuda:N, or auto (cuda when available); the model runs in float32 "
                         "there, as the KL reference and under every cache")
-    p.add_argument("--report-only", action="store_true", help="rebuild results.json, report and plots from the cache")
+    p.add_argument("--report-only", action="store_true",
+                   help="rebuild results.json, report and plots from --out's cache under the settings its run "
+                        "recorded (config.json); --methods, --tasks and --variants may pick a subset")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.report_only:  # the run's own settings (config.json); nothing loads, so no device is needed
+        return _report_only(args)
     device = resolve_device(args.device)  # a bad device is a one-line error before anything loads
     if args.window_share is not None:  # CacheSpec's own check, worded with the flag
         try:
@@ -142,16 +146,30 @@ def run(args) -> int:
         if spec is not None and spec.refine_tokens and isinstance(cfg.sink, int) and cfg.sink != spec.sink:
             warn("eval", f"{name} runs with sink {cfg.sink}, not its own {spec.sink} (its smaller sink pays for its "
                          "refine tier); pass --sink preset to keep each preset's own")
-    if args.report_only:
-        from rotkv.eval.run import rebuild
+    from rotkv.eval.run import evaluate
 
-        records = rebuild(cfg, args.out)
-    else:
-        from rotkv.eval.run import evaluate
-
-        records = evaluate(cfg, args.out, log=lambda s: print(s, file=sys.stderr, flush=True))
-    if not records and not args.report_only:
+    records = evaluate(cfg, args.out, log=lambda s: print(s, file=sys.stderr, flush=True))
+    if not records:
         raise RuntimeError("no method could run (each one's reason is above); nothing was evaluated")
+    paths = write_report(args.out)
+    print(f"{len(records)} records; wrote {os.path.join(args.out, 'results.json')}, " + ", ".join(paths))
+    return 0
+
+
+def _report_only(args) -> int:
+    """results.json, the report and plots again from ``--out``'s cache, under the settings that run recorded
+    (its config.json; a run stopped part way, or one made on a GPU host, too). --methods, --tasks and
+    --variants pick a subset; the other flags are the run's own."""
+    from rotkv.eval.config import from_run
+    from rotkv.eval.report import write_report
+    from rotkv.eval.run import rebuild
+
+    try:
+        cfg = from_run(args.out, methods=_list(args.methods), tasks=_list(args.tasks),
+                       niah_variants=_list(args.variants))
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    records = rebuild(cfg, args.out)
     paths = write_report(args.out)
     print(f"{len(records)} records; wrote {os.path.join(args.out, 'results.json')}, " + ", ".join(paths))
     return 0

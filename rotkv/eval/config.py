@@ -111,6 +111,34 @@ PROFILES: dict[str, dict] = {
 }
 
 
+def _here(path: str) -> str:
+    """A text file recorded by a run on another machine: the path itself where it exists, else rotkv's own
+    copy of the same name (the built-in texts), else the path unchanged (the config's check names it)."""
+    if os.path.isfile(path):
+        return path
+    mine = os.path.join(DATA_DIR, os.path.basename(path))
+    return mine if os.path.isfile(mine) else path
+
+
+def from_run(out_dir: str, **overrides) -> EvalConfig:
+    """The configuration an earlier run recorded in ``out_dir/config.json``, for rebuilding its report
+    (``rotkv eval --report-only``), with overrides (None values are ignored). Text files recorded on
+    another machine (a GPU host) are found again among rotkv's built-in texts by name."""
+    import json
+
+    path = os.path.join(out_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: --report-only rebuilds a run's report from its folder")
+    with open(path) as f:
+        kw = json.load(f)["config"]
+    names = {f.name for f in dataclasses.fields(EvalConfig)}
+    kw = {k: v for k, v in kw.items() if k in names}
+    kw["texts"] = [_here(t) for t in kw.get("texts", [])]
+    kw["haystacks"] = [_here(t) for t in kw.get("haystacks", [])]
+    kw.update({k: v for k, v in overrides.items() if v is not None})
+    return EvalConfig(**kw)
+
+
 def make_config(profile: str = "smoke", **overrides) -> EvalConfig:
     """A profile with overrides (None values are ignored). NIAH lengths given in ``lengths`` hold for
     every variant: they replace the profile's per-variant lengths too (``niah_variant_lengths``)."""
