@@ -187,7 +187,7 @@ def test_refined_layer_reads_and_attends_the_nested_keys(refine, sink, window, p
         assert ring.data.shape[1] == ring.pages  # 2 bits per refined element, no metadata
 
 
-def test_refine_tier_in_a_model_cache(tiny_llama):
+def test_refine_tier_in_a_model_cache(tiny_llama, monkeypatch):
     """Through a model: the refine tier changes the logits (less error than without it), survives
     row edits (each row keeps its own ring) and counts its bytes; a refined cache is refused by the
     CUDA-graph decoder with a message that names the tier."""
@@ -212,6 +212,7 @@ def test_refine_tier_in_a_model_cache(tiny_llama):
             assert torch.equal(k2, k) and torch.equal(v2, v)
     from rotkv.cache.graph import StaticDecode
 
+    monkeypatch.setenv("ROTKV_REFINE_KERNEL", "0")  # the kernel turned off: the graph cannot read the tier
     with pytest.raises(ValueError, match="refine tier"):
         StaticDecode(c, 2, 256)
     cv = RotkvCache(tiny_llama, "quarot-int2", sink=4, window=8, refine_tokens=64, refine_values=True)

@@ -50,9 +50,9 @@ class StaticDecode:
             raise ValueError("CUDA-graph decode needs every layer in rotkv's paged pools (no sliding-window "
                              "or budgeted layers); run without cuda_graph")
         if cache.spec.refine_tokens and not refine_kernel():
-            raise ValueError("CUDA-graph decode runs the decode kernels; the one that reads the refine tier "
-                             f"(refine_tokens={cache.spec.refine_tokens}) is opt-in until it has run on a GPU: set "
-                             "ROTKV_REFINE_KERNEL=1, or run without cuda_graph")
+            raise ValueError("CUDA-graph decode runs the decode kernels, and ROTKV_REFINE_KERNEL=0 turned off the "
+                             f"one that reads the refine tier (refine_tokens={cache.spec.refine_tokens}): unset it, "
+                             "or run without cuda_graph")
         dev = self.layers[0].device
         p = st.page
         self.body_pages = -(-max_len // p) if st.quantized else 0

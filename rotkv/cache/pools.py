@@ -48,8 +48,9 @@ def _grow(t: torch.Tensor, pages: int) -> torch.Tensor:
 
 
 def refine_kernel() -> bool:
-    """Decode a refine tier with the Triton v1 kernel (``ROTKV_REFINE_KERNEL=1``), else the PyTorch path."""
-    return os.environ.get("ROTKV_REFINE_KERNEL", "0") == "1"
+    """Decode a refine tier with the Triton v1 kernel (the default; compiled and tested on the H200 at
+    44643d7), or with ``ROTKV_REFINE_KERNEL=0`` through the PyTorch path (no CUDA graph then)."""
+    return os.environ.get("ROTKV_REFINE_KERNEL", "1") != "0"
 
 
 class LayerPools:

@@ -27,8 +27,8 @@ its row's K newest then), so a row whose share grows finds its older pages' bits
 With ``CacheSpec.refine_values`` the values get a ring of their own, the same way. Read by the PyTorch
 paths (dense decode, prefill history, :meth:`HybridLayer.read`) and by the Triton v1 decode kernel
 (``rotkv.kernels.decode``: a second key, or value, of scale ``s / 4`` and minimum ``-3/8 s`` for the refined
-pages), which is opt-in (``ROTKV_REFINE_KERNEL=1``) until it has been compiled on a
-GPU; with it on, the CUDA-graph decoder captures a refined cache too (its flush graph writes the ring).
+pages; on by default, ``ROTKV_REFINE_KERNEL=0`` turns it off); the CUDA-graph decoder captures a refined
+cache too (its flush graph writes the ring).
 """
 
 from __future__ import annotations
