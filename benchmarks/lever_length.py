@@ -239,6 +239,8 @@ def main() -> None:
                     help="CacheSpec.refine_values: the refine tier's values too, or not (default: the preset's)")
     ap.add_argument("--refine-every", type=int, default=None,
                     help="CacheSpec.refine_every: one refined page per this many body pages (default: the preset's)")
+    ap.add_argument("--meta-k", choices=["float16", "float8"], default=None,
+                    help="CacheSpec.meta_k: the key groups' scale and lo dtype (default: the preset's)")
     ap.add_argument("--grid-tokens", type=int, default=4096, help="calibration tokens for the grids")
     ap.add_argument("--context-length", default=None, metavar="N|auto",
                     help="the cache's expected tokens per row, which picks the key fit of an artifact with several "
@@ -288,6 +290,7 @@ def main() -> None:
                            "chunk": args.chunk, "texts": texts, "grid_tokens": args.grid_tokens,
                            "window_share": args.window_share, "context_length": ctx_len, "refine_tokens": args.refine_tokens,
                            "refine_values": args.refine_values, "refine_every": args.refine_every,
+                           "meta_k": args.meta_k,
                            "key_fit_lengths": art.key_fit_lengths}
     for name in args.configs:
         key = name + (f"/{args.tag}" if args.tag else "") + (f"/w{args.window}" if args.window is not None else "") + (
@@ -296,6 +299,7 @@ def main() -> None:
             f"/refine{args.refine_tokens}" if args.refine_tokens is not None else "") + (
             "/kv" if args.refine_values else "/k" if args.refine_values is False else "") + (
             f"/every{args.refine_every}" if args.refine_every is not None else "") + (
+            f"/mk{args.meta_k}" if args.meta_k is not None else "") + (
             f"/ctx{ctx_len}" if ctx_len is not None else "")
         if key in results["runs"]:
             continue
@@ -328,6 +332,8 @@ def main() -> None:
                 share["refine_values"] = args.refine_values
             if args.refine_every is not None:
                 share["refine_every"] = args.refine_every
+            if args.meta_k is not None:
+                share["meta_k"] = args.meta_k
             cache = RotkvCache(model, args.preset, art, prefill_chunk=chunk, window=window, sink=sink,
                                context_length=ctx_len, **share)
             holder["fit"] = cache.key_fit_length

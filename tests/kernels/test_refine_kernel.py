@@ -77,10 +77,11 @@ def test_decode_refuses_a_ring_that_does_not_match(device):
         decode_attention(q, body, table, ml, tier, ttable, tml, refine=(ring, 2))
 
 
-@pytest.mark.parametrize("values", [False, True])
-def test_layer_decodes_the_refine_tier_through_the_kernel(values, device, monkeypatch):
+@pytest.mark.parametrize("values,meta", [(False, None), (True, None), (True, "float8")])
+def test_layer_decodes_the_refine_tier_through_the_kernel(values, meta, device, monkeypatch):
     """A HybridLayer with a refine tier: decode steps through the kernel (ROTKV_REFINE_KERNEL=1) give the
-    PyTorch path's outputs, through page flushes that move pages in and out of the tier."""
+    PyTorch path's outputs, through page flushes that move pages in and out of the tier; ``meta``: the
+    keys' and values' scales and minima in e4m3 (the refinement's grid follows the stored scale)."""
     from rotkv.cache.codecs import make_codecs
     from rotkv.cache.layer import HybridLayer
     from rotkv.config import CacheSpec
@@ -98,9 +99,9 @@ def test_layer_decodes_the_refine_tier_through_the_kernel(values, device, monkey
     monkeypatch.setenv("ROTKV_REFINE_KERNEL", "1")
     h, d, rep, b = 2, 64, 3, 2
     spec = CacheSpec(bits=2, group_size=64, sink=4, window=16, page_size=16, prefill_chunk=64, rotation="hadamard",
-                     clip_k=0.96, clip_v=0.92, refine_tokens=32, refine_values=values)
+                     clip_k=0.96, clip_v=0.92, refine_tokens=32, refine_values=values, meta_k=meta, meta_v=meta)
     rot = build_rotations("hadamard", 1, h, d)[0]
-    layers = [HybridLayer(spec, rot, d, h, 0, make_codecs("token", 2, 64, 0.96, 0.92), torch.bfloat16)
+    layers = [HybridLayer(spec, rot, d, h, 0, make_codecs("token", 2, 64, 0.96, 0.92, None, meta, meta), torch.bfloat16)
               for _ in range(2)]
     gen = torch.Generator().manual_seed(0)
     n_pre, steps = 70, 36
