@@ -224,6 +224,8 @@ def test_the_cache_fingerprint_follows_the_window_share():
     assert keys_only != _fingerprint(settings, Method("oscar-refine", "rotkv", 3.1, {"refine_values": False,
                                                                                        "refine_every": 0,
                                                                                        "refine_tokens": 112}))
+    # and the keys' metadata dtype (set: a new fingerprint; unset, as in most presets: the old one)
+    assert _fingerprint(settings, Method("oscar-mix", "rotkv", 3.1, {"meta_k": "float8"})) != mix
 
 
 def test_niah_lengths_given_hold_for_every_variant():
