@@ -1,7 +1,6 @@
-"""KL against measured bits at 2K and 8K: the preset oscar-refine (keys and values refined, one page per 9
-body pages, at most 768 tokens, e4m3 key metadata), its form of 2026-12-05 morning (one page per 19, at
-most 224 tokens, fp16 key metadata) and its first, keys-only form, beside the INT4 caches and the earlier
-INT2 presets.
+"""KL against measured bits at 2K and 8K: the preset oscar-refine (keys and values refined, one page per 19
+body pages, at most 224 tokens), the e4m3-key-metadata lever (one page per 9, at most 768 tokens; not the
+preset) and the tier's first, keys-only form, beside the INT4 caches and the earlier INT2 presets.
 
 Reads the committed runs (the rotkv rows from ``benchmarks/lever_length.py`` JSONs, the INT4 peers from
 ``rotkv eval`` records) and draws one panel per length: every method a point at its measured bits with
@@ -25,15 +24,15 @@ RUNS = [
     ("oscar-mix", 2048, f"{W6}/eval2k-w6-mix.json", "lever"),
     ("oscar-mix-long", 2048, f"{W6}/eval2k-w6-long.json", "lever"),
     ("keys-only tier (224)", 2048, f"{T4}/eval2k-w6-refine.json", "lever"),
-    ("refine, 1 page per 19", 2048, f"{T4}/eval2k-w6-refine-kv-every19.json", "lever"),
-    ("oscar-refine", 2048, f"{MK}/preset-2k.json", "lever"),
+    ("oscar-refine", 2048, f"{T4}/eval2k-w6-refine-kv-every19.json", "lever"),
+    ("e4m3 keys, 1 page per 9", 2048, f"{MK}/preset-2k.json", "lever"),
     ("rotkv int4", 2048, f"{W6}/peers-2048-results.json:int4", "eval"),
     ("HF quanto INT4", 2048, f"{W6}/peers-2048-results.json:hf-quanto-int4", "eval"),
     ("oscar-mix", 8192, f"{W6}/eval8k-w6-mix.json", "lever"),
     ("oscar-mix-long", 8192, f"{W6}/eval8k-w6-long.json", "lever"),
     ("keys-only tier (224)", 8192, f"{T4}/eval8k-w6-refine.json", "lever"),
-    ("refine, 1 page per 19", 8192, f"{T4}/eval8k-w6-refine-kv-every19.json", "lever"),
-    ("oscar-refine", 8192, f"{MK}/preset-8k.json", "lever"),
+    ("oscar-refine", 8192, f"{T4}/eval8k-w6-refine-kv-every19.json", "lever"),
+    ("e4m3 keys, 1 page per 9", 8192, f"{MK}/preset-8k.json", "lever"),
     ("rotkv int4", 8192, f"{W6}/peers-8192-results.json:int4", "eval"),
     ("HF quanto INT4", 8192, f"{W6}/peers-8192-quanto.json", "record"),
 ]

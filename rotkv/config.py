@@ -322,15 +322,14 @@ PRESETS: dict[str, CacheSpec] = {
         clip_v=0.92, key_mean=True, method="oscar", k_bits="artifact", meta_v="float8",
     ),
     # oscar-mix-long's artifact with a refine tier: 2 more bits for the keys and values of each row's newest
-    # body pages, one per 9 body pages and at most 768 tokens (CacheSpec.refine_tokens, refine_values,
-    # refine_every; rotkv.cache.refine), paid for by a 4-token sink instead of 16 and e4m3 key scales and
-    # minima (meta_k, 0.12 bits per element): 3.06 measured bits at 2K (14 refined pages), 2.97 at 8K (48)
-    # (docs/results/levers_length.md, "The refine tier" and "e4m3 key metadata"). On the GPU the Triton v1
-    # decode kernel reads the tier (ROTKV_REFINE_KERNEL=0: the PyTorch path, no CUDA graph)
+    # body pages, one per 19 body pages and at most 224 tokens (CacheSpec.refine_tokens, refine_values,
+    # refine_every; rotkv.cache.refine), paid for by a 4-token sink instead of 16: 3.09 measured bits at 2K
+    # (7 refined pages), 2.98 at 8K (14) (docs/results/levers_length.md, "The refine tier"). On the GPU the
+    # Triton v1 decode kernel reads the tier (ROTKV_REFINE_KERNEL=0: the PyTorch path, no CUDA graph)
     "oscar-refine": CacheSpec(
-        name="oscar-refine", bits=2, sink=4, window=32, window_share=1 / 64, refine_tokens=768, refine_values=True,
-        refine_every=9, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="oscar",
-        k_bits="artifact", meta_k="float8", meta_v="float8",
+        name="oscar-refine", bits=2, sink=4, window=32, window_share=1 / 64, refine_tokens=224, refine_values=True,
+        refine_every=19, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="oscar",
+        k_bits="artifact", meta_v="float8",
     ),
     # progressive precision: final widths from the artifact's `bits` (rotkv calibrate --method pmkvq),
     # else `bits` for every layer; each layer reaches its final width at budget_tokens

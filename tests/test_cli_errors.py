@@ -546,3 +546,17 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tiny, capsys, monkeypatch, tmp_pat
         mix, long = (load_artifact(str(tmp_path / f"{n}.safetensors")) for n in ("oscar-mix", "oscar-mix-long"))
         assert torch.equal(mix.tensors["k_bits"], long.tensors["k_bits"]) and long.meta["longfit_seq_len"] == "4096"
         assert not torch.equal(mix.tensors["R_K.0"], long.tensors["R_K.0"])
+
+
+def test_meta_k_overrides_the_preset():
+    """--meta-k reaches the CacheSpec (the e4m3 key metadata lever of docs/results/levers_length.md)."""
+    import argparse
+
+    from rotkv.cli.common import add_cache_args, cache_overrides, cache_spec
+
+    p = argparse.ArgumentParser()
+    add_cache_args(p)
+    args = p.parse_args(["--preset", "oscar-refine", "--meta-k", "float8", "--refine-every", "9"])
+    spec = cache_spec(args.preset, cache_overrides(args))
+    assert spec.meta_k == "float8" and spec.refine_every == 9
+    assert cache_spec("oscar-refine", cache_overrides(p.parse_args([]))).meta_k is None
