@@ -36,8 +36,8 @@
 #   kernel and cache tests compiled, then `rotkv bench` of oscar-refine on the real SmolLM2 at 16 x 8K with
 #   ROTKV_REFINE_KERNEL=0 and 1, beside oscar-mix-long eager and +graph; niah: NIAH 1-3K on the real SmolLM2, 8
 #   haystacks a cell; gemma: Gemma3-270M's KL and NIAH on the GPU (its GGUF in parts under ~/g, artifact ~/g/art);
-#   refine2: the oscar-refine of 2026-12-05 afternoon: its tests, +graph step at 16 and 64 x 8K beside
-#   oscar-mix-long and bf16, and NIAH 1-3K with 8 haystacks a cell)
+#   refine2: oscar-refine's tests, its +graph step at 16 and 64 x 8K beside oscar-mix-long and bf16 and with
+#   the e4m3-key-metadata lever's flags, and NIAH 1-3K with 8 haystacks a cell)
 set -u
 R=${RES:-$HOME/close}
 if [ "${1:-}" = start ]; then
@@ -287,7 +287,7 @@ for at in "preset oscar-refine" "16 bf16,int4,oscar-mix-long"; do set -- $at
     --new-tokens 128 --variants essay,multikey --depths 0.1,0.5,0.9 --samples 4 --out "$R/gemma-sink$1" > "$R/gemma-$1.log" 2>&1
   echo "gemma sink $1 rc=$?"; tail -4 "$R/gemma-$1.log"
 done; fi
-if want refine2; then stage refine2  # oscar-refine as of 2026-12-05 afternoon (e4m3 key metadata, up to 48 refined pages)
+if want refine2; then stage refine2  # oscar-refine on the GPU again, and its e4m3-key-metadata lever
 timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_refine_kernel.py tests/test_refine.py \
   > "$R/tests-refine2.log" 2>&1
 echo "refine2 tests rc=$?"; tail -1 "$R/tests-refine2.log"
@@ -296,6 +296,11 @@ for shape in "16 8192" "64 8192"; do set -- $shape
     --methods rotkv:oscar-refine+graph rotkv:oscar-mix-long+graph rotkv:bf16+graph --artifact artifacts/oscar-mix-long.safetensors \
     --out "$R/generate-refine2-smollm2-$1x$2.json" >> "$R/refine2.log" 2>&1
   echo "refine2 bench $1x$2 rc=$?"; grep "^| $1 x" "$R/refine2.log" | tail -3
+  # the e4m3-key-metadata lever (levers_length.md, "e4m3 key metadata"): up to 48 refined pages a row at 8K
+  timeout 200 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch $1 --context $2 --new-tokens 32 \
+    --methods rotkv:oscar-refine+graph --meta-k float8 --refine-every 9 --refine-tokens 768 \
+    --artifact artifacts/oscar-mix-long.safetensors --out "$R/generate-refine2-mk8-smollm2-$1x$2.json" >> "$R/refine2.log" 2>&1
+  echo "refine2 mk8 bench $1x$2 rc=$?"; grep "^| $1 x" "$R/refine2.log" | tail -1
 done
 timeout 400 python3 -m rotkv.cli eval --device cuda --model "$ROTKV_GGUF" --artifact-dir artifacts --methods bf16,oscar-refine \
   --sink preset --window preset --tasks niah --lengths niah=1024,2048,3072 --variants noise,essay,multikey --samples 8 \
