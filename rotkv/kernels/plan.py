@@ -59,8 +59,8 @@ FP8_MIN_CAPABILITY = (8, 9)  # Triton's e4m3 (fp8e4nv) conversions
 # (those presets then run the PyTorch path on the GPU); the CPU interpreter always runs them.
 FP8_KERNELS = os.environ.get("ROTKV_FP8_KERNELS", "1") == "1"
 # the CUDA write kernel's e4m3 build (ROTKV_META8: oscar-mix's value writes, which otherwise run the
-# Triton write): compiled for sm_90 without spills here, not yet run on a GPU, so off until its tests
-# pass there (ROTKV_CUDA_WRITE_FP8=1 turns it on)
+# Triton write): its test passes on the H200, but oscar-mix's prefill measured no faster with it (1.426
+# against 1.398 s, 6037f1e; README, "ROTKV_CUDA_WRITE_FP8"), so it is off (ROTKV_CUDA_WRITE_FP8=1 turns it on)
 CUDA_WRITE_FP8 = os.environ.get("ROTKV_CUDA_WRITE_FP8", "0") == "1"
 
 
