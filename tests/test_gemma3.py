@@ -25,6 +25,7 @@ _FILLER = 40
 TINY_TOKENS = (["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "\n", "\u2581", "a", "b", "c", "  "]
                + [f"<unused{i}>" for i in range(_FILLER)] + ["ab", "\u2581ab", "abc", "\u2581abc", "cab"])
 TINY_TYPES = [3, 3, 3, 3, 3, 4, 1, 1, 1, 1, 1] + [3] * _FILLER + [1] * 5
+TINY_SCORES = [-1000.0 if t == 3 else -float(i) for i, t in enumerate(TINY_TYPES)]
 TINY_TEXT = " abc ab\n"
 
 
@@ -55,7 +56,7 @@ def write_tiny_gemma3_gguf(path, weights: bool = True) -> str:
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(TINY_TOKENS)
-    w.add_token_scores([-1000.0 if t == 3 else -float(i) for i, t in enumerate(TINY_TYPES)])
+    w.add_token_scores(TINY_SCORES)
     w.add_token_types(TINY_TYPES)
     w.add_bos_token_id(2)
     w.add_eos_token_id(1)
@@ -125,8 +126,7 @@ def test_gemma_tokenizer_problem_names_the_517_states(tmp_path):
 
     from rotkv.hf.gguf_tokenizer import build_gemma_tokenizer, gemma_tokenizer_problem, gguf_gemma_tokenizer_fields
 
-    scores = [-1000.0 if t == 3 else -float(i) for i, t in enumerate(TINY_TYPES)]
-    unigram = _unigram_517(TINY_TOKENS, scores)
+    unigram = _unigram_517(TINY_TOKENS, TINY_SCORES)
     assert unigram(TINY_TEXT).input_ids[:4] == _tiny_ids("\u2581", "a", "b", "c")  # the 5.17 symptom
     assert "Unigram" in gemma_tokenizer_problem(unigram)
     # what 5.17's GemmaTokenizer makes of that tokenizer once saved and loaded again: characters
@@ -144,8 +144,7 @@ def test_repair_replaces_a_broken_tokenizer_and_fixes_the_copy(tmp_path):
     from rotkv.hf.gguf_tokenizer import gemma_tokenizer_problem, repair_gemma_tokenizer
 
     src = write_tiny_gemma3_gguf(tmp_path / "t.gguf", weights=False)
-    scores = [-1000.0 if t == 3 else -float(i) for i, t in enumerate(TINY_TYPES)]
-    broken = _unigram_517(TINY_TOKENS, scores)
+    broken = _unigram_517(TINY_TOKENS, TINY_SCORES)
     gemma = SimpleNamespace(config=SimpleNamespace(model_type="gemma3_text"))
     with pytest.warns(UserWarning, match="wrong tokenizer for t.gguf"):
         fixed = repair_gemma_tokenizer(broken, gemma, src, save_to=str(tmp_path / "copy"))

@@ -130,7 +130,6 @@ def run(args) -> int:
         except ValueError:
             raise UsageError(f"--depths has to be numbers in [0, 1] like 0.1,0.5 but got {args.depths!r}") from None
     from rotkv.eval.config import TASKS, make_config
-    from rotkv.eval.report import write_report
 
     tasks = _list(args.tasks)
     cfg = make_config(
@@ -151,8 +150,15 @@ def run(args) -> int:
     records = evaluate(cfg, args.out, log=lambda s: print(s, file=sys.stderr, flush=True))
     if not records:
         raise RuntimeError("no method could run (each one's reason is above); nothing was evaluated")
-    paths = write_report(args.out)
-    print(f"{len(records)} records; wrote {os.path.join(args.out, 'results.json')}, " + ", ".join(paths))
+    return _wrote(args.out, records)
+
+
+def _wrote(out: str, records: list) -> int:
+    """Write the report of ``out`` (results.json is there) and say what was written."""
+    from rotkv.eval.report import write_report
+
+    paths = write_report(out)
+    print(f"{len(records)} records; wrote {os.path.join(out, 'results.json')}, " + ", ".join(paths))
     return 0
 
 
@@ -161,7 +167,6 @@ def _report_only(args) -> int:
     (its config.json; a run stopped part way, or one made on a GPU host, too). --methods, --tasks and
     --variants pick a subset; the other flags are the run's own."""
     from rotkv.eval.config import from_run
-    from rotkv.eval.report import write_report
     from rotkv.eval.run import rebuild
 
     try:
@@ -169,7 +174,4 @@ def _report_only(args) -> int:
                        niah_variants=_list(args.variants))
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
-    records = rebuild(cfg, args.out)
-    paths = write_report(args.out)
-    print(f"{len(records)} records; wrote {os.path.join(args.out, 'results.json')}, " + ", ".join(paths))
-    return 0
+    return _wrote(args.out, rebuild(cfg, args.out))

@@ -11,11 +11,11 @@ from rotkv.eval.peers import PEERS
 from rotkv.eval.stats import wilson
 
 
-
 def _tiers_text(cfg: dict) -> str:
     """'sink 16 and window 32', with ``"preset"`` (or none given) written as each preset's own."""
     own = lambda v: "each preset's own" if v in (None, "preset") else v  # noqa: E731
     return f"sink {own(cfg.get('sink'))} and window {own(cfg.get('window'))}"
+
 
 def _f(x, spec=".3f", none="-"):
     return none if x is None else format(x, spec)
