@@ -98,8 +98,11 @@ class CacheSpec:
     meta_k, meta_v: dtype of each key / value group's scale and lo: ``float16``, ``float8`` (e4m3,
         rounded towards covering the group) or ``float32``; None: fp16 for 2 and 4 bits, fp32 for 8.
     method: the calibration method an artifact must come from (``oscar``, ``optr``, ...; an artifact
-        of ``oscar+pmkvq`` counts as ``oscar``); None accepts any. See
-        rotkv.rotations.artifact.check_contract.
+        of ``oscar+pmkvq`` counts as ``oscar``); None accepts any. See rotkv.contract.check_contract.
+    artifact_kind: the kind of artifact the spec reads: the ``rotkv calibrate --method`` that makes it
+        (``oscar``, ``oscar-mix``, ``oscar-mix-long``, ``oscar+pmkvq``, ...; rotkv.contract.kind_serves says
+        which kinds serve it). Every preset that reads an artifact names one. None: any artifact of
+        ``method`` (with ``method=None`` too: any artifact at all, the deliberate override).
 
     Every field is type-checked: ``sink="16"`` fails naming `sink`, not deep inside the cache.
     """
@@ -132,6 +135,7 @@ class CacheSpec:
     meta_k: str | None = None
     meta_v: str | None = None
     k_table: str | None = None
+    artifact_kind: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -298,10 +302,12 @@ PRESETS: dict[str, CacheSpec] = {
         name="kivi-2", bits=2, group_size=32, sink=0, window=128, page_size=32, codec="kivi"
     ),
     "oscar-int2": CacheSpec(
-        name="oscar-int2", bits=2, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="oscar"
+        name="oscar-int2", bits=2, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="oscar",
+        artifact_kind="oscar",
     ),
     "optr-int2": CacheSpec(
-        name="optr-int2", bits=2, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="optr"
+        name="optr-int2", bits=2, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="optr",
+        artifact_kind="optr",
     ),
     # the recommended INT2 preset (docs/results/accuracy.md): OSCAR, with the keys of the most sensitive
     # layers at 4 bits (the artifact's `k_bits`, python -m rotkv.cli.keybits), fp8 value metadata
@@ -312,14 +318,14 @@ PRESETS: dict[str, CacheSpec] = {
     "oscar-mix": CacheSpec(
         name="oscar-mix", bits=2, sink=16, window=32, window_share=1 / 64, rotation="artifact", clip_k=0.96,
         clip_v=0.92, key_mean=True,
-        method="oscar", k_bits="artifact", meta_v="float8",
+        method="oscar", k_bits="artifact", meta_v="float8", artifact_kind="oscar-mix",
     ),
     # oscar-mix with its key side (R_K, key means) refitted on 4K-token calibration sequences
     # (python -m rotkv.calibrate.longfit on top of oscar-mix's artifact; docs/results/levers_length.md): the same
     # storage format, bytes and kernels as oscar-mix; only the artifact differs
     "oscar-mix-long": CacheSpec(
         name="oscar-mix-long", bits=2, sink=16, window=32, window_share=1 / 64, rotation="artifact", clip_k=0.96,
-        clip_v=0.92, key_mean=True, method="oscar", k_bits="artifact", meta_v="float8",
+        clip_v=0.92, key_mean=True, method="oscar", k_bits="artifact", meta_v="float8", artifact_kind="oscar-mix-long",
     ),
     # oscar-mix-long's artifact with a refine tier: 2 more bits for the keys and values of each row's newest
     # body pages, one per 19 body pages and at most 224 tokens (CacheSpec.refine_tokens, refine_values,
@@ -329,22 +335,24 @@ PRESETS: dict[str, CacheSpec] = {
     "oscar-refine": CacheSpec(
         name="oscar-refine", bits=2, sink=4, window=32, window_share=1 / 64, refine_tokens=224, refine_values=True,
         refine_every=19, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="oscar",
-        k_bits="artifact", meta_v="float8",
+        k_bits="artifact", meta_v="float8", artifact_kind="oscar-mix-long",
     ),
     # progressive precision: final widths from the artifact's `bits` (rotkv calibrate --method pmkvq),
     # else `bits` for every layer; each layer reaches its final width at budget_tokens
-    "pmkvq": CacheSpec(name="pmkvq", bits=2, start_bits=16, budget_tokens=8192),
+    "pmkvq": CacheSpec(name="pmkvq", bits=2, start_bits=16, budget_tokens=8192, artifact_kind="pmkvq"),
     "oscar-pmkvq": CacheSpec(
         name="oscar-pmkvq", bits=2, start_bits=16, budget_tokens=8192, rotation="artifact",
-        clip_k=0.96, clip_v=0.92, key_mean=True, method="oscar",
+        clip_k=0.96, clip_v=0.92, key_mean=True, method="oscar", artifact_kind="oscar+pmkvq",
     ),
 }
 
 
 # presets that read another preset's artifact (the same calibration, another storage format)
-SHARED_ARTIFACTS = {"oscar-refine": "oscar-mix-long"}
+SHARED_ARTIFACTS = {n: s.artifact_kind for n, s in PRESETS.items()
+                    if s.k_bits == "artifact" and s.artifact_kind not in (None, n)}
 
-DEFAULT_PRESET = "quarot-int2"  # the cache a caller gets without naming one: INT2, no artifact needed
+DEFAULT_PRESET = "int4"  # the cache a caller gets without naming one and without an artifact: keeps the answer
+RECOMMENDED_PRESET = "oscar-mix"  # the INT2 preset to calibrate for (rotkv calibrate --method oscar-mix)
 
 
 def calibration_method(spec: CacheSpec | str) -> str:
@@ -358,25 +366,27 @@ def calibration_method(spec: CacheSpec | str) -> str:
     return next((n for n in (spec.name, stem) if n in registry.METHODS), registry.DEFAULT_METHOD)
 
 
-def artifact_file(spec: CacheSpec | str, base: bool = False) -> str:
-    """The file name an artifact folder (``--artifact-dir``) holds for ``spec`` (a CacheSpec or a preset name).
-
-    ``<method>.safetensors``, the artifact of its calibration method (:func:`calibration_method`;
-    ``oscar-int2`` reads ``oscar.safetensors``), or for a preset that takes per-layer key widths from its
-    artifact (``k_bits="artifact"``) its own ``<preset>.safetensors`` (``python -m rotkv.cli.keybits``),
-    made from the method's file (``base=True`` names that one).
-    """
+def artifact_kind(spec: CacheSpec | str) -> str:
+    """The kind of artifact ``spec`` (a CacheSpec or a preset name) reads: its ``artifact_kind``, else its
+    own name for a preset with per-layer key widths from its artifact, else :func:`calibration_method`."""
     spec = get_preset(spec) if isinstance(spec, str) else spec
-    if spec.k_bits == "artifact" and not base:
-        return f"{calibration_preset(spec)}.safetensors"
-    return f"{calibration_method(spec)}.safetensors"
+    if spec.artifact_kind is not None:
+        return spec.artifact_kind
+    return spec.name if spec.k_bits == "artifact" else calibration_method(spec)
+
+
+def artifact_file(spec: CacheSpec | str, base: bool = False) -> str:
+    """The file name an artifact folder (``--artifact-dir``) holds for ``spec`` (a CacheSpec or a preset name):
+    ``<kind>.safetensors`` of the kind it reads (:func:`artifact_kind`: ``oscar-int2`` reads
+    ``oscar.safetensors``, ``oscar-refine`` ``oscar-mix-long.safetensors``); ``base=True``: the file of its
+    calibration method (:func:`calibration_method`), which the others are made from.
+    """
+    return f"{calibration_method(spec) if base else artifact_kind(spec)}.safetensors"
 
 
 def calibration_preset(spec: CacheSpec | str) -> str:
-    """The ``rotkv calibrate --method`` that makes the artifact of a preset with its own artifact
-    (``k_bits="artifact"``): the preset's name, or the preset whose artifact it shares (``SHARED_ARTIFACTS``)."""
-    name = spec if isinstance(spec, str) else spec.name
-    return SHARED_ARTIFACTS.get(name, name)
+    """The ``rotkv calibrate --method`` that makes the artifact ``spec`` reads (:func:`artifact_kind`)."""
+    return artifact_kind(spec)
 
 
 def get_preset(name: str, **overrides) -> CacheSpec:

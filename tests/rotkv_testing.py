@@ -6,7 +6,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from rotkv.rotations.artifact import model_meta, save_artifact
+from rotkv.hf.fingerprint import model_meta
+from rotkv.rotations.artifact import save_artifact
 from rotkv.rotations.identity import random_orthogonal
 
 

@@ -15,7 +15,7 @@ def tiny():
 
 
 @pytest.mark.parametrize("args,kwargs,error,match", [
-    ((None,), {}, TypeError, "spec has to be a preset name .* or a CacheSpec, not None"),
+    ((1,), {}, TypeError, "spec has to be a preset name .* or a CacheSpec, not 1"),
     (("quarot-int2",), {"artifact": 123}, TypeError, "artifact has to be a file path, an Artifact or None, not int"),
     (("no-such-preset",), {}, ValueError, "unknown preset 'no-such-preset'"),
 ])
@@ -40,7 +40,7 @@ def test_group_size_clamp_and_unused_artifact_are_said(tiny, tmp_path):
 
 def test_oscar_mix_without_key_widths_names_the_command(tiny, tmp_path):
     art = write_artifact(tiny, tmp_path / "oscar.safetensors")
-    with pytest.raises(ValueError, match="k_bits.*rotkv calibrate --method oscar-mix"):
+    with pytest.raises(ValueError, match="is an oscar artifact .*reads an oscar-mix artifact.*rotkv calibrate --method oscar-mix"):
         RotkvCache(tiny, "oscar-mix", art, group_size=16)
 
 

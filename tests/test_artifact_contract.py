@@ -8,7 +8,8 @@ import torch
 
 from rotkv.config import PRESETS, CacheSpec, get_preset
 from rotkv.rotations import registry
-from rotkv.rotations.artifact import ArtifactMismatch, check_contract, load_artifact, save_artifact, validate_artifact
+from rotkv.contract import check_contract, validate_artifact
+from rotkv.rotations.artifact import ArtifactMismatch, load_artifact, save_artifact
 from rotkv_testing import make_tiny_llama, write_artifact
 
 
@@ -27,20 +28,25 @@ def test_oscar_and_optr_presets_differ_in_method():
                                            for m in registry.rotation_fits() if m != spec.method])
 def test_each_preset_refuses_the_other_methods_artifact(model, tmp_path, preset, method):
     art = load_artifact(write_artifact(model, tmp_path / "a.safetensors", method=method))
-    want = PRESETS[preset].method
-    with pytest.raises(ArtifactMismatch, match=f"method: artifact '{method}' vs preset '{want}'"):
+    with pytest.raises(ArtifactMismatch, match=f"is an? {method} artifact .*preset '{preset}' reads") as e:
         validate_artifact(art, model, PRESETS[preset])
+    assert str(tmp_path / "a.safetensors") in str(e.value) and "rotkv calibrate --method" in str(e.value)
     validate_artifact(art, model)  # without a spec (rotkv/cache/progressive.py): geometry and fingerprint only
+    custom = get_preset(preset, artifact_kind=None)  # a spec without a kind compares the method
+    with pytest.raises(ArtifactMismatch, match=f"method: artifact '{method}' vs preset '{custom.method}'"):
+        check_contract(art, custom)
 
 
 def test_own_method_and_pmkvq_extension_are_accepted(model, tmp_path):
     validate_artifact(load_artifact(write_artifact(model, tmp_path / "a.safetensors")), model, PRESETS["oscar-int2"])
     optr = load_artifact(write_artifact(model, tmp_path / "b.safetensors", method="optr"))
     validate_artifact(optr, model, PRESETS["optr-int2"])
-    pm = load_artifact(write_artifact(model, tmp_path / "c.safetensors", method="oscar+pmkvq"))
+    pm = load_artifact(write_artifact(model, tmp_path / "c.safetensors", method="oscar+pmkvq",
+                                      tensors={"bits": torch.tensor([4, 2], dtype=torch.int32)}))
     validate_artifact(pm, model, PRESETS["oscar-pmkvq"])
-    # method=None is the Python override: any method
-    validate_artifact(optr, model, get_preset("oscar-int2", method=None))
+    validate_artifact(pm, model, PRESETS["oscar-int2"])  # the same rotations, the widths unread
+    # artifact_kind=None and method=None is the Python override: any artifact
+    validate_artifact(optr, model, get_preset("oscar-int2", method=None, artifact_kind=None))
 
 
 @pytest.mark.parametrize("field,art_kw,spec_kw,want", [
@@ -62,7 +68,7 @@ def test_bits_and_group_size_mismatch_names_field_and_values(model, tmp_path, fi
 def test_contract_skips_what_does_not_apply(model, tmp_path):
     art = load_artifact(write_artifact(model, tmp_path / "a.safetensors", bits=4, group_size=8))
     check_contract(art, get_preset("oscar-int2", bits=None))  # unquantized: clips are unused
-    widths = load_artifact(write_artifact(model, tmp_path / "w.safetensors", bits=2,
+    widths = load_artifact(write_artifact(model, tmp_path / "w.safetensors", bits=2, method="oscar+pmkvq",
                                           tensors={"bits": torch.tensor([4, 2], dtype=torch.int32)}))
     check_contract(widths, get_preset("oscar-pmkvq", bits=4))  # progressive widths come from the artifact
     unrecorded = load_artifact(write_artifact(model, tmp_path / "u.safetensors", drop=("bits", "group_size")))

@@ -8,7 +8,8 @@ import torch
 from rotkv.cache import RotkvCache
 from rotkv.config import CacheSpec, get_preset
 from rotkv.hf.compat import cache_kwarg
-from rotkv.rotations.artifact import ArtifactMismatch, model_meta, save_artifact
+from rotkv.hf.fingerprint import model_meta
+from rotkv.rotations.artifact import ArtifactMismatch, save_artifact
 from rotkv.rotations.identity import random_orthogonal
 
 from rotkv_testing import make_tiny_llama

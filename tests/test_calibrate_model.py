@@ -7,7 +7,8 @@ from rotkv.calibrate.corpus import token_chunks
 from rotkv.calibrate.error import output_error
 from rotkv.calibrate.run import CalibConfig, calibrate, collect
 from rotkv.hf.models import attention_modules
-from rotkv.rotations.artifact import load_artifact, save_artifact, validate_artifact
+from rotkv.contract import validate_artifact
+from rotkv.rotations.artifact import load_artifact, save_artifact
 from rotkv.rotations.base import LayerRotation
 
 

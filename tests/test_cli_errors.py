@@ -107,7 +107,8 @@ def test_truncated_artifact_in_generate_and_inspect(no_model, capsys, oscar, tmp
 
 
 @pytest.mark.parametrize("argv,needles", [
-    (["--preset", "optr-int2"], ["method: artifact 'oscar' vs preset 'optr'"]),
+    (["--preset", "optr-int2"], ["is an oscar artifact", "preset 'optr-int2' reads an optr artifact",
+                                 "rotkv calibrate --method optr --out optr.safetensors"]),
     (["--preset", "oscar-int2", "--group-size", "8"], ["group_size: artifact 16 vs preset 8", "--refit-clip"]),
     (["--preset", "oscar-int2", "--group-size", "5"], ["group_size: artifact 16 vs preset 5"]),
 ])
@@ -132,7 +133,7 @@ def failing_model(monkeypatch):
 
 def test_unexpected_failure_is_one_line_with_the_debug_hint(failing_model, capsys, monkeypatch):
     monkeypatch.delenv("ROTKV_DEBUG", raising=False)
-    rc, _, err = run_cli(capsys, "generate", "--prompt", "hi")
+    rc, _, err = run_cli(capsys, "generate", "--prompt", "hi", "--preset", "int4")
     assert rc == 1 and len(err.splitlines()) == 1 and "Traceback" not in err
     assert "failed: RuntimeError: Expected all tensors to be on the same device, but found" in err
     assert "--debug" in err and "ROTKV_DEBUG=1" in err
@@ -213,7 +214,7 @@ def test_refit_clip_from_the_command_line(tiny, oscar, capsys, monkeypatch, tmp_
 def test_inspect_check_passes_a_sound_artifact(capsys, oscar):
     rc, out, err = run_cli(capsys, "inspect", oscar, "--check", "--preset", "oscar-int2")
     assert rc == 0, err
-    assert "contract fields: method oscar, bits 2, group_size 16" in out and "check: ok" in out
+    assert "contract fields: kind oscar (inferred), method oscar, bits 2, group_size 16" in out and "check: ok" in out
     assert "all finite, rotations orthogonal" in out and "preset oscar-int2: matches" in out
 
 
@@ -237,7 +238,7 @@ def test_inspect_check_reports_missing_contract_fields_and_method(tiny, tmp_path
     assert_user_error(rc, err, "contract fields ['bits', 'group_size'] are not recorded")
     optr = write_artifact(tiny, tmp_path / "optr.safetensors", method="optr")
     rc, out, err = run_cli(capsys, "inspect", optr, "--preset", "oscar-int2")
-    assert_user_error(rc, err, "method: artifact 'optr' vs preset 'oscar'")
+    assert_user_error(rc, err, f"artifact {optr} is an optr artifact", "preset 'oscar-int2' reads an oscar artifact")
 
 
 # ---- demo ------------------------------------------------------------------------------------------------------
@@ -315,13 +316,14 @@ def test_generate_ignored_flags_and_oscar_mix_hint(no_model, capsys, argv, needl
 def test_generate_plain_oscar_artifact_for_oscar_mix_fails_before_the_model(no_model, capsys, oscar):
     rc, _, err = run_cli(capsys, "generate", "--prompt", "hi", "--preset", "oscar-mix", "--artifact", oscar,
                          "--group-size", "16")
-    assert_user_error(rc, err, "k_bits", "rotkv calibrate --method oscar-mix")
+    assert_user_error(rc, err, "is an oscar artifact", "reads an oscar-mix artifact",
+                      f"rotkv calibrate --method oscar-mix --base-artifact {oscar} --out oscar-mix.safetensors")
 
 
 def test_inspect_check_preset_runs_generates_contract(tiny, capsys, oscar, tmp_path):
     """inspect --check --preset oscar-mix refuses what generate refuses: an artifact without key widths."""
     rc, out, err = run_cli(capsys, "inspect", oscar, "--check", "--preset", "oscar-mix")
-    assert_user_error(rc, err, "k_bits", "per-layer key widths")
+    assert_user_error(rc, err, f"artifact {oscar} is an oscar artifact", "reads an oscar-mix artifact")
     mixed = write_artifact(tiny, tmp_path / "mix.safetensors", tensors={"k_bits": torch.tensor([4, 2], dtype=torch.int32),
                                                                         "k_gain": torch.tensor([0.1, 0.0])})
     rc, out, err = run_cli(capsys, "inspect", mixed, "--check", "--preset", "oscar-mix")
@@ -459,7 +461,7 @@ def test_calibrate_oscar_mix_checks_the_base_artifact(no_model, capsys, tiny, tm
     optr = write_artifact(tiny, tmp_path / "optr.safetensors", method="optr")
     rc, _, err = run_cli(capsys, "calibrate", "--method", "oscar-mix", "--base-artifact", optr,
                          "--out", str(tmp_path / "m.safetensors"))
-    assert_user_error(rc, err, "--base-artifact", "method: artifact 'optr' vs preset 'oscar'")
+    assert_user_error(rc, err, f"--base-artifact {optr} is an optr artifact", "made from an oscar or oscar-mix")
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(bytes(range(256)) * 8)
     rc, _, err = run_cli(capsys, "calibrate", "--method", "oscar-mix", "--base-artifact", str(junk),

@@ -116,7 +116,7 @@ def test_malformed_fits_are_refused_naming_the_tensor(tiny, tmp_path, change, dr
 
 def test_a_multi_fit_artifact_meets_the_preset_contract(tiny, tmp_path):
     from rotkv.config import get_preset
-    from rotkv.rotations.artifact import validate_artifact
+    from rotkv.contract import validate_artifact
 
     art = load_artifact(multi_fit(tiny, tmp_path / "m.safetensors"))
     validate_artifact(art, tiny, get_preset("oscar-mix-long"))

@@ -125,7 +125,8 @@ def test_presets_and_validation():
 
 
 def test_artifact_widths_and_rotations_compose(tiny_llama, tmp_path):
-    from rotkv.rotations.artifact import model_meta, save_artifact
+    from rotkv.hf.fingerprint import model_meta
+    from rotkv.rotations.artifact import save_artifact
     from rotkv.rotations.identity import random_orthogonal
 
     t = {}

@@ -54,8 +54,9 @@ def test_eval_methods_are_the_presets_and_peers():
         if spec.needs_artifact:  # a calibrated preset reads its method's artifact (or its own, made from it)
             assert calibration_method(name) == spec.method
             assert artifact_file(name, base=True) == f"{spec.method}.safetensors"
-            own = SHARED_ARTIFACTS.get(name, name)  # oscar-refine reads oscar-mix-long's artifact
-            assert artifact_file(name) == (f"{own}.safetensors" if spec.k_bits == "artifact" else f"{spec.method}.safetensors")
+            assert artifact_file(name) == f"{spec.artifact_kind}.safetensors"  # the kind it reads
+            if spec.k_bits == "artifact":  # oscar-refine reads oscar-mix-long's artifact
+                assert spec.artifact_kind == SHARED_ARTIFACTS.get(name, name)
     assert artifact_file("oscar-refine") == "oscar-mix-long.safetensors"
 
 
@@ -94,7 +95,8 @@ class _ByteTok:
 def test_a_registered_method_shows_up_everywhere(toy, tmp_path):
     from rotkv.calibrate.run import CalibConfig, calibrate
     from rotkv.hf.models import Loaded
-    from rotkv.rotations.artifact import load_artifact, save_artifact, validate_artifact
+    from rotkv.contract import validate_artifact
+    from rotkv.rotations.artifact import load_artifact, save_artifact
     from rotkv_testing import make_tiny_llama
 
     assert "toy" in _choices("calibrate", "--method") and "toy" in registry.rotation_fits()

@@ -30,8 +30,9 @@ from rotkv.cache.progressive import layer_budget
 from rotkv.calibrate.corpus import token_chunks
 from rotkv.config import CacheSpec
 from rotkv.hf.compat import cache_kwarg
+from rotkv.hf.geometry import model_geometry
 from rotkv.hf.models import load_model
-from rotkv.rotations.artifact import load_artifact, model_geometry
+from rotkv.rotations.artifact import load_artifact
 
 
 def common(args) -> dict:

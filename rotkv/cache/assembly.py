@@ -34,7 +34,8 @@ from rotkv.hf.geometry import model_geometry
 from rotkv.hf.models import check_supported, mean_centering_blocker, sliding_layers
 from rotkv.quant.quantizer import check_group
 from rotkv.quant.widths import WIDTHS
-from rotkv.rotations.artifact import Artifact, load_artifact, pick_key_fit, validate_artifact
+from rotkv.contract import validate_artifact
+from rotkv.rotations.artifact import Artifact, load_artifact, pick_key_fit
 from rotkv.rotations.base import LayerRotation
 from rotkv.rotations.registry import build_rotations
 

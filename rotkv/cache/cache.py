@@ -15,10 +15,13 @@ from rotkv.cache.base import RotkvLayer
 from rotkv.cache.layer import HybridLayer
 from rotkv.cache.plan import PageState
 from rotkv.cache.progressive import ProgressiveLayer
-from rotkv.config import DEFAULT_PRESET, CacheSpec, RotkvWarning
+from rotkv.config import CacheSpec, RotkvWarning
 from rotkv.hf.attention import install
 from rotkv.rotations.artifact import Artifact
 from rotkv.rotations.folding import fold_model_values, without_values
+
+
+DECODE_SCORES = ("auto", "bf16", "int8")  # the decode kernels' score variants (rotkv.kernels.plan)
 
 
 class RotkvCache(Cache):
@@ -34,6 +37,9 @@ class RotkvCache(Cache):
     :meth:`fold_values` moves the value rotations into the model's weights; a cache built for a
     model folded so already holds none.
 
+    spec: a preset name or a CacheSpec; None: the preset ``artifact`` was made for (``oscar-mix`` for an
+    oscar-mix artifact: rotkv.contract.default_preset), or without an artifact ``int4`` with a
+    :class:`~rotkv.config.RotkvWarning` naming the calibration of the recommended preset.
     check_finite: refuse NaN/Inf keys and values (nothing is stored). It costs one device sync
     per layer on the GPU; the CUDA-graph decode (``rotkv.cache.graph``) runs without it.
     layer_bits: per-layer ``(key bits, value bits)`` of the token codec (each 2 or 4 for the GPU
@@ -46,7 +52,7 @@ class RotkvCache(Cache):
     ``key_fit_length`` (also in :meth:`stats`; None for an artifact without named fits).
     """
 
-    def __init__(self, model, spec: CacheSpec | str = DEFAULT_PRESET, artifact: Artifact | str | None = None,
+    def __init__(self, model, spec: CacheSpec | str | None = None, artifact: Artifact | str | None = None,
                  check_finite: bool = True, layer_bits=None, decode_score: str | None = None,
                  context_length: int | None = None, **overrides):
         if not hasattr(model, "config"):
@@ -54,6 +60,18 @@ class RotkvCache(Cache):
         if artifact is not None and not isinstance(artifact, (str, os.PathLike, Artifact)):
             raise TypeError(f"artifact has to be a file path, an Artifact or None, not {type(artifact).__name__}")
         artifact = os.fspath(artifact) if isinstance(artifact, os.PathLike) else artifact
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"check_finite has to be a bool but got {check_finite!r} ({type(check_finite).__name__})")
+        if decode_score is not None and decode_score not in DECODE_SCORES:
+            raise ValueError(f"decode_score has to be one of {list(DECODE_SCORES)} or None but got {decode_score!r}")
+        if spec is None:  # the preset the artifact was made for; without one, DEFAULT_PRESET and a note
+            from rotkv.contract import default_note, default_preset
+            from rotkv.rotations.artifact import load_artifact
+
+            artifact = load_artifact(artifact) if isinstance(artifact, str) else artifact
+            spec = default_preset(artifact)
+            if artifact is None:
+                warnings.warn(default_note(), RotkvWarning, stacklevel=2)
         spec = resolve_spec(spec, **overrides)
         if artifact is not None and not spec.needs_artifact and spec.budget_tokens is None:
             warnings.warn(f"the artifact is not used by preset {spec.name!r} (rotation {spec.rotation!r})",

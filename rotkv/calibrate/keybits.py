@@ -280,7 +280,8 @@ def calibrate_mix(loaded, base=None, layers: int | None = None, preset: str = "o
     """(tensors, metadata) of a complete ``oscar-mix`` artifact: the base artifact (an Artifact, a
     path, or None: OSCAR calibrated here with the defaults, ``tokens`` calibration tokens) plus the
     per-layer key widths measured on it (:func:`layer_gains`, :func:`with_key_bits`)."""
-    from rotkv.rotations.artifact import Artifact, load_artifact, validate_artifact
+    from rotkv.contract import kind_meta, validate_artifact
+    from rotkv.rotations.artifact import Artifact, base_method, load_artifact
 
     t0 = time.time()
     if base is None:
@@ -302,6 +303,7 @@ def calibrate_mix(loaded, base=None, layers: int | None = None, preset: str = "o
     order = [i for i in np.argsort(-gains).tolist() if np.isfinite(gains[i])]
     meta["keybits_layers"] = ",".join(str(i) for i in sorted(order[:n_layers]))
     meta["mix_seconds"] = f"{time.time() - t0:.0f}"
+    meta.update(kind_meta(f"{base_method(base)}-mix", base))
     log(f"{preset} KL {kl:.4f} on calibration text; gains by layer (best first): "
         + ", ".join(f"{i}:{gains[i]:+.4f}" for i in order))
     log(f"4-bit keys in layers {meta['keybits_layers']} (key widths {float(meta['keybits_seconds']):.0f} s)")

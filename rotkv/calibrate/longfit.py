@@ -63,6 +63,7 @@ def long_stats(model, chunks: list[torch.Tensor], sink: int = 16, call: int = 51
 def refit(model, tokenizer, artifact, seq_len: int = 4096, sequences: int = 2, call: int = 512, files=None):
     """(tensors, metadata) of ``artifact`` with R_K and the key means refitted on long sequences."""
     from rotkv.calibrate.corpus import token_chunks
+    from rotkv.contract import kind_meta
     from rotkv.rotations.artifact import without_key_fits
     from rotkv.rotations.base import pooled
     from rotkv.rotations.oscar import oscar_rotation
@@ -82,6 +83,8 @@ def refit(model, tokenizer, artifact, seq_len: int = 4096, sequences: int = 2, c
         tensors[f"k_mean.{layer}"] = (ks[layer] / kn[layer]).float()
     meta = base_meta | {"longfit_seq_len": str(seq_len), "longfit_tokens": str(sum(c.shape[1] for c in chunks)),
                         "longfit_seconds": f"{time.time() - t0:.0f}"}
+    kind = artifact.kind if artifact.kind.endswith("-long") else f"{artifact.kind}-long"  # oscar-mix -> oscar-mix-long
+    meta |= kind_meta(kind, artifact)
     return tensors, meta
 
 
@@ -152,7 +155,8 @@ def main(argv=None) -> int:
     import sys
 
     from rotkv.hf.models import load_model
-    from rotkv.rotations.artifact import load_artifact, parse_fit_lengths, save_artifact, validate_artifact
+    from rotkv.contract import validate_artifact
+    from rotkv.rotations.artifact import load_artifact, parse_fit_lengths, save_artifact
 
     ap = argparse.ArgumentParser(prog="python -m rotkv.calibrate.longfit", description=__doc__.split("\n")[0])
     ap.add_argument("--base-artifact", required=True, help="an OSCAR artifact (e.g. oscar-mix.safetensors with key widths)")

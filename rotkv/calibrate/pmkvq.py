@@ -119,13 +119,14 @@ def calibrate_pmkvq(loaded, rotations: list[LayerRotation], budget_bpe: float, g
 
 def pmkvq_artifact(loaded, bits: np.ndarray, sens: np.ndarray, base=None, **info) -> tuple[dict, dict]:
     """(tensors, metadata): the widths and sensitivities, beside a base artifact's tensors if given."""
-    from rotkv.rotations.artifact import model_meta
+    from rotkv.contract import kind_meta
+    from rotkv.hf.fingerprint import model_meta
 
     tensors = dict(base.tensors) if base is not None else {}
     tensors |= {"bits": torch.tensor(bits, dtype=torch.int32), "pmkvq_sensitivity": torch.tensor(sens, dtype=torch.float32)}
     meta = dict(base.meta) if base is not None else model_meta(loaded.model, loaded.model_id)
     method = f"{base.meta['method']}+pmkvq" if base is not None else "pmkvq"
-    meta |= {"method": method, "date": model_meta(loaded.model, loaded.model_id)["date"]}
+    meta |= {"method": method, "date": model_meta(loaded.model, loaded.model_id)["date"]} | kind_meta(method, base)
     meta |= {f"pmkvq_{k}": str(v) for k, v in info.items()}
     return tensors, meta
 
@@ -154,7 +155,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from rotkv.hf.geometry import model_geometry
     from rotkv.hf.models import load_model
-    from rotkv.rotations.artifact import load_artifact, save_artifact, validate_artifact
+    from rotkv.contract import validate_artifact
+    from rotkv.rotations.artifact import load_artifact, save_artifact
     from rotkv.rotations.registry import build_rotations
 
     loaded = load_model(args.model, device=args.device)

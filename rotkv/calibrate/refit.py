@@ -1,6 +1,6 @@
 """Re-fit only the clip ratios of an artifact for new bits / group size (``rotkv calibrate --refit-clip``).
 
-The deliberate override of the artifact contract (rotkv.rotations.artifact.check_contract): the
+The deliberate override of the artifact contract (rotkv.contract.check_contract): the
 rotations and key means are kept as they are, and the per-layer clip ratios are searched again
 (rotkv.calibrate.clip) on held-out calibration chunks at the new width and group size. OptR
 rotations were optimized at the old settings; only their clips are re-fitted, and the metadata says so
@@ -19,7 +19,9 @@ from rotkv.calibrate.corpus import token_chunks
 from rotkv.calibrate.run import collect
 from rotkv.hf.geometry import attention_modules, model_geometry
 from rotkv.quant.quantizer import check_bits, check_group
-from rotkv.rotations.artifact import Artifact, model_meta, validate_artifact
+from rotkv.contract import kind_meta, validate_artifact
+from rotkv.hf.fingerprint import model_meta
+from rotkv.rotations.artifact import Artifact
 from rotkv.rotations.base import LayerRotation
 
 
@@ -80,5 +82,5 @@ def refit_clips(loaded, artifact: Artifact, bits: int, group_size: int | None = 
         "refit_tokens": str(sum(c.shape[1] for c in chunks)),
         "refit_seconds": f"{time.perf_counter() - t0:.1f}",
         "date": fresh["date"],
-    })
+    } | kind_meta(artifact.kind, artifact))  # the same kind as the artifact it was made from
     return tensors, meta

@@ -18,11 +18,12 @@ from rotkv.calibrate import clip
 from rotkv.calibrate.capture import capturing
 from rotkv.calibrate.corpus import token_chunks
 from rotkv.calibrate.stats import StatsRecorder
+from rotkv.contract import kind_meta
+from rotkv.hf.fingerprint import model_meta
 from rotkv.hf.geometry import attention_modules, model_geometry
 from rotkv.hf.models import mean_centering_blocker
 from rotkv.quant.widths import check_width
 from rotkv.rotations import registry
-from rotkv.rotations.artifact import model_meta
 from rotkv.rotations.base import LayerRotation
 
 CS_FORMS = ("exact", "weighted", "diag")
@@ -190,7 +191,7 @@ def calibrate(loaded, cfg: CalibConfig) -> tuple[dict[str, torch.Tensor], dict[s
     meta = model_meta(model, loaded.model_id)
     meta.update({
         "method": cfg.method, "bits": cfg.bits, "group_size": group, "granularity": cfg.granularity,
-        "cs": cfg.cs if cfg.spec.uses_cs else "", "base": cfg.base if cfg.refines else "",
+        "cs": cfg.cs if cfg.spec.uses_cs else "",
         "key_mean_fitted": int(cfg.key_mean), "sink": cfg.sink, "values_folded": "0",
         "clip_k": ",".join(f"{c:g}" for c in clips_k), "clip_v": ",".join(f"{c:g}" for c in clips_v),
         "calib_tokens": sum(c.shape[1] for i, c in enumerate(chunks) if i not in heldout),
@@ -201,6 +202,9 @@ def calibrate(loaded, cfg: CalibConfig) -> tuple[dict[str, torch.Tensor], dict[s
         # versions gave artifacts with different key-width rankings (docs/results/levers_length.md)
         "torch_version": torch.__version__, "transformers_version": _transformers_version(),
     })
+    if cfg.refines:
+        meta["base"] = cfg.base  # the rotation the refinement starts from
+    meta.update(kind_meta(cfg.method))
     if infos:
         meta["optr_heads_improved_k"] = sum(i["heads_improved_k"] for i in infos)
         meta["optr_heads_improved_v"] = sum(i["heads_improved_v"] for i in infos)

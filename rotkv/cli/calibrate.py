@@ -76,9 +76,13 @@ def check_mix_args(args):
     layers = None
     if args.base_artifact:
         from rotkv.config import PRESETS
-        from rotkv.rotations.artifact import check_contract, load_artifact
+        from rotkv.contract import check_contract, kind_serves, make_command
+        from rotkv.rotations.artifact import load_artifact
 
         art = load_artifact(args.base_artifact)
+        if not kind_serves(art.kind, "oscar"):  # the OSCAR rotations the key widths (and a long refit) are made from
+            raise UsageError(f"--base-artifact {args.base_artifact} is {art.describe()}; --method {args.method} is made "
+                             f"from an oscar or oscar-mix artifact: make one with `{make_command('oscar')}`")
         try:
             check_contract(art, PRESETS["oscar-int2"])
         except ValueError as e:

@@ -21,7 +21,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_cache_args(p: argparse.ArgumentParser, preset: bool = True) -> None:
     if preset:
-        p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS), help="cache preset")
+        p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                       help="cache preset (default: the preset the --artifact was made for, e.g. oscar-mix; without "
+                            f"--artifact {DEFAULT_PRESET})")
     p.add_argument("--artifact", default=None, help="calibration artifact (.safetensors) for oscar/optr presets")
     p.add_argument("--sink", type=int, default=None, help="bf16 sink tokens (overrides the preset)")
     p.add_argument("--window", type=int, default=None, help="bf16 recent-window tokens (overrides the preset)")
@@ -68,17 +70,37 @@ def cache_spec(preset: str, overrides: dict):
         raise UsageError(f"--preset {preset}: {with_flags(str(e))}") from None
 
 
+def pick_preset(preset: str | None, path: str | None) -> tuple[str, str | None]:
+    """(--preset, None), or when it is not given: the preset the --artifact was made for
+    (rotkv.contract.default_preset), else DEFAULT_PRESET and the note to print once every check has passed
+    (a one-line note naming the calibration of the recommended preset)."""
+    if preset is not None:
+        return preset, None
+    if path is None:
+        from rotkv.contract import default_note
+
+        return DEFAULT_PRESET, default_note()
+    from rotkv.contract import default_preset
+    from rotkv.rotations.artifact import load_artifact
+
+    try:
+        return default_preset(load_artifact(path)), None
+    except ValueError as e:
+        raise UsageError(f"--artifact: {e}") from None
+
+
 def early_artifact(command: str, spec, path: str | None):
-    """Load and check ``--artifact`` against the preset before the model loads (the contract and the
-    file itself; the model fingerprint is checked when the cache is built). Returns the Artifact or None."""
-    from rotkv.config import artifact_file, calibration_method, calibration_preset
-    from rotkv.rotations.artifact import check_contract, load_artifact
+    """Load and check ``--artifact`` against the preset before the model loads (what the artifact is, the
+    contract and the file itself; the model fingerprint is checked when the cache is built). Returns the
+    Artifact, or None when there is none or the preset does not read it (said once, here)."""
+    from rotkv.config import artifact_kind
+    from rotkv.contract import check_contract, make_command
+    from rotkv.rotations.artifact import load_artifact
 
     if path is None:
         if spec.needs_artifact:
-            method = calibration_preset(spec) if spec.k_bits == "artifact" else calibration_method(spec)
             raise UsageError(f"--artifact: preset {spec.name!r} needs a calibration artifact; make one with "
-                             f"`rotkv calibrate --method {method} --out {artifact_file(spec)}`")
+                             f"`{make_command(artifact_kind(spec))}`")
         return None
     if not spec.needs_artifact and spec.budget_tokens is None:
         warn(command, f"--artifact {path} is not used by preset {spec.name!r} (rotation {spec.rotation!r})")

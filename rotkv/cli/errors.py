@@ -49,6 +49,11 @@ def warn(command: str, msg: str) -> None:
     print(f"rotkv {command}: warning: {msg}", file=sys.stderr, flush=True)
 
 
+def note(command: str, msg: str) -> None:
+    """A line of information (a default taken), not a problem."""
+    print(f"rotkv {command}: note: {msg}", file=sys.stderr, flush=True)
+
+
 def check_device(device: str | None, flag: str = "--device") -> None:
     """A device string torch understands and that exists here (``cuda`` without CUDA is refused)."""
     if device is None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-from rotkv.cli.common import add_cache_args, add_model_args, cache_overrides, cache_spec, early_artifact, early_group_check
-from rotkv.cli.errors import UsageError, check_device, check_model, read_text_file, warn
+from rotkv.cli.common import (add_cache_args, add_model_args, cache_overrides, cache_spec, early_artifact, early_group_check,
+                              pick_preset)
+from rotkv.cli.errors import UsageError, check_device, check_model, note, read_text_file, warn
 
 
 def register(sub) -> None:
@@ -31,8 +32,8 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def check_args(args) -> str:
-    """Every check that needs no model; returns the prompt text."""
+def check_args(args):
+    """Every check that needs no model; returns the prompt text and the artifact the preset reads (or None)."""
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens has to be >= 1 but got {args.max_new_tokens}")
     for flag, value in (("--temperature", args.temperature), ("--top-p", args.top_p)):
@@ -56,11 +57,14 @@ def check_args(args) -> str:
     prompt = read_text_file(args.prompt_file, flag) if args.prompt_file else args.prompt
     if not prompt.strip():
         raise UsageError(f"{flag} is empty: give some text to continue")
+    args.preset, default = pick_preset(args.preset, args.artifact)
     spec = cache_spec(args.preset, cache_overrides(args))
     art = early_artifact("generate", spec, args.artifact)
     if args.group_size is not None:
         early_group_check(spec, args.model, art)
-    return prompt
+    if default:
+        note("generate", default)
+    return prompt, art
 
 
 def check_length(model, prompt_tokens: int, new_tokens: int, allow_long: bool) -> None:
@@ -78,7 +82,7 @@ def check_length(model, prompt_tokens: int, new_tokens: int, allow_long: bool) -
 
 
 def run(args) -> int:
-    prompt = check_args(args)
+    prompt, art = check_args(args)
     from rotkv.cache import RotkvCache
     from rotkv.generation import encode_prompt, generate
     from rotkv.hf.models import load_model
@@ -89,7 +93,7 @@ def run(args) -> int:
         raise UsageError("--prompt encodes to 0 tokens")
     check_length(loaded.model, ids.shape[-1], args.max_new_tokens, args.allow_long)
     # the row's whole length: an artifact with several key fits serves the one nearest it
-    cache = RotkvCache(loaded.model, args.preset, args.artifact, context_length=ids.shape[-1] + args.max_new_tokens,
+    cache = RotkvCache(loaded.model, args.preset, art, context_length=ids.shape[-1] + args.max_new_tokens,
                        **cache_overrides(args))
     if args.cuda_graph:
         g = _generate_graph(loaded, ids, cache, args.max_new_tokens, args.compile_layers)

@@ -12,20 +12,24 @@ def register(sub) -> None:
     p.add_argument("file")
     p.add_argument("--model", default=None, help="also check the artifact against this model")
     p.add_argument("--check", action="store_true",
-                   help="check the contract fields (method, bits, group_size), that every rotation is orthogonal "
-                        "and that every value is finite")
+                   help="check the contract fields (kind, method, bits, group_size), that every rotation is "
+                        "orthogonal and that every value is finite")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="also check the artifact against this preset's method, bits and group size")
+                   help="also check the artifact against this preset: the kind of artifact it reads, its bits and "
+                        "group size")
     p.set_defaults(func=run)
 
 
 def check_report(art, preset: str | None = None) -> list[str]:
     """Print one line per check; return the problems found (empty: the artifact is sound)."""
-    from rotkv.rotations.artifact import CONTRACT_META, ORTHO_TOL, contract_diffs, orthogonality_error, value_problems
+    from rotkv.contract import CONTRACT_META, contract_diffs
+    from rotkv.rotations.artifact import ORTHO_TOL, orthogonality_error, value_problems
 
     problems = []
-    missing = [k for k in CONTRACT_META if k not in art.meta]
+    missing = [k for k in CONTRACT_META if k not in art.meta and k != "kind"]  # a missing kind is inferred
     recorded = ", ".join(f"{k} {art.meta[k]}" for k in CONTRACT_META if k in art.meta)
+    if art.kind_inferred:
+        recorded = f"kind {art.kind} (inferred), " + recorded
     print(f"  contract fields: {recorded or 'none'}" + (f"; missing {missing}" if missing else ""))
     if missing:
         problems.append(f"the contract fields {missing} are not recorded")
@@ -43,7 +47,8 @@ def check_report(art, preset: str | None = None) -> list[str]:
 
 
 def run(args) -> int:
-    from rotkv.rotations.artifact import load_artifact, validate_artifact
+    from rotkv.contract import validate_artifact
+    from rotkv.rotations.artifact import load_artifact
 
     preset = getattr(args, "preset", None)
     art = load_artifact(args.file, check=not (args.check or preset))  # --check reports every problem
@@ -51,7 +56,7 @@ def run(args) -> int:
     if args.check or preset:
         problems = check_report(art, preset)
         if problems:
-            raise UsageError(f"artifact {args.file} failed {len(problems)} check(s): " + "; ".join(problems))
+            raise UsageError(f"artifact {args.file} is {art.describe()} and failed {len(problems)} check(s): " + "; ".join(problems))
         print("  check: ok")
     if args.model:
         from rotkv.hf.models import load_model

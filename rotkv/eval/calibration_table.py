@@ -31,7 +31,8 @@ from rotkv.calibrate.stats import weighted_cs
 from rotkv.hf.geometry import attention_modules, model_geometry
 from rotkv.hf.models import load_model
 from rotkv.rotations import optr, oscar, pairwise
-from rotkv.rotations.artifact import model_meta, save_artifact
+from rotkv.hf.fingerprint import model_meta
+from rotkv.rotations.artifact import save_artifact
 from rotkv.rotations.base import LayerRotation
 from rotkv.rotations.hadamard import hadamard_matrix
 

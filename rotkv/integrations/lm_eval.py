@@ -25,8 +25,8 @@ What is scored, per request (the protocol of ``rotkv.eval``):
 Batches are processed one request at a time (``batch_size`` is accepted and ignored).
 
 model_args: ``pretrained`` (a local Hugging Face directory, a GGUF file, or empty for the default
-SmolLM2 GGUF, loaded by :func:`rotkv.hf.models.load_model`), ``preset`` (default ``quarot-int2``),
-``artifact`` (a calibration file, for ``oscar-int2`` / ``optr-int2``), ``sink``, ``window``,
+SmolLM2 GGUF, loaded by :func:`rotkv.hf.models.load_model`), ``preset`` (default: the preset the
+``artifact`` was made for, or ``int4`` without one), ``artifact`` (a calibration file, for the calibrated presets), ``sink``, ``window``,
 ``prefill_chunk``, ``group_size``, ``tier_dtype``, and ``device`` / ``dtype``.
 """
 
@@ -43,7 +43,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("rotkv.integrations.lm_eval needs lm-evaluation-harness: pip install 'rotkv[lmeval]'") from e
 
 from rotkv.cache import RotkvCache
-from rotkv.config import DEFAULT_PRESET
 from rotkv.eval.protocol import forward
 
 CACHE_FIELDS = ("sink", "window", "prefill_chunk", "group_size", "page_size", "tier_dtype", "clip_k", "clip_v")
@@ -55,7 +54,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 class RotkvLM(HFLM):
     """HFLM whose loglikelihood and generation paths prefill in chunks into a rotkv cache and read it."""
 
-    def __init__(self, pretrained=None, preset: str = DEFAULT_PRESET, artifact: str | None = None,
+    def __init__(self, pretrained=None, preset: str | None = None, artifact: str | None = None,
                  device: str | None = None, dtype: str | None = None, batch_size=1, max_length: int | None = None,
                  **kwargs):
         overrides = {k: kwargs.pop(k) for k in CACHE_FIELDS if k in kwargs and kwargs[k] is not None}
@@ -72,9 +71,9 @@ class RotkvLM(HFLM):
             if tokenizer is None:
                 raise ValueError("pass tokenizer=... with a model instance")
         kwargs.pop("tokenizer", None)
+        # fail now, naming the field, rather than at the first request; the preset taken when none is named
+        preset = RotkvCache(model, preset, artifact, **overrides).spec.name
         self.preset, self.artifact_path, self.overrides = preset, artifact, overrides
-        # fail now, naming the field, rather than at the first request
-        RotkvCache(model, preset, artifact, **overrides)
         super().__init__(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=1,
                          max_length=max_length, **kwargs)
         self.last_stats: dict | None = None

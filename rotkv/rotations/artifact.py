@@ -19,29 +19,33 @@ String metadata: ``format_version``, ``method``, ``model_id``, ``config_hash``,
 ``key_fit_lengths`` ("4096,8192": the calibration sequence lengths of the key-side fits, the primary first).
 Never pickle.
 
+What an artifact was made for (:attr:`Artifact.kind`): ``kind`` is the ``rotkv calibrate --method`` that
+made it (``oscar``, ``optr``, ``pmkvq``, ``oscar+pmkvq``, ``oscar-mix``, ``oscar-mix-long``); ``base_artifact``
+("KIND ID") names the artifact it was made from, ``ID`` being that file's :func:`artifact_id`; ``presets``
+lists the presets it serves (rotkv.contract, where a preset states the kind it reads, checks them). A file
+without ``kind`` (made before these fields) has its kind inferred from what it holds (:func:`infer_kind`).
+
 Format versions: this rotkv writes and reads ``format_version`` 1. A file without the field
 predates versioning and loads as version 1 (same layout); a higher version is refused with "upgrade
 rotkv". Loading also refuses unreadable (truncated) files, shapes that do not fit the declared
 geometry, non-finite values and non-orthogonal rotations.
 
-The contract: ``method``, ``bits`` and ``group_size`` say what the rotations and clip ratios were
-fitted for; :func:`validate_artifact` with a CacheSpec refuses an artifact fitted for other settings
-(:func:`check_contract`).
+The contract: ``kind``, ``method``, ``bits`` and ``group_size`` say what the rotations and clip ratios
+were fitted for; rotkv.contract checks them against a CacheSpec. This module reads and writes the format
+alone: the model it is checked against comes in as its geometry and fingerprint (:func:`check_model`).
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
-import json
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rotkv.hf.geometry import attention_modules, model_geometry, text_config
 from rotkv.quant.widths import KEY_WIDTHS, WIDTHS
 from rotkv.rotations.base import LayerRotation
 
@@ -51,6 +55,9 @@ REQUIRED_META = ("format_version", "method", "num_layers", "kv_heads", "head_dim
 CONTRACT_META = ("method", "bits", "group_size")  # what a preset checks (check_contract)
 ORTHO_TOL = 1e-3  # max |R^T R - I| of a sound rotation (fp32 calibrations reach ~1e-6)
 KEY_FIT_SIDE = ("R_K", "k_mean")  # the per-layer tensors of one key-side fit (extra fits: ``R_K@8192.{l}``, ...)
+KIND_META = ("kind", "base_artifact", "presets")  # what the artifact was made for (Artifact.kind)
+NAME = re.compile(r"[a-z0-9][a-z0-9+._-]{0,63}")  # a kind or preset name
+ID = re.compile(r"[0-9a-f]{16}")  # an artifact_id
 
 
 class ArtifactMismatch(ValueError):
@@ -71,6 +78,37 @@ class Artifact:
     @property
     def values_folded(self) -> bool:
         return self.meta.get("values_folded", "0") == "1"
+
+    @property
+    def kind(self) -> str:
+        """What the artifact is: its ``kind`` field, else the kind its contents show (:func:`infer_kind`)."""
+        return self.meta.get("kind") or infer_kind(self.tensors, self.meta)
+
+    @property
+    def kind_inferred(self) -> bool:
+        """True for a file without a ``kind`` field (made before it was recorded)."""
+        return not self.meta.get("kind")
+
+    @property
+    def identity(self) -> str:
+        """:func:`artifact_id` of the tensors (computed once)."""
+        if "_identity" not in self.__dict__:
+            self.__dict__["_identity"] = artifact_id(self.tensors)
+        return self.__dict__["_identity"]
+
+    @property
+    def presets(self) -> list[str]:
+        """The presets the artifact says it serves (``presets``); [] when not recorded."""
+        return [p for p in self.meta.get("presets", "").split(",") if p]
+
+    def describe(self) -> str:
+        """``"an oscar-mix artifact (serves oscar-mix, oscar-int2)"``: what the artifact is, for messages."""
+        kind = self.kind or "unknown"
+        article = "an" if kind[0] in "aeiou" else "a"
+        served = f"serves {', '.join(self.presets)}" if self.presets else ""
+        note = "; kind inferred: made before rotkv recorded it" if self.kind_inferred else ""
+        extra = "; ".join(x for x in (served, note.lstrip("; ")) if x)
+        return f"{article} {kind} artifact" + (f" ({extra})" if extra else "")
 
     @property
     def key_fit_lengths(self) -> list[int]:
@@ -128,9 +166,10 @@ class Artifact:
         )
 
     def summary(self) -> str:
-        lines = [f"rotkv artifact {self.path or ''}".rstrip()]
+        lines = [f"rotkv artifact {self.path or ''}".rstrip(), f"  is {self.describe()}, id {self.identity}"]
         for k in sorted(self.meta):
-            lines.append(f"  {k}: {self.meta[k]}")
+            if self.meta[k] != "":  # a field a method leaves empty (``cs`` of OptR-free methods) says nothing
+                lines.append(f"  {k}: {self.meta[k]}")
         lines.append(f"  tensors: {len(self.tensors)} ({self.nbytes / 1e6:.2f} MB)")
         groups: dict[str, int] = {}
         for name in self.tensors:
@@ -174,43 +213,30 @@ def without_key_fits(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> 
             {k: v for k, v in meta.items() if k != "key_fit_lengths"})
 
 
-def config_hash(config) -> str:
-    c = text_config(config)
-    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "vocab_size", "rope_theta", "rope_parameters", "max_position_embeddings")
-    d = {k: getattr(c, k, None) for k in keys}
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def weights_fingerprint(model) -> str:
-    """A dtype- and device-independent hash of the query/key projection weights.
-
-    It samples 64 entries of every layer's q_proj and k_proj, rounds them to bf16 (so a bf16
-    GPU copy and an fp32 CPU copy agree) and hashes them. Values are folded into v_proj /
-    o_proj, so those are left out: a folded model keeps its fingerprint.
-    """
+def artifact_id(tensors: dict[str, torch.Tensor]) -> str:
+    """A short hash of an artifact's tensors (names, dtypes, shapes, bytes): the ``ID`` of ``base_artifact``
+    ("KIND ID"); the same for a file and its copies, whatever the metadata."""
     h = hashlib.sha256()
-    for attn in attention_modules(model):
-        for proj in (attn.q_proj, attn.k_proj):
-            w = proj.weight.detach().flatten()
-            idx = torch.linspace(0, w.numel() - 1, 64).long().to(w.device)
-            h.update(w[idx].to(torch.bfloat16).float().cpu().numpy().tobytes())
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:16]
 
 
-def model_meta(model, model_id: str) -> dict[str, str]:
-    """The metadata fields that tie an artifact to a model."""
-    layers, kv_heads, head_dim = model_geometry(model.config)
-    return {
-        "format_version": FORMAT_VERSION,
-        "model_id": str(model_id),
-        "config_hash": config_hash(model.config),
-        "weights_fingerprint": weights_fingerprint(model),
-        "num_layers": str(layers),
-        "kv_heads": str(kv_heads),
-        "head_dim": str(head_dim),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+def infer_kind(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+    """The kind of a file without a ``kind`` field, from what it holds; the rule each calibration follows:
+
+    - per-layer key widths (``k_bits``): ``<method>-mix``, ``-long`` added when its key side was refitted on
+      long sequences (``longfit_seq_len`` or ``key_fit_lengths``): ``oscar-mix``, ``oscar-mix-long``;
+    - a long key-side refit without key widths: ``<method>-long``;
+    - else its ``method`` (``oscar``, ``optr``, ``pmkvq``, ``oscar+pmkvq``, ...).
+    """
+    method = meta.get("method", "")
+    long = "longfit_seq_len" in meta or "key_fit_lengths" in meta
+    if "k_bits" in tensors:
+        return f"{method.split('+')[0]}-mix" + ("-long" if long else "")
+    return f"{method}-long" if long else method
 
 
 def save_artifact(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, object]) -> None:
@@ -254,6 +280,7 @@ def check_structure(tensors: dict[str, torch.Tensor], meta: dict[str, str], wher
     for k in ("bits", "group_size"):
         if k in meta and not meta[k].strip().isdigit():
             raise ArtifactMismatch(f"{where}: metadata `{k}` has to be an integer but got {meta[k]!r}")
+    check_kind_fields(meta, where)
     layers, h, d = geo["num_layers"], geo["kv_heads"], geo["head_dim"]
     fits = _extra_fits(tensors, meta, where)
     per_layer = {"R_K": None, "R_V": None, "k_mean": None} | {f"{p}@{n}": None for n in fits for p in KEY_FIT_SIDE}
@@ -284,6 +311,20 @@ def check_structure(tensors: dict[str, torch.Tensor], meta: dict[str, str], wher
                 have, lack = (f"{p}@{n}", p) if per_layer[p] is None else (p, f"{p}@{n}")
                 raise ArtifactMismatch(f"{where}: the key fit for length {n} (key_fit_lengths) is incomplete: "
                                        f"{have} is given but {lack} is missing for every layer")
+
+
+def check_kind_fields(meta: dict[str, str], where: str = "artifact") -> None:
+    """Refuse malformed ``kind`` (a name), ``presets`` (names joined by ``,``) and ``base_artifact``
+    ("KIND ID", ID 16 hex digits)."""
+    if "kind" in meta and not NAME.fullmatch(meta["kind"]):
+        raise ArtifactMismatch(f"{where}: metadata `kind` has to be a method name (e.g. oscar-mix) but got {meta['kind']!r}")
+    if meta.get("presets") and not all(NAME.fullmatch(p) for p in meta["presets"].split(",")):
+        raise ArtifactMismatch(f"{where}: metadata `presets` has to be preset names joined by ',' but got {meta['presets']!r}")
+    if "base_artifact" in meta:
+        kind, _, ident = meta["base_artifact"].partition(" ")
+        if not (NAME.fullmatch(kind) and ID.fullmatch(ident)):
+            raise ArtifactMismatch(f"{where}: metadata `base_artifact` has to be 'KIND ID' (e.g. 'oscar 0123456789abcdef') "
+                                   f"but got {meta['base_artifact']!r}")
 
 
 def _extra_fits(tensors: dict[str, torch.Tensor], meta: dict[str, str], where: str) -> list[int]:
@@ -375,73 +416,17 @@ def base_method(artifact: Artifact) -> str:
     return artifact.meta.get("method", "").split("+")[0]
 
 
-def contract_diffs(artifact: Artifact, spec) -> list[str]:
-    """The contract fields (method, bits, group_size) in which ``artifact`` differs from ``spec``.
-
-    - method: only when ``spec.method`` is set (None accepts any), compared to :func:`base_method`;
-    - bits: what the clip ratios were fitted for; not compared for an unquantized spec, nor for a
-      progressive spec (``start_bits``) reading per-layer widths from the artifact's ``bits`` tensor;
-    - group_size: compared to ``spec.resolved_group(head_dim)``; not for an unquantized spec;
-    - k_bits: a spec reading per-layer key widths from the artifact (``k_bits="artifact"``) needs them.
-
-    A field the artifact does not record (hand-made files) is not compared.
-    """
-    diffs = []
-    if spec.method is not None and base_method(artifact) != spec.method:
-        diffs.append(f"method: artifact {artifact.meta.get('method')!r} vs preset {spec.method!r}")
-    if spec.quantized:
-        progressive_widths = spec.start_bits is not None and "bits" in artifact.tensors
-        if "bits" in artifact.meta and not progressive_widths and int(artifact.meta["bits"]) != spec.bits:
-            diffs.append(f"bits: artifact {artifact.meta['bits']} vs preset {spec.bits}")
-        want = spec.resolved_group(int(artifact.meta["head_dim"]))
-        if "group_size" in artifact.meta and int(artifact.meta["group_size"]) != want:
-            diffs.append(f"group_size: artifact {artifact.meta['group_size']} vs preset {want}")
-    if getattr(spec, "k_bits", None) == "artifact" and "k_bits" not in artifact.tensors:
-        from rotkv.config import SHARED_ARTIFACTS
-
-        diffs.append(f"k_bits: preset {spec.name!r} reads per-layer key widths from the artifact, which has none "
-                     f"(make them with `rotkv calibrate --method {SHARED_ARTIFACTS.get(spec.name, spec.name)}`)")
-    return diffs
-
-
-def check_contract(artifact: Artifact, spec) -> None:
-    """Refuse an artifact calibrated for other settings than ``spec`` (rotkv.config.CacheSpec).
-
-    Clip ratios fitted for 4 bits at G = 32 are wrong at 2 bits and G = 64, and OptR rotations are not
-    OSCAR's. The deliberate overrides: re-fit the clip ratios for the new settings
-    (``rotkv calibrate --refit-clip``), or pass a spec with ``method=None`` to take any method.
-    """
-    diffs = contract_diffs(artifact, spec)
-    if not diffs:
-        return
-    hint = []
-    if any(not d.startswith(("method", "k_bits")) for d in diffs):
-        g = spec.resolved_group(int(artifact.meta["head_dim"]))
-        hint.append(f"re-fit its clip ratios with `rotkv calibrate --refit-clip {artifact.path or 'ARTIFACT'} "
-                    f"--bits {spec.bits} --group-size {g} --out NEW.safetensors`")
-    if diffs[0].startswith("method"):
-        hint.append(f"calibrate one with `rotkv calibrate --method {spec.method}`")
-    raise ArtifactMismatch(
-        f"artifact {artifact.path} does not match preset {spec.name!r}: " + "; ".join(diffs) + ". "
-        + "; or ".join(hint).capitalize() + "."
-    )
-
-
-def validate_artifact(artifact: Artifact, model, spec=None) -> None:
-    """Refuse an artifact made for another model, naming every field that differs; with ``spec``
-    (a CacheSpec), also one calibrated for other settings (:func:`check_contract`)."""
-    layers, kv_heads, head_dim = model_geometry(model.config)
-    want = {"num_layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
+def check_model(artifact: Artifact, geometry: tuple[int, int, int], fingerprint=None) -> None:
+    """Refuse an artifact made for another model, naming every field that differs: ``geometry`` is the
+    model's (num_layers, kv_heads, head_dim); ``fingerprint`` its weights' fingerprint (a string, or a
+    callable that computes it, called only once the geometry matches; None: not compared)."""
+    want = dict(zip(("num_layers", "kv_heads", "head_dim"), geometry))
     diffs = [f"{k}: artifact {artifact.meta[k]} vs model {v}" for k, v in want.items() if int(artifact.meta[k]) != v]
-    if not diffs:
-        fp = weights_fingerprint(model)
+    if not diffs and fingerprint is not None:
+        fp = fingerprint() if callable(fingerprint) else fingerprint
         if artifact.meta["weights_fingerprint"] != fp:
             diffs.append(f"weights_fingerprint: artifact {artifact.meta['weights_fingerprint']} vs model {fp}")
     if diffs:
         made_for = artifact.meta.get("model_id", "?")
-        raise ArtifactMismatch(
-            f"artifact {artifact.path} was made for another model ({made_for}): " + "; ".join(diffs)
-            + ". Calibrate one for this model with `rotkv calibrate`."
-        )
-    if spec is not None:
-        check_contract(artifact, spec)
+        raise ArtifactMismatch(f"artifact {artifact.path} was made for another model ({made_for}): " + "; ".join(diffs)
+                               + "; calibrate one for this model with `rotkv calibrate`")
