@@ -15,6 +15,7 @@ from rotkv.quant.widths import KEY_WIDTHS, WIDTHS  # noqa: F401 (KEY_WIDTHS: the
 from rotkv.rotations import registry
 
 META_NAMES = ("float16", "float8", "float32")
+INT_MAX = 2**31 - 1  # token counts and sizes fit an int32 (the kernels' index type)
 
 
 class RotkvWarning(UserWarning):
@@ -139,6 +140,11 @@ class CacheSpec:
 
     def __post_init__(self) -> None:
         self._check_types()
+        for f in ("group_size", "sink", "window", "refine_tokens", "refine_every", "page_size", "prefill_chunk",
+                  "budget_tokens", "seed"):
+            v = getattr(self, f)
+            if v is not None and abs(v) > INT_MAX:
+                raise ValueError(f"`{f}` has to be at most {INT_MAX} but got {v}")
         if self.bits is not None and self.bits not in WIDTHS:
             raise ValueError(f"`bits` has to be one of {list(WIDTHS)} or None (no quantization) but got {self.bits}")
         if self.group_size is not None and self.group_size <= 0:

@@ -24,6 +24,7 @@ def no_model(monkeypatch):
 
     monkeypatch.setattr("rotkv.hf.models.load_model", load_model)
     monkeypatch.setattr("rotkv.hf.models.peek_geometry", lambda model=None: (30, 3, 64))  # SmolLM2's
+    monkeypatch.setattr("rotkv.hf.models.peek_context", lambda model=None: 8192)
     monkeypatch.delenv("ROTKV_DEBUG", raising=False)
 
 

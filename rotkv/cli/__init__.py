@@ -61,6 +61,45 @@ class _Version(argparse.Action):
         parser.exit(0)
 
 
+INT_MAX = 2**31 - 1  # every integer flag fits an int32 (token counts, sizes, seeds)
+
+
+def bounded_int(text: str) -> int:
+    """The type of every integer flag: a whole number in [-INT_MAX, INT_MAX] (argparse names the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if abs(value) > INT_MAX:
+        raise argparse.ArgumentTypeError(f"{text} is out of range (at most {INT_MAX})")
+    return value
+
+
+def bounded_float(text: str) -> float:
+    """The type of every number flag: a finite number."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _bound_numbers(parser: argparse.ArgumentParser) -> None:
+    """Give every ``type=int`` / ``type=float`` flag of ``parser`` (and its subcommands) the bounded types."""
+    for action in parser._actions:
+        if action.type is int:
+            action.type = bounded_int
+        elif action.type is float:
+            action.type = bounded_float
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _bound_numbers(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="rotkv", description="Rotated INT2 KV cache for LLM inference")
     p.add_argument("--version", action=_Version, nargs=0, help="print the version (and git commit) and exit")
@@ -70,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(name).register(sub)
     for child in sub.choices.values():  # `rotkv generate ... --debug` works as well as `rotkv --debug generate`
         child.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    _bound_numbers(p)
     return p
 
 

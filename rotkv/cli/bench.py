@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -27,7 +28,10 @@ def prefill_tokens_arg(text: str) -> int | str:
     """``--prefill-tokens``: a count, or ``auto`` (rotkv.generation.prefill_tokens_of the model)."""
     if text.strip().lower() == "auto":
         return "auto"
-    return int(text)
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
 
 
 def register(sub) -> None:
@@ -63,7 +67,9 @@ def register(sub) -> None:
     p.add_argument("--memory-gb", type=float, default=None,
                    help="CUDA only: cap this process's GPU memory at this many GB (torch's per-process memory "
                         "fraction), as if the GPU were that size; with --max-batch, the capacity of a smaller card")
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/generate-<UTC time>.json)")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default: rotkv-generate-<UTC time>.json, or rotkv-capacity-... with --max-batch, "
+                        "in the current folder)")
     p.set_defaults(func=run)
 
 
@@ -112,7 +118,7 @@ def check_args(args) -> tuple[str, list[str]]:
 
     from rotkv.bench import parse_method
     from rotkv.cli.common import cache_spec, early_artifact
-    from rotkv.cli.errors import check_device, check_model
+    from rotkv.cli.errors import check_device, check_model, check_out_path
 
     if args.new_tokens < 2:
         raise UsageError(f"--new-tokens has to be >= 2 but got {args.new_tokens}")
@@ -126,6 +132,9 @@ def check_args(args) -> tuple[str, list[str]]:
         if min(getattr(args, name)) < 1:
             raise UsageError(f"--{name} values have to be >= 1 but got {min(getattr(args, name))}")
     check_device(args.device)
+    kind = "capacity" if args.max_batch else "generate"
+    args.out = args.out or time.strftime(f"rotkv-{kind}-%Y%m%d-%H%M%S.json", time.gmtime())
+    check_out_path(args.out)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
     if args.memory_gb is not None:
@@ -167,8 +176,15 @@ def check_args(args) -> tuple[str, list[str]]:
             layer_gb = (random_param_count(args.random, 2) - random_param_count(args.random, 1)) * 4 / 1e9
             raise UsageError(f"--random {args.random}: building it takes {gb:.1f} GB (float32 weights), more than the "
                              f"{free:.1f} GB free on {device}; pass --layers N (about {layer_gb:.2f} GB a layer)")
+        ctx = RANDOM_SHAPES[args.random]["max_position_embeddings"]
     else:
         check_model(args.model)
+        from rotkv.hf.models import peek_context
+
+        ctx = peek_context(args.model)
+    if ctx and max(args.context) + args.new_tokens > ctx:
+        raise UsageError(f"--context {max(args.context)} plus --new-tokens {args.new_tokens} is longer than the model's "
+                         f"context of {ctx} tokens; pass --context {ctx - args.new_tokens} or less")
     return device, methods
 
 
@@ -197,8 +213,7 @@ def run(args) -> int:
             "prefill_chunk": args.prefill_chunk, "prefill_tokens": prefill_tokens_of(model) if args.prefill_tokens == "auto"
             else args.prefill_tokens, "prefill_tokens_auto": args.prefill_tokens == "auto",
             "memory_gb": args.memory_gb}
-    kind = "capacity" if args.max_batch else "generate"
-    out = args.out or os.path.join("benchmarks", "results", time.strftime(f"{kind}-%Y%m%d-%H%M.json", time.gmtime()))
+    out = args.out  # checked before the model loaded
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     if args.max_batch:
         rows = []

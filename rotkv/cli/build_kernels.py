@@ -7,7 +7,7 @@ import time
 
 from rotkv.cli.common import cache_spec
 from rotkv.cli.errors import UsageError
-from rotkv.config import DEFAULT_PRESET, PRESETS
+from rotkv.config import PRESETS, RECOMMENDED_PRESET
 
 
 def register(sub) -> None:
@@ -20,7 +20,8 @@ def register(sub) -> None:
                    help="take head_dim from this model's config ('smollm2', a .gguf file or a Hugging Face "
                         "directory); or give --head-dim")
     p.add_argument("--head-dim", type=int, default=None)
-    p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS), help="cache preset (bits, group size)")
+    p.add_argument("--preset", default=RECOMMENDED_PRESET, choices=sorted(PRESETS),
+                   help=f"cache preset (bits, group size; default {RECOMMENDED_PRESET})")
     p.add_argument("--group-size", type=int, default=None, help="quantization group size (overrides the preset)")
     p.add_argument("--arch", default=None,
                    help="compute capability without the dot, e.g. 90 for an H100/H200 (default: the visible GPU's)")
@@ -60,6 +61,8 @@ def run(args) -> int:
     from rotkv.kernels import nvcc as nvcc_build
     from rotkv.kernels import prebuild
 
+    if args.jobs < 1:
+        raise UsageError(f"--jobs has to be >= 1 but got {args.jobs}")
     d = _head_dim(args)
     arch = _arch(args)
     spec = cache_spec(args.preset, {"group_size": args.group_size} if args.group_size else {})

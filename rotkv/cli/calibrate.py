@@ -131,6 +131,16 @@ def check_args(args):
         raise UsageError(f"--sink has to be >= 0 but got {args.sink}")
     if args.group_size is not None and args.group_size < 1:
         raise UsageError(f"--group-size has to be a positive divisor of head_dim but got {args.group_size}")
+    if args.group_size is not None and not args.refit_clip:  # head_dim from the model's config (no weights read)
+        from rotkv.hf.models import peek_geometry
+
+        if (geometry := peek_geometry(args.model)) is not None:
+            _group_check(args.group_size, geometry[2])
+    for flag in ("steps", "long_sequences", "key_length", "key_new_tokens", "key_windows", "stretch"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} has to be >= 1 but got {getattr(args, flag)}")
+    if not args.budget_bpe > 0:
+        raise UsageError(f"--budget-bpe has to be > 0 but got {args.budget_bpe}")
     if args.tokens is not None and args.tokens < 1:
         raise UsageError(f"--tokens has to be >= 1 but got {args.tokens}")
     for path in args.data or []:
@@ -166,7 +176,9 @@ def check_args(args):
                           sink=16 if args.sink is None else args.sink, steps=args.steps,
                           search_clips=not args.no_clip_search, files=args.data)
     except ValueError as e:
-        msg = str(e).replace("`tokens`", "--tokens").replace("`steps`", "--steps")
+        msg = str(e)
+        for field in ("tokens", "steps", "group_size", "bits", "sink", "granularity"):
+            msg = msg.replace(f"`{field}`", f"--{field.replace('_', '-')}")
         if "--tokens" in msg and not args.no_clip_search:
             msg += " (or pass --no-clip-search)"
         raise UsageError(msg) from None
@@ -243,6 +255,9 @@ def mix(args) -> int:
     from rotkv.rotations.artifact import load_artifact, save_artifact
 
     t0 = time.time()
+    # key widths already in the base (an oscar-mix artifact given to oscar-mix-long) are kept, not measured here
+    widths_from_base = (args.method == MIX_LONG and args.base_artifact is not None
+                        and "k_bits" in load_artifact(args.base_artifact).tensors)
     loaded = load_model(args.model, device=args.device)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     kw = dict(length=args.key_length, new=args.key_new_tokens, windows=args.key_windows, tokens=args.tokens)
@@ -253,12 +268,17 @@ def mix(args) -> int:
         tensors, meta = calibrate_mix(loaded, args.base_artifact, args.key_layers, files=args.data, log=log, **kw)
     save_artifact(args.out, tensors, meta)
     base = f"base {args.base_artifact}" if args.base_artifact else f"OSCAR calibrated in {meta.get('calib_seconds', '?')} s"
+    if widths_from_base:
+        how = "re-ranked by the base's k_gain" if args.key_layers is not None else "the base's"
+        widths = f"4-bit keys in layers {meta['keybits_layers']} ({how})"
+    else:
+        widths = f"4-bit keys in layers {meta['keybits_layers']}, measured in {meta['keybits_seconds']} s"
     long = ""
     if args.method == MIX_LONG:
         fits = meta.get("key_fit_lengths", meta["longfit_seq_len"])
         secs = sum(int(x) for x in meta.get("key_fit_seconds", meta["longfit_seconds"]).split(","))
         long = f"; key side refitted on {fits}-token sequences in {secs} s"
-    print(f"wrote {args.out}: {args.method} ({base}; 4-bit keys in layers {meta['keybits_layers']}, measured in "
-          f"{meta['keybits_seconds']} s{long}; total {time.time() - t0:.0f} s, {torch.get_num_threads()} threads)")
+    print(f"wrote {args.out}: {args.method} ({base}; {widths}{long}; total {time.time() - t0:.0f} s, "
+          f"{torch.get_num_threads()} threads)")
     print(load_artifact(args.out).summary())
     return 0

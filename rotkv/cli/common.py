@@ -110,6 +110,36 @@ def early_artifact(command: str, spec, path: str | None):
     return art
 
 
+def check_artifact_dir(command: str, presets, folder: str, made_here: bool = False) -> list[str]:
+    """Check the artifacts ``folder`` (``--artifact-dir``) already holds for ``presets`` against each preset
+    (what the file is, the contract), before the model loads; with ``made_here`` (missing ones are calibrated
+    into the folder) the folder has to be writable when one is missing. Returns the presets whose file is
+    missing."""
+    import os
+
+    from rotkv.config import artifact_file, get_preset
+    from rotkv.contract import check_contract
+    from rotkv.rotations.artifact import load_artifact
+
+    missing = []
+    for name in presets:
+        spec = get_preset(name)
+        if not spec.needs_artifact:
+            continue
+        path = os.path.join(folder, artifact_file(spec))
+        if not os.path.exists(path):
+            missing.append(name)
+            continue
+        try:
+            check_contract(load_artifact(path), spec)
+        except ValueError as e:
+            raise UsageError(f"--artifact-dir: {e}") from None
+    if made_here and missing and not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--artifact-dir {folder} is not writable, and the artifacts of {', '.join(missing)} would be "
+                         "calibrated into it: pass a writable folder")
+    return missing
+
+
 def early_group_check(spec, model: str | None, artifact=None) -> None:
     """Check the group size against head_dim before the model loads, when head_dim is cheap to know:
     from the artifact, else from the model's config (read only when --group-size was given)."""

@@ -12,6 +12,7 @@ DEFAULT_PRESETS = ["bf16", "int4", "kivi-2", "naive-int2", "quarot-int2"]
 NEEDLE = "The secret code of the blue vault is {code}."
 QUESTION = "\n\nWhat is the secret code of the blue vault? Answer with the number only."
 ANSWER_PREFIX = "The secret code of the blue vault is"  # starts the reply, so the next tokens are the digits
+ANSWER_TOKENS = 10  # tokens generated for the answer
 
 
 def register(sub) -> None:
@@ -67,6 +68,12 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
         raise UsageError(f"--depth has to be in [0, 1] but got {args.depth}")
     if args.tokens < 200:
         raise UsageError(f"--tokens has to be >= 200 but got {args.tokens}")
+    from rotkv.hf.models import peek_context
+
+    ctx = peek_context(args.model)
+    if ctx and args.tokens + ANSWER_TOKENS > ctx:
+        raise UsageError(f"--tokens {args.tokens} plus the {ANSWER_TOKENS}-token answer is longer than the model's context "
+                         f"of {ctx} tokens; pass --tokens {ctx - ANSWER_TOKENS} or less")
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     if not presets:
         raise UsageError("--presets is empty")
@@ -98,6 +105,9 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
             else:
                 artifacts[preset] = path
                 to_make[preset] = path
+        if to_make and not os.access(args.artifact_dir, os.W_OK | os.X_OK):
+            raise UsageError(f"--artifact-dir {args.artifact_dir} is not writable, and the artifacts of "
+                             f"{', '.join(to_make)} would be calibrated into it: pass a writable folder")
     overrides = {k: v for k, v in (("sink", args.sink), ("window", args.window)) if v is not None}
     for name in presets:
         if PRESETS[name].needs_artifact and name not in artifacts:
@@ -152,8 +162,8 @@ def run(args) -> int:
     for name in presets:
         overrides = {k: v for k, v in (("sink", args.sink), ("window", args.window)) if v is not None}
         # the row's whole length: an artifact with several key fits serves the one nearest it
-        cache = RotkvCache(loaded.model, name, artifacts.get(name), context_length=ids.shape[1] + 10, **overrides)
-        g = generate(loaded.model, loaded.tokenizer, ids, cache, max_new_tokens=10, context=ctx)
+        cache = RotkvCache(loaded.model, name, artifacts.get(name), context_length=ids.shape[1] + ANSWER_TOKENS, **overrides)
+        g = generate(loaded.model, loaded.tokenizer, ids, cache, max_new_tokens=ANSWER_TOKENS, context=ctx)
         st = cache.stats()
         answer = g.text.strip().splitlines()[0] if g.text.strip() else ""
         reference = reference if reference is not None else (answer if name == "bf16" else None)

@@ -104,6 +104,21 @@ def check_out_path(path: str, flag: str = "--out") -> None:
         raise UsageError(f"{flag} {path}: the folder {parent} is not writable")
 
 
+def check_out_dir(path: str, flag: str = "--out") -> None:
+    """An output folder that can be written: not a file, and writable (or creatable: its nearest existing
+    parent folder writable)."""
+    if not path:
+        raise UsageError(f"{flag} is empty")
+    full = os.path.abspath(path)
+    if os.path.exists(full) and not os.path.isdir(full):
+        raise UsageError(f"{flag} {path} is a file; pass a folder (it holds several output files)")
+    if os.path.isdir(full):
+        if not os.access(full, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag} {path}: the folder is not writable")
+        return
+    check_out_path(path, flag)
+
+
 def read_text_file(path: str, flag: str) -> str:
     """The UTF-8 text of ``path``; a missing file, a directory or undecodable bytes name ``flag``."""
     if not os.path.exists(path):

@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from rotkv.cli.common import with_flags
-from rotkv.cli.errors import UsageError, resolve_device, warn
+from rotkv.cli.common import check_artifact_dir, with_flags
+from rotkv.cli.errors import UsageError, check_out_dir, resolve_device, warn
 from rotkv.config import PRESETS, CacheSpec
 
 
@@ -26,6 +26,10 @@ def _list(s: str | None) -> list[str] | None:
 
 
 MIN_LENGTH = 256  # the smallest context the tasks are tested at (the smoke profile's)
+# EvalConfig's fields as the flags that set them (its errors name the field)
+EVAL_FLAGS = {"methods": "--methods", "tasks": "--tasks", "niah_variants": "--variants", "lengths": "--lengths",
+              "niah_samples": "--samples", "nll_windows": "--windows", "new_tokens": "--new-tokens",
+              "threads": "--threads", "device": "--device"}
 
 
 def parse_lengths(items: list[str] | None, tasks: list[str]) -> dict[str, list[int]] | None:
@@ -111,6 +115,7 @@ def run(args) -> int:
     if args.report_only:  # the run's own settings (config.json); nothing loads, so no device is needed
         return _report_only(args)
     device = resolve_device(args.device)  # a bad device is a one-line error before anything loads
+    check_out_dir(args.out)
     if args.window_share is not None:  # CacheSpec's own check, worded with the flag
         try:
             CacheSpec(window_share=args.window_share)
@@ -132,14 +137,29 @@ def run(args) -> int:
     from rotkv.eval.config import TASKS, make_config
 
     tasks = _list(args.tasks)
-    cfg = make_config(
-        args.profile, model=args.model, methods=_list(args.methods), tasks=tasks,
-        lengths=parse_lengths(args.lengths, tasks or list(TASKS)), texts=args.text, haystacks=args.haystack,
-        artifact_dir=args.artifact_dir, sink=args.sink, window=args.window, window_share=args.window_share,
-        niah_variants=_list(args.variants),
-        niah_depths=[float(x) for x in _list(args.depths)] if args.depths else None, niah_samples=args.samples,
-        nll_windows=args.windows, new_tokens=args.new_tokens, threads=args.threads, device=device,
-    )
+    try:
+        cfg = make_config(
+            args.profile, model=args.model, methods=_list(args.methods), tasks=tasks,
+            lengths=parse_lengths(args.lengths, tasks or list(TASKS)), texts=args.text, haystacks=args.haystack,
+            artifact_dir=args.artifact_dir, sink=args.sink, window=args.window, window_share=args.window_share,
+            niah_variants=_list(args.variants),
+            niah_depths=[float(x) for x in _list(args.depths)] if args.depths else None, niah_samples=args.samples,
+            nll_windows=args.windows, new_tokens=args.new_tokens, threads=args.threads, device=device,
+        )
+    except UsageError:
+        raise
+    except FileNotFoundError as e:
+        raise UsageError(f"--text / --haystack: {e}") from None
+    except ValueError as e:
+        msg = str(e).replace("needle depths", "--depths")
+        for field, flag in EVAL_FLAGS.items():
+            msg = msg.replace(f"`{field}`", flag)
+        raise UsageError(msg) from None
+    if args.artifact_dir is not None:
+        if not os.path.isdir(args.artifact_dir):
+            raise UsageError(f"--artifact-dir {args.artifact_dir} is not a folder")
+        check_artifact_dir("eval", [m for m in cfg.methods if m in PRESETS], args.artifact_dir, made_here=True)
+    _check_context(cfg)
     for name in cfg.methods:  # a refine preset's small sink pays for its tier: say when the run overrides it
         spec = PRESETS.get(name)
         if spec is not None and spec.refine_tokens and isinstance(cfg.sink, int) and cfg.sink != spec.sink:
@@ -151,6 +171,17 @@ def run(args) -> int:
     if not records:
         raise RuntimeError("no method could run (each one's reason is above); nothing was evaluated")
     return _wrote(args.out, records)
+
+
+def _check_context(cfg) -> None:
+    """Refuse a context length past the model's (read from its config; the model's answers degrade there)."""
+    from rotkv.hf.models import peek_context
+
+    ctx = peek_context(cfg.model)
+    lengths = [n for v in list(cfg.lengths.values()) + list(cfg.niah_variant_lengths.values()) for n in v]
+    if ctx and lengths and max(lengths) > ctx:
+        raise UsageError(f"--lengths {max(lengths)} is longer than the model's context of {ctx} tokens; "
+                         f"pass lengths up to {ctx}")
 
 
 def _wrote(out: str, records: list) -> int:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from rotkv.config import PRESETS, artifact_file, calibration_method, calibration_preset
+from rotkv.config import PRESETS, artifact_file, artifact_kind, calibration_method, calibration_preset
+from rotkv.contract import make_command
 from rotkv.eval import peers
 from rotkv.hf.geometry import model_geometry
 
@@ -99,8 +100,9 @@ def resolve(name: str, sink: int | None, window: int | None, artifact_dir: str |
             m.artifact = path
             return m, None
         if not os.path.exists(path):
-            if calibrate is None:
-                return None, f"artifact {path} is missing"
+            kind = artifact_kind(name)
+            if calibrate is None or kind != calibration_method(name):  # made from another artifact: not here
+                return None, f"artifact {path} is missing: make it with `{make_command(kind)}`"
             why = calibrate(calibration_method(name), path)
             if why:
                 return None, why

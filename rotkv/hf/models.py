@@ -5,6 +5,7 @@ Also the structural checks that say whether rotkv can serve a model.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -70,6 +71,9 @@ def resolve_model_path(model: str | None) -> tuple[str, str | None, str]:
         return str(path.parent), path.name, model
     if os.path.isfile(model) and model.endswith(".gguf"):
         return os.path.dirname(os.path.abspath(model)), os.path.basename(model), os.path.basename(model)[:-5]
+    if os.path.isfile(model):
+        raise ValueError(f"model {model!r} is a file but not a .gguf file: pass 'smollm2', a .gguf file or a local "
+                         "Hugging Face model directory")
     if os.path.isdir(model):
         if os.path.exists(os.path.join(model, "config.json")):
             return model, None, os.path.basename(os.path.abspath(model))
@@ -94,8 +98,31 @@ def converted_dir(path: str, gguf: str) -> str:
     return os.path.join(root, "models", f"{gguf.removesuffix('.gguf')}-{h.hexdigest()[:16]}")
 
 
+def _remove_stale_copies(root: str) -> None:
+    """Remove the ``*.tmp-PID`` folders under ``root`` that a conversion killed part way left behind
+    (their process is gone)."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        stem, sep, pid = name.rpartition(".tmp-")
+        if not (sep and stem and pid.isdigit()) or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # still running (another conversion): leave it
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue  # another user's process: not ours to judge
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
 def _save_converted(m, tok, out: str) -> None:
-    """Save the dequantized float32 model and its tokenizer (atomically; a failure only warns)."""
+    """Save the dequantized float32 model and its tokenizer (atomically; a failure only warns, and an
+    interrupted save, Ctrl-C included, leaves no partial folder)."""
+    _remove_stale_copies(os.path.dirname(out))
     tmp = f"{out}.tmp-{os.getpid()}"
     try:
         from safetensors.torch import save_model
@@ -113,8 +140,14 @@ def _save_converted(m, tok, out: str) -> None:
         os.replace(tmp, out)
     except (OSError, ValueError, RuntimeError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        warnings.warn(f"rotkv: could not cache the converted model in {out} ({e}); it is converted again next time",
-                      stacklevel=3)
+        from rotkv.config import RotkvWarning
+
+        why = e.strerror if isinstance(e, OSError) and e.strerror else e
+        warnings.warn(f"could not cache the converted model in {out} ({why}; set ROTKV_CACHE_DIR to a writable "
+                      "folder); it is converted again next time", RotkvWarning, stacklevel=3)
+    except BaseException:  # KeyboardInterrupt, SystemExit: no partial copy stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def load_model(model: str | None = None, device: str | None = None, dtype: torch.dtype | None = None) -> Loaded:
@@ -138,7 +171,14 @@ def load_model(model: str | None = None, device: str | None = None, dtype: torch
         path, gguf = copy_dir, None
     kw = {"gguf_file": gguf} if gguf else {}
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **kw)
-    m = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **kw)
+    try:
+        m = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **kw)
+    except Exception as e:  # safetensors' SafetensorError names no file: say which folder's weights failed
+        if type(e).__name__ != "SafetensorError":
+            raise
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        raise ValueError(f"model {path}: cannot read its weights ({', '.join(files)}): {e} (truncated, or not a "
+                         "safetensors file)") from e
     if source is not None:
         tok = repair_gemma_tokenizer(tok, m, source, copy_dir if from_copy else None)
     if gguf is not None and copy_dir is not None and dtype == torch.float32:
@@ -187,14 +227,26 @@ def sliding_layers(model: torch.nn.Module) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in types]
 
 
-def peek_geometry(model: str | None = None) -> tuple[int, int, int] | None:
-    """(num_layers, kv_heads, head_dim) from the model's config alone, without loading the weights
-    (a few seconds for a GGUF file instead of ~40); None when the config cannot be read that way."""
+@functools.lru_cache(maxsize=8)
+def _peek_config(model: str | None):
     from transformers import AutoConfig
 
     path, gguf, _ = resolve_model_path(model)
     try:
         kw = {"gguf_file": gguf} if gguf else {}
-        return model_geometry(AutoConfig.from_pretrained(path, local_files_only=True, **kw))
+        return AutoConfig.from_pretrained(path, local_files_only=True, **kw)
     except Exception:  # an exotic config: the checks run after loading instead
         return None
+
+
+def peek_geometry(model: str | None = None) -> tuple[int, int, int] | None:
+    """(num_layers, kv_heads, head_dim) from the model's config alone, without loading the weights
+    (a few seconds for a GGUF file instead of ~40); None when the config cannot be read that way."""
+    config = _peek_config(model)
+    return None if config is None else model_geometry(config)
+
+
+def peek_context(model: str | None = None) -> int | None:
+    """The model's context (``max_position_embeddings``) from its config alone; None when unknown."""
+    config = _peek_config(model)
+    return None if config is None else getattr(text_config(config), "max_position_embeddings", None)
