@@ -68,3 +68,43 @@ def test_update_refuses_bad_states(tiny, make, layer, error, match):
     assert cache.get_seq_length() == 0  # nothing was stored
     k, v = kv()
     cache.update(k, v, 0)  # a good call still goes through afterwards
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"decode_score": "foo"}, ValueError, r"decode_score has to be one of \['auto', 'bf16', 'int8'\] or None but got 'foo'"),
+    ({"check_finite": "no"}, TypeError, "check_finite has to be a bool but got 'no'"),
+    ({"check_finite": 1}, TypeError, "check_finite has to be a bool"),
+    ({"sink": 10**20}, ValueError, "`sink` has to be at most 2147483647"),
+])
+def test_constructor_refuses_bad_options(tiny, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        RotkvCache(tiny, "quarot-int2", group_size=16, **kwargs)
+
+
+def _mix_and_long(tiny, tmp_path):
+    from rotkv.contract import kind_meta
+
+    widths = {"k_bits": torch.tensor([4, 2], dtype=torch.int32), "k_gain": torch.tensor([0.1, 0.0])}
+    mix = write_artifact(tiny, tmp_path / "oscar-mix.safetensors", tensors=widths, **kind_meta("oscar-mix"))
+    long = write_artifact(tiny, tmp_path / "oscar-mix-long.safetensors", tensors=widths, longfit_seq_len="4096",
+                          **kind_meta("oscar-mix-long"))
+    return mix, long
+
+
+def test_the_api_refuses_a_swapped_artifact(tiny, tmp_path):
+    mix, long = _mix_and_long(tiny, tmp_path)
+    with pytest.raises(ValueError, match=f"artifact {mix} is an oscar-mix artifact .*preset 'oscar-refine' reads an "
+                                         "oscar-mix-long artifact; make one with `rotkv calibrate --method oscar-mix-long"):
+        RotkvCache(tiny, "oscar-refine", mix, group_size=16)
+    with pytest.raises(ValueError, match=f"artifact {long} is an oscar-mix-long artifact .*reads an oscar-mix artifact"):
+        RotkvCache(tiny, "oscar-mix", long, group_size=16)
+    assert RotkvCache(tiny, "oscar-refine", long, group_size=16).spec.name == "oscar-refine"
+
+
+def test_the_default_preset_keeps_the_answer(tiny, tmp_path):
+    """No preset: int4 with a note naming the calibration; with an artifact, the preset it was made for."""
+    with pytest.warns(RotkvWarning, match="using int4 .*rotkv calibrate --method oscar-mix"):
+        assert RotkvCache(tiny).spec.name == "int4"
+    mix, long = _mix_and_long(tiny, tmp_path)
+    assert RotkvCache(tiny, artifact=mix, group_size=16).spec.name == "oscar-mix"
+    assert RotkvCache(tiny, None, long, group_size=16).spec.name == "oscar-mix-long"

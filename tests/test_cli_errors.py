@@ -549,6 +549,14 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tiny, capsys, monkeypatch, tmp_pat
         mix, long = (load_artifact(str(tmp_path / f"{n}.safetensors")) for n in ("oscar-mix", "oscar-mix-long"))
         assert torch.equal(mix.tensors["k_bits"], long.tensors["k_bits"]) and long.meta["longfit_seq_len"] == "4096"
         assert not torch.equal(mix.tensors["R_K.0"], long.tensors["R_K.0"])
+        # each records what it is and what it was made from
+        assert (long.meta["kind"], long.meta["base_artifact"]) == ("oscar-mix-long", f"oscar-mix {mix.identity}")
+        assert long.meta["presets"] == "oscar-mix-long,oscar-refine"
+    if "oscar-mix" in presets:
+        base, mix = (load_artifact(str(tmp_path / f"{n}.safetensors")) for n in ("oscar", "oscar-mix"))
+        assert (mix.meta["kind"], mix.meta["base_artifact"]) == ("oscar-mix", f"oscar {base.identity}")
+        assert mix.meta["presets"] == "oscar-mix,oscar-int2"
+        assert (base.meta["kind"], base.meta["presets"]) == ("oscar", "oscar-int2") and "base_artifact" not in base.meta
 
 
 def test_meta_k_overrides_the_preset():
@@ -563,3 +571,246 @@ def test_meta_k_overrides_the_preset():
     spec = cache_spec(args.preset, cache_overrides(args))
     assert spec.meta_k == "float8" and spec.refine_every == 9
     assert cache_spec("oscar-refine", cache_overrides(p.parse_args([]))).meta_k is None
+
+
+# ---- round 4: every numeric flag's bounds, over-long prompts, paths checked first ---------------------------
+def _numeric_flags():
+    """(command, flag, type) of every int / float flag of every subcommand."""
+    import argparse
+
+    from rotkv.cli import bounded_float, bounded_int, build_parser
+
+    out = []
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command, child in action.choices.items():
+                out += [(command, a.option_strings[0], a.type.__name__) for a in child._actions
+                        if a.type in (bounded_int, bounded_float)]
+    return out
+
+
+# what each flag needs beside it to be read at all (its command's required flags, the mode it belongs to)
+_WITH = {"generate": ["--prompt", "hi"], "calibrate": ["--method", "oscar", "--out", "OUT/o.safetensors"],
+         "eval": ["--out", "OUT/e"], "build-kernels": ["--head-dim", "64", "--arch", "90"], "demo": [], "bench": []}
+_FLAG_WITH = {("generate", "--temperature"): ["--sample"], ("generate", "--top-p"): ["--sample"],
+              ("calibrate", "--key-layers"): ["--method", "oscar-mix"], ("calibrate", "--key-length"): ["--method", "oscar-mix"],
+              ("calibrate", "--key-new-tokens"): ["--method", "oscar-mix"],
+              ("calibrate", "--key-windows"): ["--method", "oscar-mix"],
+              ("calibrate", "--long-sequences"): ["--method", "oscar-mix-long"],
+              ("calibrate", "--budget-bpe"): ["--method", "pmkvq"], ("calibrate", "--stretch"): ["--method", "pmkvq"],
+              ("bench", "--layers"): ["--random", "smollm2"], ("bench", "--start"): ["--max-batch"],
+              ("bench", "--limit"): ["--max-batch"], ("bench", "--max-tries"): ["--max-batch"],
+              ("generate", "--refine-every"): ["--refine-tokens", "64"], ("bench", "--refine-every"): ["--refine-tokens", "64"]}
+
+
+def test_every_numeric_flag_is_found():
+    flags = _numeric_flags()
+    assert len(flags) >= 40 and ("generate", "--sink", "bounded_int") in flags and ("bench", "--memory-gb", "bounded_float") in flags
+
+
+@pytest.mark.parametrize("command,flag,kind", _numeric_flags())
+@pytest.mark.parametrize("value", ["-5", "huge"])
+def test_every_numeric_flag_refuses_out_of_range_values(no_model, capsys, tmp_path, command, flag, kind, value):
+    """A negative, huge (integers) or not finite (numbers) value of any numeric flag is one line naming the flag,
+    before the model loads."""
+    if value == "huge":
+        value = "99999999999999999999" if kind == "bounded_int" else "nan"
+    argv = [a.replace("OUT", str(tmp_path)) for a in _WITH[command]]
+    extra = _FLAG_WITH.get((command, flag), [])
+    if extra[:1] == ["--method"]:  # the mode replaces the command's default method
+        argv = [a for a in argv if a not in ("--method", "oscar")]
+    try:
+        rc = main([command, *argv, *extra, flag, value])
+    except SystemExit as e:  # argparse: a value out of range or a bad choice
+        rc = e.code
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, (command, flag, value, err)
+    assert len(err.splitlines()) == 1 and flag in err and "Traceback" not in err, (flag, err)
+
+
+def _kinds(tiny, folder, old=False):
+    """A plain oscar, an oscar-mix and an oscar-mix-long artifact of the tiny Llama in ``folder``, with their kind
+    recorded (or, ``old``, without: made before rotkv recorded it, inferred from what they hold)."""
+    from rotkv.contract import kind_meta
+
+    widths = {"k_bits": torch.tensor([4, 2], dtype=torch.int32), "k_gain": torch.tensor([0.1, 0.0])}
+    meta = (lambda k: {}) if old else kind_meta
+    return {
+        "oscar": write_artifact(tiny, folder / "oscar.safetensors", **meta("oscar")),
+        "oscar-mix": write_artifact(tiny, folder / "oscar-mix.safetensors", tensors=widths, **meta("oscar-mix")),
+        "oscar-mix-long": write_artifact(tiny, folder / "oscar-mix-long.safetensors", longfit_seq_len="4096",
+                                         tensors=widths | {"R_K.0": torch.eye(16).expand(2, 16, 16).contiguous()},
+                                         **meta("oscar-mix-long")),
+    }
+
+
+@pytest.mark.parametrize("old", [False, True])
+@pytest.mark.parametrize("preset,given", [("oscar-refine", "oscar-mix"), ("oscar-mix-long", "oscar-mix"),
+                                          ("oscar-mix", "oscar-mix-long"), ("oscar-int2", "oscar-mix-long")])
+def test_the_key_refit_and_its_base_are_never_swapped(no_model, capsys, tiny, tmp_path, preset, given, old):
+    """generate and inspect refuse an artifact of another kind in one line: the file, what it is, the command."""
+    path = _kinds(tiny, tmp_path, old)[given]
+    need = "oscar-mix-long" if preset in ("oscar-refine", "oscar-mix-long") else preset.replace("-int2", "")
+    needles = [f"artifact {path} is an {given} artifact", f"preset '{preset}' reads an {need} artifact",
+               f"rotkv calibrate --method {need}"]
+    rc, _, err = run_cli(capsys, "generate", "--prompt", "hi", "--preset", preset, "--artifact", path, "--group-size", "16")
+    assert_user_error(rc, err, *needles)
+    assert "). ." not in err and ". ." not in err
+    if need == "oscar-mix-long":  # made from the artifact that was given
+        assert f"--base-artifact {path}" in err
+    rc, out, err = run_cli(capsys, "inspect", path, "--preset", preset)
+    assert_user_error(rc, err, *needles)
+
+
+def test_each_artifact_is_read_by_its_own_presets(no_model, capsys, tiny, tmp_path):
+    for kind, path in _kinds(tiny, tmp_path).items():
+        for preset in {"oscar": ["oscar-int2"], "oscar-mix": ["oscar-mix", "oscar-int2"],
+                       "oscar-mix-long": ["oscar-mix-long", "oscar-refine"]}[kind]:
+            rc, _, err = run_cli(capsys, "generate", "--prompt", "hi", "--preset", preset, "--artifact", path,
+                                 "--group-size", "16")
+            assert rc == 1 and "ModelLoaded" in err, (kind, preset, err)  # every early check passed
+        rc, out, err = run_cli(capsys, "inspect", path)
+        assert rc == 0 and f"is an {kind} artifact" in out, err
+        assert "  base: \n" not in out and not any(line.rstrip().endswith(":") for line in out.splitlines()[2:])
+
+
+def test_without_a_preset_the_artifact_names_it(no_model, capsys, tiny, tmp_path):
+    """No --preset: the preset the artifact was made for; no artifact: int4 and a note naming the calibration."""
+    from rotkv.cli.common import pick_preset
+
+    own = {"oscar": "oscar-int2", "oscar-mix": "oscar-mix", "oscar-mix-long": "oscar-mix-long"}
+    for old in (False, True):
+        folder = tmp_path / str(old)
+        folder.mkdir()
+        for kind, path in _kinds(tiny, folder, old).items():
+            assert pick_preset(None, path) == (own[kind], None)
+    assert pick_preset("bf16", None) == ("bf16", None)
+    rc, _, err = run_cli(capsys, "generate", "--prompt", "hi")
+    lines = err.splitlines()
+    assert lines[0].startswith("rotkv generate: note: no preset named and no artifact given: using int4")
+    assert "rotkv calibrate --method oscar-mix --out oscar-mix.safetensors" in lines[0]
+    assert rc == 1 and "ModelLoaded" in lines[1] and len(lines) == 2
+    rc, _, err = run_cli(capsys, "generate", "--prompt", "hi", "--artifact", _kinds(tiny, tmp_path)["oscar-mix"],
+                         "--group-size", "16")
+    assert rc == 1 and "ModelLoaded" in err and "note" not in err  # oscar-mix, silently: the artifact said so
+
+
+def test_eval_bench_and_demo_refuse_a_swapped_artifact_before_the_model(no_model, capsys, tiny, tmp_path):
+    import shutil
+
+    arts = _kinds(tiny, tmp_path)
+    swapped = tmp_path / "swapped"
+    swapped.mkdir()
+    shutil.copy(arts["oscar-mix"], swapped / "oscar-mix-long.safetensors")  # the base where its refit belongs
+    rc, _, err = run_cli(capsys, "eval", "--out", str(tmp_path / "e"), "--methods", "oscar-refine", "--tasks", "nll",
+                         "--artifact-dir", str(swapped), "--sink", "preset")
+    assert_user_error(rc, err, "--artifact-dir", "is an oscar-mix artifact", "reads an oscar-mix-long artifact")
+    rc, _, err = run_cli(capsys, "bench", "--methods", "rotkv:oscar-refine", "--artifact", arts["oscar-mix"],
+                         "--group-size", "16", "--device", "cpu")
+    assert_user_error(rc, err, "is an oscar-mix artifact", "reads an oscar-mix-long artifact")
+    rc, _, err = run_cli(capsys, "demo", "--presets", "bf16,oscar-refine", "--artifact-dir", str(swapped))
+    assert_user_error(rc, err, "is an oscar-mix artifact", "reads an oscar-mix-long artifact")
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["demo", "--presets", "bf16", "--tokens", "20000"], ["--tokens 20000", "longer than the model's context of 8192"]),
+    (["eval", "--out", "OUT/e", "--tasks", "nll", "--lengths", "16K"], ["--lengths 16384", "context of 8192"]),
+    (["bench", "--context", "8190", "--new-tokens", "8", "--device", "cpu", "--methods", "hf-dynamic"],
+     ["--context 8190 plus --new-tokens 8", "context of 8192"]),
+    (["calibrate", "--method", "oscar-mix-long", "--long-seq-len", "16384", "--out", "OUT/o.safetensors"],
+     ["--long-seq-len 16384", "context of 8192"]),
+    (["calibrate", "--method", "oscar-mix", "--key-length", "8190", "--out", "OUT/o.safetensors"],
+     ["--key-length 8190 plus --key-new-tokens 32", "context of 8192"]),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "9000"], ["--max-new-tokens 9000", "context of 8192"]),
+])
+def test_over_long_prompts_are_refused_in_every_command(no_model, capsys, tmp_path, argv, needles):
+    rc, _, err = run_cli(capsys, *[a.replace("OUT", str(tmp_path)) for a in argv])
+    assert_user_error(rc, err, *needles)
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["build-kernels", "--head-dim", "64", "--arch", "90", "--jobs", "0"], ["--jobs has to be >= 1"]),
+    (["build-kernels", "--head-dim", "64", "--arch", "90", "--jobs", "-2"], ["--jobs has to be >= 1"]),
+    (["calibrate", "--method", "oscar", "--group-size", "48", "--out", "OUT/o.safetensors"],
+     ["--group-size (48)", "head_dim (64)"]),
+    (["eval", "--out", "OUT/afile"], ["--out", "is a file"]),
+    (["eval", "--out", "OUT/e", "--variants", "nope"], ["--variants", "'nope'"]),
+    (["eval", "--out", "OUT/e", "--methods", "nope"], ["--methods", "'nope'"]),
+    (["eval", "--out", "OUT/e", "--text", "/no/such.txt"], ["--text", "/no/such.txt"]),
+    (["bench", "--out", "OUT", "--methods", "hf-dynamic", "--device", "cpu"], ["--out", "is a directory"]),
+    (["bench", "--out", "OUT/afile/b.json", "--methods", "hf-dynamic", "--device", "cpu"], ["--out", "is a file"]),
+    (["generate", "--prompt", "hi", "--model", "OUT/afile"], ["is a file but not a .gguf file"]),
+])
+def test_round4_cases_are_clean_and_early(no_model, capsys, tmp_path, argv, needles):
+    (tmp_path / "afile").write_text("not a model")
+    rc, _, err = run_cli(capsys, *[a.replace("OUT", str(tmp_path)) for a in argv])
+    assert_user_error(rc, err, *needles)
+
+
+def test_bench_prefill_tokens_names_what_it_takes(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--prefill-tokens", "abc"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "--prefill-tokens: expected a number of tokens or 'auto', got 'abc'" in err
+
+
+def test_read_only_folders_are_refused_before_the_work(no_model, capsys, tmp_path, tiny, monkeypatch):
+    import os
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    access = os.access
+    # a folder this user cannot write (chmod alone does not stop root)
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p).startswith(str(ro)) and mode & os.W_OK
+                        else access(p, mode))
+    if True:
+        rc, _, err = run_cli(capsys, "demo", "--presets", "bf16,oscar-int2", "--artifact-dir", str(ro))
+        assert_user_error(rc, err, "--artifact-dir", "not writable", "oscar-int2")
+        rc, _, err = run_cli(capsys, "bench", "--out", str(ro / "b.json"), "--methods", "hf-dynamic", "--device", "cpu")
+        assert_user_error(rc, err, "--out", "not writable")
+        rc, _, err = run_cli(capsys, "eval", "--out", str(ro / "e"))
+        assert_user_error(rc, err, "--out", "not writable")
+
+
+def test_bench_without_out_writes_to_the_current_folder(no_model, capsys, tmp_path, monkeypatch):
+    from types import SimpleNamespace as NS
+
+    from rotkv.cli.bench import check_args
+
+    monkeypatch.chdir(tmp_path)
+    args = NS(new_tokens=8, prefill_chunk=None, start=1, limit=None, max_tries=None, prefill_tokens="auto", batch=[1],
+              context=[64], device="cpu", memory_gb=None, methods=["hf-dynamic"], max_batch=False, out=None,
+              layers=None, random=None, model=None, artifact=None)
+    check_args(args)
+    assert args.out.startswith("rotkv-generate-") and args.out.endswith(".json") and "/" not in args.out
+
+
+def test_truncated_weights_name_the_model_folder(capsys, tmp_path):
+    from rotkv_testing import save_tiny_llama_dir
+
+    d = save_tiny_llama_dir(tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    capsys.readouterr()
+    rc, _, err = run_cli(capsys, "generate", "--prompt", "hi", "--model", d, "--preset", "int4")
+    assert_user_error(rc, err, f"model {d}: cannot read its weights (model.safetensors)", "truncated")
+
+
+def test_an_unused_artifact_is_said_once(tiny, capsys, monkeypatch, tmp_path):
+    art = write_artifact(tiny, tmp_path / "oscar.safetensors")
+
+    class Chars:
+        pad_token_id = eos_token_id = 0
+        chat_template = None
+
+        def __call__(self, text, return_tensors=None, add_special_tokens=True):
+            return SimpleNamespace(input_ids=torch.tensor([[1 + b % 127 for b in text.encode()]]))
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(chr(32 + int(i) % 90) for i in ids)
+
+    monkeypatch.setattr("rotkv.hf.models.load_model", lambda *a, **k: Loaded(tiny, Chars(), "tiny"))
+    rc, _, err = run_cli(capsys, "generate", "--prompt", "hello", "--preset", "quarot-int2", "--artifact", art,
+                         "--group-size", "16", "--max-new-tokens", "2", "--no-chat")
+    assert rc == 0, err
+    assert err.count("is not used by preset 'quarot-int2'") == 1, err

@@ -139,8 +139,8 @@ def check_args(args):
     for flag in ("steps", "long_sequences", "key_length", "key_new_tokens", "key_windows", "stretch"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} has to be >= 1 but got {getattr(args, flag)}")
-    if not args.budget_bpe > 0:
-        raise UsageError(f"--budget-bpe has to be > 0 but got {args.budget_bpe}")
+    if not 0 < args.budget_bpe <= 16:
+        raise UsageError(f"--budget-bpe has to be in (0, 16] (bits per element) but got {args.budget_bpe}")
     if args.tokens is not None and args.tokens < 1:
         raise UsageError(f"--tokens has to be >= 1 but got {args.tokens}")
     for path in args.data or []:
@@ -152,6 +152,7 @@ def check_args(args):
             args.long_seq_len = parse_long_seq_len(args.long_seq_len)
             if args.long_sequences < 1:
                 raise UsageError(f"--long-sequences has to be >= 1 but got {args.long_sequences}")
+        _check_context(args)
         return check_mix_args(args)
     if args.refit_clip:
         from rotkv.calibrate.refit import check_refittable
@@ -185,6 +186,20 @@ def check_args(args):
     if cfg.rounded_tokens != cfg.tokens:
         warn("calibrate", f"--tokens {cfg.tokens} is rounded up to {cfg.rounded_tokens} (whole chunks of {cfg.chunk_len})")
     return cfg
+
+
+def _check_context(args) -> None:
+    """oscar-mix / oscar-mix-long: the windows and refit sequences fit the model's context (its config)."""
+    from rotkv.hf.models import peek_context
+
+    ctx = peek_context(args.model)
+    if not ctx:
+        return
+    if args.key_length + args.key_new_tokens > ctx:
+        raise UsageError(f"--key-length {args.key_length} plus --key-new-tokens {args.key_new_tokens} is longer than the "
+                         f"model's context of {ctx} tokens")
+    if args.method == MIX_LONG and max(args.long_seq_len) > ctx:
+        raise UsageError(f"--long-seq-len {max(args.long_seq_len)} is longer than the model's context of {ctx} tokens")
 
 
 def _group_check(group: int, head_dim: int) -> None:

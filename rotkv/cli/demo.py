@@ -80,7 +80,7 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:
         raise UsageError(f"--presets: unknown preset(s) {unknown}; available: {sorted(PRESETS)}")
-    artifacts, to_make = {}, {}
+    artifacts, to_make, skipped = {}, {}, []
     if not args.code.isdigit():
         raise UsageError(f"--code has to be digits (the fact the model is asked to repeat) but got {args.code!r}")
     if args.artifact_dir:
@@ -100,8 +100,8 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
                 artifacts[preset] = path
             elif preset not in presets:
                 how = f"rotkv calibrate --method {calibration_preset(preset) if spec.k_bits == 'artifact' else method} --out {path}"
-                warn("demo", f"skipping {preset}: no {os.path.basename(path)} in {args.artifact_dir} (make one with "
-                             f"`{how}`, or name it in --presets to have it made)")
+                skipped.append(f"skipping {preset}: no {os.path.basename(path)} in {args.artifact_dir} (make one with "
+                               f"`{how}`, or name it in --presets to have it made)")
             else:
                 artifacts[preset] = path
                 to_make[preset] = path
@@ -118,7 +118,9 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
             cache_spec(name, overrides)
             continue
         early_artifact("demo", cache_spec(name, overrides), artifacts.get(name))
-    if not args.artifact_dir:  # said once every check has passed (a user error stays one line)
+    for line in skipped:  # said once every check has passed (a user error stays one line)
+        warn("demo", line)
+    if not args.artifact_dir:
         calibrated = sorted(p for p, spec in PRESETS.items()
                             if spec.needs_artifact and spec.start_bits is None and p not in presets)
         if calibrated:

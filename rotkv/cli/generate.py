@@ -53,6 +53,12 @@ def check_args(args):
     if args.cuda_graph and (args.device == "cpu" or not _cuda()):
         raise UsageError("--cuda-graph needs a CUDA device")
     check_model(args.model)
+    from rotkv.hf.models import peek_context
+
+    ctx = peek_context(args.model)
+    if ctx and args.max_new_tokens >= ctx and not args.allow_long:  # the prompt's length is known once tokenized
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens} is longer than the model's context of {ctx} tokens "
+                         "with any prompt; lower it, or pass --allow-long to run it anyway")
     flag = "--prompt-file" if args.prompt_file else "--prompt"
     prompt = read_text_file(args.prompt_file, flag) if args.prompt_file else args.prompt
     if not prompt.strip():
