@@ -49,6 +49,97 @@ def test_own_method_and_pmkvq_extension_are_accepted(model, tmp_path):
     validate_artifact(optr, model, get_preset("oscar-int2", method=None, artifact_kind=None))
 
 
+# ---- what an artifact is, and which presets read it -------------------------------------------------------------
+# every preset that reads an artifact, and the kinds it takes: written out here, so that a new preset or kind has
+# to say where it stands
+READS = {
+    "oscar-int2": {"oscar", "oscar-mix", "oscar+pmkvq"},  # the same OSCAR rotations; the added widths unread
+    "optr-int2": {"optr"},
+    "oscar-mix": {"oscar-mix"},
+    "oscar-mix-long": {"oscar-mix-long"},
+    "oscar-refine": {"oscar-mix-long"},
+    "pmkvq": {"pmkvq"},
+    "oscar-pmkvq": {"oscar+pmkvq"},
+}
+WIDTHS = {"k_bits": torch.tensor([4, 2], dtype=torch.int32), "k_gain": torch.tensor([0.1, 0.0])}
+KINDS = {  # kind -> what write_artifact needs to make one (the old-file inference reads the same)
+    "oscar": {}, "optr": {"method": "optr"}, "hadamard": {"method": "hadamard"},
+    "oscar-mix": {"tensors": WIDTHS},
+    "oscar-mix-long": {"tensors": WIDTHS, "longfit_seq_len": "4096"},
+    "oscar-long": {"longfit_seq_len": "4096"},
+    "pmkvq": {"method": "pmkvq", "tensors": {"bits": torch.tensor([4, 2], dtype=torch.int32)}},
+    "oscar+pmkvq": {"method": "oscar+pmkvq", "tensors": {"bits": torch.tensor([4, 2], dtype=torch.int32)}},
+}
+
+
+def test_every_preset_that_reads_an_artifact_names_its_kind():
+    reading = {n for n, s in PRESETS.items() if s.needs_artifact or s.budget_tokens is not None}
+    assert set(READS) == reading and all(PRESETS[n].artifact_kind for n in reading)
+    assert all(PRESETS[n].artifact_kind in kinds for n, kinds in READS.items())
+
+
+def _made(model, folder, kind, old):
+    from rotkv.contract import kind_meta
+
+    kw = dict(KINDS[kind])
+    if not old:
+        kw |= kind_meta(kind)
+    return load_artifact(write_artifact(model, folder / f"{kind}-{old}.safetensors", **kw))
+
+
+@pytest.mark.parametrize("old", [False, True], ids=["recorded", "inferred"])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("preset", list(READS))
+def test_an_artifact_is_read_only_by_the_presets_it_was_made_for(model, tmp_path, preset, kind, old):
+    art = _made(model, tmp_path, kind, old)
+    assert art.kind == kind and art.kind_inferred == old
+    spec = get_preset(preset, group_size=16)
+    if kind in READS[preset]:
+        validate_artifact(art, model, spec)
+        return
+    with pytest.raises(ArtifactMismatch) as e:
+        validate_artifact(art, model, spec)
+    msg = str(e.value)
+    need = PRESETS[preset].artifact_kind
+    assert len(msg.splitlines()) == 1 and f"artifact {art.path} is a" in msg and f" {kind} artifact" in msg
+    assert f"preset '{preset}' reads a" in msg and f" {need} artifact" in msg and "rotkv calibrate --method" in msg
+    assert ". ." not in msg and not msg.endswith(".")
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_an_artifact_records_the_presets_it_serves(model, tmp_path, kind):
+    from rotkv.contract import presets_served
+
+    art = _made(model, tmp_path, kind, old=False)
+    assert art.presets == presets_served(kind) == [p for p in READS if kind in READS[p]
+                                                    and PRESETS[p].artifact_kind == kind] + \
+        [p for p in READS if kind in READS[p] and PRESETS[p].artifact_kind != kind]
+
+
+def test_old_files_infer_their_kind_from_what_they_hold(model, tmp_path):
+    """An artifact from before ``kind`` was recorded: the key widths make it oscar-mix, a long refit of those
+    oscar-mix-long, a several-fit refit too (key_fit_lengths), and otherwise its method; inspect says so."""
+    from rotkv.rotations.artifact import infer_kind
+
+    assert infer_kind(WIDTHS, {"method": "oscar", "key_fit_lengths": "4096,8192"}) == "oscar-mix-long"
+    assert infer_kind(WIDTHS, {"method": "oscar+pmkvq"}) == "oscar-mix"
+    assert infer_kind({}, {"method": "optr"}) == "optr"
+    art = _made(model, tmp_path, "oscar-mix", old=True)
+    assert "kind inferred" in art.describe() and "kind: " not in art.summary()
+
+
+def test_the_base_artifact_is_named_by_its_identity(model, tmp_path):
+    from rotkv.contract import kind_meta
+
+    base = _made(model, tmp_path, "oscar", old=False)
+    save_artifact(str(tmp_path / "copy.safetensors"), base.tensors, base.meta | {"model_id": "other"})
+    copy = load_artifact(str(tmp_path / "copy.safetensors"))  # the same tensors, other metadata
+    assert copy.identity == base.identity and len(base.identity) == 16
+    assert kind_meta("oscar-mix", base)["base_artifact"] == f"oscar {base.identity}"
+    other = _made(model, tmp_path, "oscar-mix", old=False)
+    assert other.identity != base.identity
+
+
 @pytest.mark.parametrize("field,art_kw,spec_kw,want", [
     ("bits", {"bits": 4}, {}, "bits: artifact 4 vs preset 2"),
     ("bits", {}, {"bits": 8}, "bits: artifact 2 vs preset 8"),
