@@ -147,13 +147,14 @@ def test_the_cache_rotates_keys_with_the_fit_picked_for_its_context_length(tiny,
             assert torch.equal(rot.R_V, art.tensors[f"R_V.{layer}"])
     # the cache built from the multi-fit artifact at 6144 is the cache of an artifact holding only the 8K fit
     only8k = {k.replace("@8192", ""): v for k, v in art.tensors.items() if k.partition(".")[0] not in ("R_K", "k_mean")}
-    save_artifact(str(tmp_path / "8k.safetensors"), only8k, {k: v for k, v in art.meta.items() if k != "key_fit_lengths"})
+    save_artifact(str(tmp_path / "8k.safetensors"), only8k,  # one long refit: its length, no key_fit_lengths
+                  {k: v for k, v in art.meta.items() if k != "key_fit_lengths"} | {"longfit_seq_len": "8192"})
     ids = torch.randint(4, 128, (1, 48), generator=torch.Generator().manual_seed(0))
     want = _logits(tiny, RotkvCache(tiny, "oscar-mix-long", str(tmp_path / "8k.safetensors"), **kw), ids)
     assert torch.equal(_logits(tiny, make_cache(tiny, "oscar-mix-long", art, context_length=6144, **kw), ids), want)
     assert not torch.allclose(_logits(tiny, RotkvCache(tiny, "oscar-mix-long", path, **kw), ids), want)
-    single = RotkvCache(tiny, "oscar-mix-long", write_artifact(tiny, tmp_path / "s.safetensors", tensors={"k_bits": K_BITS}),
-                        context_length=8192, **kw)
+    single = RotkvCache(tiny, "oscar-mix-long", write_artifact(tiny, tmp_path / "s.safetensors", tensors={"k_bits": K_BITS},
+                                                               longfit_seq_len="4096"), context_length=8192, **kw)
     assert single.key_fit_length is None and single.stats()["key_fit_length"] is None
     assert RotkvCache(tiny, "int4", context_length=8192).key_fit_length is None
     with pytest.raises(ValueError, match="`context_length` has to be a positive int"):
@@ -265,6 +266,9 @@ def test_calibrate_writes_one_fit_per_length_equal_to_the_single_length_fits(tin
     assert rc == 0, capsys.readouterr().err
     again = load_artifact(str(tmp_path / "again.safetensors"))
     assert again.key_fit_lengths == [] and not any("@" in k for k in again.tensors)
+    # each says what it is and what it was made from
+    assert (both.kind, both.meta["base_artifact"]) == ("oscar-mix-long", f"oscar-mix {b.identity}")
+    assert (again.kind, again.meta["base_artifact"]) == ("oscar-mix-long", f"oscar-mix-long {both.identity}")
     # the module's own command line takes the same list and writes the same fits
     from rotkv.calibrate import longfit
 

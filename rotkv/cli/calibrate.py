@@ -80,11 +80,13 @@ def check_mix_args(args):
         from rotkv.rotations.artifact import load_artifact
 
         art = load_artifact(args.base_artifact)
-        if not kind_serves(art.kind, "oscar"):  # the OSCAR rotations the key widths (and a long refit) are made from
+        # the OSCAR rotations the key widths are measured on; a long refit also replaces another's key side whole
+        if not (kind_serves(art.kind, "oscar") or (args.method == MIX_LONG and art.kind == MIX_LONG)):
+            also = " (or oscar-mix-long)" if args.method == MIX_LONG else ""
             raise UsageError(f"--base-artifact {args.base_artifact} is {art.describe()}; --method {args.method} is made "
-                             f"from an oscar or oscar-mix artifact: make one with `{make_command('oscar')}`")
+                             f"from an oscar or oscar-mix artifact{also}: make one with `{make_command('oscar')}`")
         try:
-            check_contract(art, PRESETS["oscar-int2"])
+            check_contract(art, PRESETS["oscar-int2"].replace(artifact_kind=None))  # bits, group size: the kind is above
         except ValueError as e:
             raise UsageError(f"--base-artifact: {e}") from None
         layers = int(art.meta["num_layers"])
