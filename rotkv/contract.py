@@ -140,8 +140,6 @@ def validate_artifact(artifact: Artifact, model, spec: CacheSpec | None = None) 
 def default_preset(artifact: Artifact | None) -> str:
     """The preset a caller gets without naming one: the first preset ``artifact`` serves (the recommended one
     for its kind: ``oscar-mix`` for an oscar-mix artifact), or without an artifact :data:`DEFAULT_PRESET`."""
-    from rotkv.config import DEFAULT_PRESET
-
     if artifact is None:
         return DEFAULT_PRESET
     served = presets_served(artifact.kind)
