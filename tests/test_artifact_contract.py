@@ -126,6 +126,9 @@ def test_old_files_infer_their_kind_from_what_they_hold(model, tmp_path):
     assert infer_kind({}, {"method": "optr"}) == "optr"
     art = _made(model, tmp_path, "oscar-mix", old=True)
     assert "kind inferred" in art.describe() and "kind: " not in art.summary()
+    # a field a method leaves empty (OptR's `base` in an OSCAR file) is not printed as an empty line
+    empty = load_artifact(write_artifact(model, tmp_path / "e.safetensors", base="", cs=""))
+    assert "  base:" not in empty.summary() and "  cs:" not in empty.summary()
 
 
 def test_the_base_artifact_is_named_by_its_identity(model, tmp_path):

@@ -747,11 +747,17 @@ def test_round4_cases_are_clean_and_early(no_model, capsys, tmp_path, argv, need
     assert_user_error(rc, err, *needles)
 
 
-def test_bench_prefill_tokens_names_what_it_takes(capsys):
+@pytest.mark.parametrize("argv,needle", [
+    (["bench", "--prefill-tokens", "abc"], "--prefill-tokens: expected a number of tokens (at most 2147483647) or 'auto', got 'abc'"),
+    (["bench", "--prefill-tokens", "1" + "0" * 20], "--prefill-tokens: expected a number of tokens"),
+    (["eval", "--out", "x", "--sink", "1" + "0" * 20], "--sink: expected a number of tokens (at most 2147483647) or 'preset'"),
+    (["generate", "--prompt", "hi", "--sink", "99999999999999999999"], "--sink: 99999999999999999999 is out of range"),
+])
+def test_text_and_huge_numbers_name_the_flag(capsys, argv, needle):
     with pytest.raises(SystemExit) as e:
-        main(["bench", "--prefill-tokens", "abc"])
+        main(argv)
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and "--prefill-tokens: expected a number of tokens or 'auto', got 'abc'" in err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and needle in err, err
 
 
 def test_read_only_folders_are_refused_before_the_work(no_model, capsys, tmp_path, tiny, monkeypatch):

@@ -28,10 +28,13 @@ def prefill_tokens_arg(text: str) -> int | str:
     """``--prefill-tokens``: a count, or ``auto`` (rotkv.generation.prefill_tokens_of the model)."""
     if text.strip().lower() == "auto":
         return "auto"
+    from rotkv.cli import bounded_int
+
     try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
+        return bounded_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens (at most {2**31 - 1}) or 'auto', "
+                                         f"got {text!r}") from None
 
 
 def register(sub) -> None:

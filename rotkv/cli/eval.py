@@ -15,10 +15,13 @@ def _tokens_or_preset(text: str):
     """``--sink`` / ``--window``: a token count, or ``preset`` (each preset keeps its own)."""
     if text == "preset":
         return text
+    from rotkv.cli import bounded_int
+
     try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'preset', got {text!r}") from None
+        return bounded_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens (at most {2**31 - 1}) or 'preset', "
+                                         f"got {text!r}") from None
 
 
 def _list(s: str | None) -> list[str] | None:
