@@ -820,3 +820,16 @@ def test_an_unused_artifact_is_said_once(tiny, capsys, monkeypatch, tmp_path):
                          "--group-size", "16", "--max-new-tokens", "2", "--no-chat")
     assert rc == 0, err
     assert err.count("is not used by preset 'quarot-int2'") == 1, err
+
+
+def test_a_wrong_base_in_the_artifact_folder_is_refused_before_the_model(no_model, capsys, tiny, tmp_path):
+    """eval and demo make a missing oscar-mix artifact from the oscar.safetensors beside it: an OptR file there is
+    refused before anything loads (and calibrate_mix refuses it too)."""
+    write_artifact(tiny, tmp_path / "oscar.safetensors", method="optr")
+    rc, _, err = run_cli(capsys, "eval", "--out", str(tmp_path / "e"), "--methods", "oscar-mix", "--tasks", "nll",
+                         "--artifact-dir", str(tmp_path))
+    assert_user_error(rc, err, "--artifact-dir", "oscar.safetensors is an optr artifact", "rotkv calibrate --method oscar")
+    from rotkv.calibrate.keybits import calibrate_mix
+
+    with pytest.raises(ValueError, match="is an optr artifact .*key widths .* are measured on an oscar artifact"):
+        calibrate_mix(Loaded(tiny, None, "tiny"), str(tmp_path / "oscar.safetensors"))

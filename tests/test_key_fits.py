@@ -248,6 +248,8 @@ def test_calibrate_writes_one_fit_per_length_equal_to_the_single_length_fits(tin
         assert rc == 0, err
     assert "key side refitted on 512,1024-token sequences" in printed["512,1024"]
     assert "key side refitted on 512-token sequences" in printed["512"]
+    # the key widths are the base's: its measuring time (keybits_seconds 1) is not reported as this run's
+    assert "4-bit keys in layers 1 (the base's)" in printed["512"] and "measured in" not in printed["512"]
     both, a512, a1024 = (load_artifact(out[k]) for k in ("512,1024", "512", "1024"))
     b = load_artifact(base)
     assert both.key_fit_lengths == [512, 1024] and both.meta["longfit_seq_len"] == "512"

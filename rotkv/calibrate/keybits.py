@@ -259,6 +259,10 @@ def with_key_bits(artifact, gains: np.ndarray, layers: int, **info) -> tuple[dic
     return tensors, meta
 
 
+def _a(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
+
+
 def default_layers(num_layers: int) -> int:
     """The number of layers whose keys get 4 bits by default: a third (10 of SmolLM2's 30, the
     ``oscar-mix`` preset's measured setting, docs/results/accuracy.md)."""
@@ -280,7 +284,8 @@ def calibrate_mix(loaded, base=None, layers: int | None = None, preset: str = "o
     """(tensors, metadata) of a complete ``oscar-mix`` artifact: the base artifact (an Artifact, a
     path, or None: OSCAR calibrated here with the defaults, ``tokens`` calibration tokens) plus the
     per-layer key widths measured on it (:func:`layer_gains`, :func:`with_key_bits`)."""
-    from rotkv.contract import kind_meta, validate_artifact
+    from rotkv.config import PRESETS
+    from rotkv.contract import kind_meta, kind_serves, make_command, validate_artifact
     from rotkv.rotations.artifact import Artifact, base_method, load_artifact
 
     t0 = time.time()
@@ -294,6 +299,10 @@ def calibrate_mix(loaded, base=None, layers: int | None = None, preset: str = "o
     elif isinstance(base, str):
         base = load_artifact(base)
     validate_artifact(base, loaded.model)
+    need = PRESETS[preset].artifact_kind if preset in PRESETS else None
+    if need is not None and not kind_serves(base.kind, need):
+        raise ValueError(f"the base artifact {base.path} is {base.describe()}; per-layer key widths (oscar-mix) are "
+                         f"measured on {_a(need)} {need} artifact: make one with `{make_command(need)}`")
     t1 = time.time()
     n_layers = check_layers(layers, loaded.model.config.num_hidden_layers)
     log(f"measuring per-layer key widths ({windows} windows of {length} + {new} tokens) ...")

@@ -135,6 +135,9 @@ def calibrate_mix_long(loaded, base=None, seq_len: int | list[int] = 4096, seque
     art = load_artifact(base) if isinstance(base, str) else base
     if layers is not None:
         check_layers(layers, loaded.model.config.num_hidden_layers, "--key-layers")
+    if art is not None and "k_bits" in art.tensors and art.kind not in ("oscar-mix", "oscar-mix-long"):
+        raise ValueError(f"the base artifact {art.path} is {art.describe()}; oscar-mix-long is made from an oscar, "
+                         "oscar-mix or oscar-mix-long artifact")
     if art is None or "k_bits" not in art.tensors:
         tensors, meta = calibrate_mix(loaded, art, layers, files=files, log=log, **mix)
         art = Artifact(tensors, {k: str(v) for k, v in meta.items()})

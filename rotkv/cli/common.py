@@ -117,8 +117,8 @@ def check_artifact_dir(command: str, presets, folder: str, made_here: bool = Fal
     missing."""
     import os
 
-    from rotkv.config import artifact_file, get_preset
-    from rotkv.contract import check_contract
+    from rotkv.config import artifact_file, artifact_kind, calibration_method, get_preset
+    from rotkv.contract import check_contract, kind_serves, make_command
     from rotkv.rotations.artifact import load_artifact
 
     missing = []
@@ -129,6 +129,13 @@ def check_artifact_dir(command: str, presets, folder: str, made_here: bool = Fal
         path = os.path.join(folder, artifact_file(spec))
         if not os.path.exists(path):
             missing.append(name)
+            base = os.path.join(folder, artifact_file(spec, base=True))
+            method = calibration_method(spec)
+            if base != path and os.path.exists(base):  # what the missing one will be made from
+                art = load_artifact(base)
+                if not kind_serves(art.kind, method):
+                    raise UsageError(f"--artifact-dir: {base} is {art.describe()}; the {artifact_kind(spec)} artifact of "
+                                     f"{name} is made from {method}.safetensors: make it with `{make_command(method)}`")
             continue
         try:
             check_contract(load_artifact(path), spec)
