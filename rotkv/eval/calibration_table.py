@@ -28,10 +28,10 @@ from rotkv.calibrate.corpus import token_chunks
 from rotkv.calibrate.error import output_error
 from rotkv.calibrate.run import collect
 from rotkv.calibrate.stats import weighted_cs
+from rotkv.hf.fingerprint import model_meta
 from rotkv.hf.geometry import attention_modules, model_geometry
 from rotkv.hf.models import load_model
 from rotkv.rotations import optr, oscar, pairwise
-from rotkv.hf.fingerprint import model_meta
 from rotkv.rotations.artifact import save_artifact
 from rotkv.rotations.base import LayerRotation
 from rotkv.rotations.hadamard import hadamard_matrix
