@@ -17,10 +17,10 @@ from tqdm.auto import tqdm
 from rotkv.calibrate import clip
 from rotkv.calibrate.corpus import token_chunks
 from rotkv.calibrate.run import collect
-from rotkv.hf.geometry import attention_modules, model_geometry
-from rotkv.quant.quantizer import check_bits, check_group
 from rotkv.contract import kind_meta, validate_artifact
 from rotkv.hf.fingerprint import model_meta
+from rotkv.hf.geometry import attention_modules, model_geometry
+from rotkv.quant.quantizer import check_bits, check_group
 from rotkv.rotations.artifact import Artifact
 from rotkv.rotations.base import LayerRotation
 
