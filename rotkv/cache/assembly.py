@@ -28,13 +28,13 @@ from rotkv.cache.codecs import TokenCodec, make_codecs, with_key_table
 from rotkv.cache.layer import HybridLayer
 from rotkv.cache.plan import PageState
 from rotkv.cache.progressive import EvictingLayer, ProgressiveCodec, ProgressiveLayer, layer_budget
-from rotkv.config import CacheSpec, artifact_file, calibration_method, calibration_preset, get_preset, parse_layer_bits
+from rotkv.config import CacheSpec, artifact_file, artifact_kind, get_preset, parse_layer_bits
+from rotkv.contract import make_command, validate_artifact
 from rotkv.hf import compat
 from rotkv.hf.geometry import model_geometry
 from rotkv.hf.models import check_supported, mean_centering_blocker, sliding_layers
 from rotkv.quant.quantizer import check_group
 from rotkv.quant.widths import WIDTHS
-from rotkv.contract import validate_artifact
 from rotkv.rotations.artifact import Artifact, load_artifact, pick_key_fit
 from rotkv.rotations.base import LayerRotation
 from rotkv.rotations.registry import build_rotations
@@ -99,11 +99,9 @@ def layer_rotations(model, spec: CacheSpec, artifact: Artifact | str | None,
     layers, kv_heads, head_dim = model_geometry(model.config)
     if spec.needs_artifact:
         if artifact is None:
-            own = spec.k_bits == "artifact"  # its own artifact (`rotkv calibrate --method <preset>`)
-            method, name = (calibration_preset(spec) if own else calibration_method(spec)), artifact_file(spec, base=not own)
             raise ValueError(
                 f"preset {spec.name!r} needs a calibration artifact (rotations, key means, clip ratios); make one with "
-                f"`rotkv calibrate --method {method} --out {name}` and pass --artifact {name}"
+                f"`{make_command(artifact_kind(spec))}` and pass --artifact {artifact_file(spec)}"
             )
         artifact = load_artifact(artifact) if isinstance(artifact, str) else artifact
         validate_artifact(artifact, model, spec)
@@ -173,7 +171,7 @@ def plan_cache(model, spec: CacheSpec, artifact: Artifact | str | None = None, l
     if spec.k_bits == "artifact":
         if art is None or "k_bits" not in art.tensors:
             raise ValueError("`k_bits`='artifact' needs an artifact with per-layer key widths (`k_bits`); make one with "
-                             f"`rotkv calibrate --method {calibration_preset(spec)} --out {artifact_file(spec)}`")
+                             f"`{make_command(artifact_kind(spec))}`")
         artifact_bits = [int(b) for b in art.tensors["k_bits"].tolist()]
     budgeted = spec.budget_tokens is not None
     if budgeted and art is None and artifact is not None:  # rotation-free budgeted presets read only `bits`
