@@ -249,13 +249,18 @@ def layer_gains(loaded, artifact, preset: str = "oscar-int2", length: int = 1024
 
 
 def with_key_bits(artifact, gains: np.ndarray, layers: int, **info) -> tuple[dict, dict]:
-    """(tensors, metadata) of ``artifact`` plus ``k_bits`` (4 for the ``layers`` largest gains, else 2) and ``k_gain``."""
+    """(tensors, metadata) of ``artifact`` plus ``k_bits`` (4 for the ``layers`` largest gains, else 2) and ``k_gain``:
+    an ``<method>-mix`` artifact (``oscar-mix``) made from ``artifact`` (its ``kind`` and ``base_artifact``)."""
+    from rotkv.contract import kind_meta
+    from rotkv.rotations.artifact import base_method
+
     order = np.argsort(-gains)
     bits = np.full(len(gains), 2, dtype=np.int32)
     bits[order[:layers]] = 4
     gain = torch.tensor(np.where(np.isfinite(gains), gains, 0.0), dtype=torch.float32)  # sliding layers: 0
     tensors = dict(artifact.tensors) | {"k_bits": torch.tensor(bits), "k_gain": gain}
     meta = dict(artifact.meta) | {f"keybits_{k}": str(v) for k, v in info.items()}
+    meta |= kind_meta(f"{base_method(artifact)}-mix", artifact)
     return tensors, meta
 
 
@@ -285,8 +290,8 @@ def calibrate_mix(loaded, base=None, layers: int | None = None, preset: str = "o
     path, or None: OSCAR calibrated here with the defaults, ``tokens`` calibration tokens) plus the
     per-layer key widths measured on it (:func:`layer_gains`, :func:`with_key_bits`)."""
     from rotkv.config import PRESETS
-    from rotkv.contract import kind_meta, kind_serves, make_command, validate_artifact
-    from rotkv.rotations.artifact import Artifact, base_method, load_artifact
+    from rotkv.contract import kind_serves, make_command, validate_artifact
+    from rotkv.rotations.artifact import Artifact, load_artifact
 
     t0 = time.time()
     if base is None:
@@ -312,7 +317,6 @@ def calibrate_mix(loaded, base=None, layers: int | None = None, preset: str = "o
     order = [i for i in np.argsort(-gains).tolist() if np.isfinite(gains[i])]
     meta["keybits_layers"] = ",".join(str(i) for i in sorted(order[:n_layers]))
     meta["mix_seconds"] = f"{time.time() - t0:.0f}"
-    meta.update(kind_meta(f"{base_method(base)}-mix", base))
     log(f"{preset} KL {kl:.4f} on calibration text; gains by layer (best first): "
         + ", ".join(f"{i}:{gains[i]:+.4f}" for i in order))
     log(f"4-bit keys in layers {meta['keybits_layers']} (key widths {float(meta['keybits_seconds']):.0f} s)")
