@@ -52,10 +52,8 @@ from rotkv.rotations.base import LayerRotation
 FORMAT_VERSION = "1"  # written by this rotkv; a file without one predates versioning and reads as 1
 FORMAT_VERSION_INT = int(FORMAT_VERSION)
 REQUIRED_META = ("format_version", "method", "num_layers", "kv_heads", "head_dim", "weights_fingerprint")
-CONTRACT_META = ("method", "bits", "group_size")  # what a preset checks (check_contract)
 ORTHO_TOL = 1e-3  # max |R^T R - I| of a sound rotation (fp32 calibrations reach ~1e-6)
 KEY_FIT_SIDE = ("R_K", "k_mean")  # the per-layer tensors of one key-side fit (extra fits: ``R_K@8192.{l}``, ...)
-KIND_META = ("kind", "base_artifact", "presets")  # what the artifact was made for (Artifact.kind)
 NAME = re.compile(r"[a-z0-9][a-z0-9+._-]{0,63}")  # a kind or preset name
 ID = re.compile(r"[0-9a-f]{16}")  # an artifact_id
 
@@ -104,11 +102,11 @@ class Artifact:
     def describe(self) -> str:
         """``"an oscar-mix artifact (serves oscar-mix, oscar-int2)"``: what the artifact is, for messages."""
         kind = self.kind or "unknown"
+        extra = [f"serves {', '.join(self.presets)}"] if self.presets else []
+        if self.kind_inferred:
+            extra.append("kind inferred: made before rotkv recorded it")
         article = "an" if kind[0] in "aeiou" else "a"
-        served = f"serves {', '.join(self.presets)}" if self.presets else ""
-        note = "; kind inferred: made before rotkv recorded it" if self.kind_inferred else ""
-        extra = "; ".join(x for x in (served, note.lstrip("; ")) if x)
-        return f"{article} {kind} artifact" + (f" ({extra})" if extra else "")
+        return f"{article} {kind} artifact" + (f" ({'; '.join(extra)})" if extra else "")
 
     @property
     def key_fit_lengths(self) -> list[int]:
@@ -220,7 +218,7 @@ def artifact_id(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().contiguous().cpu()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
