@@ -55,8 +55,9 @@ def check_args(args):
     check_model(args.model)
     from rotkv.hf.models import peek_context
 
-    ctx = peek_context(args.model)
-    if ctx and args.max_new_tokens >= ctx and not args.allow_long:  # the prompt's length is known once tokenized
+    # the prompt's length is known once tokenized (check_length); --max-new-tokens alone can be refused now
+    ctx = peek_context(args.model) if args.max_new_tokens >= 1024 and not args.allow_long else None
+    if ctx and args.max_new_tokens >= ctx:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens} is longer than the model's context of {ctx} tokens "
                          "with any prompt; lower it, or pass --allow-long to run it anyway")
     flag = "--prompt-file" if args.prompt_file else "--prompt"

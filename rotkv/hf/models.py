@@ -233,6 +233,10 @@ def _peek_config(model: str | None):
 
     path, gguf, _ = resolve_model_path(model)
     try:
+        if gguf:  # a converted copy's config.json (load_model's) reads in milliseconds
+            copy = converted_dir(path, gguf)
+            if os.path.exists(os.path.join(copy, "config.json")):
+                return AutoConfig.from_pretrained(copy, local_files_only=True)
         kw = {"gguf_file": gguf} if gguf else {}
         return AutoConfig.from_pretrained(path, local_files_only=True, **kw)
     except Exception:  # an exotic config: the checks run after loading instead
