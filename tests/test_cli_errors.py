@@ -833,3 +833,9 @@ def test_a_wrong_base_in_the_artifact_folder_is_refused_before_the_model(no_mode
 
     with pytest.raises(ValueError, match="is an optr artifact .*key widths .* are measured on an oscar artifact"):
         calibrate_mix(Loaded(tiny, None, "tiny"), str(tmp_path / "oscar.safetensors"))
+
+
+def test_demo_refuses_a_wrong_base_before_the_model(no_model, capsys, tiny, tmp_path):
+    write_artifact(tiny, tmp_path / "oscar.safetensors", method="optr")
+    rc, _, err = run_cli(capsys, "demo", "--presets", "bf16,oscar-mix", "--artifact-dir", str(tmp_path))
+    assert_user_error(rc, err, "--artifact-dir", "oscar.safetensors is an optr artifact")

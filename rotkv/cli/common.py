@@ -110,7 +110,7 @@ def early_artifact(command: str, spec, path: str | None):
     return art
 
 
-def check_artifact_dir(command: str, presets, folder: str, made_here: bool = False) -> list[str]:
+def check_artifact_dir(presets, folder: str, made_here: bool = False) -> list[str]:
     """Check the artifacts ``folder`` (``--artifact-dir``) already holds for ``presets`` against each preset
     (what the file is, the contract), before the model loads; with ``made_here`` (missing ones are calibrated
     into the folder) the folder has to be writable when one is missing. Returns the presets whose file is

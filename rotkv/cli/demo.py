@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from rotkv.cli.common import add_model_args, cache_spec, early_artifact
+from rotkv.cli.common import add_model_args, cache_spec, check_artifact_dir, early_artifact
 from rotkv.cli.errors import UsageError, check_device, check_model, warn
 from rotkv.config import PRESETS, artifact_file, calibration_preset
 
@@ -105,9 +105,8 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
             else:
                 artifacts[preset] = path
                 to_make[preset] = path
-        if to_make and not os.access(args.artifact_dir, os.W_OK | os.X_OK):
-            raise UsageError(f"--artifact-dir {args.artifact_dir} is not writable, and the artifacts of "
-                             f"{', '.join(to_make)} would be calibrated into it: pass a writable folder")
+        # what the missing ones are made from (the base beside them), and that they can be written there
+        check_artifact_dir(list(to_make), args.artifact_dir, made_here=True)
     overrides = {k: v for k, v in (("sink", args.sink), ("window", args.window)) if v is not None}
     for name in presets:
         if PRESETS[name].needs_artifact and name not in artifacts:

@@ -161,7 +161,7 @@ def run(args) -> int:
     if args.artifact_dir is not None:
         if not os.path.isdir(args.artifact_dir):
             raise UsageError(f"--artifact-dir {args.artifact_dir} is not a folder")
-        check_artifact_dir("eval", [m for m in cfg.methods if m in PRESETS], args.artifact_dir, made_here=True)
+        check_artifact_dir([m for m in cfg.methods if m in PRESETS], args.artifact_dir, made_here=True)
     _check_context(cfg)
     for name in cfg.methods:  # a refine preset's small sink pays for its tier: say when the run overrides it
         spec = PRESETS.get(name)
