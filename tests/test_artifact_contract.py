@@ -311,3 +311,16 @@ def test_calibration_refuses_too_few_tokens_for_its_held_out_chunks():
     assert cfg.rounded_tokens == 512
     with pytest.raises(ValueError, match="OptR early stopping"):
         CalibConfig(method="optr", tokens=1000, search_clips=False)
+
+
+def test_the_artifact_format_imports_neither_the_model_side_nor_the_presets():
+    """rotkv/rotations/artifact.py reads and writes the format: the model comes in as its geometry and
+    fingerprint, the contract lives beside CacheSpec (rotkv/contract.py)."""
+    import ast
+
+    import rotkv.rotations.artifact as mod
+
+    tree = ast.parse(open(mod.__file__).read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
+        {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not [m for m in imported if m and (m.startswith("rotkv.hf") or m == "rotkv.config")], imported
