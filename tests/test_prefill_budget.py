@@ -71,5 +71,7 @@ def test_explicit_tokens_win(tiny_llama):
 
 def test_cli_value():
     assert prefill_tokens_arg("auto") == "auto" and prefill_tokens_arg("4096") == 4096
-    with pytest.raises(ValueError):
-        prefill_tokens_arg("lots")
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a number of tokens .* or 'auto', got 'lots'"):
+        prefill_tokens_arg("lots")  # argparse prints it naming --prefill-tokens
