@@ -147,3 +147,37 @@ def test_smollm2_dir_is_rotkvs_converted_copy(tmp_path):
     assert (d / "tokenizer.json").exists()
     assert {k: v for k, v in cfg.items() if k != "architectures"} == json.loads((src / "config.json").read_text())
     assert bv.write_smollm2_dir(tmp_path / "smollm2", gguf) == d  # again: the same directory
+
+
+def test_greedy_compare_parts(tmp_path):
+    import vllm_greedy_compare as g
+
+    assert g.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert g.first_divergence([1, 2, 3], [1, 5, 3]) == 1 and g.first_divergence([1, 2], [1, 2, 3]) == 2
+
+    class A:
+        artifact_dir, sink, window = None, 16, 32
+
+    assert g.rotkv_config("quarot-int2", A) == {"preset": "quarot-int2", "sink": 16, "window": 32}
+    with pytest.raises(ValueError, match="--artifact-dir"):
+        g.rotkv_config("oscar-mix", A)
+    A.artifact_dir = str(tmp_path)
+    with pytest.raises(FileNotFoundError, match="oscar-mix.safetensors"):
+        g.rotkv_config("oscar-mix", A)
+    (tmp_path / "oscar-mix.safetensors").write_bytes(b"")
+    assert g.rotkv_config("oscar-mix", A)["artifact"] == str((tmp_path / "oscar-mix.safetensors").resolve())
+
+    v = {"m": dict(tokens=[1, 2, 3, 4], top2_logprob_gap=[1.0, 0.5, 0.01, 2.0])}
+    r = {"m": dict(tokens=[1, 2, 9, 4], top2_logprob_gap=[1.1, 0.4, 0.02, 1.9], scores_run_tokens=[1, 2, 9, 4])}
+    row = g.compare(v, r)["m"]
+    assert not row["equal"] and row["first_divergence"] == 2 and row["agree_prefix"] == 2
+    assert row["vllm_top2_gap_at_divergence"] == 0.01 and row["rotkv_top2_gap_at_divergence"] == 0.02
+    assert row["rotkv_scores_run_equal"]
+    assert g.compare(v, {"m": dict(tokens=[1, 2, 3, 4], top2_logprob_gap=[])})["m"]["equal"]
+
+    class Tok:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    (tmp_path / "t.txt").write_text("abc")
+    assert g.prompt_ids(Tok(), 7, tmp_path / "t.txt") == [97, 98, 99, 97, 98, 99, 97]
