@@ -266,6 +266,7 @@ def run_child(spec: dict) -> dict:
                   block_size=cache.block_size, cache_dtype=str(cache.cache_dtype),
                   kv_tokens_from_blocks=(cache.num_gpu_blocks or 0) * cache.block_size)
     vocab = min(_vocab_of(kw["model"]), spec.get("prompt_vocab") or 10 ** 9)
+    warm = random_prompts(1, max(1, min(64, kw["max_model_len"] - 4)), vocab, 1)  # a warm-up request that fits
     rows = []
 
     def run_batch(prompts, new):
@@ -284,7 +285,7 @@ def run_child(spec: dict) -> dict:
         elif w in ("throughput", "longgen"):
             p = "tp" if w == "throughput" else "lg"
             n, plen, new = sizes[f"{p}_requests"], sizes[f"{p}_prompt"], sizes[f"{p}_new"]
-            run_batch(random_prompts(1, 64, vocab, 1), 4)  # warm-up outside the timing
+            run_batch(warm, 4)  # warm-up outside the timing
             wall, got = run_batch(random_prompts(n, plen, vocab, 2), new)
             if any(g != new for g in got):
                 raise RuntimeError(f"{w}: asked {new} new tokens per request, got {sorted(set(got))}")
@@ -294,7 +295,7 @@ def run_child(spec: dict) -> dict:
         elif w == "latency":
             plen, new, reps = sizes["lat_prompt"], sizes["lat_new"], spec["lat_repeats"]
             prompt = random_prompts(1, plen, vocab, 3)
-            run_batch(random_prompts(1, 64, vocab, 1), 4)
+            run_batch(warm, 4)
             ttfts = [run_batch(prompt, 1)[0] for _ in range(reps)]
             full = [run_batch(prompt, new)[0] for _ in range(reps)]
             ttft = statistics.median(ttfts)
@@ -369,7 +370,7 @@ def run_parent(args) -> Path:
         kw = p["engines"][method]
         spec = dict(method=method, engine=kw, sizes=p["sizes"], workloads=p["workloads"],
                     lat_repeats=args.lat_repeats, prompt_vocab=args.prompt_vocab)
-        tag = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{args.model}-{method}")
+        tag = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{Path(args.model).name}-{method}")
         spec_path, res_path, log_path = logs / f"{tag}.spec.json", logs / f"{tag}.result.json", logs / f"{tag}.log"
         spec_path.write_text(json.dumps(spec))
         res_path.unlink(missing_ok=True)
@@ -391,7 +392,7 @@ def run_parent(args) -> Path:
         print(f"bench_vllm: {method} done in {time.perf_counter() - t:.0f} s: "
               f"{'ERROR ' + res['error'] if 'error' in res else 'ok'}", flush=True)
         partial = dict(schema=SCHEMA, model=p["model"], settings=_settings(p, args), rows=rows, complete=False)
-        (out_dir / f"vllm-partial-{re.sub(r'[^A-Za-z0-9_.-]', '_', args.model)}.json").write_text(json.dumps(partial, indent=1))
+        (out_dir / f"vllm-partial-{re.sub(r'[^A-Za-z0-9_.-]', '_', Path(args.model).name)}.json").write_text(json.dumps(partial, indent=1))
     data = dict(schema=SCHEMA, model=p["model"], settings=_settings(p, args), rows=rows, complete=True,
                 summary=summarize(rows))
     return write_results("vllm", data, tag=args.tag, out=args.out)

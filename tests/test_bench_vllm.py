@@ -181,3 +181,64 @@ def test_greedy_compare_parts(tmp_path):
 
     (tmp_path / "t.txt").write_text("abc")
     assert g.prompt_ids(Tok(), 7, tmp_path / "t.txt") == [97, 98, 99, 97, 98, 99, 97]
+
+
+FAKE_VLLM = '''
+import sys, time
+from types import SimpleNamespace
+__version__ = "0.0.fake"
+CALLS = []
+
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+
+class LLM:
+    def __init__(self, **kw):
+        if kw.get("kv_cache_dtype") == "fp8":
+            raise RuntimeError("fake engine refuses fp8")
+        blocks = 1000 if kw.get("kv_cache_dtype") is None else 4000
+        print(f"INFO GPU KV cache size: {blocks * 16:,} tokens", flush=True)
+        cc = SimpleNamespace(num_gpu_blocks=blocks, block_size=16, cache_dtype=kw.get("kv_cache_dtype", "auto"))
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cc))
+        self.max_len = kw["max_model_len"]
+
+    def generate(self, prompts, sp, use_tqdm=True):
+        assert sp.kw["ignore_eos"] and sp.kw["temperature"] == 0.0 and not sp.kw["detokenize"]
+        n = sp.kw["max_tokens"]
+        for p in prompts:
+            assert len(p["prompt_token_ids"]) + n <= self.max_len
+        time.sleep(0.001 * n)
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(n)))]) for _ in prompts]
+'''
+
+
+def test_run_end_to_end_with_a_fake_vllm(tmp_path):
+    """The parent and its per-method children on a stand-in `vllm` package: rows, the error row of a method
+    whose engine fails, TurboQuant skipped where vLLM lists none, the written JSON and its summary."""
+    fake = tmp_path / "fake"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 500}))
+    out = tmp_path / "res.json"
+    env = {**__import__("os").environ, "PYTHONPATH": f"{fake}:{ROOT}"}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "run", "--model", str(model),
+                        "--methods", "bf16,fp8,turboquant_3bit_nc", "--workloads", "capacity,throughput,latency",
+                        "--tp-requests", "3", "--tp-prompt", "20", "--tp-new", "5", "--lat-prompt", "30",
+                        "--lat-new", "4", "--lat-repeats", "2", "--out", str(out), "--out-dir", str(tmp_path / "logs")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads(out.read_text())
+    assert d["schema"] == bv.SCHEMA and d["complete"] and d["settings"]["max_model_len"] == 48
+    rows = {(x["method"], x["workload"]): x for x in d["rows"]}
+    assert rows[("bf16", "capacity")]["kv_tokens"] == 16000 == rows[("bf16", "capacity")]["vllm_log_kv_tokens"]
+    tp = rows[("bf16", "throughput")]
+    assert tp["requests"] == 3 and tp["new_tokens"] == 5 and tp["output_tok_s"] > 0 and tp["engine"]["vllm"] == "0.0.fake"
+    lat = rows[("bf16", "latency")]
+    assert len(lat["ttft_all_s"]) == 2 and lat["tpot_ms"] > 0
+    assert all("fake engine refuses fp8" in rows[("fp8", w)]["error"] for w in ("capacity", "throughput", "latency"))
+    assert "refuses fp8" in rows[("fp8", "capacity")]["log_tail"]
+    assert rows[("turboquant_3bit_nc", "all")]["skipped"]
+    assert [s["method"] for s in d["summary"]] == ["bf16"] * 4
