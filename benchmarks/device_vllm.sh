@@ -148,9 +148,13 @@ case "${1:-}" in
     if [ -f "$VLLM_SITE/.vllm_set" ]; then
       plugin_entry_point
       [ -f "$MODELS/qwen3-8b-dummy/config.json" ] || python3 benchmarks/bench_vllm.py prepare --root "$MODELS" --models qwen3-8b-dummy
-      t "plugin tests"
-      timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_vllm_plugin.py > "$OUT/tests-vllm.log" 2>&1
-      echo "tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/tests-vllm.log" | tail -12
+      if [ -f tests/test_vllm_plugin.py ]; then
+        t "plugin tests"
+        timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_vllm_plugin.py > "$OUT/tests-vllm.log" 2>&1
+        echo "tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/tests-vllm.log" | tail -12
+      else
+        echo "no tests/test_vllm_plugin.py in this checkout (the backend's branch not merged?): rotkv methods will fail"
+      fi
       [ "${START:-1}" = 1 ] && enqueue ${QWEN_JOBS:-qwen-cap qwen-lat qwen-tp qwen-lg}
     fi
     collect ;;
