@@ -14,7 +14,8 @@ rotkv/data/eval_python_reference.txt, repeated if short), the same preset, artif
 ``bf16`` compares vLLM's default backend with transformers' own cache: the divergence the two engines'
 bf16 arithmetic orders alone give. At the first differing step the JSON holds both sides' top-2 gaps: a
 divergence where the transformers path's top-2 gap is small (a near tie) is what reordered bf16 sums
-explain; a large gap is a real difference. Each side runs in its own subprocess (GPU memory).
+explain; a large gap is a real difference. Each vLLM engine and the transformers side run in their
+own subprocesses (GPU memory).
 
     python benchmarks/vllm_greedy_compare.py --model-dir ~/vllm-models/smollm2 --methods bf16,quarot-int2,oscar-mix \
         --artifact-dir artifacts --sink 16 --window 32 --out $OUT/greedy.json
@@ -102,13 +103,6 @@ def side_vllm(spec: dict) -> dict:
             top = sorted((lp.logprob for lp in step.values()), reverse=True)
             gaps.append(round(top[0] - top[1], 5) if len(top) > 1 else None)
         out[method] = dict(tokens=list(o.token_ids), top2_logprob_gap=gaps, engine_kwargs=kw)
-        del llm
-        import gc
-
-        import torch
-
-        gc.collect()
-        torch.cuda.empty_cache()
     return out
 
 
@@ -196,15 +190,18 @@ def main(argv=None) -> int:
                 configs={m: rotkv_config(m, args) for m in methods if m != "bf16"})
     work = Path(args.out or "greedy.json").resolve().parent
     work.mkdir(parents=True, exist_ok=True)
-    sp = work / "greedy-spec.json"
-    sp.write_text(json.dumps(spec))
-    sides = {}
-    for side in ("_vllm", "_rotkv"):
-        res = work / f"greedy{side}.json"
+    sides = {"_vllm": {}, "_rotkv": {}}
+    # one process per vLLM engine (an engine's GPU memory is only surely free once its process ends),
+    # one for the transformers side
+    jobs = [("_vllm", [m]) for m in methods] + [("_rotkv", methods)]
+    for side, ms in jobs:
+        sp = work / f"greedy-spec{side}-{len(sides[side])}.json"
+        sp.write_text(json.dumps({**spec, "methods": ms}))
+        res = sp.with_name(sp.name.replace("spec", "result"))
         rc = subprocess.run([sys.executable, __file__, side, str(sp), str(res)]).returncode
         if rc != 0 or not res.exists():
-            raise SystemExit(f"vllm_greedy_compare: the {side[1:]} side failed (exit {rc})")
-        sides[side] = json.loads(res.read_text())
+            raise SystemExit(f"vllm_greedy_compare: the {side[1:]} side failed for {ms} (exit {rc})")
+        sides[side].update(json.loads(res.read_text()))
     from results_io import write_results
 
     data = dict(schema="rotkv-vllm-greedy/1", context=args.context, new=args.new, text=str(TEXT.name),
