@@ -21,7 +21,7 @@ def fit_grids(model, tokenizer, artifact, spec, tokens: int = 4096, chunk_len: i
     """``{"k_grid", "v_grid"}`` ``[L, H, 2^bits]`` from ``tokens`` calibration tokens (the sink tokens skipped)."""
     from rotkv.calibrate.capture import capturing
     from rotkv.calibrate.corpus import token_chunks
-    from rotkv.rotations.artifact import model_geometry
+    from rotkv.hf.geometry import model_geometry
 
     layers, kv_heads, head_dim = model_geometry(model.config)
     bits, g = spec.bits, spec.resolved_group(head_dim)
@@ -61,7 +61,7 @@ def stored_keys(model, tokenizer, artifact, tokens: int = 4096, chunk_len: int =
     """Per layer, the stored keys ``(k - mu) R_K`` ``[H, T, D]`` of ``tokens`` calibration tokens (sinks skipped)."""
     from rotkv.calibrate.capture import capturing
     from rotkv.calibrate.corpus import token_chunks
-    from rotkv.rotations.artifact import model_geometry
+    from rotkv.hf.geometry import model_geometry
 
     layers = model_geometry(model.config)[0]
     rots = [artifact.layer_rotation(i) for i in range(layers)]

@@ -41,7 +41,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rotkv.hf.geometry import attention_modules, model_geometry, text_config
 from rotkv.quant.widths import KEY_WIDTHS, WIDTHS
 from rotkv.rotations.base import LayerRotation
 
@@ -175,6 +174,8 @@ def without_key_fits(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> 
 
 
 def config_hash(config) -> str:
+    from rotkv.hf.geometry import text_config  # the model side only: loading an artifact needs no transformers glue
+
     c = text_config(config)
     keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "head_dim", "vocab_size", "rope_theta", "rope_parameters", "max_position_embeddings")
@@ -189,6 +190,8 @@ def weights_fingerprint(model) -> str:
     GPU copy and an fp32 CPU copy agree) and hashes them. Values are folded into v_proj /
     o_proj, so those are left out: a folded model keeps its fingerprint.
     """
+    from rotkv.hf.geometry import attention_modules
+
     h = hashlib.sha256()
     for attn in attention_modules(model):
         for proj in (attn.q_proj, attn.k_proj):
@@ -200,6 +203,8 @@ def weights_fingerprint(model) -> str:
 
 def model_meta(model, model_id: str) -> dict[str, str]:
     """The metadata fields that tie an artifact to a model."""
+    from rotkv.hf.geometry import model_geometry
+
     layers, kv_heads, head_dim = model_geometry(model.config)
     return {
         "format_version": FORMAT_VERSION,
@@ -430,6 +435,8 @@ def check_contract(artifact: Artifact, spec) -> None:
 def validate_artifact(artifact: Artifact, model, spec=None) -> None:
     """Refuse an artifact made for another model, naming every field that differs; with ``spec``
     (a CacheSpec), also one calibrated for other settings (:func:`check_contract`)."""
+    from rotkv.hf.geometry import model_geometry
+
     layers, kv_heads, head_dim = model_geometry(model.config)
     want = {"num_layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
     diffs = [f"{k}: artifact {artifact.meta[k]} vs model {v}" for k, v in want.items() if int(artifact.meta[k]) != v]
