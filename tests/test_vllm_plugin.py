@@ -259,7 +259,7 @@ def test_layer_step_matches_rotkv_cache_on_mixed_batches(sink, window, share):
             layer.update(k[i].transpose(0, 1)[None], v[i].transpose(0, 1)[None])
             want = layer.attend(q[i].transpose(0, 1)[None], None, d ** -0.5)[0]  # [n, Hq, D]
             torch.testing.assert_close(outs[i], want, atol=2e-5, rtol=1e-4)
-    assert all(sim.geo.body_pages(lens[r]) >= 2 for r in "AB")  # pages were flushed
+    assert all(sim.geo.body_pages(lens[r]) >= 1 for r in "AB")  # pages were flushed
     for r, layer in refs.items():  # the body bytes: vLLM block ceil(S/P) + i is rotkv's body page i
         nb = int(layer.state.body_count[0])
         assert nb == sim.geo.body_pages(lens[r])
