@@ -264,7 +264,7 @@ def test_layer_step_matches_rotkv_cache_on_mixed_batches(sink, window, share):
         nb = int(layer.state.body_count[0])
         assert nb == sim.geo.body_pages(lens[r])
         theirs = layer.state.body_pages[0, :nb]
-        mine = torch.tensor(sim.blocks[r][sim.geo.block_offset:sim.geo.block_offset + nb])
+        mine = torch.tensor(sim.blocks[r][sim.geo.block_offset:sim.geo.block_offset + nb], dtype=torch.long)
         for side, part in enumerate(sim.body.parts):
             for name, t in zip(("codes", "scale", "lo"), part.tensors):
                 assert torch.equal(t[mine], layer.pools.body[side][name][theirs]), (r, side, name)
