@@ -31,7 +31,7 @@ WHERE = 'additional_config["rotkv"]'
 DEFAULT_PRESET = "quarot-int2"
 # the CacheSpec fields a user may override from vLLM (the others are format choices this backend fixes)
 SPEC_KEYS = ("sink", "window", "window_share", "group_size", "clip_k", "clip_v", "k_bits", "meta_k", "meta_v",
-             "key_mean", "rotate_values", "seed", "page_size", "prefill_chunk")
+             "key_mean", "rotate_values", "seed", "page_size")
 OWN_KEYS = ("preset", "artifact", "context_length", "spare_slots")
 PAGE_SIZE = 16  # the vLLM block size the backend accepts (one block = one body page)
 
