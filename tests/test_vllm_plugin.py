@@ -338,3 +338,109 @@ def test_register_sets_the_custom_backend():
     cls = AttentionBackendEnum.CUSTOM.get_class()
     assert cls.get_name() == "CUSTOM"
     assert cls.get_supported_kernel_block_sizes() == [P]
+
+
+# ---- the vLLM classes (where vLLM imports; its Python modules load on a CPU machine without its CUDA ops) ------
+def _fake_vllm_config(rotkv: dict, layers=1, kv_heads=2, head_dim=64, max_len=512, max_num_seqs=4):
+    from types import SimpleNamespace as NS
+
+    mc = NS(hf_text_config=NS(num_hidden_layers=layers), get_total_num_kv_heads=lambda: kv_heads,
+            get_head_size=lambda: head_dim, get_num_kv_heads=lambda pc: kv_heads, max_model_len=max_len, model="tiny")
+    return NS(cache_config=NS(enable_prefix_caching=False), speculative_config=None,
+              scheduler_config=NS(max_num_seqs=max_num_seqs), additional_config={"rotkv": rotkv}, model_config=mc,
+              parallel_config=NS())
+
+
+def test_vllm_spec_reports_int2_pages_and_shapes_the_kv_tensor():
+    """vLLM's own spec machinery sees the INT2 page (its FullAttentionManager runs it), and vLLM's own reshape of
+    the raw KV allocation gives the tensor the layout views, without a copy."""
+    pytest.importorskip("vllm.v1.attention.backend")
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+    from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
+
+    from rotkv.integrations.vllm.backend import _SLOT_BYTES, RotkvAttentionBackend, RotkvAttentionSpec
+
+    h, d, n = 2, 64, 9
+    layout = BlockLayout.of(h, d, P, *make_codecs("token", 2, 64, 1.0, 1.0))
+    spec = RotkvAttentionSpec(block_size=P, num_kv_heads=h, head_size=d, dtype=torch.uint8,
+                              rotkv_slot_bytes=layout.slot_bytes())
+    assert spec.page_size_bytes == layout.page_bytes() == P * h * 40
+    merged = RotkvAttentionSpec.merge([spec, spec])
+    assert type(merged) is RotkvAttentionSpec and merged.page_size_bytes == spec.page_size_bytes
+    assert KVCacheSpecRegistry.get_manager_class(spec) is FullAttentionManager
+    _SLOT_BYTES[(h, d)] = layout.slot_bytes()
+    shape = RotkvAttentionBackend.get_kv_cache_shape(n, P, h, d)
+    assert RotkvAttentionBackend.get_kv_cache_block_dim(P, h, d) == 0
+    raw = torch.zeros(n * spec.page_size_bytes, dtype=torch.int8)
+    kv = _reshape_attention_kv_cache(raw, spec, shape, tuple(range(len(shape))), n, None)
+    body = layout.body(kv, blocks_in(kv, spec.page_size_bytes))
+    assert body.num_pages == n and body.k.codes.data_ptr() == raw.data_ptr()
+
+
+def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch):
+    """vLLM's metadata (CommonAttentionMetadata) through rotkv's builder and impl: a profiling call, then mixed
+    steps of three requests (one starting after another finished); every output equals rotkv's own cache."""
+    pytest.importorskip("vllm.v1.attention.backend")
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from rotkv.cache.layer import HybridLayer
+    from rotkv.integrations.vllm import backend as be
+    from rotkv.rotations.registry import build_rotations
+
+    h, hq, d, nblocks = 2, 4, 64, 40
+    cfg = _fake_vllm_config({"preset": "quarot-int2", "sink": 4, "window": 16, "spare_slots": 1})
+    monkeypatch.setattr(be, "get_current_vllm_config", lambda: cfg)
+    mp = be.model_plan(cfg)
+    spec = be.RotkvAttentionSpec(block_size=P, num_kv_heads=h, head_size=d, dtype=torch.uint8,
+                                 rotkv_slot_bytes=mp.slot_bytes)
+    builder = be.RotkvMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], cfg, torch.device("cpu"))
+    impl = be.RotkvAttentionImpl(hq, d, d ** -0.5, h)
+    layer = NS(layer_name="model.layers.0.self_attn.attn")
+    out = torch.ones(3, hq, d)
+    impl.forward(layer, torch.randn(3, hq, d), torch.randn(3, h, d), torch.randn(3, h, d), torch.empty(0), None, out)
+    assert not out.any()  # the profiling run: zeros, and the side pool exists from now on
+    assert impl._layer["side"][0].shape == ((4 + 1 + 1) * mp.geometry.slot_pages, h, P, d)
+    kv = torch.zeros(nblocks, spec.page_size_bytes, dtype=torch.uint8)
+    rot = build_rotations("hadamard", 1, h, d)[0]
+    settings = parse_settings(cfg.additional_config)
+    free = list(range(nblocks - 1, 0, -1))
+    blocks, lens, refs = {}, {}, {}
+    gen = torch.Generator().manual_seed(2)
+    steps = [[("A", 30)], [("A", 1), ("B", 25)]] + [[("B", 1), ("A", 1)]] * 20 + [[("A", 1)], [("C", 20), ("A", 1)]]
+    for step in steps:
+        if step[0][0] == "C":  # B finished: its blocks go back (C may get B's first block, then B's slot)
+            free.extend(blocks.pop("B"))
+        names = [r for r, _ in step]
+        for r, n in step:
+            lens[r] = lens.get(r, 0) + n
+            have = blocks.setdefault(r, [])
+            while len(have) * P < lens[r]:
+                have.append(free.pop())
+        cols = 8
+        table = torch.zeros(len(names), cols, dtype=torch.int32)
+        for i, r in enumerate(names):
+            table[i, :len(blocks[r])] = torch.tensor(blocks[r])
+        counts = [n for _, n in step]
+        qs = torch.tensor([0] + list(np.cumsum(counts)), dtype=torch.int32)
+        seq = torch.tensor([lens[r] for r in names], dtype=torch.int32)
+        t = int(qs[-1])
+        cm = CommonAttentionMetadata(query_start_loc=qs, query_start_loc_cpu=qs, seq_lens=seq, num_reqs=len(names),
+                                     num_actual_tokens=t, max_query_len=max(counts), max_seq_len=int(seq.max()),
+                                     block_table_tensor=table, slot_mapping=torch.zeros(t, dtype=torch.int64),
+                                     seq_lens_cpu_upper_bound=seq)
+        md = builder.build(0, cm)
+        q, k, v = torch.randn(t + 2, hq, d, generator=gen), torch.randn(t + 2, h, d, generator=gen), torch.randn(t + 2, h, d, generator=gen)
+        out = torch.full((t + 2, hq, d), 7.0)
+        impl.forward(layer, q, k, v, kv, md, out)
+        assert not out[t:].any()  # vLLM's padded tokens
+        for i, (r, n) in enumerate(step):
+            a = int(qs[i])
+            if r not in refs:
+                refs[r] = HybridLayer(settings.spec, rot, d, h, 0, mp.codecs[0])
+            refs[r].update(k[a:a + n].transpose(0, 1)[None], v[a:a + n].transpose(0, 1)[None])
+            want = refs[r].attend(q[a:a + n].transpose(0, 1)[None], None, d ** -0.5)[0]
+            torch.testing.assert_close(out[a:a + n], want, atol=1e-4, rtol=1e-3)
+    assert mp.geometry.body_pages(lens["A"]) >= 2

@@ -146,6 +146,15 @@ def install_spec_hook() -> None:
     Attention.get_kv_cache_spec = get_kv_cache_spec
 
 
+def layer_index(layer_name: str) -> int:
+    """The model layer of an attention module's name (``model.layers.7.self_attn.attn`` -> 7), as vLLM's
+    ``extract_layer_index`` reads it: the one integer component."""
+    ints = [int(x) for x in layer_name.split(".") if x.isdigit()]
+    if len(ints) != 1:
+        raise ValueError(f"rotkv: cannot tell the layer index of attention module {layer_name!r}")
+    return ints[0]
+
+
 class RotkvAttentionBackend(AttentionBackend):
     accept_output_buffer: bool = True
     forward_includes_kv_cache_update: bool = True
@@ -255,10 +264,8 @@ class RotkvAttentionImpl(AttentionImpl[RotkvMetadata]):
     def _setup(self, layer, device, dtype) -> dict:
         if self._layer:
             return self._layer
-        from vllm.model_executor.models.utils import extract_layer_index
-
         mp = self.mp
-        i = extract_layer_index(layer.layer_name)
+        i = layer_index(layer.layer_name)
         rot = shard_rotation(mp.rotations[i], mp.total_kv_heads, mp.tp_size, mp.tp_rank).to(device)
         layout = mp.layouts[i]
         if layout.kv_heads != self.num_kv_heads or layout.head_dim != self.head_size:
