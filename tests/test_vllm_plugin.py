@@ -270,6 +270,14 @@ def test_layer_step_matches_rotkv_cache_on_mixed_batches(sink, window, share):
                 assert torch.equal(t[mine], layer.pools.body[side][name][theirs]), (r, side, name)
 
 
+def test_merged_prefill_path_matches_rotkv_cache(monkeypatch):
+    """The CUDA prefill's arithmetic (history and own tokens apart, merged by log-sum-exp), run on the CPU."""
+    from rotkv.integrations.vllm import attention
+
+    monkeypatch.setattr(attention, "MERGED_PREFILL", True)
+    test_layer_step_matches_rotkv_cache_on_mixed_batches(4, 16, 0.0)
+
+
 def test_layer_step_bf16_side_pool_matches_rotkv_bf16_tier():
     """With rotkv's default bf16 tier (the side pool in bf16): the same outputs as rotkv's cache."""
     from rotkv.cache.layer import HybridLayer

@@ -23,6 +23,11 @@ from rotkv.kernels.reference import decode_reference, dequant_rows, quant_write_
 from rotkv.rotations.base import LayerRotation
 
 
+# the CUDA prefill's two-part attention (history and own tokens merged by log-sum-exp) on every device; the
+# CPU tests set it to check that path against rotkv's cache
+MERGED_PREFILL = False
+
+
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1)  # [T, H, D] -> [H, T, D]
 
@@ -65,7 +70,9 @@ def _decode(plan, qr: torch.Tensor, body: PagedBody, side_k, side_v, block_table
         last = torch.where(torch.from_numpy(plan.body_before[plan.decode_rows]) > 0, body.page_size, 0)
         table = (plan.device("dbody_indptr", dev), plan.device("dbody_pos", dev, block_table),
                  last.to(device=dev, dtype=torch.int32))
-    tier = tuple(torch.from_numpy(a).to(dev) for a in plan.dtier)
+    tier = plan.dev.get(("dtier", str(dev)))
+    if tier is None:  # once per step, shared by the layers
+        tier = plan.dev[("dtier", str(dev))] = tuple(torch.from_numpy(a).to(dev, non_blocking=True) for a in plan.dtier)
     if kernels.enabled(qr):
         from rotkv.kernels.decode import decode_attention
 
@@ -102,12 +109,24 @@ def _history(plan, r: int, body: PagedBody, side_k, side_v, block_table, geo, dt
 
 def _prefill(plan, r: int, q: torch.Tensor, kr, vr, body, side_k, side_v, block_table, geo, rot, scale):
     """Prefill row ``r``'s output ``[n, Hq, D]`` (model basis): its rotated queries over its history and its
-    own rotated keys and values (causal), one softmax (float32 on the CPU, the model dtype on CUDA)."""
+    own rotated keys and values (causal). On CUDA in the model dtype, the history and the own tokens apart
+    (PyTorch's fused kernels, no mask) merged by their log-sum-exp, as rotkv's own prefill does
+    (``rotkv.cache.layer.attention_lse``); elsewhere one float32 softmax with a mask (the reference)."""
     cdt = q.dtype if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)) else torch.float32
     a, b = int(plan.query_start[r]), int(plan.query_start[r + 1])
     n = b - a
     ks, vs = _history(plan, r, body, side_k, side_v, block_table, geo, cdt)
     hist = sum(x.shape[1] for x in ks)
+    if cdt != torch.float32 or MERGED_PREFILL:
+        from rotkv.cache.layer import attention_lse, merge_lse
+
+        qr = _rotate_q(rot, q[a:b], cdt).transpose(0, 1)[None]  # [1, Hq, n, D]
+        ko, vo = (_heads_first(x[a:b]).to(cdt)[None] for x in (kr, vr))
+        o, lse = attention_lse(qr, ko, vo, True, scale)
+        if hist:
+            oh, lh = attention_lse(qr, torch.cat(ks, 1)[None], torch.cat(vs, 1)[None], False, scale)
+            o = merge_lse(oh, lh, o, lse).to(cdt)
+        return _unrotate_o(rot, o[0].transpose(0, 1), q.dtype)
     k = torch.cat(ks + [_heads_first(kr[a:b]).to(cdt)], 1)[None]  # [1, H, hist + n, D]
     v = torch.cat(vs + [_heads_first(vr[a:b]).to(cdt)], 1)[None]
     qr = _rotate_q(rot, q[a:b], cdt).transpose(0, 1)[None]  # [1, Hq, n, D]
