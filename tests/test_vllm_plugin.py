@@ -292,7 +292,7 @@ def test_layer_step_bf16_side_pool_matches_rotkv_bf16_tier():
     gen = torch.Generator().manual_seed(1)
     total = 0
     for n in [50, 1, 1, 1, 20] + [1] * 20:
-        q, k, v = torch.randn(n, hq, d, generator=gen), torch.randn(n, h, d, generator=gen), torch.randn(n, h, d, generator=gen)
+        q, k, v = (torch.randn(n, m, d, generator=gen) for m in (hq, h, h))
         total += n
         (out,), _ = sim.step(["A"], [total], [q], [k], [v])
         ref.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None])
@@ -440,7 +440,7 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch):
                                      block_table_tensor=table, slot_mapping=torch.zeros(t, dtype=torch.int64),
                                      seq_lens_cpu_upper_bound=seq)
         md = builder.build(0, cm)
-        q, k, v = torch.randn(t + 2, hq, d, generator=gen), torch.randn(t + 2, h, d, generator=gen), torch.randn(t + 2, h, d, generator=gen)
+        q, k, v = (torch.randn(t + 2, m, d, generator=gen) for m in (hq, h, h))
         out = torch.full((t + 2, hq, d), 7.0)
         impl.forward(layer, q, k, v, kv, md, out)
         assert not out[t:].any()  # vLLM's padded tokens

@@ -2,7 +2,8 @@
 blocks, with the bf16 sink and window in a backend-owned side pool (``docs/vllm.md``).
 
 ``register`` is the ``vllm.general_plugins`` entry point (``pyproject.toml``): vLLM calls it in every process
-it starts, and it points ``AttentionBackendEnum.CUSTOM`` at :class:`~rotkv.integrations.vllm.backend.RotkvAttentionBackend`
+it starts, and it points ``AttentionBackendEnum.CUSTOM`` at
+:class:`~rotkv.integrations.vllm.backend.RotkvAttentionBackend`
 and makes the layers on that backend report INT2 pages to vLLM's block accounting. Select it with
 ``--attention-backend CUSTOM`` (``LLM(..., attention_backend="CUSTOM")``); settings in ``additional_config``
 (:mod:`rotkv.integrations.vllm.config`). Importing this package imports neither vLLM nor ``rotkv.hf``.

@@ -1,6 +1,7 @@
 """rotkv's vLLM attention backend (vLLM 0.20 - 0.26; written against 0.26's ``vllm.v1.attention``).
 
-- :class:`RotkvAttentionBackend`: the class ``AttentionBackendEnum.CUSTOM`` points at (:func:`rotkv.integrations.vllm.register`).
+- :class:`RotkvAttentionBackend`: the class ``AttentionBackendEnum.CUSTOM`` points at
+  (:func:`rotkv.integrations.vllm.register`).
   Its KV cache per layer is one uint8 tensor of ``num_blocks`` INT2 pages (:mod:`rotkv.integrations.vllm.layout`).
 - :class:`RotkvAttentionSpec`: vLLM's ``FullAttentionSpec`` with the INT2 page size (the bytes of one token and KV
   head, keys and values with their metadata, times ``block_size * num_kv_heads``), so that vLLM's block
@@ -226,7 +227,9 @@ class RotkvMetadataBuilder(AttentionMetadataBuilder[RotkvMetadata]):
         cm = common_attn_metadata
         b = cm.num_reqs
         qs = cm.query_start_loc_cpu[: b + 1].numpy().astype(np.int64)
-        lens = cm.seq_lens_cpu_upper_bound if cm.seq_lens_cpu_upper_bound is not None else cm._seq_lens_cpu
+        # exact on the host without speculative decoding (refused); older vLLMs name it differently
+        lens = getattr(cm, "seq_lens_cpu_upper_bound", None)
+        lens = lens if lens is not None else getattr(cm, "_seq_lens_cpu", None)
         lens = (lens if lens is not None else cm.seq_lens.cpu())[:b].numpy().astype(np.int64)
         table = cm.block_table_tensor[:b]
         keys = table[:, 0].cpu().numpy().astype(np.int64)  # the requests' first blocks: their side-pool keys
@@ -269,7 +272,8 @@ class RotkvAttentionImpl(AttentionImpl[RotkvMetadata]):
         rot = shard_rotation(mp.rotations[i], mp.total_kv_heads, mp.tp_size, mp.tp_rank).to(device)
         layout = mp.layouts[i]
         if layout.kv_heads != self.num_kv_heads or layout.head_dim != self.head_size:
-            raise ValueError(f"rotkv: layer {i} has {self.num_kv_heads} KV heads of {self.head_size} dims on this rank, "
+            raise ValueError(f"rotkv: layer {i} has {self.num_kv_heads} KV heads of {self.head_size} dims on this "
+                             f"rank, "
                              f"the plan {layout.kv_heads} of {layout.head_dim}")
         geo = mp.geometry
         slots = get_current_vllm_config().scheduler_config.max_num_seqs + mp.settings.spare_slots

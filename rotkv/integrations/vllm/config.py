@@ -149,7 +149,8 @@ def load_rotations(settings: VllmSettings, num_layers: int, kv_heads: int, head_
     want = {"num_layers": num_layers, "kv_heads": kv_heads, "head_dim": head_dim}
     diffs = [f"{k}: artifact {art.meta.get(k)} vs model {v}" for k, v in want.items() if int(art.meta.get(k, -1)) != v]
     if diffs:
-        raise ValueError(f'{WHERE}["artifact"] {settings.artifact} was made for another model ({art.meta.get("model_id", "?")}): '
+        made_for = art.meta.get("model_id", "?")
+        raise ValueError(f'{WHERE}["artifact"] {settings.artifact} was made for another model ({made_for}): '
                          + "; ".join(diffs))
     check_contract(art, spec)
     if art.values_folded:
