@@ -452,3 +452,48 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch):
             want = refs[r].attend(q[a:a + n].transpose(0, 1)[None], None, d ** -0.5)[0]
             torch.testing.assert_close(out[a:a + n], want, atol=1e-4, rtol=1e-3)
     assert mp.geometry.body_pages(lens["A"]) >= 2
+
+
+def _kernel_paths_check():
+    """The mixed-batch check with rotkv's Triton kernels (decode over the side pool's tier table, the fused write
+    into the part views) in place of their references: run under TRITON_INTERPRET=1 by the test below."""
+    from types import SimpleNamespace
+
+    from rotkv.cache.layer import HybridLayer
+    from rotkv.integrations.vllm import attention
+
+    # the kernels for the backend only: rotkv's cache (the reference) keeps its PyTorch path on the CPU
+    attention.kernels = SimpleNamespace(enabled=lambda t: True, decode_config=attention.kernels.decode_config)
+
+    h, hq, d = 2, 4, 64
+    spec = CacheSpec(bits=2, group_size=64, sink=4, window=16, page_size=P, tier_dtype="float32",
+                     rotation="identity", clip_k=0.96, clip_v=0.92)
+    rot = _rotation(h, d, 3)
+    sim = VllmSim(spec, rot, h, hq, d)
+    gen = torch.Generator().manual_seed(3)
+    refs, lens = {}, {}
+    for step in [[("A", 40)], [("A", 1), ("B", 30)]] + [[("B", 1), ("A", 1)]] * 8:
+        names = [r for r, _ in step]
+        q, k, v = ([torch.randn(n, m, d, generator=gen) for _, n in step] for m in (hq, h, h))
+        for r, n in step:
+            lens[r] = lens.get(r, 0) + n
+        outs, _ = sim.step(names, [lens[r] for r in names], q, k, v)
+        for i, r in enumerate(names):
+            layer = refs.setdefault(r, HybridLayer(spec, rot, d, h, 0, sim.codecs))
+            layer.update(k[i].transpose(0, 1)[None], v[i].transpose(0, 1)[None])
+            want = layer.attend(q[i].transpose(0, 1)[None], None, d ** -0.5)[0]
+            torch.testing.assert_close(outs[i], want, atol=3e-2, rtol=3e-2)  # the interpreter's fp16 dots
+    assert sim.geo.body_pages(lens["A"]) >= 1 and sim.geo.body_pages(lens["B"]) >= 1  # both flushed
+    print("kernel paths ok")
+
+
+def test_kernel_paths_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    import os
+    from pathlib import Path
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = "import test_vllm_plugin as t; t._kernel_paths_check()"
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and "kernel paths ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
