@@ -323,6 +323,33 @@ def test_backend_modules_do_not_import_rotkv_hf():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_no_import_path_from_the_backend_to_rotkv_hf():
+    """Read from the source (module- and function-level imports, transitively): the backend reaches rotkv's
+    cache, kernels, rotations and quantizer, never the transformers glue in rotkv.hf (but for the one edge
+    named below)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "import_cycles.py"
+    spec = importlib.util.spec_from_file_location("import_cycles", path)
+    ic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ic)
+    # artifact.py's functions that take a transformers model (fingerprint, validate_artifact) import rotkv.hf
+    # inside them; the backend calls none of them (checked at run time by the test above)
+    model_side = {("rotkv.rotations.artifact", "rotkv.hf.geometry")}
+    edges = [e for e in ic.edges(ic.modules()) if e not in model_side]
+    start = {a for a, _ in edges if a.startswith("rotkv.integrations.vllm")}
+    seen, todo = set(start), list(start)
+    while todo:
+        m = todo.pop()
+        for a, b in edges:
+            if a == m and b not in seen:
+                seen.add(b)
+                todo.append(b)
+    assert "rotkv.integrations.vllm.backend" in start and "rotkv.kernels.decode" in seen
+    assert not [m for m in seen if m.startswith("rotkv.hf")]
+
+
 def test_entry_point_is_declared():
     import tomllib
     from pathlib import Path
