@@ -290,7 +290,7 @@ class RotkvAttentionImpl(AttentionImpl[RotkvMetadata]):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError(f"{WHERE}: rotkv's backend does not fuse output quantization")
         st = self._setup(layer, query.device, query.dtype)
-        if attn_metadata is None:  # vLLM's profiling run: no cache yet
+        if attn_metadata is None or kv_cache.numel() == 0:  # vLLM's profiling run: no cache yet
             return output.fill_(0)
         key_ = (kv_cache.data_ptr(), kv_cache.numel())
         if self._body is None or self._body[0] != key_:
