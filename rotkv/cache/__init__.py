@@ -1,7 +1,17 @@
-"""The hybrid KV cache: layers, codecs, and the transformers Cache subclass."""
+"""The hybrid KV cache: layers, codecs, and the transformers Cache subclass.
 
-from rotkv.cache.assembly import resolve_spec
-from rotkv.cache.cache import RotkvCache, make_cache
-from rotkv.cache.layer import HybridLayer
+The names below load on first use, so that ``rotkv.cache.pools`` / ``rotkv.cache.codecs`` (what an
+engine integration reads) import without the transformers glue of ``rotkv.hf``."""
+
+import importlib
+
+_LAZY = {"resolve_spec": "rotkv.cache.assembly", "RotkvCache": "rotkv.cache.cache", "make_cache": "rotkv.cache.cache",
+         "HybridLayer": "rotkv.cache.layer"}
 
 __all__ = ["HybridLayer", "RotkvCache", "make_cache", "resolve_spec"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'rotkv.cache' has no attribute {name!r}")

@@ -1,0 +1,176 @@
+"""One layer's attention and cache update for one vLLM step, on plain tensors (no vLLM import).
+
+:func:`layer_step` takes the step's :class:`~rotkv.integrations.vllm.state.StepPlan` (planned once per step
+from vLLM's ``query_start_loc``, ``seq_lens`` and ``block_table``), the layer's queries, keys and values of
+the step's new tokens (vLLM's ``[tokens, heads, D]``), its INT2 body over vLLM's blocks
+(:class:`~rotkv.kernels.body.PagedBody`, :mod:`rotkv.integrations.vllm.layout`), its bf16 side pool, the
+layer's rotation and codecs; it writes the attention output. The order of a step is the module docstring's
+of :mod:`rotkv.integrations.vllm.state`. On CUDA it runs rotkv's kernels (the split-K decode over the body and
+the side pool, the fused quantizing write); elsewhere their PyTorch references (``rotkv.kernels.reference``),
+which the CPU tests compare against rotkv's own cache.
+
+Keys are stored as ``(k - mu) R_K`` and values as ``v R_V`` (rotkv's semantics); queries are rotated by
+their KV group's ``R_K`` and outputs turned back by ``R_V^T``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rotkv.kernels import backend as kernels
+from rotkv.kernels.body import PagedBody
+from rotkv.kernels.reference import decode_reference, dequant_rows, quant_write_reference
+from rotkv.rotations.base import LayerRotation
+
+
+# the CUDA prefill's two-part attention (history and own tokens merged by log-sum-exp) on every device; the
+# CPU tests set it to check that path against rotkv's cache
+MERGED_PREFILL = False
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(0, 1)  # [T, H, D] -> [H, T, D]
+
+
+def rotate_kv(rot: LayerRotation, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
+    """``(k - mu) R_K`` and ``v R_V`` of ``[T, H, D]`` tokens, in ``dtype`` (the side pool's)."""
+    kr = rot.keys(_heads_first(k), dtype)
+    vr = rot.values(_heads_first(v), dtype)
+    return _heads_first(kr), _heads_first(vr)
+
+
+def _rotate_q(rot: LayerRotation, q: torch.Tensor, dtype) -> torch.Tensor:
+    """``[T, Hq, D]`` -> ``q R_K(g)`` ``[T, Hq, D]``."""
+    return rot.queries(q.transpose(0, 1)[None], dtype)[0].transpose(0, 1)
+
+
+def _unrotate_o(rot: LayerRotation, o: torch.Tensor, dtype) -> torch.Tensor:
+    return rot.outputs(o.transpose(0, 1)[None], dtype)[0].transpose(0, 1)
+
+
+def write_body(x: torch.Tensor, blocks: torch.Tensor, part, clip: float) -> None:
+    """Quantize ``x [n * P, H, D]`` (rotated tokens, page ``i`` = tokens ``i*P .. i*P+P-1``) into body pages
+    ``blocks [n]`` of ``part``: rotkv's fused write kernel on CUDA, its reference elsewhere."""
+    p = part.codes.shape[2]
+    slots = (blocks.long()[:, None] * p + torch.arange(p, device=blocks.device)[None]).reshape(-1)
+    if kernels.enabled(x):
+        from rotkv.kernels.write import quant_write
+
+        quant_write(x, slots, part, clip=clip)
+    else:
+        quant_write_reference(x, slots, part, clip=clip)
+
+
+def _decode(plan, qr: torch.Tensor, body: PagedBody, side_k, side_v, block_table, scale: float) -> torch.Tensor:
+    """The decode rows' attention ``[Bd, Hq, D]`` (rotated basis) over their body pages and side-pool tier."""
+    dev = qr.device
+    has_body = plan.dbody_max > 0
+    table = None
+    if has_body:
+        last = torch.where(torch.from_numpy(plan.body_before[plan.decode_rows]) > 0, body.page_size, 0)
+        table = (plan.device("dbody_indptr", dev), plan.device("dbody_pos", dev, block_table),
+                 last.to(device=dev, dtype=torch.int32))
+    tier = plan.dev.get(("dtier", str(dev)))
+    if tier is None:  # once per step, shared by the layers
+        tier = plan.dev[("dtier", str(dev))] = tuple(torch.from_numpy(a).to(dev, non_blocking=True) for a in plan.dtier)
+    if kernels.enabled(qr):
+        from rotkv.kernels.decode import decode_attention
+
+        return decode_attention(qr, body if has_body else None, table, plan.dbody_max, (side_k, side_v), tier,
+                                plan.dtier_max, sm_scale=scale, cfg=kernels.decode_config(), tier_start=plan.pad)
+    return decode_reference(qr, body if has_body else None, table, side_k, side_v, tier, sm_scale=scale,
+                            tier_start=plan.pad)
+
+
+def _history(plan, r: int, body: PagedBody, side_k, side_v, block_table, geo, dtype):
+    """Prefill row ``r``'s stored keys and values ``[H, n, D]`` in ``dtype``: its body pages (dequantized) and
+    its tier (sink, then window) as they were before the step."""
+    c, nb, p = int(plan.computed[r]), int(plan.body_before[r]), geo.page
+    ks, vs = [], []
+    if nb:
+        blocks = block_table[r, geo.block_offset:geo.block_offset + nb].long()
+        for part, out in zip(body.parts, (ks, vs)):
+            parts = [t[blocks] for t in part.tensors]  # [nb, H, P, W]
+            parts = [t.permute(1, 0, 2, 3).reshape(t.shape[1], nb * p, t.shape[3]) for t in parts]
+            out.append(dequant_rows(*parts, part.bits, part.group_size).to(dtype))
+    base = int(plan.slots[r]) * geo.slot_pages
+    t = torch.arange(c)
+    t = t[(t < geo.sink) | (t >= geo.sink + nb * p)]
+    if len(t):
+        sink = t < geo.sink
+        tpos = geo.pad + t
+        a = torch.where(sink, 0, (t - geo.sink) // p)
+        page = torch.where(sink, base + tpos // p, base + geo.sink_pages + a % geo.ring_pages).to(side_k.device)
+        off = torch.where(sink, tpos % p, (t - geo.sink) % p).to(side_k.device)
+        ks.append(side_k[page, :, off].transpose(0, 1).to(dtype))
+        vs.append(side_v[page, :, off].transpose(0, 1).to(dtype))
+    return ks, vs
+
+
+def _prefill(plan, r: int, q: torch.Tensor, kr, vr, body, side_k, side_v, block_table, geo, rot, scale):
+    """Prefill row ``r``'s output ``[n, Hq, D]`` (model basis): its rotated queries over its history and its
+    own rotated keys and values (causal). On CUDA in the model dtype, the history and the own tokens apart
+    (PyTorch's fused kernels, no mask) merged by their log-sum-exp, as rotkv's own prefill does
+    (``rotkv.cache.layer.attention_lse``); elsewhere one float32 softmax with a mask (the reference)."""
+    cdt = q.dtype if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)) else torch.float32
+    a, b = int(plan.query_start[r]), int(plan.query_start[r + 1])
+    n = b - a
+    ks, vs = _history(plan, r, body, side_k, side_v, block_table, geo, cdt)
+    hist = sum(x.shape[1] for x in ks)
+    if cdt != torch.float32 or MERGED_PREFILL:
+        from rotkv.cache.layer import attention_lse, merge_lse
+
+        qr = _rotate_q(rot, q[a:b], cdt).transpose(0, 1)[None]  # [1, Hq, n, D]
+        ko, vo = (_heads_first(x[a:b]).to(cdt)[None] for x in (kr, vr))
+        o, lse = attention_lse(qr, ko, vo, True, scale)
+        if hist:
+            oh, lh = attention_lse(qr, torch.cat(ks, 1)[None], torch.cat(vs, 1)[None], False, scale)
+            o = merge_lse(oh, lh, o, lse).to(cdt)
+        return _unrotate_o(rot, o[0].transpose(0, 1), q.dtype)
+    k = torch.cat(ks + [_heads_first(kr[a:b]).to(cdt)], 1)[None]  # [1, H, hist + n, D]
+    v = torch.cat(vs + [_heads_first(vr[a:b]).to(cdt)], 1)[None]
+    qr = _rotate_q(rot, q[a:b], cdt).transpose(0, 1)[None]  # [1, Hq, n, D]
+    keys = torch.arange(hist + n, device=q.device)
+    mask = keys[None, :] < hist + 1 + torch.arange(n, device=q.device)[:, None]  # history, then causal own
+    o = torch.nn.functional.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scale,
+                                                         enable_gqa=qr.shape[1] != k.shape[1])
+    return _unrotate_o(rot, o[0].transpose(0, 1), q.dtype)
+
+
+def layer_step(plan, geo, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, body: PagedBody,
+               side_k: torch.Tensor, side_v: torch.Tensor, block_table: torch.Tensor, rot: LayerRotation,
+               codecs, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """One layer of one step (see the module docstring). ``q [T, Hq, D]``, ``k, v [T, H, D]`` (the step's new
+    tokens, T >= ``plan.num_tokens``: vLLM may pad), ``side_k, side_v [pages, H, P, D]``, ``block_table [B, M]``
+    (vLLM's), ``rot`` this rank's heads, ``codecs`` (key, value) TokenCodecs; writes ``out [T, Hq, D]``."""
+    dev, sdt = q.device, side_k.dtype
+    t = plan.num_tokens
+    kr, vr = rotate_kv(rot, k[:t], v[:t], sdt)
+    if len(plan.decode_rows):  # (1) decode tokens into the side pool
+        pg, off, tok = (plan.device(n, dev) for n in ("dwrite_page", "dwrite_off", "dwrite_tok"))
+        side_k[pg, :, off] = kr[tok]
+        side_v[pg, :, off] = vr[tok]
+        # (2) decode attention
+        tok = plan.device("dwrite_tok", dev)
+        qr = _rotate_q(rot, q[tok], q.dtype)
+        o = _decode(plan, qr, body, side_k, side_v, block_table, scale)
+        out[tok] = _unrotate_o(rot, o, out.dtype)
+    for r in plan.prefill_rows.tolist():  # (2) prefill attention
+        a, b = int(plan.query_start[r]), int(plan.query_start[r + 1])
+        out[a:b] = _prefill(plan, r, q[:t], kr, vr, body, side_k, side_v, block_table, geo, rot, scale).to(out.dtype)
+    if len(plan.flush_pos):  # (3) the flush
+        n = len(plan.flush_pos) * geo.page
+        blocks = plan.device("flush_pos", dev, block_table)
+        for x_new, side, part, codec in ((kr, side_k, body.k, codecs[0]), (vr, side_v, body.v, codecs[1])):
+            x = torch.empty(n, x_new.shape[1], x_new.shape[2], dtype=sdt, device=dev)
+            if len(plan.flush_from_side):
+                x[plan.device("flush_from_side", dev)] = side[plan.device("flush_side_page", dev), :,
+                                                              plan.device("flush_side_off", dev)]
+            if len(plan.flush_from_call):
+                x[plan.device("flush_from_call", dev)] = x_new[plan.device("flush_call_tok", dev)]
+            write_body(x, blocks, part, codec.clip)
+    if len(plan.pwrite_page):  # (4) prefill tokens that stay
+        pg, off, tok = (plan.device(n, dev) for n in ("pwrite_page", "pwrite_off", "pwrite_tok"))
+        side_k[pg, :, off] = kr[tok]
+        side_v[pg, :, off] = vr[tok]
+    return out

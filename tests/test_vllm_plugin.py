@@ -1,0 +1,526 @@
+"""rotkv's vLLM backend on the CPU: block layout and sizes, settings, tensor-parallel sharding, the step planner
+and one layer's attention + cache update against rotkv's own paged cache (HybridLayer), over vLLM-style
+metadata (query_start_loc, seq_lens, block_table) with mixed prefill/decode batches and window flushes.
+The vLLM classes themselves are tested where vLLM imports (skipped otherwise)."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from rotkv.cache.codecs import make_codecs
+from rotkv.config import CacheSpec, get_preset
+from rotkv.integrations.vllm.attention import layer_step
+from rotkv.integrations.vllm.config import check_spec, layer_codecs, parse_settings
+from rotkv.integrations.vllm.layout import BlockLayout, blocks_in, group_page_bytes
+from rotkv.integrations.vllm.state import Geometry, SlotTable, plan_step
+from rotkv.integrations.vllm.tp import local_heads, shard_heads, shard_rotation
+from rotkv.kernels.body import PagedBody
+from rotkv.rotations.base import LayerRotation
+
+P = 16
+
+
+# ---- layout ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits,meta_v", [((2, 2), None), ((4, 2), "float8"), ((2, 4), None)])
+def test_block_bytes_and_byte_view_round_trip(bits, meta_v):
+    """One block = one page of K and V: its bytes are codes + scale + lo of both sides, and the part views over
+    a flat uint8 buffer hold exactly what rotkv's separate codes/scale/lo tensors hold (and nothing overlaps)."""
+    h, d, g, nblocks = 3, 64, 32, 7
+    kc, vc = make_codecs("token", 2, g, 1.0, 1.0, key_bits=bits[0], meta_v=meta_v)
+    vc.bits = bits[1]
+    layout = BlockLayout.of(h, d, P, kc, vc)
+    msz_v = 1 if meta_v == "float8" else 2
+    per_token = (d * bits[0] // 8 + 2 * (d // g) * 2) + (d * bits[1] // 8 + 2 * (d // g) * msz_v)
+    assert layout.slot_bytes() == per_token
+    assert layout.page_bytes() == P * h * per_token
+    buf = torch.zeros(nblocks * layout.page_bytes(), dtype=torch.uint8)
+    assert blocks_in(buf, layout.page_bytes()) == nblocks
+    body = layout.body(buf, nblocks)
+    ref = PagedBody.zeros(nblocks, h, P, d, bits, g)  # rotkv's own separate tensors (fp16 metadata)
+    gen = torch.Generator().manual_seed(0)
+    for mine, theirs in zip(body.tensors(), ref.tensors()):
+        if theirs.dtype == torch.uint8:
+            theirs.copy_(torch.randint(0, 256, theirs.shape, generator=gen, dtype=torch.uint8))
+        else:
+            theirs.copy_(torch.randn(theirs.shape, generator=gen).to(theirs.dtype))
+        assert mine.shape == theirs.shape and mine.is_contiguous() and mine.data_ptr() % 16 == 0
+        mine.copy_(theirs.to(mine.dtype))
+    for mine, theirs in zip(body.tensors(), ref.tensors()):  # every part still reads back: no overlap
+        assert torch.equal(mine.float(), theirs.to(mine.dtype).float())
+    # the views share the buffer: a byte written through the buffer shows in the view
+    again = layout.body(buf, nblocks)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(again.tensors(), body.tensors()))
+    assert sum(t.numel() * t.element_size() for t in body.tensors()) == buf.numel()
+
+
+def test_int2_block_is_much_smaller_than_bf16():
+    """The capacity vLLM's accounting sees: INT2 K and V with fp16 metadata (G = 64, D = 128) take 80 bytes per
+    token and head against bf16's 512: 6.4x the tokens at the same memory."""
+    kc, vc = make_codecs("token", 2, 64, 1.0, 1.0)
+    layout = BlockLayout.of(8, 128, P, kc, vc)
+    assert layout.slot_bytes() == 80
+    assert 2 * 128 * 2 / layout.slot_bytes() == pytest.approx(6.4)
+    k4, v4 = make_codecs("token", 2, 64, 1.0, 1.0, key_bits=4)
+    assert group_page_bytes([layout, BlockLayout.of(8, 128, P, k4, v4)]) == P * 8 * (80 + 32)
+
+
+# ---- settings ----------------------------------------------------------------------------------------------
+def test_settings_from_additional_config_and_env(monkeypatch, tmp_path):
+    s = parse_settings({"rotkv": {"preset": "quarot-int2", "sink": 32, "window": 64}})
+    assert (s.spec.name, s.spec.sink, s.spec.window, s.artifact) == ("quarot-int2", 32, 64, None)
+    assert parse_settings({}).spec.name == "quarot-int2"
+    monkeypatch.setenv("ROTKV_VLLM_CONFIG", json.dumps({"preset": "naive-int2", "window": 48}))
+    s = parse_settings({})
+    assert (s.spec.name, s.spec.window) == ("naive-int2", 48)
+    assert parse_settings({"rotkv": {"preset": "int4"}}).spec.name == "int4"  # additional_config wins
+    monkeypatch.setenv("ROTKV_VLLM_CONFIG", "{not json")
+    with pytest.raises(ValueError, match="ROTKV_VLLM_CONFIG"):
+        parse_settings({})
+
+
+@pytest.mark.parametrize("raw,match", [
+    ({"presett": "quarot-int2"}, r"unknown key\(s\) \['presett'\]"),
+    ({"preset": "nope"}, "unknown preset"),
+    ({"preset": "bf16"}, "unquantized"),
+    ({"preset": "kivi-2"}, "codec 'kivi'"),
+    ({"preset": "oscar-refine", "artifact": __file__}, "refine tier"),
+    ({"preset": "pmkvq"}, "progressive"),
+    ({"preset": "quarot-int2", "page_size": 32}, "page_size=32"),
+    ({"preset": "oscar-mix"}, r'needs a calibration artifact: set additional_config\["rotkv"\]\["artifact"\]'),
+    ({"preset": "oscar-mix", "artifact": "/no/such.safetensors"}, "no such file"),
+    ({"preset": "quarot-int2", "sink": "16"}, "`sink` has to be an int"),
+    ({"preset": "quarot-int2", "context_length": 0}, "context_length"),
+    ({"preset": "quarot-int2", "spare_slots": -1}, "spare_slots"),
+])
+def test_settings_errors_name_the_key(raw, match):
+    with pytest.raises(ValueError, match=match):
+        parse_settings({"rotkv": raw})
+
+
+def test_layer_codecs_follow_the_spec():
+    spec = get_preset("quarot-int2", k_bits="1:4", meta_v="float8")
+    rot = LayerRotation(clip_k=0.9)
+    kc, vc = layer_codecs(spec, 0, 64, rot, num_layers=2)
+    assert (kc.bits, vc.bits, kc.clip, vc.meta) == (2, 2, 0.9, "float8")
+    kc, _ = layer_codecs(spec, 1, 64, LayerRotation(), num_layers=2)
+    assert kc.bits == 4 and kc.clip == 1.0
+    with pytest.raises(ValueError, match="names layers"):
+        layer_codecs(get_preset("quarot-int2", k_bits="5:4"), 0, 64, rot, num_layers=2)
+
+
+def test_artifact_settings_check_the_geometry(tmp_path):
+    from rotkv.integrations.vllm.config import load_rotations
+    from rotkv_testing import make_tiny_llama, write_artifact
+
+    model = make_tiny_llama()
+    path = write_artifact(model, tmp_path / "a.safetensors")
+    s = parse_settings({"rotkv": {"preset": "oscar-int2", "artifact": str(path)}})
+    rots, art = load_rotations(s, 2, 2, 16)
+    assert len(rots) == 2 and rots[0].R_K.shape == (2, 16, 16) and art is not None
+    with pytest.raises(ValueError, match="made for another model"):
+        load_rotations(s, 3, 2, 16)
+
+
+# ---- tensor parallelism ------------------------------------------------------------------------------------
+def test_tp_sharding_of_per_head_rotations():
+    h, d = 8, 4
+    rk = torch.randn(h, d, d)
+    mean = torch.randn(h, d)
+    assert list(local_heads(8, 4, 1)) == [2, 3]
+    assert list(local_heads(2, 8, 5)) == [1]  # replication: ranks 4..7 hold head 1
+    rot = LayerRotation(R_K=rk, R_V=rk.flip(0), k_mean=mean, clip_k=0.9)
+    parts = [shard_rotation(rot, h, 4, r) for r in range(4)]
+    assert torch.equal(torch.cat([p.R_K for p in parts]), rk)
+    assert torch.equal(torch.cat([p.k_mean for p in parts]), mean)
+    assert torch.equal(parts[3].R_V, rk.flip(0)[6:8]) and parts[2].clip_k == 0.9
+    shared = torch.randn(1, d, d)
+    assert shard_heads(shared, h, 4, 2) is shared
+    rep = [shard_heads(rk[:2], 2, 8, r) for r in range(8)]
+    assert all(torch.equal(rep[r], rk[r // 4:r // 4 + 1]) for r in range(8))
+    with pytest.raises(ValueError, match="do not split"):
+        local_heads(6, 4, 0)
+    with pytest.raises(ValueError, match="out of range"):
+        local_heads(8, 4, 4)
+
+
+# ---- slots and the planner ---------------------------------------------------------------------------------
+def test_slot_table_keys_requests_by_first_block():
+    t = SlotTable(2)
+    a = t.assign(np.array([5, 9]), np.array([0, 0]))
+    assert sorted(a.tolist()) == [0, 1]
+    assert t.assign(np.array([9, 5]), np.array([3, 3])).tolist() == [a[1], a[0]]
+    assert t.assign(np.array([0]), np.array([7])).tolist() == [2]  # vLLM's null block: the scratch slot
+    b = t.assign(np.array([5, 11]), np.array([4, 0]))  # 9 finished: its slot goes to the new request
+    assert b.tolist() == [a[0], a[1]]
+    with pytest.raises(RuntimeError, match="spare_slots"):
+        t.assign(np.array([9]), np.array([5]))  # 9's state is gone: an error, not a wrong answer
+
+
+@pytest.mark.parametrize("share", [0.0, 1 / 8])
+def test_body_pages_match_rotkv_flush_rule(share):
+    """body_pages(L) is rotkv's page count whatever the chunking (PageState flushes the same pages)."""
+    from rotkv.cache.plan import PageState
+
+    geo = Geometry(sink=5, window=20, window_share=share, page=P, max_len=4096)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        st = PageState(5, 20, P, True, 4096, share)
+        st.reset(1)
+        total = 0
+        for _ in range(30):
+            n = int(rng.integers(1, 40))
+            st.plan(n, np.array([n]))
+            total += n
+            assert st.body_count[0] == geo.body_pages(total)
+
+
+# ---- one layer against rotkv's own cache ---------------------------------------------------------------------
+def _rotation(h, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = lambda: torch.linalg.qr(torch.randn(h, d, d, generator=g))[0]  # noqa: E731
+    return LayerRotation(R_K=q(), R_V=q(), k_mean=torch.randn(h, d, generator=g) * 0.5)
+
+
+class VllmSim:
+    """A tiny stand-in for vLLM's scheduler side: blocks per request from a shuffled free list (block 0 is the
+    null block), the block table, the slot table, and one layer's INT2 body + side pool."""
+
+    def __init__(self, spec, rot, h, hq, d, nblocks=64, slots=4, side_dtype=torch.float32):
+        self.geo = Geometry(spec.sink, spec.window, spec.window_share, P, 1024)
+        self.codecs = make_codecs("token", spec.bits, spec.resolved_group(d), spec.clip_k, spec.clip_v)
+        self.layout = BlockLayout.of(h, d, P, *self.codecs)
+        self.buf = torch.zeros(nblocks * self.layout.page_bytes(), dtype=torch.uint8)
+        self.body = self.layout.body(self.buf, nblocks)
+        pages = (slots + 1) * self.geo.slot_pages
+        self.side_k = torch.zeros(pages, h, P, d, dtype=side_dtype)
+        self.side_v = torch.zeros_like(self.side_k)
+        self.free = list(np.random.default_rng(1).permutation(np.arange(1, nblocks)))
+        self.blocks: dict[str, list[int]] = {}
+        self.slots = SlotTable(slots)
+        self.rot, self.hq, self.d = rot, hq, d
+
+    def step(self, reqs, lengths, q, k, v):
+        """``reqs``: names in batch order; ``lengths``: tokens after the step; q/k/v: the step's new tokens."""
+        for r, L in zip(reqs, lengths):
+            have = self.blocks.setdefault(r, [])
+            while len(have) * P < L:
+                have.append(int(self.free.pop()))
+        cols = max(len(self.blocks[r]) for r in reqs) + 2
+        table = torch.zeros(len(reqs), cols, dtype=torch.int32)
+        for i, r in enumerate(reqs):
+            table[i, :len(self.blocks[r])] = torch.tensor(self.blocks[r])
+        qs = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum([x.shape[0] for x in q], out=qs[1:])
+        lengths = np.array(lengths)
+        computed = lengths - (qs[1:] - qs[:-1])
+        slots = self.slots.assign(table[:, 0].numpy().astype(np.int64), computed)
+        plan = plan_step(self.geo, qs, lengths, slots, cols)
+        qq, kk, vv = (torch.cat(x) for x in (q, k, v))
+        out = torch.zeros_like(qq)
+        layer_step(plan, self.geo, qq, kk, vv, self.body, self.side_k, self.side_v, table, self.rot, self.codecs,
+                   self.d ** -0.5, out)
+        return [out[qs[i]:qs[i + 1]] for i in range(len(reqs))], plan
+
+
+@pytest.mark.parametrize("sink,window,share", [(4, 16, 0.0), (16, 32, 0.0), (0, 20, 1 / 16)])
+def test_layer_step_matches_rotkv_cache_on_mixed_batches(sink, window, share):
+    """Requests arriving at different steps, chunked prefills next to decodes, window flushes: every output of
+    the vLLM-style step equals rotkv's own paged cache (one HybridLayer per request), and the INT2 bytes in the
+    vLLM blocks equal the bytes of rotkv's body pages."""
+    from rotkv.cache.layer import HybridLayer
+
+    h, hq, d = 2, 4, 32
+    spec = CacheSpec(bits=2, group_size=32, sink=sink, window=window, window_share=share, page_size=P,
+                     tier_dtype="float32", rotation="identity", clip_k=0.96, clip_v=0.92)
+    rot = _rotation(h, d, 0)
+    sim = VllmSim(spec, rot, h, hq, d)
+    refs = {}
+    gen = torch.Generator().manual_seed(0)
+    # (request, new tokens) per step: A prefills in two chunks, B joins, C is a one-token prompt, all decode
+    steps = [[("A", 40)], [("A", 37), ("B", 1)], [("A", 1), ("B", 50)], [("C", 1), ("A", 1), ("B", 1)]]
+    steps += [[("A", 1), ("B", 1), ("C", 1)]] * 20 + [[("B", 1), ("C", 30)], [("C", 1), ("B", 1)]]
+    lens: dict[str, int] = {}
+    for step in steps:
+        names = [r for r, _ in step]
+        q = [torch.randn(n, hq, d, generator=gen) for _, n in step]
+        k = [torch.randn(n, h, d, generator=gen) * 2 + 0.5 for _, n in step]
+        v = [torch.randn(n, h, d, generator=gen) for _, n in step]
+        for r, n in step:
+            lens[r] = lens.get(r, 0) + n
+        outs, _ = sim.step(names, [lens[r] for r in names], q, k, v)
+        for i, r in enumerate(names):
+            if r not in refs:
+                refs[r] = HybridLayer(spec, rot, d, h, 0, sim.codecs)
+            layer = refs[r]
+            layer.update(k[i].transpose(0, 1)[None], v[i].transpose(0, 1)[None])
+            want = layer.attend(q[i].transpose(0, 1)[None], None, d ** -0.5)[0]  # [n, Hq, D]
+            torch.testing.assert_close(outs[i], want, atol=2e-5, rtol=1e-4)
+    assert all(sim.geo.body_pages(lens[r]) >= 1 for r in "AB")  # pages were flushed
+    for r, layer in refs.items():  # the body bytes: vLLM block ceil(S/P) + i is rotkv's body page i
+        nb = int(layer.state.body_count[0])
+        assert nb == sim.geo.body_pages(lens[r])
+        theirs = layer.state.body_pages[0, :nb]
+        mine = torch.tensor(sim.blocks[r][sim.geo.block_offset:sim.geo.block_offset + nb], dtype=torch.long)
+        for side, part in enumerate(sim.body.parts):
+            for name, t in zip(("codes", "scale", "lo"), part.tensors):
+                assert torch.equal(t[mine], layer.pools.body[side][name][theirs]), (r, side, name)
+
+
+def test_merged_prefill_path_matches_rotkv_cache(monkeypatch):
+    """The CUDA prefill's arithmetic (history and own tokens apart, merged by log-sum-exp), run on the CPU."""
+    from rotkv.integrations.vllm import attention
+
+    monkeypatch.setattr(attention, "MERGED_PREFILL", True)
+    test_layer_step_matches_rotkv_cache_on_mixed_batches(4, 16, 0.0)
+
+
+def test_layer_step_bf16_side_pool_matches_rotkv_bf16_tier():
+    """With rotkv's default bf16 tier (the side pool in bf16): the same outputs as rotkv's cache."""
+    from rotkv.cache.layer import HybridLayer
+
+    h, hq, d = 2, 2, 64
+    spec = get_preset("quarot-int2", sink=8, window=16)
+    from rotkv.rotations.registry import build_rotations
+
+    rot = build_rotations("hadamard", 1, h, d)[0]
+    sim = VllmSim(spec, rot, h, hq, d, side_dtype=torch.bfloat16)
+    ref = HybridLayer(spec, rot, d, h, 0, sim.codecs)
+    gen = torch.Generator().manual_seed(1)
+    total = 0
+    for n in [50, 1, 1, 1, 20] + [1] * 20:
+        q, k, v = (torch.randn(n, m, d, generator=gen) for m in (hq, h, h))
+        total += n
+        (out,), _ = sim.step(["A"], [total], [q], [k], [v])
+        ref.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        want = ref.attend(q.transpose(0, 1)[None], None, d ** -0.5)[0]
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-3)
+
+
+def test_plan_flush_sources_and_block_positions():
+    """A decode step that crosses a page boundary flushes one page, read wholly from the side pool, into the
+    request's block ceil(S/P) + i; a prefill's leaving tokens come from the call."""
+    geo = Geometry(sink=4, window=16, window_share=0.0, page=P, max_len=256)
+    # a decode row at L = 4 + 16 + 16 = 36 tokens: body 0 -> 1 page
+    plan = plan_step(geo, np.array([0, 1]), np.array([36]), np.array([0]), 10)
+    assert plan.body_before.tolist() == [0] and plan.body_after.tolist() == [1]
+    assert plan.flush_pos.tolist() == [geo.block_offset] and len(plan.flush_from_call) == 0
+    plan = plan_step(geo, np.array([0, 60]), np.array([60]), np.array([1]), 10)  # a 60-token prompt
+    assert plan.body_after.tolist() == [2] and len(plan.flush_from_side) == 0
+    assert plan.flush_call_tok.tolist() == list(range(4, 36))
+    assert plan.pwrite_tok.tolist() == [0, 1, 2, 3] + list(range(36, 60))
+
+
+# ---- imports and registration --------------------------------------------------------------------------------
+def test_backend_modules_do_not_import_rotkv_hf():
+    code = ("import sys; import rotkv.integrations.vllm as m; import rotkv.integrations.vllm.attention, "
+            "rotkv.integrations.vllm.config, rotkv.integrations.vllm.layout, rotkv.integrations.vllm.state, "
+            "rotkv.integrations.vllm.tp; "
+            "bad = [n for n in sys.modules if n.startswith('rotkv.hf')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_no_import_path_from_the_backend_to_rotkv_hf():
+    """Read from the source (module- and function-level imports, transitively): the backend reaches rotkv's
+    cache, kernels, rotations and quantizer, never the transformers glue in rotkv.hf (but for the one edge
+    named below)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "import_cycles.py"
+    spec = importlib.util.spec_from_file_location("import_cycles", path)
+    ic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ic)
+    # artifact.py's functions that take a transformers model (fingerprint, validate_artifact) import rotkv.hf
+    # inside them; the backend calls none of them (checked at run time by the test above)
+    model_side = {("rotkv.rotations.artifact", "rotkv.hf.geometry")}
+    edges = [e for e in ic.edges(ic.modules()) if e not in model_side]
+    start = {a for a, _ in edges if a.startswith("rotkv.integrations.vllm")}
+    seen, todo = set(start), list(start)
+    while todo:
+        m = todo.pop()
+        for a, b in edges:
+            if a == m and b not in seen:
+                seen.add(b)
+                todo.append(b)
+    assert "rotkv.integrations.vllm.backend" in start and "rotkv.kernels.decode" in seen
+    assert not [m for m in seen if m.startswith("rotkv.hf")]
+
+
+def test_entry_point_is_declared():
+    import tomllib
+    from pathlib import Path
+
+    py = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert py["project"]["entry-points"]["vllm.general_plugins"]["rotkv"] == "rotkv.integrations.vllm:register"
+    assert any(r.startswith("vllm") for r in py["project"]["optional-dependencies"]["vllm"])
+    from rotkv.integrations.vllm import register
+
+    assert callable(register)
+
+
+def test_register_sets_the_custom_backend():
+    pytest.importorskip("vllm.v1.attention.backends.registry")
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from rotkv.integrations.vllm import register
+
+    register()
+    assert AttentionBackendEnum.CUSTOM.get_path() == "rotkv.integrations.vllm.backend.RotkvAttentionBackend"
+    cls = AttentionBackendEnum.CUSTOM.get_class()
+    assert cls.get_name() == "CUSTOM"
+    assert cls.get_supported_kernel_block_sizes() == [P]
+
+
+# ---- the vLLM classes (where vLLM imports; its Python modules load on a CPU machine without its CUDA ops) ------
+def _fake_vllm_config(rotkv: dict, layers=1, kv_heads=2, head_dim=64, max_len=512, max_num_seqs=4):
+    from types import SimpleNamespace as NS
+
+    mc = NS(hf_text_config=NS(num_hidden_layers=layers), get_total_num_kv_heads=lambda: kv_heads,
+            get_head_size=lambda: head_dim, get_num_kv_heads=lambda pc: kv_heads, max_model_len=max_len, model="tiny")
+    return NS(cache_config=NS(enable_prefix_caching=False), speculative_config=None,
+              scheduler_config=NS(max_num_seqs=max_num_seqs), additional_config={"rotkv": rotkv}, model_config=mc,
+              parallel_config=NS())
+
+
+def test_vllm_spec_reports_int2_pages_and_shapes_the_kv_tensor():
+    """vLLM's own spec machinery sees the INT2 page (its FullAttentionManager runs it), and vLLM's own reshape of
+    the raw KV allocation gives the tensor the layout views, without a copy."""
+    pytest.importorskip("vllm.v1.attention.backend")
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+    from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
+
+    from rotkv.integrations.vllm.backend import _SLOT_BYTES, RotkvAttentionBackend, RotkvAttentionSpec
+
+    h, d, n = 2, 64, 9
+    layout = BlockLayout.of(h, d, P, *make_codecs("token", 2, 64, 1.0, 1.0))
+    spec = RotkvAttentionSpec(block_size=P, num_kv_heads=h, head_size=d, dtype=torch.uint8,
+                              rotkv_slot_bytes=layout.slot_bytes())
+    assert spec.page_size_bytes == layout.page_bytes() == P * h * 40
+    merged = RotkvAttentionSpec.merge([spec, spec])
+    assert type(merged) is RotkvAttentionSpec and merged.page_size_bytes == spec.page_size_bytes
+    assert KVCacheSpecRegistry.get_manager_class(spec) is FullAttentionManager
+    _SLOT_BYTES[(h, d)] = layout.slot_bytes()
+    shape = RotkvAttentionBackend.get_kv_cache_shape(n, P, h, d)
+    assert RotkvAttentionBackend.get_kv_cache_block_dim(P, h, d) == 0
+    raw = torch.zeros(n * spec.page_size_bytes, dtype=torch.int8)
+    kv = _reshape_attention_kv_cache(raw, spec, shape, tuple(range(len(shape))), n, None)
+    body = layout.body(kv, blocks_in(kv, spec.page_size_bytes))
+    assert body.num_pages == n and body.k.codes.data_ptr() == raw.data_ptr()
+
+
+def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch):
+    """vLLM's metadata (CommonAttentionMetadata) through rotkv's builder and impl: a profiling call, then mixed
+    steps of three requests (one starting after another finished); every output equals rotkv's own cache."""
+    pytest.importorskip("vllm.v1.attention.backend")
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from rotkv.cache.layer import HybridLayer
+    from rotkv.integrations.vllm import backend as be
+    from rotkv.rotations.registry import build_rotations
+
+    h, hq, d, nblocks = 2, 4, 64, 40
+    cfg = _fake_vllm_config({"preset": "quarot-int2", "sink": 4, "window": 16, "spare_slots": 1})
+    monkeypatch.setattr(be, "get_current_vllm_config", lambda: cfg)
+    mp = be.model_plan(cfg)
+    spec = be.RotkvAttentionSpec(block_size=P, num_kv_heads=h, head_size=d, dtype=torch.uint8,
+                                 rotkv_slot_bytes=mp.slot_bytes)
+    builder = be.RotkvMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], cfg, torch.device("cpu"))
+    impl = be.RotkvAttentionImpl(hq, d, d ** -0.5, h)
+    layer = NS(layer_name="model.layers.0.self_attn.attn")
+    out = torch.ones(3, hq, d)
+    impl.forward(layer, torch.randn(3, hq, d), torch.randn(3, h, d), torch.randn(3, h, d), torch.empty(0), None, out)
+    assert not out.any()  # the profiling run: zeros, and the side pool exists from now on
+    assert impl._layer["side"][0].shape == ((4 + 1 + 1) * mp.geometry.slot_pages, h, P, d)
+    kv = torch.zeros(nblocks, spec.page_size_bytes, dtype=torch.uint8)
+    rot = build_rotations("hadamard", 1, h, d)[0]
+    settings = parse_settings(cfg.additional_config)
+    free = list(range(nblocks - 1, 0, -1))
+    blocks, lens, refs = {}, {}, {}
+    gen = torch.Generator().manual_seed(2)
+    steps = [[("A", 30)], [("A", 1), ("B", 25)]] + [[("B", 1), ("A", 1)]] * 20 + [[("A", 1)], [("C", 20), ("A", 1)]]
+    for step in steps:
+        if step[0][0] == "C":  # B finished: its blocks go back (C may get B's first block, then B's slot)
+            free.extend(blocks.pop("B"))
+        names = [r for r, _ in step]
+        for r, n in step:
+            lens[r] = lens.get(r, 0) + n
+            have = blocks.setdefault(r, [])
+            while len(have) * P < lens[r]:
+                have.append(free.pop())
+        cols = 8
+        table = torch.zeros(len(names), cols, dtype=torch.int32)
+        for i, r in enumerate(names):
+            table[i, :len(blocks[r])] = torch.tensor(blocks[r])
+        counts = [n for _, n in step]
+        qs = torch.tensor([0] + list(np.cumsum(counts)), dtype=torch.int32)
+        seq = torch.tensor([lens[r] for r in names], dtype=torch.int32)
+        t = int(qs[-1])
+        cm = CommonAttentionMetadata(query_start_loc=qs, query_start_loc_cpu=qs, seq_lens=seq, num_reqs=len(names),
+                                     num_actual_tokens=t, max_query_len=max(counts), max_seq_len=int(seq.max()),
+                                     block_table_tensor=table, slot_mapping=torch.zeros(t, dtype=torch.int64),
+                                     seq_lens_cpu_upper_bound=seq)
+        md = builder.build(0, cm)
+        q, k, v = (torch.randn(t + 2, m, d, generator=gen) for m in (hq, h, h))
+        out = torch.full((t + 2, hq, d), 7.0)
+        impl.forward(layer, q, k, v, kv, md, out)
+        assert not out[t:].any()  # vLLM's padded tokens
+        for i, (r, n) in enumerate(step):
+            a = int(qs[i])
+            if r not in refs:
+                refs[r] = HybridLayer(settings.spec, rot, d, h, 0, mp.codecs[0])
+            refs[r].update(k[a:a + n].transpose(0, 1)[None], v[a:a + n].transpose(0, 1)[None])
+            want = refs[r].attend(q[a:a + n].transpose(0, 1)[None], None, d ** -0.5)[0]
+            torch.testing.assert_close(out[a:a + n], want, atol=1e-4, rtol=1e-3)
+    assert mp.geometry.body_pages(lens["A"]) >= 2
+
+
+def _kernel_paths_check():
+    """The mixed-batch check with rotkv's Triton kernels (decode over the side pool's tier table, the fused write
+    into the part views) in place of their references: run under TRITON_INTERPRET=1 by the test below."""
+    from types import SimpleNamespace
+
+    from rotkv.cache.layer import HybridLayer
+    from rotkv.integrations.vllm import attention
+
+    # the kernels for the backend only: rotkv's cache (the reference) keeps its PyTorch path on the CPU
+    attention.kernels = SimpleNamespace(enabled=lambda t: True, decode_config=attention.kernels.decode_config)
+
+    h, hq, d = 2, 4, 64
+    spec = CacheSpec(bits=2, group_size=64, sink=4, window=16, page_size=P, tier_dtype="float32",
+                     rotation="identity", clip_k=0.96, clip_v=0.92)
+    rot = _rotation(h, d, 3)
+    sim = VllmSim(spec, rot, h, hq, d)
+    gen = torch.Generator().manual_seed(3)
+    refs, lens = {}, {}
+    for step in [[("A", 40)], [("A", 1), ("B", 30)]] + [[("B", 1), ("A", 1)]] * 8:
+        names = [r for r, _ in step]
+        q, k, v = ([torch.randn(n, m, d, generator=gen) for _, n in step] for m in (hq, h, h))
+        for r, n in step:
+            lens[r] = lens.get(r, 0) + n
+        outs, _ = sim.step(names, [lens[r] for r in names], q, k, v)
+        for i, r in enumerate(names):
+            layer = refs.setdefault(r, HybridLayer(spec, rot, d, h, 0, sim.codecs))
+            layer.update(k[i].transpose(0, 1)[None], v[i].transpose(0, 1)[None])
+            want = layer.attend(q[i].transpose(0, 1)[None], None, d ** -0.5)[0]
+            torch.testing.assert_close(outs[i], want, atol=3e-2, rtol=3e-2)  # the interpreter's fp16 dots
+    assert sim.geo.body_pages(lens["A"]) >= 1 and sim.geo.body_pages(lens["B"]) >= 1  # both flushed
+    print("kernel paths ok")
+
+
+def test_kernel_paths_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    import os
+    from pathlib import Path
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = "import test_vllm_plugin as t; t._kernel_paths_check()"
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and "kernel paths ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
