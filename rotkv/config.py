@@ -87,11 +87,11 @@ class CacheSpec:
     shift, anchor: progressive only; see rotkv.quant.progressive.
     k_bits: per-layer key widths that differ from ``bits``, as ``"LAYERS:BITS"`` items joined by ``,``
         (``"15-24:4"``: the keys of layers 15 to 24 at 4 bits; values keep ``bits``), or ``"artifact"``:
-        the artifact's ``k_bits`` tensor (``python -m rotkv.cli.keybits``). Key layers at a
+        the artifact's ``k_bits`` tensor (``rotkv calibrate --method oscar-mix``). Key layers at a
         width other than ``bits`` are not clipped (clip ratios are fitted for ``bits``). None: every
         layer at ``bits``. Counted in the measured bits like everything else.
     k_table: a calibrated key format for the layers whose keys are at ``bits``, read from the artifact
-        (``python -m rotkv.calibrate.grids``): ``grid`` (non-uniform per-head levels, ``k_grid``; the same
+        (``studies/key_tables.py``): ``grid`` (non-uniform per-head levels, ``k_grid``; the same
         bytes per token as the uniform codec) or ``pq`` (product-quantized keys: ``pq_book`` codebooks of
         4-dim sub-vectors and ``pq_sigma``; 2.25 bits per key element at head_dim 64). PyTorch path only.
         None: the uniform quantizer.
@@ -304,7 +304,7 @@ PRESETS: dict[str, CacheSpec] = {
         name="optr-int2", bits=2, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="optr"
     ),
     # the recommended INT2 preset (docs/results/accuracy.md): OSCAR, with the keys of the most sensitive
-    # layers at 4 bits (the artifact's `k_bits`, python -m rotkv.cli.keybits), fp8 value metadata
+    # layers at 4 bits (the artifact's `k_bits`, rotkv calibrate --method oscar-mix), fp8 value metadata
     # and a 16-token sink + 32-token window to pay for them: ~3.1 measured bits per element at 2K tokens.
     # The window keeps 1/64 of each row (32 tokens at 2K, 128 at 8K): the recent body's keys are where the
     # error grows with context; against the fixed 32-token window it cut the KL by 34% at 4K and 41% at 8K
@@ -315,7 +315,7 @@ PRESETS: dict[str, CacheSpec] = {
         method="oscar", k_bits="artifact", meta_v="float8",
     ),
     # oscar-mix with its key side (R_K, key means) refitted on 4K-token calibration sequences
-    # (python -m rotkv.calibrate.longfit on top of oscar-mix's artifact; docs/results/levers_length.md): the same
+    # (rotkv calibrate --method oscar-mix-long on top of oscar-mix's artifact; docs/results/levers_length.md): the same
     # storage format, bytes and kernels as oscar-mix; only the artifact differs
     "oscar-mix-long": CacheSpec(
         name="oscar-mix-long", bits=2, sink=16, window=32, window_share=1 / 64, rotation="artifact", clip_k=0.96,
@@ -363,7 +363,7 @@ def artifact_file(spec: CacheSpec | str, base: bool = False) -> str:
 
     ``<method>.safetensors``, the artifact of its calibration method (:func:`calibration_method`;
     ``oscar-int2`` reads ``oscar.safetensors``), or for a preset that takes per-layer key widths from its
-    artifact (``k_bits="artifact"``) its own ``<preset>.safetensors`` (``python -m rotkv.cli.keybits``),
+    artifact (``k_bits="artifact"``) its own ``<preset>.safetensors`` (``rotkv calibrate --method oscar-mix``),
     made from the method's file (``base=True`` names that one).
     """
     spec = get_preset(spec) if isinstance(spec, str) else spec

@@ -467,35 +467,17 @@ def test_calibrate_oscar_mix_checks_the_base_artifact(no_model, capsys, tiny, tm
     assert_user_error(rc, err, "cannot read artifact")
 
 
-@pytest.mark.parametrize("argv,needles", [
-    (["--base-artifact", "/no/such.safetensors", "--layers", "10"], ["artifact file not found"]),
-    (["--layers", "0"], ["--layers has to be in [1, 30]"]),
-    (["--layers", "100"], ["--layers has to be in [1, 30]"]),
-])
-def test_keybits_alias_follows_the_cli_rules(no_model, capsys, tmp_path, argv, needles):
-    from rotkv.cli.keybits import main as keybits
-
-    rc = keybits(["--out", str(tmp_path / "m.safetensors"), *argv])
-    assert_user_error(rc, capsys.readouterr().err.strip(), *needles)
-
-
-def test_keybits_alias_unknown_flag_and_read_only_out(no_model, capsys, tmp_path):
+def test_calibrate_read_only_out(no_model, capsys, tmp_path):
     import os
 
-    from rotkv.cli.keybits import main as keybits
-
-    with pytest.raises(SystemExit) as e:
-        keybits(["--out", str(tmp_path / "m.safetensors"), "--preset", "foo"])
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and len(err.splitlines()) == 1 and "--preset" in err
     ro = tmp_path / "ro"
     ro.mkdir()
     os.chmod(ro, 0o500)
     try:
         if os.access(ro, os.W_OK):
             pytest.skip("running as a user who can write anywhere")
-        rc = keybits(["--out", str(ro / "m.safetensors")])
-        assert_user_error(rc, capsys.readouterr().err.strip(), "--out", "not writable")
+        rc, _, err = run_cli(capsys, "calibrate", "--method", "oscar-mix", "--out", str(ro / "m.safetensors"))
+        assert_user_error(rc, err, "--out", "not writable")
     finally:
         os.chmod(ro, 0o700)
 
@@ -560,3 +542,19 @@ def test_meta_k_overrides_the_preset():
     spec = cache_spec(args.preset, cache_overrides(args))
     assert spec.meta_k == "float8" and spec.refine_every == 9
     assert cache_spec("oscar-refine", cache_overrides(p.parse_args([]))).meta_k is None
+
+
+def test_help_lists_the_commands_in_a_users_order(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert "{demo,calibrate,inspect,generate,eval,lm-eval,bench,build-kernels,export}" in out
+
+
+def test_lm_eval_without_the_harness_is_one_line(capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
+    rc, _, err = run_cli(capsys, "lm-eval", "run", "--model", "rotkv", "--tasks", "arc_easy")
+    assert_user_error(rc, err, "lm-eval", "pip install -e '.[lmeval]'")

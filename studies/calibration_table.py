@@ -1,6 +1,6 @@
-"""The held-out calibration table (docs/results/calibration.md) and the mixing-support curve: a report
-that runs the calibration pieces and the evaluation's decode KL (so it lives here, beside the other
-reports: rotkv.calibrate never imports rotkv.eval).
+"""The held-out calibration table (docs/results/calibration.md) and the mixing-support curve: a study
+that runs the calibration pieces and the evaluation's decode KL (rotkv.calibrate never imports
+rotkv.eval, so the study joins them here).
 
 One capture of the calibration corpus feeds every row's fit (OSCAR in each C_S form, pairwise,
 block-Hadamard, key means, clip search on the held-out calibration chunks, OptR); one capture of
@@ -8,7 +8,7 @@ the *evaluation* text (``rotkv/data/eval_*.txt``) gives each layer's fp32 q, k, 
 row's attention-output error after W_O is measured (layer-local, averaged over layers). The
 decode-regime KL runs the real cache (RotkvCache) at 2K context, chunked prefill, sink 16, window 64.
 
-    python -m rotkv.eval.calibration_table --out docs/results/calibration.md
+    python studies/calibration_table.py --out docs/results/calibration.md
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
         clips[key] = (results[key]["clip_k"], results[key]["clip_v"])
     out = {"results": results, "curve": {}, "kl": {}, "optr_info": [], "times_s": {"capture": capture_s, "fit_oscar_etc": fit_s},
            "threads": torch.get_num_threads(), "calib_tokens": a.tokens, "eval_tokens": a.eval_tokens,
-           "command": "python -m rotkv.eval.calibration_table " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": "python studies/calibration_table.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "args": vars(a)}
     write(out, a)  # before OptR, the slow part
     t0 = time.perf_counter()
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     out = {"results": results, "curve": {str(k): v for k, v in curve.items()}, "kl": {}, "optr_info": infos,
            "times_s": {"capture": capture_s, "fit_oscar_etc": fit_s, "optr": optr_s, "total": time.perf_counter() - t_start},
            "threads": torch.get_num_threads(), "calib_tokens": a.tokens, "eval_tokens": a.eval_tokens,
-           "command": "python -m rotkv.eval.calibration_table " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": "python studies/calibration_table.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "args": vars(a)}
     write(out, a)  # the layer-level table first; the decode KL (slow) is added when it is done
     if not a.layers:
