@@ -1,4 +1,4 @@
-"""Issue 20 on the GPU in one process per section: prefill peak memory and time, the prefill-chunk
+"""The prefill work on the GPU in one process per section: prefill peak memory and time, the prefill-chunk
 sweep, capacity (largest batch) and the job benchmark with real prefill, on random-weight models of
 real shapes. Called by studies/device/device_prefill.sh; runs on a CPU with ``--device cpu --tiny``
 (tiny shapes, no hf-static-compile or CUDA graphs) to check the script.
@@ -144,7 +144,7 @@ def section_job(a, out: str) -> list:
 
 
 def summary(peak, sweep, cap, job) -> str:
-    lines = ["## issue 20 device summary", "", "| case | method | B x L | prefill s | step ms | peak GB | cache GB | note |",
+    lines = ["## prefill device summary", "", "| case | method | B x L | prefill s | step ms | peak GB | cache GB | note |",
              "|---|---|---|---|---|---|---|---|"]
     for r in peak + sweep:
         lines.append(f"| {r.note} | {r.method} | {r.batch} x {r.context} | {r.prefill_s} | {r.step_ms} | {r.peak_gb} | "

@@ -1,4 +1,4 @@
-"""Diagnose where the INT2 decode KL comes from (issue 11, step 2).
+"""Diagnose where the INT2 decode KL comes from.
 
 Protocol (as ``rotkv eval``'s nll task): windows of held-out text, the first L tokens prefilled in
 ``--chunk``-token calls through a RotkvCache (sink/window overridden), then ``--new-tokens``

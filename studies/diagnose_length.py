@@ -1,4 +1,4 @@
-"""Why the INT2 error grows with context (issue 24, step 1): attention-output error at 2K, 4K, 8K, split.
+"""Why the INT2 error grows with context: attention-output error at 2K, 4K, 8K, split.
 
 For each window of held-out text (``rotkv/data/eval_*.txt``) and context length L, the plain fp32 model
 prefills L tokens (a DynamicCache, no quantization) and then runs N teacher-forced tokens through rotkv's

@@ -1,4 +1,4 @@
-"""Levers against oscar-mix at 2K and 8K, end to end (issue 24, step 2), at measured bits.
+"""Levers against oscar-mix at 2K and 8K, end to end, at measured bits.
 
 The ``rotkv eval`` nll protocol through ``diagnose_int2.run_config`` (rotkv.eval.nll.score_window): held-out
 windows, the context prefilled in 512-token chunks through a RotkvCache of the preset (sink 16 / window 32

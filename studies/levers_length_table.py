@@ -1,4 +1,4 @@
-"""The lever table of issue 24 (docs/results/levers_length.md) from lever_length.py's and diagnose_length.py's JSON.
+"""The lever table of docs/results/levers_length.md from lever_length.py's and diagnose_length.py's JSON.
 
     python studies/levers_length_table.py docs/results/levers_length/L2048.json docs/results/levers_length/L8192.json \
         --screen docs/results/diagnosis_length/length.json

@@ -1,4 +1,4 @@
-"""Equal-memory comparison (issue 6): a fixed KV budget, a long teacher-forced continuation.
+"""Equal-memory comparison: a fixed KV budget, a long teacher-forced continuation.
 
 Every method gets the same total KV memory budget (bytes, all layers, sink and window
 included): ``--budget-bpe`` mean body bits per element over ``context + continuation`` tokens.

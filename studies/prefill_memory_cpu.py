@@ -5,7 +5,7 @@ fresh process per case, on a random-weight model of a real shape (float32 on the
     PYTHONPATH=/tmp/base python studies/prefill_memory_cpu.py --modes onecall   # an older checkout
 
 Modes: ``onecall`` runs the whole prompt in one model call and takes ``logits[:, -1]`` (the prefill
-of ``generate_batch`` before issue 20; the cache chunks the attention inside); ``chunked`` runs
+of ``generate_batch`` before the prefill was chunked; the cache chunks the attention inside); ``chunked`` runs
 ``rotkv.generation.prefill`` (model calls of ``--chunk`` tokens, last-position logits only). The
 peak counts everything the process touched during the prefill: activations, logits, the cache's
 pools (float32 tiers on the CPU) and the reference reader's float32 mirror of the body. Prints one

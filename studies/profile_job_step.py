@@ -1,4 +1,4 @@
-"""Where a decode step of the job benchmark spends its GPU time (issue 12: the kernels in the model).
+"""Where a decode step of the job benchmark spends its GPU time (the kernels in the model).
 
 Builds the job benchmark's setting (``bench_job.py``: random-weight Qwen3-8B shapes, N requests of L
 tokens filled synthetically through the cache's write path), captures the CUDA-graph decode step,

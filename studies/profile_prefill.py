@@ -1,4 +1,4 @@
-"""Where rotkv's prefill time goes (issue 20): one shape, several methods, each prefilled once to
+"""Where rotkv's prefill time goes: one shape, several methods, each prefilled once to
 warm up, once timed, once under torch.profiler; per method the wall time, the top kernels and ops
 by self device time (self CPU time on a CPU) and their grouping into categories.
 

@@ -1,4 +1,4 @@
-"""Structure figures of issue 21 (the typed body and the planned dispatch), counted from the source.
+"""Structure figures of the typed body and the planned dispatch, counted from the source.
 
     python studies/seam_figures.py [--json]
 

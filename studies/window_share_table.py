@@ -1,4 +1,4 @@
-"""The window-share lever of issue 24 (a bf16 window that keeps its share of the context, ``CacheSpec.window_share``)
+"""The window-share lever (a bf16 window that keeps its share of the context, ``CacheSpec.window_share``)
 against oscar-mix's fixed window, rotkv INT4 and HF quanto INT4, on the same held-out windows: a markdown table
 and a plot of KL against context length.
 

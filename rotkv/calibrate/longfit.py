@@ -14,8 +14,7 @@ artifact's granularity) and every key past the sink enters the mean. Calibration
 Several lengths (:func:`refit_lengths`, ``rotkv calibrate --method oscar-mix-long --long-seq-len 4096,8192``)
 write one artifact with a key-side fit per length: the first length's as ``R_K``/``k_mean``, the others as
 ``R_K@n``/``k_mean@n``, listed in ``key_fit_lengths``; a cache picks one by its context length
-(``RotkvCache(..., context_length=)``). A fit serves best near its own length: the 8K fit halves the KL at 8K
-and costs at 2K (docs/results/levers_length.md).
+(``RotkvCache(..., context_length=)``). A fit serves best near its own length.
 """
 
 from __future__ import annotations

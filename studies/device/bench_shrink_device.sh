@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one device run for issue 6: shrink cost of an 8K-token body per layer on the GPU (and a
+# The one device run of the progressive-cache study: shrink cost of an 8K-token body per layer on the GPU (and a
 # 128K-token body, and the device's idle 16-core CPU for comparison). Writes JSON into $OUT.
 set -u
 export PYTHONPATH=.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 24's GPU evaluation, one device call (budget: ~7 minutes on one H200).
+# The length study's GPU evaluation, one device call (budget: ~7 minutes on one H200).
 #
 # Needs, carried with the working tree (run's `carry: ["artifacts"]`): artifacts/oscar.safetensors,
 # artifacts/oscar-mix.safetensors and artifacts/oscar-mix-long.safetensors (CPU-calibrated: `rotkv calibrate

@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (issue 12, decode): the time of the body kernel, the tier kernel and the merge
+# One device call (decode): the time of the body kernel, the tier kernel and the merge
 # apart and together (decode_breakdown.py), then Nsight Compute's stall reasons for the CUDA body
 # kernel at B = 8, L = 128K. Run from the tree's root; $OUT collects.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}

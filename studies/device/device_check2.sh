@@ -1,5 +1,5 @@
 #!/bin/bash
-# Second device call (issue 12): why INT4 write vs the CUDA reference mismatched, and the tests the first call did not reach.
+# Second device call of the kernel round: why INT4 write vs the CUDA reference mismatched, and the tests the first call did not reach.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 python3 - <<'PY'
 import torch

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issues 20-22 at the closing commit, on the H200, as one background run polled across device calls
+# The prefill, capacity and job work at its closing commit, on the H200, as one background run polled across device calls
 # (each call is at most 10 minutes; the run is about 20):
 #   bash studies/device/device_close.sh start   # starts the run (setsid nohup), returns at once
 #   bash studies/device/device_close.sh poll N  # waits up to N seconds, copies what is done to $OUT
@@ -225,7 +225,7 @@ timeout 240 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --contex
   --methods rotkv:quarot-int2+graph rotkv:bf16+graph hf-static-compile --out "$R/generate-real-smollm2-64x8k.json" \
   >> "$R/oscarmix.log" 2>&1
 echo "real smollm2 rc=$?"; fi
-if want capacity36; then stage capacity36  # issue 20's capacity: Qwen3-8B shape, all 36 layers, 32K, the whole H200
+if want capacity36; then stage capacity36  # the capacity: Qwen3-8B shape, all 36 layers, 32K, the whole H200
 # CAP36: "method start tries" triples, ';'-separated (a try of INT2 at 128 x 32K prefills 4M tokens: ~5 min)
 IFS=';' read -ra specs <<< "${CAP36:-rotkv:quarot-int2+graph+fold 48 3;rotkv:bf16+graph 16 3;hf-static-compile 12 3}"
 for spec in "${specs[@]}"; do

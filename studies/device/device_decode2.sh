@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (issue 12, decode second round): the CUDA decode tests (fused merge, prefetch
+# One device call (decode second round): the CUDA decode tests (fused merge, prefetch
 # variants, graph replays), then bench_decode.py (all configs) and decode_breakdown.py.
 # Run from the tree's root; $OUT collects.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}

@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (issue 12, decode second round, after device_decode2.sh): CUDA decode tests of the
+# One device call (decode second round, after device_decode2.sh): CUDA decode tests of the
 # changed paths, bench_decode.py at the Qwen3-8B shape (all configs) and at the SmolLM2 shape
 # (9/3 heads, D 64), then decode_breakdown.py. Run from the tree's root; $OUT collects.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}

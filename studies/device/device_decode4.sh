@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (issue 12, third decode session): the CUDA kernel grid with the fp16 value product
+# One device call (third decode session): the CUDA kernel grid with the fp16 value product
 # (cuda_value_f16) beside the bf16 one, its error against the float32 reference, and bench_decode.py
 # at the Qwen3-8B shape with both. Run from the tree's root; $OUT collects.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}

@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (issue 12, third decode session, after device_decode4.sh): the value-accumulator
+# One device call (third decode session, after device_decode4.sh): the value-accumulator
 # flush (cuda_value_flush) with bf16 and fp16 value products: the CUDA kernel grid, error against
 # the float32 reference, and bench_decode.py at the Qwen3-8B shape. Run from the tree's root.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}

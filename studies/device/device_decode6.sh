@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (issue 12, third decode session, final): fp16 value product with the offset flush
+# One device call (third decode session, final): fp16 value product with the offset flush
 # every 8 steps as the default. Builds in parallel, the CUDA decode tests (kernel grid, fused merge,
 # cache layer and CUDA-graph paths), bench_decode.py at the Qwen3-8B shape against the previous
 # default (cuda-bf16v), the error check, and Nsight Compute at B = 32, 128K. Run from the tree's root.

@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (issue 12, third decode session): the offset flush moved to the loop's back edge.
+# One device call (third decode session): the offset flush moved to the loop's back edge.
 # Parallel builds, the CUDA decode tests, bench_decode.py at the Qwen3-8B shape against the bf16-value
 # build and the unflushed fp16 one, and the error check. Run from the tree's root; $OUT collects.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}

@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (issue 12): the CUDA write kernel's tests as committed and its timing, then where
+# One device call: the CUDA write kernel's tests as committed and its timing, then where
 # the job benchmark's decode step spends its time and the job benchmark itself (steady steps apart
 # from the first step of each wave, which captures the CUDA graph).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}

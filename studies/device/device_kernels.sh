@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (issue 12): CUDA kernel tests for INT4/mixed widths, the score option and the
+# One device call: CUDA kernel tests for INT4/mixed widths, the score option and the
 # write variants, then bench_mixed.py and bench_write.py. Run from the tree's root; $OUT collects.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p $OUT

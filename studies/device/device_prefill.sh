@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 20 on the H200, in parts of under 10 minutes each (one device call per part):
+# The prefill work on the H200, in parts of under 10 minutes each (one device call per part):
 #   PART=1 (default, ~5 min): GPU tests of the prefill changes, then peak memory / prefill time at
 #          (a) Qwen3-8B shape 8 layers 4 x 32K and (c) SmolLM2 shape 64 x 8K, and the prefill-chunk
 #          sweep (1K/2K/4K/8K) at (a);

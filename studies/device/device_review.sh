@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (issue 12, after the review refactor): the CUDA decode tests of the default and
+# One device call (after the review refactor): the CUDA decode tests of the default and
 # the unfused path, the fused merge, the cache layer and graph tests; then the job benchmark
 # (32 requests x 100K tokens, Qwen3-8B shapes, random weights) through the cache with the new kernel.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}

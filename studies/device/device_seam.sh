@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (issue 21 parts 1-2: the typed PagedBody and the planned dispatch, commit under
+# One device call (the typed PagedBody and the planned dispatch, commit under
 # test = HEAD). Checks the CUDA paths whose Python wrappers changed (cuda_decode.body_partials,
 # cuda_write.launch, the decode and write plans, nvcc.load's per-call lookup), in < 8 minutes:
 #   1. prebuild the decode kernel grid's nvcc builds in parallel (the tests then load them);

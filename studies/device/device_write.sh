@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (issue 12, write kernel): the write tests on CUDA (the CUDA kernel against the CPU
+# One device call (write kernel): the write tests on CUDA (the CUDA kernel against the CPU
 # quantizer, the Triton kernel beside it, the cache paths that flush through it), then bench_write.py
 # with both backends and the CUDA build switches in one process. Run from the tree's root; $OUT collects.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}

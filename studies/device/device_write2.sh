@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (issue 12): the CUDA write kernel's tests, its variants timed, an Nsight Compute
+# One device call: the CUDA write kernel's tests, its variants timed, an Nsight Compute
 # look at three of its launches, then where the job benchmark's decode step spends its time.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p $OUT

@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (issue 12, write kernel round 3): the CUDA write kernel's tests and the cache paths
+# One device call (write kernel round 3): the CUDA write kernel's tests and the cache paths
 # that flush through it, then its variants timed beside the Triton kernel.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p $OUT

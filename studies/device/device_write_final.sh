@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call (issue 12): the committed CUDA write kernel's tests (and the cache paths that flush
+# One device call: the committed CUDA write kernel's tests (and the cache paths that flush
 # through it), then bench_write.py with both backends.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} ROTKV_COMMIT=${ROTKV_COMMIT:-unknown}
 mkdir -p $OUT
