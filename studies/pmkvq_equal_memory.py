@@ -13,7 +13,7 @@ Writes a JSON with the totals and, per chunk, each method's bytes, stored tokens
 
     python studies/pmkvq_equal_memory.py --context 1024 --continuation 6144 \\
         --artifact identity=pm_identity.safetensors --artifact oscar=pm_oscar.safetensors \\
-        --out docs/results/pmkvq_equal_memory.json
+        --out studies/results/pmkvq/pmkvq_equal_memory.json
 """
 
 from __future__ import annotations

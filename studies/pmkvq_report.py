@@ -1,6 +1,6 @@
 """Markdown tables (and a plot) from pmkvq_equal_memory.py's JSON.
 
-    python studies/pmkvq_report.py docs/results/pmkvq_equal_memory.json [--plot docs/results/pmkvq_bpe.png]
+    python studies/pmkvq_report.py studies/results/pmkvq/pmkvq_equal_memory.json [--plot studies/results/pmkvq/pmkvq_bpe.png]
 """
 
 from __future__ import annotations
