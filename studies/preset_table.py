@@ -24,6 +24,11 @@ PRESETS = ["bf16", "int4", "quarot-int2", "oscar-mix", "oscar-mix-long", "oscar-
 def run_eval(a, out: str) -> list[str]:
     from rotkv.cli import main as rotkv_main
 
+    if a.report_only:  # a run stopped part way: its results.json rebuilt from what its cache holds
+        argv = ["eval", "--report-only", "--out", out]
+        if rotkv_main(argv) != 0:
+            raise SystemExit("rotkv eval --report-only failed")
+        return argv
     argv = ["eval", "--methods", ",".join(a.presets), "--sink", "preset", "--window", "preset",
             "--tasks", "nll,niah", "--lengths", f"nll={a.length}", f"niah={a.niah_lengths}",
             "--windows", str(a.windows), "--samples", str(a.samples), "--threads", str(a.threads),
@@ -63,7 +68,8 @@ def rows(results: dict, steps: dict, presets: list[str], length: int) -> list[di
         found = sum(round(r["accuracy"] * r["n"]) for r in niah)
         n = sum(r["n"] for r in niah)
         out.append({"preset": p, "bits": nll[0]["bpe_measured"], "kl": nll[0]["kl"], "kl_ci95": nll[0]["kl_ci95"],
-                    "niah": found / n, "niah_found": found, "niah_n": n, **steps[p]})
+                    "niah": found / n, "niah_found": found, "niah_n": n,
+                    "niah_units": sorted({f"{r['variant']}@{r['length']}" for r in niah}), **steps[p]})
     return out
 
 
@@ -81,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--report-only", action="store_true",
+                    help="do not run the eval: rebuild OUT/eval's results.json from its cache (a run stopped part "
+                         "way keeps what it finished), then time the steps")
     a = ap.parse_args(argv)
     a.presets = a.presets.split(",")
     os.makedirs(a.out, exist_ok=True)
@@ -93,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
     doc = {"rows": rows(results, steps, a.presets, a.length),
            "eval_command": "rotkv " + " ".join(eval_argv),
+           "eval_run_argv": json.load(open(os.path.join(eval_dir, "config.json"))).get("argv"),
            "command": "python studies/preset_table.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "step": {"batch": a.batch, "context": a.context, "new_tokens": a.new_tokens, "device": a.device,
                     "threads": a.threads},
