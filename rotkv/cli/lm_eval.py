@@ -12,7 +12,7 @@ def register(sub) -> None:
     p = sub.add_parser("lm-eval", help="run lm-evaluation-harness tasks through a rotkv cache (needs .[lmeval])",
                        description="lm_eval's command line with the model `rotkv` registered, e.g. `rotkv lm-eval "
                                    "run --model rotkv --model_args preset=quarot-int2,sink=16,window=64 --tasks "
-                                   "arc_easy --device cpu`; `rotkv lm-eval --help` shows lm_eval's own options")
+                                   "arc_easy --device cpu`; `rotkv lm-eval run --help` shows lm_eval's own options")
     p.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm_eval's arguments, passed on unchanged")
     p.set_defaults(func=run)
 
