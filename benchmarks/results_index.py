@@ -117,7 +117,7 @@ def build(results: Path = RESULTS) -> tuple[str, bool]:
              "fails when this file is stale). Current = newest by the commit's date in git, else by the file's",
              "date (JSON `utc`, else the name), then by that date; ties are all current. Commit and date as the file gives them",
              "(JSON fields, else the name). What each kind measures: `benchmarks/README.md`; the device",
-             "scripts that produced them: `benchmarks/archive/README.md`.", "",
+             "scripts that produced them: `studies/device/README.md`.", "",
              f"{len(files)} files, {len(by_kind)} kinds.", "",
              "| kind | current file | commit | date | older files |", "| --- | --- | --- | --- | --- |"]
     for kind in sorted(by_kind):

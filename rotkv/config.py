@@ -48,8 +48,7 @@ class CacheSpec:
     window_share: the window grows with the row: ``max(window, ceil(window_share * tokens))`` of its
         ``tokens`` stay unquantized (0: a fixed window). 1/64 keeps the share a 32-token window has at
         2K at every length; the error of a 2-bit cache grows with context mostly through the recent
-        body's keys (docs/results/diagnosis_length.md), and this holds that part constant at a
-        constant cost in bits per element. Paged caches only (no ``budget_tokens``).
+        body's keys, and this holds that part constant at a constant cost in bits per element. Paged caches only (no ``budget_tokens``).
     refine_tokens: the newest body tokens of a row whose 2-bit keys keep 2 more bits (a refine tier):
         a key's 2-bit code ``h`` and its group's scale ``s`` and ``lo`` are the body's own, and 2 more
         bits ``j`` place it inside its bucket, read as ``lo + s * (h + (j - 1.5) / 4)`` (a 4-bit grid
@@ -57,10 +56,9 @@ class CacheSpec:
         page_size)`` newest body pages, then drops them: what remains is the 2-bit page the body holds
         anyway (``rotkv.cache.refine``). 2 bits per key element of those pages, no metadata. Keys at 2 bits
         only (layers whose keys are at 4 bits ignore it); the recent body's keys are where the INT2
-        error of long contexts concentrates (docs/results/diagnosis_length.md). 0: off.
+        error of long contexts concentrates. 0: off.
     refine_values: the refine tier's pages keep 2 more bits for their 2-bit values too, the same nested
-        grid (an emulation on calibration text found keys and values together worth more than twice the
-        tokens of keys alone; docs/results/levers_length.md). Read as the keys' tier is: the PyTorch paths,
+        grid. Read as the keys' tier is: the PyTorch paths,
         and the Triton v1 decode kernel (``ROTKV_REFINE_KERNEL=0``: the PyTorch path alone).
     refine_every: the refine tier's size rule: a row of ``n`` body pages keeps ``min(ceil(refine_tokens /
         page_size), ceil(n / refine_every))`` pages refined, one per ``refine_every`` body pages, so that
@@ -88,11 +86,11 @@ class CacheSpec:
     shift, anchor: progressive only; see rotkv.quant.progressive.
     k_bits: per-layer key widths that differ from ``bits``, as ``"LAYERS:BITS"`` items joined by ``,``
         (``"15-24:4"``: the keys of layers 15 to 24 at 4 bits; values keep ``bits``), or ``"artifact"``:
-        the artifact's ``k_bits`` tensor (``python -m rotkv.cli.keybits``). Key layers at a
+        the artifact's ``k_bits`` tensor (``rotkv calibrate --method oscar-mix``). Key layers at a
         width other than ``bits`` are not clipped (clip ratios are fitted for ``bits``). None: every
         layer at ``bits``. Counted in the measured bits like everything else.
     k_table: a calibrated key format for the layers whose keys are at ``bits``, read from the artifact
-        (``python -m rotkv.calibrate.grids``): ``grid`` (non-uniform per-head levels, ``k_grid``; the same
+        (``studies/key_tables.py``): ``grid`` (non-uniform per-head levels, ``k_grid``; the same
         bytes per token as the uniform codec) or ``pq`` (product-quantized keys: ``pq_book`` codebooks of
         4-dim sub-vectors and ``pq_sigma``; 2.25 bits per key element at head_dim 64). PyTorch path only.
         None: the uniform quantizer.
@@ -315,19 +313,17 @@ PRESETS: dict[str, CacheSpec] = {
         name="optr-int2", bits=2, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="optr",
         artifact_kind="optr",
     ),
-    # the recommended INT2 preset (docs/results/accuracy.md): OSCAR, with the keys of the most sensitive
-    # layers at 4 bits (the artifact's `k_bits`, python -m rotkv.cli.keybits), fp8 value metadata
-    # and a 16-token sink + 32-token window to pay for them: ~3.1 measured bits per element at 2K tokens.
-    # The window keeps 1/64 of each row (32 tokens at 2K, 128 at 8K): the recent body's keys are where the
-    # error grows with context; against the fixed 32-token window it cut the KL by 34% at 4K and 41% at 8K
-    # for 0.10 and 0.15 more bits (docs/results/levers_length.md, "The window share")
+    # OSCAR, with the keys of the most sensitive layers at 4 bits (the artifact's `k_bits`, rotkv calibrate
+    # --method oscar-mix), fp8 value metadata and a 16-token sink + 32-token window to pay for them. The
+    # window keeps 1/64 of each row (32 tokens at 2K, 128 at 8K): the recent body's keys are where the
+    # error grows with context
     "oscar-mix": CacheSpec(
         name="oscar-mix", bits=2, sink=16, window=32, window_share=1 / 64, rotation="artifact", clip_k=0.96,
         clip_v=0.92, key_mean=True,
         method="oscar", k_bits="artifact", meta_v="float8", artifact_kind="oscar-mix",
     ),
     # oscar-mix with its key side (R_K, key means) refitted on 4K-token calibration sequences
-    # (python -m rotkv.calibrate.longfit on top of oscar-mix's artifact; docs/results/levers_length.md): the same
+    # (rotkv calibrate --method oscar-mix-long on top of oscar-mix's artifact): the same
     # storage format, bytes and kernels as oscar-mix; only the artifact differs
     "oscar-mix-long": CacheSpec(
         name="oscar-mix-long", bits=2, sink=16, window=32, window_share=1 / 64, rotation="artifact", clip_k=0.96,
@@ -335,9 +331,9 @@ PRESETS: dict[str, CacheSpec] = {
     ),
     # oscar-mix-long's artifact with a refine tier: 2 more bits for the keys and values of each row's newest
     # body pages, one per 19 body pages and at most 224 tokens (CacheSpec.refine_tokens, refine_values,
-    # refine_every; rotkv.cache.refine), paid for by a 4-token sink instead of 16: 3.09 measured bits at 2K
-    # (7 refined pages), 2.98 at 8K (14) (docs/results/levers_length.md, "The refine tier"). On the GPU the
-    # Triton v1 decode kernel reads the tier (ROTKV_REFINE_KERNEL=0: the PyTorch path, no CUDA graph)
+    # refine_every; rotkv.cache.refine), paid for by a 4-token sink instead of 16; the recommended preset.
+    # On the GPU the Triton v1 decode kernel reads the tier (ROTKV_REFINE_KERNEL=0: the PyTorch path, no
+    # CUDA graph)
     "oscar-refine": CacheSpec(
         name="oscar-refine", bits=2, sink=4, window=32, window_share=1 / 64, refine_tokens=224, refine_values=True,
         refine_every=19, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="oscar",

@@ -65,10 +65,10 @@ def save_tiny_llama_dir(path, seed: int = 0, **kw) -> str:
     return str(path)
 
 
-def load_benchmark(name: str):
-    """The script ``benchmarks/<name>.py`` as a module (the benchmarks are scripts, not a package)."""
+def load_benchmark(name: str, folder: str = "benchmarks"):
+    """The script ``<folder>/<name>.py`` as a module (benchmarks/ and studies/ hold scripts, not packages)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, folder, f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -470,35 +470,17 @@ def test_calibrate_oscar_mix_checks_the_base_artifact(no_model, capsys, tiny, tm
     assert_user_error(rc, err, "cannot read artifact")
 
 
-@pytest.mark.parametrize("argv,needles", [
-    (["--base-artifact", "/no/such.safetensors", "--layers", "10"], ["artifact file not found"]),
-    (["--layers", "0"], ["--layers has to be in [1, 30]"]),
-    (["--layers", "100"], ["--layers has to be in [1, 30]"]),
-])
-def test_keybits_alias_follows_the_cli_rules(no_model, capsys, tmp_path, argv, needles):
-    from rotkv.cli.keybits import main as keybits
-
-    rc = keybits(["--out", str(tmp_path / "m.safetensors"), *argv])
-    assert_user_error(rc, capsys.readouterr().err.strip(), *needles)
-
-
-def test_keybits_alias_unknown_flag_and_read_only_out(no_model, capsys, tmp_path):
+def test_calibrate_read_only_out(no_model, capsys, tmp_path):
     import os
 
-    from rotkv.cli.keybits import main as keybits
-
-    with pytest.raises(SystemExit) as e:
-        keybits(["--out", str(tmp_path / "m.safetensors"), "--preset", "foo"])
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and len(err.splitlines()) == 1 and "--preset" in err
     ro = tmp_path / "ro"
     ro.mkdir()
     os.chmod(ro, 0o500)
     try:
         if os.access(ro, os.W_OK):
             pytest.skip("running as a user who can write anywhere")
-        rc = keybits(["--out", str(ro / "m.safetensors")])
-        assert_user_error(rc, capsys.readouterr().err.strip(), "--out", "not writable")
+        rc, _, err = run_cli(capsys, "calibrate", "--method", "oscar-mix", "--out", str(ro / "m.safetensors"))
+        assert_user_error(rc, err, "--out", "not writable")
     finally:
         os.chmod(ro, 0o700)
 
@@ -839,3 +821,19 @@ def test_demo_refuses_a_wrong_base_before_the_model(no_model, capsys, tiny, tmp_
     write_artifact(tiny, tmp_path / "oscar.safetensors", method="optr")
     rc, _, err = run_cli(capsys, "demo", "--presets", "bf16,oscar-mix", "--artifact-dir", str(tmp_path))
     assert_user_error(rc, err, "--artifact-dir", "oscar.safetensors is an optr artifact")
+
+
+def test_help_lists_the_commands_in_a_users_order(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert "{demo,calibrate,inspect,generate,eval,lm-eval,bench,build-kernels,export}" in out
+
+
+def test_lm_eval_without_the_harness_is_one_line(capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
+    rc, _, err = run_cli(capsys, "lm-eval", "run", "--model", "rotkv", "--tasks", "arc_easy")
+    assert_user_error(rc, err, "lm-eval", "pip install -e '.[lmeval]'")

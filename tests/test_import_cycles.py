@@ -1,5 +1,5 @@
 """No import cycle among rotkv's modules, and the seams' directions: read from the source with ast
-(benchmarks/import_cycles.py, the command that counts them), so function-level imports count too."""
+(scripts/import_cycles.py, the command that counts them), so function-level imports count too."""
 
 import importlib.util
 import os
@@ -7,7 +7,7 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("import_cycles", os.path.join(ROOT, "benchmarks", "import_cycles.py"))
+_spec = importlib.util.spec_from_file_location("import_cycles", os.path.join(ROOT, "scripts", "import_cycles.py"))
 ic = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ic)
 

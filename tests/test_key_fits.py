@@ -1,4 +1,4 @@
-"""Several key-side fits in one artifact (issue 24): ``rotkv calibrate --method oscar-mix-long --long-seq-len
+"""Several key-side fits in one artifact: ``rotkv calibrate --method oscar-mix-long --long-seq-len
 4096,8192`` stores one R_K / key mean per calibration length, and a cache given its context length uses the
 fit nearest it. The rule, the artifact format and its validation, the cache, the CLI and the eval pass-through,
 on the tiny random Llama."""
@@ -271,11 +271,3 @@ def test_calibrate_writes_one_fit_per_length_equal_to_the_single_length_fits(tin
     # each says what it is and what it was made from
     assert (both.kind, both.meta["base_artifact"]) == ("oscar-mix-long", f"oscar-mix {b.identity}")
     assert (again.kind, again.meta["base_artifact"]) == ("oscar-mix-long", f"oscar-mix-long {both.identity}")
-    # the module's own command line takes the same list and writes the same fits
-    from rotkv.calibrate import longfit
-
-    mod = str(tmp_path / "module.safetensors")
-    assert longfit.main(["--base-artifact", base, "--seq-len", "512,1024", "--sequences", "1", "--out", mod]) == 0
-    m = load_artifact(mod)
-    assert m.key_fit_lengths == [512, 1024]
-    assert all(torch.equal(m.tensors[k], both.tensors[k]) for k in both.tensors)

@@ -1,4 +1,4 @@
-"""benchmarks/plot_refine.py on the committed result files: the points it reads, the figure, a bad file refused."""
+"""studies/plot_refine.py on the committed result files: the points it reads, the figure, a bad file refused."""
 
 import json
 import os
@@ -8,7 +8,7 @@ from rotkv_testing import load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("matplotlib")
-plot = load_benchmark("plot_refine")
+plot = load_benchmark("plot_refine", "studies")
 
 
 def test_the_figure_from_committed_results(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
-"""benchmarks/profile_prefill.py at a tiny shape on the CPU: the profile and the sweep write rows
-with positive times (the GPU runs of issue 20 use the same code at full shapes)."""
+"""studies/profile_prefill.py at a tiny shape on the CPU: the profile and the sweep write rows
+with positive times (the GPU runs use the same code at full shapes)."""
 
 import json
 
@@ -10,7 +10,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def _script():
-    return load_benchmark("profile_prefill")
+    return load_benchmark("profile_prefill", "studies")
 
 
 SHAPE = ["--random", "smollm2", "--layers", "2", "--batch", "2", "--context", "96", "--device", "cpu"]

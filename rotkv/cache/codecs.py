@@ -147,7 +147,7 @@ def with_key_table(spec, artifact, layer: int, codecs):
     missing = [n for n in names if artifact is None or n not in artifact.tensors]
     if missing:
         raise ValueError(f"`k_table`={spec.k_table!r} needs the artifact tensors {missing}; make them with "
-                         f"`python -m rotkv.calibrate.grids --table {spec.k_table} --base-artifact A --out B`")
+                         f"`python studies/key_tables.py --table {spec.k_table} --base-artifact A --out B`")
     t = [artifact.tensors[n][layer] for n in names]
     if spec.k_table == "grid":
         return GridTokenCodec(kc.bits, kc.group_size, kc.clip, kc.meta, t[0]), vc

@@ -1,6 +1,6 @@
 """Per-layer key widths from the decode KL on calibration text: which layers' keys get 4 bits.
 
-The INT2 error of this cache is in the keys (docs/results/diagnosis.md), and some layers carry much
+The INT2 error of this cache is mostly in the keys, and some layers carry much
 more of it than others. For each layer l, a cache of the preset (``oscar-int2`` by default, with the
 base artifact) is run with the keys of layer l alone at 4 bits, over windows of calibration text
 (context prefilled in chunks, then teacher-forced decode tokens, as ``rotkv eval``'s nll task); the
@@ -8,13 +8,13 @@ layer's gain is the drop in mean KL(plain model || cache) against the preset its
 layers with the largest gains get 4-bit keys: the artifact written is the base artifact plus
 ``k_bits [L]`` (int32) and ``k_gain [L]`` (float32), read by presets with ``k_bits="artifact"``.
 
-A first-order, gradient-based ranking (PM-KVQ's bound, keys only) picked worse layers on SmolLM2
-(docs/results/accuracy.md), hence the forward-only measurement here: L + 1 cache runs per window.
+The ranking is forward-only (L + 1 cache runs per window) rather than a first-order, gradient-based
+bound (PM-KVQ's, keys only), which picked worse layers (docs/calibration.md).
 
     rotkv calibrate --method oscar-mix --out oscar-mix.safetensors    # OSCAR base + key widths, one command
     rotkv calibrate --method oscar-mix --base-artifact oscar.safetensors --out oscar-mix.safetensors
 
-(``python -m rotkv.cli.keybits --base-artifact A --layers N --out B`` is an alias of the second.)
+(``--key-layers N``: how many layers get 4-bit keys.)
 """
 
 from __future__ import annotations
@@ -269,8 +269,7 @@ def _a(word: str) -> str:
 
 
 def default_layers(num_layers: int) -> int:
-    """The number of layers whose keys get 4 bits by default: a third (10 of SmolLM2's 30, the
-    ``oscar-mix`` preset's measured setting, docs/results/accuracy.md)."""
+    """The number of layers whose keys get 4 bits by default: a third (10 of SmolLM2's 30)."""
     return max(1, round(num_layers / 3))
 
 

@@ -1,4 +1,4 @@
-"""OSCAR's key side refitted on long sequences (issue 24: "calibration on long sequences").
+"""OSCAR's key side refitted on long sequences (``rotkv calibrate --method oscar-mix-long``).
 
 ``rotkv calibrate --method oscar`` fits R_K from the query covariance C_Q of 512-token chunks: it sees RoPE
 phases of at most 512 positions and the queries of short contexts. This refit keeps an artifact's value side
@@ -8,14 +8,13 @@ by the same OSCAR fit over calibration sequences of ``seq_len`` tokens: each seq
 position 0..seq_len-1 enter C_Q (summed over the query heads of a KV head, then pooled as the base
 artifact's granularity) and every key past the sink enters the mean. Calibration text only.
 
-    python -m rotkv.calibrate.longfit --base-artifact oscar-mix.safetensors --seq-len 4096,8192 --sequences 2 \
-        --out oscar-mix-long.safetensors
+    rotkv calibrate --method oscar-mix-long --base-artifact oscar-mix.safetensors --long-seq-len 4096,8192 \
+        --long-sequences 2 --out oscar-mix-long.safetensors
 
 Several lengths (:func:`refit_lengths`, ``rotkv calibrate --method oscar-mix-long --long-seq-len 4096,8192``)
 write one artifact with a key-side fit per length: the first length's as ``R_K``/``k_mean``, the others as
 ``R_K@n``/``k_mean@n``, listed in ``key_fit_lengths``; a cache picks one by its context length
-(``RotkvCache(..., context_length=)``). A fit serves best near its own length: the 8K fit halves the KL at 8K
-and costs at 2K (docs/results/levers_length.md).
+(``RotkvCache(..., context_length=)``). A fit serves best near its own length.
 """
 
 from __future__ import annotations
@@ -151,39 +150,3 @@ def calibrate_mix_long(loaded, base=None, seq_len: int | list[int] = 4096, seque
         art = Artifact(tensors, {k: str(v) for k, v in meta.items()})
     seq_lens = [seq_len] if isinstance(seq_len, int) else list(seq_len)
     return refit_lengths(loaded.model, loaded.tokenizer, art, seq_lens, sequences, files=files, log=log)
-
-
-def main(argv=None) -> int:
-    import argparse
-    import sys
-
-    from rotkv.hf.models import load_model
-    from rotkv.contract import validate_artifact
-    from rotkv.rotations.artifact import load_artifact, parse_fit_lengths, save_artifact
-
-    ap = argparse.ArgumentParser(prog="python -m rotkv.calibrate.longfit", description=__doc__.split("\n")[0])
-    ap.add_argument("--base-artifact", required=True, help="an OSCAR artifact (e.g. oscar-mix.safetensors with key widths)")
-    ap.add_argument("--seq-len", default="4096", metavar="N[,N...]",
-                    help="tokens per calibration sequence (default 4096); a comma list writes one key fit per length")
-    ap.add_argument("--sequences", type=int, default=2, help="calibration sequences (default 2)")
-    ap.add_argument("--data", nargs="+", default=None, help="text files (default: the built-in calibration corpus)")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    try:
-        lengths = parse_fit_lengths(args.seq_len, "--seq-len")
-    except ValueError as e:
-        ap.error(str(e))
-    loaded = load_model(args.model, device=args.device, dtype=torch.float32)
-    art = load_artifact(args.base_artifact)
-    validate_artifact(art, loaded.model)
-    tensors, meta = refit_lengths(loaded.model, loaded.tokenizer, art, lengths, args.sequences, files=args.data)
-    save_artifact(args.out, tensors, meta)
-    print(f"wrote {args.out}: R_K and key means refitted on sequences of {args.seq_len} tokens "
-          f"({meta.get('key_fit_seconds', meta['longfit_seconds'])} s)", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -131,28 +131,8 @@ def pmkvq_artifact(loaded, bits: np.ndarray, sens: np.ndarray, base=None, **info
     return tensors, meta
 
 
-def add_arguments(p) -> None:
-    """The options of ``rotkv calibrate --method pmkvq`` (also ``python -m rotkv.calibrate.pmkvq``)."""
-    p.add_argument("--model", default=None, help="smollm2 (default), a .gguf file or a local HF model directory")
-    p.add_argument("--out", required=True, help="output .safetensors file")
-    p.add_argument("--base-artifact", default=None, help="an artifact whose rotations the widths are fitted for")
-    from rotkv.rotations.registry import data_free
-
-    p.add_argument("--rotation", default="identity", choices=data_free(),
-                   help="rotation the sensitivities assume when there is no base artifact")
-    p.add_argument("--budget-bpe", type=float, default=3.5,
-                   help="mean body bits per element (codes and metadata) the widths may use; 2-bit costs 2.5 at G=64")
-    p.add_argument("--data", nargs="+", default=None, help="text files (default: the built-in calibration corpus)")
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--chunk-len", type=int, default=512)
-    p.add_argument("--stretch", type=int, default=4, help="positional interpolation factor s")
-    p.add_argument("--group-size", type=int, default=64)
-    p.add_argument("--clip-k", type=float, default=None, help="default: the base artifact's, else 1.0")
-    p.add_argument("--clip-v", type=float, default=None)
-    p.add_argument("--device", default="cpu")
-
-
 def run(args) -> int:
+    """``rotkv calibrate --method pmkvq``: per-layer widths under ``args.budget_bpe``, written to ``args.out``."""
     from rotkv.hf.geometry import model_geometry
     from rotkv.hf.models import load_model
     from rotkv.contract import validate_artifact
@@ -182,11 +162,3 @@ def run(args) -> int:
     print(f"wrote {args.out}: final widths {bits.tolist()}")
     return 0
 
-
-if __name__ == "__main__":
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(prog="python -m rotkv.calibrate.pmkvq", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))

@@ -198,8 +198,8 @@ def calibrate(loaded, cfg: CalibConfig) -> tuple[dict[str, torch.Tensor], dict[s
         "heldout_tokens": sum(chunks[i].shape[1] for i in heldout),
         "calib_seconds": f"{cfg.timings['total_s']:.1f}",
         "threads": torch.get_num_threads(),
-        # what the fit's floating point depends on besides the inputs: two machines of one kind with other
-        # versions gave artifacts with different key-width rankings (docs/results/levers_length.md)
+        # what the fit's floating point depends on besides the inputs: other versions can give another
+        # key-width ranking
         "torch_version": torch.__version__, "transformers_version": _transformers_version(),
     })
     if cfg.refines:

@@ -12,17 +12,19 @@ import sys
 
 from rotkv.cli.errors import debug_requested, report
 
-# One line per subcommand module; each defines register(subparsers) which adds its parser and
-# sets `func` (called with the parsed args, returning an exit code).
+# One line per subcommand module, in the order a user meets them (`rotkv --help` lists them so); each
+# defines register(subparsers) which adds its parser and sets `func` (called with the parsed args,
+# returning an exit code).
 SUBCOMMANDS = [
-    "rotkv.cli.generate",
     "rotkv.cli.demo",
     "rotkv.cli.calibrate",
     "rotkv.cli.inspect",
+    "rotkv.cli.generate",
     "rotkv.cli.eval",
+    "rotkv.cli.lm_eval",
     "rotkv.cli.bench",
-    "rotkv.cli.export",
     "rotkv.cli.build_kernels",
+    "rotkv.cli.export",
 ]
 
 

@@ -24,7 +24,7 @@ def register(sub) -> None:
                    help=f"cache preset (bits, group size; default {RECOMMENDED_PRESET})")
     p.add_argument("--group-size", type=int, default=None, help="quantization group size (overrides the preset)")
     p.add_argument("--arch", default=None,
-                   help="compute capability without the dot, e.g. 90 for an H100/H200 (default: the visible GPU's)")
+                   help="compute capability without the dot, e.g. 90 for Hopper (default: the visible GPU's)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 4, help="nvcc runs at once")
     p.set_defaults(func=run)
 

@@ -6,7 +6,7 @@
   ``ROTKV_DEBUG=1``) shows the traceback, exit code 1.
 
 Everything that can be checked without the model (flags, the preset, artifact files, prompt files,
-output paths, the device) is checked first: loading the default model takes about 40 s on a CPU.
+output paths, the device) is checked first: the first load of a GGUF model converts it, which takes a while on a CPU.
 """
 
 from __future__ import annotations

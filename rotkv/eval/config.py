@@ -100,7 +100,7 @@ class EvalConfig:
 PROFILES: dict[str, dict] = {
     # CI: a few minutes on 2 CPU cores, three rotkv presets, every task and variant at tiny sizes.
     "smoke": {},
-    # The committed run (docs/results/cpu-w64): every method, SmolLM2's lengths, sized for a shared 2-core CPU.
+    # Every method at SmolLM2's lengths, sized for a 2-core CPU.
     "full": dict(
         methods=main_methods,  # called when the config is made: every preset and peer known then
         lengths={"nll": [2048, 8192], "attn-error": [1024], "niah": [1024, 2048, 3072]},

@@ -69,7 +69,7 @@ def known_methods() -> list[str]:
 
 def main_methods() -> list[str]:
     """The methods of the full profile: every preset of fixed width (progressive presets are compared in
-    their own benchmark, benchmarks/archive/pmkvq_equal_memory.py), then every peer."""
+    their own benchmark, studies/pmkvq_equal_memory.py), then every peer."""
     return [name for name, spec in PRESETS.items() if spec.start_bits is None] + list(peers.PEERS)
 
 

@@ -154,7 +154,7 @@ def load_model(model: str | None = None, device: str | None = None, dtype: torch
     """Load a causal LM and its tokenizer from local files only.
 
     device defaults to CUDA when present; dtype to bfloat16 on CUDA and float32 on the CPU.
-    A GGUF file is converted once (about 40 s on a small CPU, mostly the tokenizer): the float32
+    A GGUF file is converted once (its slow part is the tokenizer): the float32
     conversion is kept as safetensors under :func:`converted_dir`, keyed by the file's hash, and
     later loads read that copy. ``ROTKV_NO_MODEL_CACHE=1`` turns the copy off.
     """

@@ -1,7 +1,7 @@
 """lm-evaluation-harness model ``rotkv``: a Hugging Face causal LM whose scoring and generation read a
 rotkv cache.
 
-    python -m rotkv.integrations.lm_eval run --model rotkv \
+    rotkv lm-eval run --model rotkv \
         --model_args pretrained=DIR,preset=quarot-int2,sink=16,window=64 --tasks ...
 
 Importing this module registers the name ``rotkv`` with lm_eval's model registry (lm_eval has no
@@ -166,7 +166,7 @@ class RotkvLM(HFLM):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m rotkv.integrations.lm_eval ARGS``: lm_eval's command line with ``rotkv`` registered."""
+    """``rotkv lm-eval ARGS``: lm_eval's command line with ``rotkv`` registered."""
     from lm_eval.__main__ import cli_evaluate
 
     import sys
@@ -175,7 +175,3 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv = [sys.argv[0], *argv]
     cli_evaluate()
     return 0
-
-
-if __name__ == "__main__":
-    main()

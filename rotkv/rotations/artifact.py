@@ -194,8 +194,8 @@ def parse_fit_lengths(text: str, what: str = "key_fit_lengths") -> list[int]:
 def pick_key_fit(lengths, context_length: int) -> int | None:
     """The fit length for a context of ``context_length`` tokens: the nearest in log distance
     (``max(n, c) / min(n, c)`` smallest), a tie going to the longer fit; None when there are no fits (the
-    primary serves). A fit refitted on sequences of n tokens is best near n tokens of context
-    (docs/results/levers_length.md): 2K context takes a 4K fit over an 8K one, 6K takes the 8K."""
+    primary serves). A fit refitted on sequences of n tokens is best near n tokens of context: 2K context
+    takes a 4K fit over an 8K one, 6K takes the 8K."""
     from fractions import Fraction
 
     if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length < 1:

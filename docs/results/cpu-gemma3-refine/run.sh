@@ -6,9 +6,9 @@ P=.venv/bin/python
 echo "[$(date +%T)] calibrate"
 $P -m rotkv.cli calibrate --model $M --method oscar --tokens 8192 --out $A/oscar.safetensors
 echo "[$(date +%T)] keybits"
-$P -m rotkv.cli.keybits --model $M --base-artifact $A/oscar.safetensors --layers 1 --length 1024 --new-tokens 16 --out $A/oscar-mix.safetensors
+$P -m rotkv.cli calibrate --method oscar-mix --model $M --base-artifact $A/oscar.safetensors --key-layers 1 --key-length 1024 --key-new-tokens 16 --out $A/oscar-mix.safetensors
 echo "[$(date +%T)] longfit"
-$P -m rotkv.calibrate.longfit --model $M --base-artifact $A/oscar-mix.safetensors --seq-len 4096 --sequences 2 --out $A/oscar-mix-long.safetensors
+$P -m rotkv.cli calibrate --method oscar-mix-long --model $M --base-artifact $A/oscar-mix.safetensors --long-seq-len 4096 --long-sequences 2 --out $A/oscar-mix-long.safetensors
 echo "[$(date +%T)] eval refine"
 $P -m rotkv.cli eval --model $M --profile full --window 32 --tasks nll,niah --lengths nll=2048 niah=1024,2048 --windows 4 --new-tokens 64 --variants essay,multikey --depths 0.1,0.5,0.9 --samples 2 --methods oscar-refine --artifact-dir $A --threads 1 --out /tmp/gemrun/eval-refine
 echo "[$(date +%T)] eval refine, the preset of 2026-12-05 at its own sink"
