@@ -155,6 +155,8 @@ def build(tmp: str) -> dict[str, dict]:
 
     def add(path, text, pkg, files, role):
         name, ver = (pkg, PKGS[pkg][1]) if pkg in PKGS else ("cpython", sys.version.split()[0])
+        if text.startswith("# file: "):  # files joined and cut at CAP: the files (partly) in the text
+            files = [f for f in files if f"# file: {f}\n" in text]
         out[path] = {"text": text, "package": name, "version": ver, "files": files, "license": LICENSES[pkg],
                      "role": role}
 
