@@ -172,3 +172,25 @@ def test_tiny_suite_run_end_to_end_and_report_only(tmp_path):
     os.remove(os.path.join(tmp_path, "suite.md"))
     again = rebuild_suite(cfg, "mixed", "dev", str(tmp_path))
     assert json.loads(json.dumps(again)) == before and os.path.exists(os.path.join(tmp_path, "suite.md"))
+
+
+def test_suite_compare_pairs_two_folders_on_the_same_windows(tmp_path, capsys):
+    from rotkv_testing import load_benchmark
+
+    compare = load_benchmark("suite_compare")
+    for run, kls in (("old", {"a": [0.02, 0.04], "b": [0.1, 0.2]}), ("new", {"a": [0.01, 0.03], "b": [0.1, 0.1]})):
+        os.makedirs(tmp_path / run)
+        json.dump({"domains": ["a", "b"], "split": "test"}, open(tmp_path / run / "suite.json", "w"))
+        for d, ks in kls.items():
+            os.makedirs(tmp_path / run / d)
+            json.dump({"records": [_rec("oscar-mix", 2048, ks)]}, open(tmp_path / run / d / "results.json", "w"))
+            json.dump({"config": {"texts": [f"/x/{d}_test.txt"], "nll_windows": 2, "new_tokens": 64, "chunk": 512}},
+                      open(tmp_path / run / d / "config.json", "w"))
+    assert compare.main([f"old={tmp_path / 'old'}:oscar-mix", f"new={tmp_path / 'new'}:oscar-mix"]) == 0
+    out = capsys.readouterr().out
+    # differences per window: a -0.01, -0.01; b 0, -0.1 -> mean over domains (-0.01 - 0.05) / 2
+    assert "| new | 0.0200 | 0.1000 | 0.0600 | -0.0300 ± " in out
+    json.dump({"config": {"texts": ["/x/b_test.txt"], "nll_windows": 3, "new_tokens": 64, "chunk": 512}},
+              open(tmp_path / "new" / "b" / "config.json", "w"))
+    with pytest.raises(SystemExit, match="other windows"):
+        compare.main([f"old={tmp_path / 'old'}:oscar-mix", f"new={tmp_path / 'new'}:oscar-mix"])

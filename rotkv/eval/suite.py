@@ -116,6 +116,20 @@ def _windows(rec: dict, metric: str) -> list[float] | None:
     return rec.get("per_window", {}).get(metric)
 
 
+def paired_difference(a: dict[str, dict], b: dict[str, dict], metric: str = "kl") -> tuple[float, float]:
+    """(mean over domains of the per-window ``metric`` difference a - b, its paired 95% half-width) of two nll
+    records per domain ({domain: record}) that ran on the same windows."""
+    diffs = []
+    for d in a:
+        xa, xb = _windows(a[d], metric), _windows(b[d], metric)
+        if xa is None or xb is None or len(xa) != len(xb):
+            raise ValueError(f"{a[d]['method']} and {b[d]['method']} ran on different windows in domain {d} "
+                             f"at {a[d]['length']}")
+        diffs.append([x - y for x, y in zip(xa, xb)])
+    mean, ci, _ = _stratified(diffs)
+    return mean, ci
+
+
 def summarize(per_domain: dict[str, list[dict]], baselines: tuple[str, ...] = ("int4", "hf-quanto-int4")) -> dict:
     """{"lengths": {L: {"methods": {m: {...}}, "paired": {...}}}}: per method and length the mean over domains of
     KL, NLL and top-1 with stratified intervals, its mean measured bits and its per-domain figures; "paired":
@@ -153,13 +167,7 @@ def summarize(per_domain: dict[str, list[dict]], baselines: tuple[str, ...] = ("
             for m, row in methods.items():
                 if m == b or "kl" not in row:
                     continue
-                diffs = []
-                for d in domains:
-                    xa, xb = _windows(by[d][m], "kl"), _windows(by[d][b], "kl")
-                    if len(xa) != len(xb):
-                        raise ValueError(f"{m} and {b} ran on different windows in domain {d} at {L}")
-                    diffs.append([a - c for a, c in zip(xa, xb)])
-                mean, ci, _ = _stratified(diffs)
+                mean, ci = paired_difference({d: by[d][m] for d in domains}, {d: by[d][b] for d in domains})
                 paired[f"{m} vs {b}"] = {"method": m, "baseline": b, "kl_diff": mean, "kl_diff_ci95": ci,
                                          "kl_ratio": row["kl"] / methods[b]["kl"] if methods[b]["kl"] else None}
         out["lengths"][L] = {"methods": methods, "paired": paired, "incomplete": incomplete}
