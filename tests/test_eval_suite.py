@@ -36,18 +36,20 @@ def test_every_domain_has_a_dev_and_a_test_text_recorded_in_sources():
                     assert hashlib.sha256(f.read()).hexdigest() == info["sha256"], path
 
 
-def test_added_calibration_texts_are_recorded_in_sources():
+EXTRA = sorted(glob.glob(os.path.join(os.path.dirname(default_files("calib")[0]), "extra", "calib_*.txt")))
+
+
+def test_extra_calibration_texts_are_recorded_in_sources_and_not_in_the_default_corpus():
     src = sources()
-    for path in default_files("calib"):
-        rel = os.path.basename(path)
-        if rel in ("calib_licenses.txt", "calib_stdlib_docstrings.txt"):  # rotkv/data/README.md records these
-            continue
+    assert len(EXTRA) == 3
+    for path in EXTRA:
         with open(path, "rb") as f:
-            assert hashlib.sha256(f.read()).hexdigest() == src[rel]["sha256"], rel
+            assert hashlib.sha256(f.read()).hexdigest() == src["extra/" + os.path.basename(path)]["sha256"], path
+    assert not set(EXTRA) & set(default_files("calib"))
 
 
 def test_suite_texts_share_no_line_with_calibration_and_dev_none_with_test():
-    calib = set().union(*[_lines(p, 40) for p in default_files("calib")])
+    calib = set().union(*[_lines(p, 40) for p in default_files("calib") + EXTRA])
     for name in SUITES:
         for split in SPLITS:
             for d, path in suite_texts(name, split).items():
@@ -56,12 +58,6 @@ def test_suite_texts_share_no_line_with_calibration_and_dev_none_with_test():
         for d in SUITES[name]:
             # docutils' two parts repeat a few short link targets; no longer line is shared
             assert not _lines(dev[d], 80) & _lines(test[d], 80), d
-
-
-def test_default_calibration_corpus_covers_several_domains():
-    names = [os.path.basename(p) for p in default_files("calib")]
-    for kind in ("prose", "dialogue", "code"):
-        assert any(n.startswith(f"calib_{kind}_") for n in names), names
 
 
 def test_unknown_suite_or_split_is_named():

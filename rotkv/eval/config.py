@@ -117,11 +117,14 @@ PROFILES: dict[str, dict] = {
 
 def _here(path: str) -> str:
     """A text file recorded by a run on another machine: the path itself where it exists, else rotkv's own
-    copy of the same name (the built-in texts), else the path unchanged (the config's check names it)."""
+    copy of the same name (the built-in texts or the suite's), else the path unchanged (the config's check names it)."""
     if os.path.isfile(path):
         return path
-    mine = os.path.join(DATA_DIR, os.path.basename(path))
-    return mine if os.path.isfile(mine) else path
+    for folder in (DATA_DIR, os.path.join(DATA_DIR, "suite")):  # the built-in texts, then the suite's
+        mine = os.path.join(folder, os.path.basename(path))
+        if os.path.isfile(mine):
+            return mine
+    return path
 
 
 def from_run(out_dir: str, **overrides) -> EvalConfig:
