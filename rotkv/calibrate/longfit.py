@@ -118,7 +118,13 @@ def refit_lengths(model, tokenizer, artifact, seq_lens: list[int], sequences: in
     return tensors, meta
 
 
-def calibrate_mix_long(loaded, base=None, seq_len: int | list[int] = 4096, sequences: int = 2, files=None, log=print,
+# the key fits an oscar-mix-long artifact gets by default (rotkv calibrate and rotkv eval/demo's calibration): one
+# per length, a cache picking the one nearest its context
+DEFAULT_FIT_LENGTHS = (4096, 8192)
+
+
+def calibrate_mix_long(loaded, base=None, seq_len: int | list[int] | tuple[int, ...] = DEFAULT_FIT_LENGTHS,
+                       sequences: int = 2, files=None, log=print,
                        layers: int | None = None, **mix) -> tuple[dict, dict]:
     """(tensors, metadata) of a complete ``oscar-mix-long`` artifact: R_K and the key means refitted on
     ``sequences`` sequences of ``seq_len`` tokens (:func:`refit`) over ``base``'s (an Artifact or a path);

@@ -50,8 +50,8 @@ def register(sub) -> None:
     mix.add_argument("--key-length", type=int, default=1024, help="context tokens per window (default 1024)")
     mix.add_argument("--key-new-tokens", type=int, default=32, help="decode tokens scored per window (default 32)")
     mix.add_argument("--key-windows", type=int, default=2, help="windows of calibration text (default 2)")
-    mix.add_argument("--long-seq-len", default="4096", metavar="N[,N...]",
-                     help=f"{MIX_LONG}: tokens per refit sequence (default 4096); a comma list (4096,8192) stores "
+    mix.add_argument("--long-seq-len", default="4096,8192", metavar="N[,N...]",
+                     help=f"{MIX_LONG}: tokens per refit sequence (default 4096,8192); a comma list stores "
                           "one key fit per length, the first as the primary, and a cache given its context length "
                           "(rotkv generate/eval/bench do) uses the fit nearest it")
     mix.add_argument("--long-sequences", type=int, default=2, help=f"{MIX_LONG}: refit sequences (default 2)")

@@ -108,6 +108,12 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu",
                    help="cpu (default), cuda, cuda:N, or auto (cuda when available); the model runs in float32 "
                         "there, as the KL reference and under every cache")
+    p.add_argument("--suite", default=None, help="a multi-domain evaluation suite (mixed: prose, code, docs, "
+                   "dialogue; rotkv/data/suite): nll on each domain's text in OUT/<domain>/, then OUT/suite.md with "
+                   "the mean over domains and paired intervals; its defaults: --lengths 2048,8192, --windows 16, "
+                   "--new-tokens 128 at every length, --sink preset --window preset")
+    p.add_argument("--split", default=None, choices=["dev", "test"],
+                   help="the suite's part: dev (default; choose levers on it) or test (report it)")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild results.json, report and plots from --out's cache under the settings its run "
                         "recorded (config.json); --methods, --tasks and --variants may pick a subset")
@@ -115,6 +121,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    _suite_defaults(args)
     if args.report_only:  # the run's own settings (config.json); nothing loads, so no device is needed
         return _report_only(args)
     device = resolve_device(args.device)  # a bad device is a one-line error before anything loads
@@ -168,6 +175,8 @@ def run(args) -> int:
         if spec is not None and spec.refine_tokens and isinstance(cfg.sink, int) and cfg.sink != spec.sink:
             warn("eval", f"{name} runs with sink {cfg.sink}, not its own {spec.sink} (its smaller sink pays for its "
                          "refine tier); pass --sink preset to keep each preset's own")
+    if args.suite:
+        return _suite(args, cfg)
     from rotkv.eval.run import evaluate
 
     records = evaluate(cfg, args.out, log=lambda s: print(s, file=sys.stderr, flush=True))
@@ -196,6 +205,44 @@ def _wrote(out: str, records: list) -> int:
     return 0
 
 
+def _suite_defaults(args) -> None:
+    """``--suite``: its checks and its protocol's defaults where the flags give none (``--split dev``, nll only)."""
+    if args.suite is None:
+        if args.split is not None:
+            raise UsageError("--split picks a part of a --suite: pass --suite NAME too")
+        return
+    from rotkv.eval.suite import SUITE_NEW_TOKENS, SUITE_WINDOWS, SUITES
+
+    if args.suite not in SUITES:
+        raise UsageError(f"--suite has to be one of {', '.join(SUITES)} but got {args.suite!r}")
+    if args.text:
+        raise UsageError("--suite brings its own texts: pass --suite or --text, not both")
+    if _list(args.tasks) not in (None, ["nll"]):
+        raise UsageError(f"--suite runs the nll task only but got --tasks {args.tasks}")
+    if args.report_only:
+        return
+    args.split = args.split or "dev"
+    args.tasks = "nll"
+    args.lengths = args.lengths or ["2048,8192"]
+    args.windows = args.windows or SUITE_WINDOWS
+    args.new_tokens = args.new_tokens or SUITE_NEW_TOKENS
+    args.sink = "preset" if args.sink is None else args.sink
+    args.window = "preset" if args.window is None else args.window
+
+
+def _suite(args, cfg) -> int:
+    """The suite's domains, one eval folder each under --out, and the summary over them."""
+    from rotkv.eval.suite import evaluate_suite
+
+    summary = evaluate_suite(cfg, args.suite, args.split, args.out,
+                             log=lambda s: print(s, file=sys.stderr, flush=True))
+    if not any(b["methods"] for b in summary["lengths"].values()):
+        raise RuntimeError("no method could run in every domain (each one's reason is above); nothing was summarized")
+    print(f"suite {args.suite} ({args.split}): wrote {os.path.join(args.out, 'suite.md')} and suite.json, one folder "
+          f"per domain under {args.out}")
+    return 0
+
+
 def _report_only(args) -> int:
     """results.json, the report and plots again from ``--out``'s cache, under the settings that run recorded
     (its config.json; a run stopped part way, or one made on a GPU host, too). --methods, --tasks and
@@ -203,9 +250,37 @@ def _report_only(args) -> int:
     from rotkv.eval.config import from_run
     from rotkv.eval.run import rebuild
 
+    if args.suite:  # every domain's folder under --out, then the summary
+        return _suite_report_only(args)
+
     try:
         cfg = from_run(args.out, methods=_list(args.methods), tasks=_list(args.tasks),
                        niah_variants=_list(args.variants))
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e)) from None
     return _wrote(args.out, rebuild(cfg, args.out))
+
+
+def _suite_report_only(args) -> int:
+    """``--suite NAME --report-only``: each domain's folder rebuilt under the settings it recorded, then the summary."""
+    import json
+
+    from rotkv.eval.config import from_run
+    from rotkv.eval.suite import SUITES, rebuild_suite
+
+    first = os.path.join(args.out, SUITES[args.suite][0])
+    try:
+        cfg = from_run(first, methods=_list(args.methods))
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(f"--report-only --suite: {args.out} holds no suite run ({e})") from None
+    split = args.split
+    if split is None:
+        try:
+            with open(os.path.join(args.out, "suite.json")) as f:
+                split = json.load(f)["split"]
+        except (OSError, ValueError, KeyError):
+            raise UsageError(f"--report-only --suite: {args.out} has no suite.json naming its split: "
+                             "pass --split") from None
+    rebuild_suite(cfg, args.suite, split, args.out)
+    print(f"suite {args.suite} ({split}): rebuilt {os.path.join(args.out, 'suite.md')} and suite.json")
+    return 0

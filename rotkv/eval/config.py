@@ -25,7 +25,8 @@ class EvalConfig:
     """What one ``rotkv eval`` run measures.
 
     lengths: per task, the context lengths (tokens). nll_windows: windows at 2048 tokens; longer contexts
-    get proportionally fewer (at least one), so every length costs about the same number of tokens.
+    get proportionally fewer (at least one), so every length costs about the same number of tokens, unless
+    nll_scale_windows is False (``rotkv eval --suite``: the same windows at every length).
     niah_depths: needle depths of the single-needle variants (one haystack per depth and sample);
     niah_multi_depths: the depths of the needles of one multikey / multivalue haystack;
     niah_variant_lengths: lengths of some variants when they differ from ``lengths["niah"]``.
@@ -47,6 +48,7 @@ class EvalConfig:
     window_share: float | None = None
     chunk: int = 128
     nll_windows: int = 1
+    nll_scale_windows: bool = True
     new_tokens: int = 8
     attn_queries: int = 16
     niah_variants: list[str] = field(default_factory=lambda: list(VARIANTS))
@@ -91,6 +93,8 @@ class EvalConfig:
         return sorted(self.niah_variant_lengths.get(variant, self.lengths.get("niah", [])))
 
     def windows_at(self, length: int) -> int:
+        if not self.nll_scale_windows:
+            return self.nll_windows
         return max(1, round(self.nll_windows * 2048 / max(length, 2048)))
 
     def to_dict(self) -> dict:
@@ -113,11 +117,14 @@ PROFILES: dict[str, dict] = {
 
 def _here(path: str) -> str:
     """A text file recorded by a run on another machine: the path itself where it exists, else rotkv's own
-    copy of the same name (the built-in texts), else the path unchanged (the config's check names it)."""
+    copy of the same name (the built-in texts or the suite's), else the path unchanged (the config's check names it)."""
     if os.path.isfile(path):
         return path
-    mine = os.path.join(DATA_DIR, os.path.basename(path))
-    return mine if os.path.isfile(mine) else path
+    for folder in (DATA_DIR, os.path.join(DATA_DIR, "suite")):  # the built-in texts, then the suite's
+        mine = os.path.join(folder, os.path.basename(path))
+        if os.path.isfile(mine):
+            return mine
+    return path
 
 
 def from_run(out_dir: str, **overrides) -> EvalConfig:

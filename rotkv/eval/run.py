@@ -114,15 +114,18 @@ def _avg_mem(mems: list[dict]) -> dict:
 
 def run_nll(model, method, ids_all, cfg, length, refs) -> list[dict]:
     pooled: dict[str, list[float]] = {"nll": [], "kl": [], "top1": []}
+    windows: dict[str, list[float]] = {k: [] for k in pooled}  # each window's mean (paired suite intervals)
     mems = []
     for start, ref in refs:
         ids = ids_all[:, start:start + length + cfg.new_tokens]
         per, mem = nll.score_window(model, method, ids, length, cfg.new_tokens, cfg.chunk, ref)
         for k in pooled:
             pooled[k] += per[k]
+            windows[k].append(sum(per[k]) / len(per[k]))
         mems.append(mem)
     rec = {"method": method.name, "task": "nll", "length": length, "variant": None, "depth": None}
     rec.update(nll.summarize(pooled, len(refs)))
+    rec["per_window"] = windows
     rec.update(_mem_fields(_avg_mem(mems), method.bpe_nominal))
     return [rec]
 
@@ -317,11 +320,14 @@ def _reference(model, tok, cfg, unit, ids_all, essay_ids, out_dir, settings):
                 torch.save(ref, path + f".{os.getpid()}.tmp")
                 os.replace(path + f".{os.getpid()}.tmp", path)
             refs.append((s, ref))
-        plain = {"nll": []}
+        plain, per_window = {"nll": []}, []
         for s, ref in refs:
-            plain["nll"] += nll.reference_scores(ref, ids_all[:, s:s + length + cfg.new_tokens], length, cfg.new_tokens)
+            scores = nll.reference_scores(ref, ids_all[:, s:s + length + cfg.new_tokens], length, cfg.new_tokens)
+            plain["nll"] += scores
+            per_window.append(sum(scores) / len(scores))
         rec = {"method": "plain-fp32", "task": "nll", "length": length, "variant": None, "depth": None}
         rec.update(nll.summarize(plain, len(refs)))
+        rec["per_window"] = {"nll": per_window}
         os.makedirs(os.path.join(out_dir, "cache", "_reference"), exist_ok=True)
         with open(os.path.join(out_dir, "cache", "_reference", f"nll-{length}.json"), "w") as f:
             json.dump({"settings": settings, "records": [rec]}, f)
