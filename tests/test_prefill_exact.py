@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import rotkv.cache.layer as layer_mod
+from rotkv import switches
 from rotkv.cache import RotkvCache
 from rotkv.generation import prefill, reserve
 from rotkv.hf.compat import cache_kwarg
@@ -83,7 +84,7 @@ def test_first_chunk_attends_in_the_model_basis(tiny_llama, preset, monkeypatch)
     monkeypatch.setattr(layer_mod, "_sdpa_causal", lambda *a: calls.append(a[0].shape[2]) or real(*a))
 
     def run(basis):
-        monkeypatch.setattr(layer_mod, "OWN_BASIS", basis)
+        switches.configure(prefill_own_basis=basis)
         cache = RotkvCache(tiny_llama, preset, prefill_chunk=16, check_finite=False, **SMALL)
         outs = [tiny_llama(input_ids=ids[:, c0:c0 + 16], use_cache=True,
                            position_ids=torch.arange(c0, min(c0 + 16, 40))[None].expand(2, -1),
@@ -105,11 +106,10 @@ def test_first_chunk_attends_in_the_model_basis(tiny_llama, preset, monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(never[2], always[2]))
 
 
-def test_own_basis_setting_is_checked(tiny_llama, monkeypatch):
-    monkeypatch.setattr(layer_mod, "OWN_BASIS", "sometimes")
-    cache = RotkvCache(tiny_llama, "quarot-int2", prefill_chunk=16, check_finite=False, **SMALL)
-    with pytest.raises(ValueError, match="ROTKV_PREFILL_OWN_BASIS"):
-        prefill(tiny_llama, _ids(1, 8), cache, chunk=16)
+def test_own_basis_setting_is_checked(tiny_llama, setenv):
+    setenv("ROTKV_TUNING", "prefill_own_basis=sometimes")  # refused before the cache is made, on any device
+    with pytest.raises(ValueError, match="ROTKV_TUNING prefill_own_basis"):
+        RotkvCache(tiny_llama, "quarot-int2", prefill_chunk=16, check_finite=False, **SMALL)
 
 
 @pytest.mark.parametrize("hq,h", [(4, 4), (6, 2)])
@@ -148,7 +148,7 @@ def test_later_chunks_merge_history_with_own_tokens(tiny_llama, preset, mean, mo
     monkeypatch.setattr(layer_mod, "attention_lse", lambda *a: calls.append(a[3]) or real(*a))
 
     def run(basis):
-        monkeypatch.setattr(layer_mod, "OWN_BASIS", basis)
+        switches.configure(prefill_own_basis=basis)
         cache = RotkvCache(tiny_llama, preset, prefill_chunk=16, check_finite=False, tier_dtype="model", **SMALL)
         if mean:
             for i, layer in enumerate(cache.layers):

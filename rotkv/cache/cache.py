@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
+from rotkv import switches
 from rotkv.cache.assembly import CachePlan, build_layer, plan_cache, resolve_spec
 from rotkv.cache.base import RotkvLayer
 from rotkv.cache.layer import HybridLayer
@@ -39,7 +40,8 @@ class RotkvCache(Cache):
     layer_bits: per-layer ``(key bits, value bits)`` of the token codec (each 2 or 4 for the GPU
     kernels; 8 runs the reference path), one pair per model layer; None: ``spec.bits`` everywhere.
     decode_score: the decode kernels' score variant ("auto", "bf16", "int8"; see
-    ``rotkv.kernels.decode.DecodeConfig.score``); None: ``ROTKV_DECODE_SCORE`` or "auto".
+    ``rotkv.kernels.decode_config.DecodeConfig.score``); None: the ``decode_score`` switch ("auto";
+    ``rotkv.switches``).
     context_length: the tokens each row is expected to reach (prompt + new tokens). An artifact with several
     key-side fits (``key_fit_lengths``) then serves the fit nearest that length
     (:func:`rotkv.rotations.artifact.pick_key_fit`); None keeps its primary fit. The fit used is
@@ -54,6 +56,7 @@ class RotkvCache(Cache):
         if artifact is not None and not isinstance(artifact, (str, os.PathLike, Artifact)):
             raise TypeError(f"artifact has to be a file path, an Artifact or None, not {type(artifact).__name__}")
         artifact = os.fspath(artifact) if isinstance(artifact, os.PathLike) else artifact
+        switches.get()  # the environment's switches, checked on any device before any work
         spec = resolve_spec(spec, **overrides)
         if artifact is not None and not spec.needs_artifact and spec.budget_tokens is None:
             warnings.warn(f"the artifact is not used by preset {spec.name!r} (rotation {spec.rotation!r})",

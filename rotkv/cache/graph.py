@@ -9,9 +9,8 @@ then, on a step where pages leave the window (every ``page_size`` steps per row)
 *flush graph*: every layer's quantize-on-write of the leaving pages, captured once for ``rows``
 pages (a step that flushes fewer repeats its last page: writing the same page twice stores the
 same bytes). It takes the flush's launches (every layer's gather, writes and range check) off
-the host. At SmolLM2's shape, 64 x 8K, quarot-int2, the step measured the same either way (5.83-5.87
-ms against 5.85 eager, replay 5.72; ``benchmarks/profile_step.py``, H200): there the host launches
-the eager flush while the GPU still runs the replay. ``flush_graph=False`` flushes eagerly. Inside
+the host (where the host launches the eager flush while the GPU still runs the replay, the two take
+the same time: docs/kernel-notes.md). ``flush_graph=False`` flushes eagerly. Inside
 the graphs nothing syncs with the host: the NaN check is off, and the e4m3 range flags are ORed in
 place on the device. Each layer's
 kernel is its decode plan's (``rotkv.kernels.plan.plan_decode``) for the capacity: the graph
@@ -35,7 +34,7 @@ import torch
 
 from rotkv.cache.layer import HybridLayer
 from rotkv.cache.plan import Step
-from rotkv.cache.pools import refine_kernel
+from rotkv.kernels.plan import check_graph
 
 
 class StaticDecode:
@@ -49,10 +48,7 @@ class StaticDecode:
         if len(self.layers) != len(cache.layers):
             raise ValueError("CUDA-graph decode needs every layer in rotkv's paged pools (no sliding-window "
                              "or budgeted layers); run without cuda_graph")
-        if cache.spec.refine_tokens and not refine_kernel():
-            raise ValueError("CUDA-graph decode runs the decode kernels, and ROTKV_REFINE_KERNEL=0 turned off the "
-                             f"one that reads the refine tier (refine_tokens={cache.spec.refine_tokens}): unset it, "
-                             "or run without cuda_graph")
+        check_graph(refine=bool(cache.spec.refine_tokens))
         dev = self.layers[0].device
         p = st.page
         self.body_pages = -(-max_len // p) if st.quantized else 0

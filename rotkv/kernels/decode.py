@@ -628,16 +628,17 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
     size; table ``(kv_indptr, kv_indices, kv_last_page_len)``; ``max_len``: the longest request's
     body length (host int, sizes the grid). tier ``(k, v)`` ``[NPT, H, PT, D]`` with ``tier_table``
     and ``tier_max_len`` likewise; tier positions below ``tier_start`` are skipped (they hold no token).
-    ``plan``: the call's :class:`~rotkv.kernels.plan.DecodePlan` (``plan_decode(q, body, cfg)``,
+    ``plan``: the call's :class:`~rotkv.kernels.plan.DecodePlan` (``plan_decode(q, body, cfg, refine)``,
     looked up here when not given); it says which kernel runs, this function only launches it.
     ``refine``: the refine tier of an INT2-key body (:class:`~rotkv.kernels.body.RefineTier`, or ``(ring [B,
-    K, H, P, D/4] uint8, K[, every])``; :mod:`rotkv.cache.refine`): only the Triton v1 body kernel reads
-    it, so that kernel runs in place of the plan's body kernel. ``refine_values``: the same for the INT2
+    K, H, P, D/4] uint8, K[, every])``; :mod:`rotkv.cache.refine`), which the plan was made for (its
+    ``refine``: only the Triton v1 body kernel reads the tier). ``refine_values``: the same for the INT2
     values (``CacheSpec.refine_values``); both cover the same pages.
     Returns ``[B, Hq, D]`` in q's dtype (or written into ``out``).
     """
     b_sz, hq, d = q.shape
-    plan = plan or plan_decode(q, body, cfg)
+    given = (refine is not None, refine_values is not None)
+    plan = plan or plan_decode(q, body, cfg, given)
     if not plan.covered:
         raise ValueError(plan.why)
     h = body.kv_heads if body is not None else tier[0].shape[1]
@@ -653,6 +654,9 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
     has_tier = tier is not None and tier_max_len > 0
     ring = vring = None
     rk, re = 1, 0
+    if has_int2 and plan.refine != given:
+        raise ValueError(f"the plan reads refine tiers {plan.refine} (keys, values), the call gives {given}: "
+                         "plan_decode(q, body, cfg, refine)")
     if has_int2 and (refine is not None or refine_values is not None):
         refine = RefineTier.of(refine) if refine is not None else None
         refine_values = RefineTier.of(refine_values) if refine_values is not None else None
@@ -670,9 +674,6 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
                              f"{refine_values[1:]})")
         ring = refine.ring if refine is not None else None
         vring = refine_values.ring if refine_values is not None else None
-        launch = plan.v1_launch()  # only the v1 body kernel reads the tier
-        cfg = launch.cfg
-        use_asm = (not _interpreting()) if cfg.use_asm is None else cfg.use_asm
     use_cuda = has_int2 and launch.kernel == "cuda"
     fuse_mode = resolve_fuse(cfg, d)
     fuse = use_cuda and fuse_mode != "none"  # the CUDA kernel pre-merges blocks of 4 splits
