@@ -75,7 +75,7 @@ def test_one_row_group_returns_sdpa_output_unchanged(tiny_llama, preset, monkeyp
 @pytest.mark.parametrize("preset", ["quarot-int2", "bf16"])
 def test_first_chunk_attends_in_the_model_basis(tiny_llama, preset, monkeypatch):
     """A prefill step with nothing stored runs causal SDPA on the unrotated queries, keys and values
-    (ROTKV_PREFILL_OWN_BASIS; the rotation cancels): the first call's logits are the model's own
+    (the prefill_own_basis switch; the rotation cancels): the first call's logits are the model's own
     without a cache, the first layer's stored keys and values are bit-identical to the rotated path's,
     and only the first chunk of a row takes it (later chunks read the stored, quantized history)."""
     ids = _ids(2, 40, seed=4)
@@ -106,8 +106,10 @@ def test_first_chunk_attends_in_the_model_basis(tiny_llama, preset, monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(never[2], always[2]))
 
 
-def test_own_basis_setting_is_checked(tiny_llama, setenv):
-    setenv("ROTKV_TUNING", "prefill_own_basis=sometimes")  # refused before the cache is made, on any device
+def test_own_basis_setting_is_checked(tiny_llama, monkeypatch):
+    monkeypatch.setenv("ROTKV_TUNING", "prefill_own_basis=sometimes")
+    with pytest.raises(ValueError, match="ROTKV_TUNING prefill_own_basis"):
+        switches.reload()  # refused when the environment is read, on any device
     with pytest.raises(ValueError, match="ROTKV_TUNING prefill_own_basis"):
         RotkvCache(tiny_llama, "quarot-int2", prefill_chunk=16, check_finite=False, **SMALL)
 

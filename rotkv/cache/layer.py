@@ -30,14 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from rotkv import switches
 from rotkv.cache.base import RotkvLayer
 from rotkv.cache.plan import PageState, Step
 from rotkv.cache.pools import LayerPools
 from rotkv.cache.refine import newest_pages
 from rotkv.config import CacheSpec
-from rotkv import switches
-from rotkv.kernels.body import RefineTier
 from rotkv.kernels import plan as kernel_plan
+from rotkv.kernels.body import RefineTier
 from rotkv.rotations.base import LayerRotation
 
 

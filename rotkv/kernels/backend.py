@@ -1,15 +1,28 @@
-"""The codec's kernel path: ``TokenCodec.encode`` of a page batch by the fused write kernel.
+"""The codec's kernel path, and the kernel settings for callers outside the cache.
 
 - :func:`token_encode`: ``TokenCodec.encode`` of a page batch ``[nb, H, P, D]`` (already
   rotated) by the fused write kernel; same bytes as ``rotkv.quant.quantizer.quantize``. Whether it
   runs is :func:`rotkv.kernels.plan.plan_encode`'s decision.
+- :func:`enabled`, :func:`decode_config`: :func:`rotkv.kernels.plan.kernels_enabled` and
+  :func:`rotkv.kernels.plan.decode_config` (the decisions live in plan.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from rotkv.kernels import plan
 from rotkv.kernels.plan import plan_encode
+
+
+def enabled(t: torch.Tensor) -> bool:
+    """Use the kernels for tensors on ``t``'s device? (:func:`rotkv.kernels.plan.kernels_enabled`)"""
+    return plan.kernels_enabled(t)
+
+
+def decode_config(score: str | None = None):
+    """The decode kernels' config from the switches (:func:`rotkv.kernels.plan.decode_config`)."""
+    return plan.decode_config(score)
 
 
 def token_encode(x: torch.Tensor, bits: int, group_size: int, clip: float) -> dict[str, torch.Tensor] | None:

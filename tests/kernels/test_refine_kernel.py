@@ -79,7 +79,7 @@ def test_decode_refuses_a_ring_that_does_not_match(device):
 
 @pytest.mark.parametrize("values,meta", [(False, None), (True, None), (True, "float8")])
 def test_layer_decodes_the_refine_tier_through_the_kernel(values, meta, device, monkeypatch, kernels_on_cpu, setenv):
-    """A HybridLayer with a refine tier: decode steps through the kernel (ROTKV_REFINE_KERNEL=1) give the
+    """A HybridLayer with a refine tier: decode steps through the kernel (the refine_kernel switch on) give the
     PyTorch path's outputs, through page flushes that move pages in and out of the tier; ``meta``: the
     keys' and values' scales and minima in e4m3 (the refinement's grid follows the stored scale)."""
     from rotkv.cache.codecs import make_codecs
