@@ -11,18 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from rotkv.kernels import plan
+from rotkv.kernels.plan import decode_config  # noqa: F401 (for callers outside the cache)
+from rotkv.kernels.plan import kernels_enabled as enabled  # noqa: F401 (for callers outside the cache)
 from rotkv.kernels.plan import plan_encode
-
-
-def enabled(t: torch.Tensor) -> bool:
-    """Use the kernels for tensors on ``t``'s device? (:func:`rotkv.kernels.plan.kernels_enabled`)"""
-    return plan.kernels_enabled(t)
-
-
-def decode_config(score: str | None = None):
-    """The decode kernels' config from the switches (:func:`rotkv.kernels.plan.decode_config`)."""
-    return plan.decode_config(score)
 
 
 def token_encode(x: torch.Tensor, bits: int, group_size: int, clip: float) -> dict[str, torch.Tensor] | None:
