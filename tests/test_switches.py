@@ -29,7 +29,7 @@ BAD = [  # (variable, value, what the message says)
 
 
 @pytest.mark.parametrize("var, value, message", BAD)
-def test_a_bad_switch_is_refused_on_a_cpu_when_the_cache_is_made(var, value, message, setenv, monkeypatch,
+def test_a_bad_switch_is_refused_on_a_cpu_when_the_cache_is_made(var, value, message, monkeypatch,
                                                                   tiny_llama):
     from rotkv.cache import RotkvCache
 
