@@ -457,6 +457,41 @@ class PageState:
         self.tier_free.free(src)
         return Flush(rows, src, dst, index=index)
 
+    # ---- continuous batching: a row's pages freed, another state's row taken in --------------------
+    def release(self, rows) -> None:
+        """Free every page of ``rows`` and empty them (0 tokens); the batch keeps its size, so a
+        captured decode step still covers them. The next call writes such a row's first token."""
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        if len(rows) and (rows.min() < 0 or rows.max() >= self.rows):
+            raise ValueError(f"row index out of range for a batch of {self.rows}: {rows.tolist()}")
+        used_t = self.tier_used_pages()
+        for r in rows:
+            self.tier_free.free(self.tier_pages[r, : int(used_t[r])])
+            self.body_free.free(self.body_pages[r, : int(self.body_count[r])])
+        self.tier_tokens[rows] = 0
+        self.body_count[rows] = 0
+        self.tier_pages[rows] = 0
+        self.body_pages[rows] = 0
+
+    def adopt(self, row: int, src: "PageState", src_row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Make the empty ``row`` hold ``src``'s row ``src_row`` (a request prefilled in a cache of its
+        own, same sink, window and page size): pages from this state's free lists, the same token
+        counts. Returns ``(tier_src, tier_dst, body_src, body_dst)``: the page ids each layer copies
+        from ``src``'s pools into this state's (:meth:`rotkv.cache.pools.LayerPools.copy_from`)."""
+        if (src.sink, src.window, src.page, src.quantized) != (self.sink, self.window, self.page, self.quantized):
+            raise ValueError("adopt needs a state of the same sink, window, page size and quantization")
+        if self.tier_tokens[row] or self.body_count[row]:
+            raise ValueError(f"row {row} holds tokens: release it first")
+        nt = int(src.tier_used_pages()[src_row])
+        nb = int(src.body_count[src_row])
+        tier_src, body_src = src.tier_pages[src_row, :nt].copy(), src.body_pages[src_row, :nb].copy()
+        tier_dst, body_dst = self.tier_free.alloc(nt), self.body_free.alloc(nb)
+        self.tier_pages = self._widen(self.tier_pages, nt)
+        self.body_pages = self._widen(self.body_pages, nb)
+        self.tier_pages[row, :nt], self.body_pages[row, :nb] = tier_dst, body_dst
+        self.tier_tokens[row], self.body_count[row] = src.tier_tokens[src_row], nb
+        return tier_src, tier_dst, body_src, body_dst
+
     # ---- batch edits (beam search, row removal) ---------------------------------------------------
     def select_rows(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Keep rows ``index`` (in that order; a row may repeat). Returns the page copies the pools

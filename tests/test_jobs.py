@@ -1,0 +1,102 @@
+"""Continuous batching on rotkv's pools (rotkv.jobs): rows freed and refilled mid-batch, every request's
+greedy tokens equal to its own run alone; the page state's release and adopt."""
+
+import numpy as np
+import pytest
+import torch
+
+from rotkv.cache import RotkvCache
+from rotkv.cache.plan import PageState
+from rotkv.generation import generate_batch
+from rotkv.jobs import Request, reservation, run_job
+from rotkv_testing import make_tiny_llama
+
+# small pages, window and chunk: a request of a few dozen tokens flushes pages in its prefill and its decode
+SPECS = {
+    "quarot-int2": dict(sink=4, window=8, page_size=4, prefill_chunk=16),
+    "refine": dict(sink=4, window=8, page_size=4, prefill_chunk=16, refine_tokens=12, refine_values=True,
+                   refine_every=2),
+    "bf16": dict(sink=4, window=8, page_size=4, prefill_chunk=16),
+}
+
+
+def _preset(name):
+    return "quarot-int2" if name == "refine" else name
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_llama(seed=3, layers=2)
+
+
+def _requests(vocab, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [Request(torch.randint(3, vocab, (p,), generator=g), t) for p, t in lengths]
+
+
+def _alone(model, name, req):
+    """The request's greedy tokens run alone (rotkv.generation.generate_batch, eager)."""
+    cache = RotkvCache(model, _preset(name), check_finite=False, **SPECS[name])
+    return generate_batch(model, req.ids[None], cache, req.new_tokens).tokens[0]
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_job_matches_each_request_alone(model, name):
+    # 6 requests through 3 rows; pools that hold two long requests at once (so the third row waits for
+    # pages at times): rows are freed and refilled mid-batch, at different steps
+    reqs = _requests(model.config.vocab_size, [(21, 30), (9, 12), (30, 25), (14, 40), (5, 7), (17, 19)])
+    spec = SPECS[name]
+    st = PageState.from_spec(RotkvCache(model, _preset(name), **spec).spec)
+    t_need = max(reservation(st, r.length)[0] for r in reqs)
+    b_need = sorted(reservation(st, r.length)[1] for r in reqs)
+    tier = 3 + (2 * t_need if st.quantized else sum(sorted(reservation(st, r.length)[0] for r in reqs)[-2:]))
+    body = max(1, sum(b_need[-2:]))
+    make = lambda: RotkvCache(model, _preset(name), check_finite=False, **spec)  # noqa: E731
+    run = run_job(model, make, reqs, rows=3, tier_pages=tier, body_pages=body, prefill_rows=2)
+    assert run.complete and all(t is not None for t in run.tokens)
+    for i, r in enumerate(reqs):
+        assert run.tokens[i].shape == (r.new_tokens,)
+        assert torch.equal(run.tokens[i], _alone(model, name, r)), f"request {i}"
+    # admission: in order, never more than the rows, a request waits while the pools cannot hold it
+    assert run.admitted_step == sorted(run.admitted_step)
+    assert max(run.active) <= 3 and run.steps >= max(r.new_tokens for r in reqs) - 1
+    assert run.admitted_step[-1] > 0  # the later requests entered mid-batch
+    for i, r in enumerate(reqs):
+        assert run.finished_step[i] - run.admitted_step[i] == r.new_tokens - 1
+    assert run.generated == sum(r.new_tokens for r in reqs)
+    assert 0 < run.mean_batch <= 3 and run.tpot_ms > 0
+
+
+def test_job_rejects_a_request_the_pools_cannot_hold(model):
+    reqs = _requests(model.config.vocab_size, [(20, 40)])
+    make = lambda: RotkvCache(model, "quarot-int2", check_finite=False, **SPECS["quarot-int2"])  # noqa: E731
+    with pytest.raises(ValueError, match="body_pages"):
+        run_job(model, make, reqs, rows=2, tier_pages=20, body_pages=4)
+
+
+def test_job_stops_at_max_seconds(model):
+    reqs = _requests(model.config.vocab_size, [(8, 400)] * 3)
+    make = lambda: RotkvCache(model, "quarot-int2", check_finite=False, **SPECS["quarot-int2"])  # noqa: E731
+    run = run_job(model, make, reqs, rows=2, tier_pages=20, body_pages=400, max_seconds=0.0)
+    assert not run.complete and run.tokens == [None] * 3 and run.generated == 2  # the two prefills' tokens
+
+
+def test_release_frees_pages_and_adopt_takes_them():
+    src = PageState(sink=2, window=4, page_size=4, quantized=True, chunk=64)
+    src.reset(1)
+    src.plan(30, np.array([30]))
+    dst = PageState(sink=2, window=4, page_size=4, quantized=True, chunk=64)
+    dst.reset(2)
+    dst.tier_free.grow(12), dst.body_free.grow(20)
+    dst.plan(1, np.array([1, 1]))
+    used = (dst.tier_free.used, dst.body_free.used)
+    dst.release([0])
+    assert dst.tier_tokens[0] == 0 and dst.tier_free.used == used[0] - 1
+    ts, td, bs, bd = dst.adopt(0, src, 0)
+    assert dst.lengths()[0] == src.lengths()[0] == 30 and len(bs) == len(bd) == src.body_count[0]
+    assert len(ts) == len(td) == src.tier_used_pages()[0]
+    assert set(td.tolist()).isdisjoint(dst.tier_pages[1, : dst.tier_used_pages()[1]].tolist())
+    with pytest.raises(ValueError, match="release it first"):
+        dst.adopt(0, src, 0)
+    dst.release([0, 1])
+    assert dst.tier_free.used == 0 and dst.body_free.used == 0 and (dst.lengths() == 0).all()
