@@ -95,7 +95,7 @@ def test_plan_refine_split(monkeypatch):
         rs.RefineSplit("triton")
 
 
-@pytest.mark.parametrize("every", [0, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("every", [0, 2])
 def test_layer_decodes_through_the_split(every, device, monkeypatch):
     """A HybridLayer with a refine tier (keys and values) decodes through the split (the reference standing
     in for the CUDA kernel on the CPU) as its PyTorch path does, through page flushes that grow the rings
