@@ -55,7 +55,8 @@ class JobRun:
     tokens: per request its greedy tokens ``[new_tokens]`` on the CPU (None: not finished, a job cut
     by ``max_seconds``). admitted_step / finished_step: the decode step at which each request entered
     (its prefill ran before that step) and left. first_s / done_s: when its first and last token were
-    ready. active: requests in the batch at every decode step. prefill_s: time in admissions
+    ready. active: requests in the batch at every decode step; flushed and step_s: the pages each step
+    flushed into the body (every row one page in P steps) and its time. prefill_s: time in admissions
     (prefills and page copies); decode_s: time in decode steps; wall_s: the whole job.
     """
 
@@ -65,6 +66,8 @@ class JobRun:
     first_s: list
     done_s: list
     active: list = field(default_factory=list)
+    flushed: list = field(default_factory=list)  # pages each decode step moved from the windows to the body
+    step_s: list = field(default_factory=list)  # each decode step's time
     prefill_s: float = 0.0
     decode_s: float = 0.0
     wall_s: float = 0.0
@@ -84,6 +87,11 @@ class JobRun:
     def mean_batch(self) -> float:
         """Requests in the batch, averaged over the decode steps: the batch the job sustained."""
         return float(np.mean(self.active)) if self.active else 0.0
+
+    def step_ms(self, flushing: bool | None = None) -> float:
+        """Median decode step, ms: of every step (None), of the steps that flushed pages (True) or not (False)."""
+        t = [s for s, f in zip(self.step_s, self.flushed) if flushing is None or bool(f) == flushing]
+        return 1e3 * float(np.median(t)) if t else float("nan")
 
     @property
     def tpot_ms(self) -> float:
@@ -244,6 +252,7 @@ def run_job(model, make_cache, requests: list[Request], rows: int, tier_pages: i
         pos += 1
         step += 1
         spans["decode"].append((t0, clock.mark()))
+        run.flushed.append(len(st.plan_steps[0].flush) if st.plan_steps else 0)
         left[active] -= 1
         for row in np.flatnonzero(active & (left == 0)):
             finish(int(row))
@@ -259,7 +268,8 @@ def run_job(model, make_cache, requests: list[Request], rows: int, tier_pages: i
     secs = clock.seconds()
     run.wall_s = secs[end] - secs[start]
     run.prefill_s = sum(secs[b] - secs[a] for a, b in spans["prefill"])
-    run.decode_s = sum(secs[b] - secs[a] for a, b in spans["decode"])
+    run.step_s = [secs[b] - secs[a] for a, b in spans["decode"]]
+    run.decode_s = sum(run.step_s)
     run.first_s = [secs[m] if m is not None else None for m in firsts]
     run.done_s = [secs[m] if m is not None else None for m in dones]
     run.tokens = [t.cpu() if t is not None else None for t in run.tokens]

@@ -142,3 +142,17 @@ def test_job_in_a_cuda_graph_agrees_with_the_eager_job(preset, extra):
     assert all(a[0] == b[0] for a, b in zip(runs[0].tokens, runs[1].tokens))
     assert min(same) >= 0.9, same
     assert runs[1].admitted_step[-1] > 0 and runs[0].admitted_step == runs[1].admitted_step
+
+
+def test_job_records_the_decode_time_flushes(model):
+    """Every row flushes one window page into the body every page_size steps: the job's per-step record
+    says which steps did and how many pages (a request's flushes: its decode tokens beyond the window)."""
+    reqs = _requests(model.config.vocab_size, [(10, 41)])
+    make = lambda: RotkvCache(model, "quarot-int2", check_finite=False, **SPECS["quarot-int2"])  # noqa: E731
+    run = run_job(model, make, reqs, rows=1, tier_pages=10, body_pages=20)
+    st = make().state
+    p, window = st.page, SPECS["quarot-int2"]["window"]
+    assert len(run.flushed) == len(run.step_s) == run.steps == 40
+    # after the prefill of 10 tokens (sink 4, window 8 to 11), a page leaves on each step that fills the window + page
+    assert sum(run.flushed) == (10 + 40 - 1 - 4 - window) // p
+    assert all(f in (0, 1) for f in run.flushed) and run.step_ms(True) > 0 and run.step_ms(False) > 0
