@@ -4,7 +4,8 @@ Requests with prompts of ``--prompt-tokens MIN MAX`` and ``--new-tokens MIN MAX`
 ``--seed``), the same for every method, over one KV budget (``--kv-gb``; default: the GPU's free
 memory after the model, less ``--reserve-gb``):
 
-- ``rotkv:<preset>[+graph][+compile]``: continuous batching on rotkv's pools (:func:`rotkv.jobs.run_job`):
+- ``rotkv:<preset>[+graph][+compile][@field=value,...]`` (``@``: CacheSpec overrides, e.g. an
+  artifact-free preset given oscar-refine's tiers on random weights): continuous batching on rotkv's pools (:func:`rotkv.jobs.run_job`):
   the pools take the whole budget; the rows of the batch are what the budget holds at the requests'
   mean length (the tier and refine rings of every row, the body pages of a mean request), and a
   request is admitted when a row is empty and the free pages hold it (prompt + new tokens); a finished
@@ -105,12 +106,37 @@ def _clean(dev) -> None:
         torch.cuda.reset_peak_memory_stats(dev)
 
 
+def split_overrides(method: str) -> tuple[str, dict]:
+    """``rotkv:<preset>[+flags]@field=value,...`` -> (the method, CacheSpec overrides): a random-weight model has
+    no artifact, so a preset's layout is given as overrides of an artifact-free one (values: int, float,
+    true/false, else text)."""
+    name, _, extra = method.partition("@")
+    out = {}
+    for item in filter(None, extra.split(",")):
+        key, eq, text = item.partition("=")
+        if not eq:
+            raise SystemExit(f"{method!r}: an override is field=value, got {item!r}")
+        value: object = text
+        for conv in (int, float):
+            try:
+                value = conv(text)
+                break
+            except ValueError:
+                pass
+        if text.lower() in ("true", "false"):
+            value = text.lower() == "true"
+        out[key] = value
+    return name, out
+
+
 def run_rotkv(model, method: str, requests, budget: int, a) -> dict:
     from rotkv.cache import RotkvCache
 
-    preset, flags = parse_method(method) or (None, None)
+    name, overrides = split_overrides(method)
+    preset, flags = parse_method(name) or (None, None)
     if preset is None or "fold" in flags:
-        raise SystemExit(f"unknown method {method!r}: rotkv:<preset>[+graph][+compile] or hf-static-compile")
+        raise SystemExit(f"unknown method {method!r}: rotkv:<preset>[+graph][+compile][@field=value,...] or "
+                         "hf-static-compile")
     from profile_prefill import preset_artifact
 
     artifact = preset_artifact(preset, a.artifact_dir)
@@ -118,7 +144,7 @@ def run_rotkv(model, method: str, requests, budget: int, a) -> dict:
     dev = model.device
 
     def make():
-        return RotkvCache(model, preset, artifact, check_finite=False, context_length=max_len)
+        return RotkvCache(model, preset, artifact, check_finite=False, context_length=max_len, **overrides)
 
     probe = make()
     probe.open_rows(1, 1, 1, dev)

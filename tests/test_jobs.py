@@ -156,3 +156,33 @@ def test_job_records_the_decode_time_flushes(model):
     # after the prefill of 10 tokens (sink 4, window 8 to 11), a page leaves on each step that fills the window + page
     assert sum(run.flushed) == (10 + 40 - 1 - 4 - window) // p
     assert all(f in (0, 1) for f in run.flushed) and run.step_ms(True) > 0 and run.step_ms(False) > 0
+
+
+def test_rollback_undoes_a_plan_without_copies():
+    """PageState.rollback after a decode plan that allocates and flushes pages (the free lists restored from
+    their checkpoints, the tables from the arrays the plan replaced): the state plans the same step again."""
+    from rotkv.cache.plan import FreeList
+
+    st = PageState(sink=2, window=4, page_size=4, quantized=True, chunk=64)
+    st.reset(3)
+    st.plan(30, np.array([30, 21, 9]))
+    for _ in range(8):  # up to a step that flushes a page (each row flushes one in every 4 steps)
+        before = [a.copy() for a in (st.tier_tokens, st.body_count, st.tier_free._stack, st.body_free._stack)]
+        tops = (st.tier_free._top, st.body_free._top)
+        first = st.plan(1, np.ones(3, dtype=np.int64))[0]
+        if len(first.flush):
+            break
+    assert len(first.flush)
+    st.rollback()
+    for a, b in zip(before, (st.tier_tokens, st.body_count, st.tier_free._stack, st.body_free._stack)):
+        assert np.array_equal(a, b)
+    assert (st.tier_free._top, st.body_free._top) == tops
+    again = st.plan(1, np.ones(3, dtype=np.int64))[0]
+    assert np.array_equal(again.write_slots, first.write_slots) and np.array_equal(again.flush.dst, first.flush.dst)
+    fl = FreeList(4)
+    fl.checkpoint()
+    got = fl.alloc(3)
+    fl.free(got[:1])
+    fl.alloc(10)  # grows
+    fl.restore()
+    assert fl.capacity == 4 and np.array_equal(fl.alloc(4), np.arange(4))
