@@ -50,9 +50,16 @@ from rotkv.bench import commit, device_name, parse_method  # noqa: E402
 from rotkv.cli.bench import RANDOM_SHAPES  # noqa: E402
 from rotkv.jobs import Request, reservation, run_job  # noqa: E402
 
-DEFAULT_METHODS = ["rotkv:quarot-int2+graph+compile", "rotkv:oscar-mix+graph+compile",
-                   "rotkv:oscar-refine+graph+compile", "rotkv:bf16+graph+compile", "rotkv:bf16+graph",
-                   "hf-static-compile"]
+# oscar-mix's and oscar-refine's tiers and value metadata on an artifact-free preset (random weights have no
+# artifact: Hadamard rotations, no INT4-key layers)
+MIX_TIERS = "sink=16,window=32,window_share=0.015625,meta_v=float8"
+REFINE_TIERS = "sink=4,window=32,window_share=0.015625,meta_v=float8,refine_tokens=224,refine_values=true,refine_every=19"
+DEFAULT_METHODS = {  # with --artifact-dir (a real model and its artifacts), and without
+    True: ["rotkv:oscar-refine+graph+compile", "rotkv:oscar-mix+graph+compile", "rotkv:quarot-int2+graph+compile",
+           "rotkv:bf16+graph+compile", "hf-static-compile"],
+    False: [f"rotkv:quarot-int2+graph+compile@{MIX_TIERS}", f"rotkv:quarot-int2+graph+compile@{REFINE_TIERS}",
+            "rotkv:bf16+graph+compile", "hf-static-compile"],
+}
 TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, vocab_size=128)
 
@@ -273,7 +280,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, nargs=2, default=[512, 2048], metavar=("MIN", "MAX"))
     ap.add_argument("--new-tokens", type=int, nargs=2, default=[8192, 32768], metavar=("MIN", "MAX"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--methods", nargs="+", default=DEFAULT_METHODS)
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="default: " + " ".join(DEFAULT_METHODS[True]) + " with --artifact-dir, else "
+                         + " ".join(DEFAULT_METHODS[False]))
     ap.add_argument("--artifact-dir", default=None, help="artifacts of the presets that need one (oscar-mix, ...)")
     ap.add_argument("--kv-gb", type=float, default=None,
                     help="the KV budget of every method (default: free GPU memory after the model, less --reserve-gb)")
@@ -291,6 +300,7 @@ def main(argv=None) -> int:
             ap.error(f"{name} needs 1 <= MIN <= MAX, got {lo} {hi}")
     if a.requests < 1:
         ap.error("--requests has to be >= 1")
+    a.methods = a.methods or DEFAULT_METHODS[a.artifact_dir is not None]
     model, model_id = build(a)
     dev = model.device
     if a.kv_gb is not None:
