@@ -186,3 +186,18 @@ def test_rollback_undoes_a_plan_without_copies():
     fl.alloc(10)  # grows
     fl.restore()
     assert fl.capacity == 4 and np.array_equal(fl.alloc(4), np.arange(4))
+
+
+@pytest.mark.parametrize("width", [7, 64, 65, 300])
+def test_page_table_host_lists_every_rows_pages(width):
+    """kv_indices: each row's first counts[b] pages in order, by the mask (narrow tables) or by row slices."""
+    from rotkv.cache.plan import page_table_host
+
+    rng = np.random.default_rng(width)
+    pages = rng.integers(0, 10_000, (9, width))
+    counts = rng.integers(0, width + 1, 9)
+    counts[3] = 0
+    indptr, indices, last = page_table_host(pages, counts, np.full(9, 4))
+    want = np.concatenate([pages[b, :c] for b, c in enumerate(counts)])
+    assert indptr.tolist() == [0, *np.cumsum(counts).tolist()] and indices.dtype == np.int32
+    assert np.array_equal(indices[: len(want)], want) and len(indices) == max(len(want), 1)

@@ -552,10 +552,14 @@ def page_table_host(pages: np.ndarray, counts: np.ndarray, last: np.ndarray) -> 
     """``kv_indptr [B+1]``, ``kv_indices``, ``kv_last_page_len [B]`` (int32 numpy) of the first
     ``counts[b]`` pages of every row of ``pages [B, N]``."""
     width = pages.shape[1]
-    mask = np.arange(width)[None, :] < counts[:, None]
     indptr = np.zeros(len(counts) + 1, dtype=np.int32)
     np.cumsum(counts, out=indptr[1:])
-    indices = pages[mask].astype(np.int32)
+    if width <= 64:  # a mask over the table
+        indices = pages[np.arange(width)[None, :] < counts[:, None]].astype(np.int32)
+    else:  # long rows (a large batch's body): one slice copy per row, about half the mask's time
+        indices = np.empty(int(indptr[-1]), dtype=np.int32)
+        for row, (a, b) in enumerate(zip(indptr[:-1].tolist(), indptr[1:].tolist())):
+            indices[a:b] = pages[row, : b - a]
     if not len(indices):
         indices = np.zeros(1, dtype=np.int32)
     return indptr, indices, np.ascontiguousarray(last, dtype=np.int32)
