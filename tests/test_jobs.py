@@ -201,3 +201,31 @@ def test_page_table_host_lists_every_rows_pages(width):
     want = np.concatenate([pages[b, :c] for b, c in enumerate(counts)])
     assert indptr.tolist() == [0, *np.cumsum(counts).tolist()] and indices.dtype == np.int32
     assert np.array_equal(indices[: len(want)], want) and len(indices) == max(len(want), 1)
+
+
+def test_static_decode_keeps_pools_sized_by_memory(model):
+    """The CUDA-graph decoder's buffers over a continuous batch (built on the CPU here; the graph itself needs a
+    GPU): reserve=False leaves the pools at what open_rows gave them, and a step's tables load after rows were
+    released and refilled. flush_bucket: the pages a flush graph covers."""
+    from rotkv.cache.graph import StaticDecode, flush_bucket
+    from rotkv.generation import prefill
+
+    spec = SPECS["refine"]
+    make = lambda: RotkvCache(model, "quarot-int2", check_finite=False, **spec)  # noqa: E731
+    cache = make()
+    cache.open_rows(3, 30, 24, torch.device("cpu"))
+    side = make()
+    prefill(model, torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(0)), side)
+    cache.adopt_rows([0, 2], side, [0, 1])
+    static = StaticDecode(cache, 3, 80, reserve=False)
+    st = cache.state
+    assert (st.tier_free.capacity, st.body_free.capacity) == (30, 24)
+    assert cache.layers[0].pools.refine_pages == cache.layers[0].pools.refine.cap  # rings grown for 80 tokens
+    for _ in range(2):
+        step = st.plan(1, np.ones(3, dtype=np.int64))[0]
+        static.load(step)
+        (body, _), _ = st.host_tables(step)
+        n = len(body[1])
+        assert torch.equal(static.body[0], torch.from_numpy(body[0])) and torch.equal(static.body[1][:n], torch.from_numpy(body[1]))
+        cache.release_rows([1])
+    assert [flush_bucket(n, 64) for n in (1, 2, 3, 5, 64)] == [1, 2, 4, 8, 64] and flush_bucket(9, 12) == 12
