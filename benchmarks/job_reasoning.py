@@ -185,9 +185,10 @@ def run_static(model, requests, budget: int, a) -> dict:
     """transformers' StaticCache compiled, in waves (see the module docstring)."""
     from transformers import CompileConfig, StaticCache, StoppingCriteria, StoppingCriteriaList
 
+    from rotkv.hf.compat import cache_kwarg
+
     dev = model.device
-    if dev.type != "cuda":
-        raise SystemExit("hf-static-compile needs a CUDA model")
+    compiled = dev.type == "cuda"  # on the CPU (the script's test) the waves run uncompiled: the row says so
     if model.config._attn_implementation != "sdpa":
         model.set_attn_implementation("sdpa")  # a RotkvCache switched it to "rotkv"
     c = model.config
@@ -196,7 +197,8 @@ def run_static(model, requests, budget: int, a) -> dict:
     most = max(r.new_tokens for r in requests)
     cache_len = longest + most
     rows = max(1, min(int(budget // (cache_len * per_token)), a.max_rows, len(requests)))
-    compile_cfg = CompileConfig(mode="reduce-overhead", fullgraph=False)
+    extra = {"compile_config": CompileConfig(mode="reduce-overhead", fullgraph=False)} if compiled else \
+        {"disable_compile": True}
 
     class Until(StoppingCriteria):
         def __init__(self, t_end):
@@ -216,7 +218,7 @@ def run_static(model, requests, budget: int, a) -> dict:
         cache = StaticCache(config=c, max_cache_len=cache_len)
         stop = Until(t_end)
         model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=new, do_sample=False,
-                       past_key_values=cache, compile_config=compile_cfg, pad_token_id=0,
+                       pad_token_id=0, **{cache_kwarg(model): cache}, **extra,
                        stopping_criteria=StoppingCriteriaList([stop]))
         del cache
         return stop.steps
@@ -224,7 +226,8 @@ def run_static(model, requests, budget: int, a) -> dict:
     if a.warmup:
         wave(requests[:rows], 4, float("inf"))
     _clean(dev)
-    torch.cuda.synchronize()
+    if compiled:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     t_end = t0 + a.max_seconds if a.max_seconds else float("inf")
     generated = finished = steps_all = 0
@@ -239,20 +242,23 @@ def run_static(model, requests, budget: int, a) -> dict:
         steps_all += steps
         generated += sum(min(n, steps) for n in news)
         finished += sum(n <= steps for n in news)
-        active += [int(sum(n > s for n in news)) for s in range(steps)]
-        tpot += [1e3 * dt / steps] * sum(n <= steps for n in news)
+        active.append((news, steps))  # the requests in the batch at each step: counted after the timing
+        tpot += [1e3 * dt / steps] * sum(n <= steps for n in news)  # a wave's time (its prefill too) per token
         if steps < max(news):
             complete = False
             break
-    torch.cuda.synchronize()
+    if compiled:
+        torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated(dev) / 1e9
+    peak = torch.cuda.max_memory_allocated(dev) / 1e9 if compiled else float("nan")
+    news_sorted = [(np.sort(news), steps) for news, steps in active]
+    active = [int(len(n) - np.searchsorted(n, s, side="right")) for n, steps in news_sorted for s in range(steps)]
     return dict(method="hf-static-compile", preset="", rows=rows, mean_batch=round(float(np.mean(active)) if active else 0, 2),
                 max_batch=max(active, default=0), tok_per_s=round(generated / wall, 1),
                 tpot_ms=round(float(np.mean(tpot)) if tpot else 0.0, 3), step_ms=round(1e3 * wall / max(steps_all, 1), 3),
                 prefill_s=float("nan"), decode_s=float("nan"), wall_s=round(wall, 3), steps=steps_all,
                 generated=generated, finished=finished, complete=complete, peak_gb=round(peak, 3),
-                tier_pages=0, body_pages=0, pool_gb=round(rows * cache_len * per_token / 1e9, 3))
+                tier_pages=0, body_pages=0, pool_gb=round(rows * cache_len * per_token / 1e9, 3), compiled=compiled)
 
 
 def build(a):

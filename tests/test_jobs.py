@@ -112,12 +112,13 @@ def test_reasoning_bench_writes_rows(tmp_path):
     out = tmp_path / "jr.json"
     load_benchmark("bench_job").main(["--workload", "reasoning", "--tiny", "--device", "cpu", "--kv-gb", "0.0002",
                                       "--requests", "4", "--prompt-tokens", "16", "24", "--new-tokens", "10", "20",
-                                      "--methods", "rotkv:quarot-int2", "rotkv:bf16", "--no-warmup", "--out", str(out)])
+                                      "--methods", "rotkv:quarot-int2", "rotkv:bf16", "hf-static-compile", "--no-warmup",
+                                      "--out", str(out)])
     rows = json.loads(out.read_text())
-    assert [r["method"] for r in rows] == ["rotkv:quarot-int2", "rotkv:bf16"]
+    assert [r["method"] for r in rows] == ["rotkv:quarot-int2", "rotkv:bf16", "hf-static-compile"]
     for r in rows:
-        assert r["complete"] and r["finished"] == 4 and r["tok_per_s"] > 0 and 1 <= r["max_batch"] <= r["rows"]
-    assert rows[1]["job_speedup_vs_bf16"] == 1.0
+        assert r["complete"] and r["finished"] == 4 and r["tok_per_s"] > 0 and 1 <= r["max_batch"] <= r["rows"], r
+    assert rows[1]["job_speedup_vs_bf16"] == 1.0 and rows[2]["compiled"] is False  # StaticCache's waves, uncompiled here
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
