@@ -28,6 +28,7 @@ BACKENDS = ("auto", "cuda", "triton")
 SCORES = ("auto", "bf16", "int8")
 OWN_BASES = ("gpu", "always", "never")
 ROTATION_MATHS = ("auto", "fp32", "bf16x2")
+REFINE_SPLITS = ("0", "1", "reference")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -49,6 +50,9 @@ class Switches:
     fp8_kernels: bool = True  # the GPU kernels read and write e4m3 metadata (else those caches run PyTorch)
     cuda_write_fp8: bool = False  # the CUDA write kernel stores e4m3 metadata (else the Triton write does)
     refine_kernel: bool = True  # the Triton v1 decode kernel reads the refine tier (else the PyTorch path)
+    # the refine split (rotkv.kernels.refine_split): "1" the v1 kernel reads only the refined pages where the
+    # body kernel is CUDA, "reference" everywhere with the PyTorch reference as the rest's kernel, "0" never
+    refine_split: str = "0"
     prefill_own_basis: str = "gpu"  # where a prefill chunk's own tokens attend in the model's basis
     rotation_math: str = "auto"  # auto: bf16x2 for bf16 CUDA tensors, else fp32; or always one of them
     write_redux: int | None = None  # the CUDA write kernel's ROTKV_REDUX build macro (bench_write.py)
@@ -62,7 +66,8 @@ class Switches:
 
     def __post_init__(self):
         for name, choices in (("decode_backend", BACKENDS), ("write_backend", BACKENDS), ("decode_score", SCORES),
-                              ("prefill_own_basis", OWN_BASES), ("rotation_math", ROTATION_MATHS)):
+                              ("prefill_own_basis", OWN_BASES), ("rotation_math", ROTATION_MATHS),
+                              ("refine_split", REFINE_SPLITS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_name(name)} must be one of {list(choices)}, got {getattr(self, name)!r}")
         if not isinstance(self.prefill_history_mb, int) or self.prefill_history_mb < 1:
@@ -147,8 +152,8 @@ VARIABLES = {
 TUNING = "ROTKV_TUNING"
 COMMIT = "ROTKV_COMMIT"
 # tuning fields of Switches (set by ROTKV_TUNING by name, next to the DecodeConfig fields)
-TUNING_FIELDS = ("decode_score", "fp8_kernels", "cuda_write_fp8", "refine_kernel", "prefill_own_basis",
-                 "rotation_math", "write_redux", "write_fastdiv")
+TUNING_FIELDS = ("decode_score", "fp8_kernels", "cuda_write_fp8", "refine_kernel", "refine_split",
+                 "prefill_own_basis", "rotation_math", "write_redux", "write_fastdiv")
 # variables that earlier versions read: refused, naming their replacement
 RETIRED = {
     "ROTKV_DECODE_SCORE": "decode_score=<auto|bf16|int8>",
@@ -156,6 +161,7 @@ RETIRED = {
     "ROTKV_FP8_KERNELS": "fp8_kernels=<0|1>",
     "ROTKV_CUDA_WRITE_FP8": "cuda_write_fp8=<0|1>",
     "ROTKV_REFINE_KERNEL": "refine_kernel=<0|1>",
+    "ROTKV_REFINE_SPLIT": "refine_split=<0|1|reference>",
     "ROTKV_PREFILL_OWN_BASIS": "prefill_own_basis=<gpu|always|never>",
     "ROTKV_ROTATION_MATH": "rotation_math=<auto|fp32|bf16x2>",
     "ROTKV_WRITE_REDUX": "write_redux=<0|1>",

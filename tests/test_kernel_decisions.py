@@ -14,10 +14,10 @@ PLAN = ROOT / "rotkv" / "kernels" / "plan.py"
 
 DECIDERS = {"kernels_enabled", "have_triton", "part_reason", "triton_decode_reason", "cuda_decode_reason",
             "cuda_write_reason", "rotate_reason", "shape_reason", "refine_reason", "device_capability", "Launch",
-            "DecodePlan", "v1_launch"}
+            "DecodePlan", "v1_launch", "plan_refine_split", "RefineSplit"}
 # the switches that pick a kernel (rotkv.switches fields), read by plan.py only
 KERNEL_SWITCHES = {"kernels", "decode_backend", "write_backend", "decode_score", "fp8_kernels", "cuda_write_fp8",
-                   "refine_kernel", "rotation_math", "decode"}
+                   "refine_kernel", "refine_split", "rotation_math", "decode"}
 
 
 def decisions(source: str) -> list[str]:
@@ -50,12 +50,14 @@ def f(x, layout, p):
     sw = switches.get()
     backend = sw.write_backend
     launch = p.v1_launch()
-    return triton_decode_reason(layout), Launch("triton", None)
+    split = plan_refine_split(launch, switches.get().refine_split, launch)
+    return triton_decode_reason(layout), Launch("triton", None), RefineSplit("cuda", launch)
 """
     assert sorted(d.split(":")[0] for d in decisions(src)) == sorted([
         "kernels_enabled", "part_reason", "refine_kernel", "write_backend", "v1_launch", "triton_decode_reason",
-        "Launch"])
-    assert decisions("from rotkv.kernels import plan\nplan.plan_step(q, body, cfg, True)\n") == []
+        "Launch", "plan_refine_split", "refine_split", "RefineSplit"])
+    assert decisions("from rotkv.kernels import plan\nplan.plan_step(q, body, cfg, True)\n"
+                     "split = p.refine_split(work)\n") == []  # asking a plan for its split is no decision
 
 
 def test_kernel_choice_is_made_in_plan_py_only():

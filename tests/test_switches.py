@@ -24,6 +24,7 @@ BAD = [  # (variable, value, what the message says)
     ("ROTKV_TUNING", "wide_num_warps=3", "ROTKV_TUNING: wide_num_warps must be a power of two"),
     ("ROTKV_TUNING", "refine_kernel=maybe", "ROTKV_TUNING: bad value 'maybe' for refine_kernel"),
     ("ROTKV_TUNING", "decode_score=int4", "ROTKV_TUNING decode_score must be one of"),
+    ("ROTKV_TUNING", "refine_split=yes", "ROTKV_TUNING refine_split must be one of"),
     ("ROTKV_TUNING", "blocks=2", "'blocks=2' is not name=value with a tuning field"),
 ] + [(var, "1", f"{var} is no longer read: set ROTKV_TUNING={rep}") for var, rep in switches.RETIRED.items()]
 

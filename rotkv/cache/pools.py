@@ -259,6 +259,34 @@ class LayerPools:
             if ring is not None:
                 ring.add(t, nb, rows, local, index, parts["scale"][pages])
 
+    def copy_from(self, src: "LayerPools", tier_src, tier_dst, body_src, body_dst) -> None:
+        """Copy pages of another layer's pools (same layout) into these: tier pages ``tier_src`` of
+        ``src`` to ``tier_dst`` here, body pages (every part, and the mirror) likewise; ids are
+        ``[n]`` int64 tensors on this device. The refine rings are copied apart (:meth:`copy_rings_from`)."""
+        if len(tier_src):
+            self.tier_k[tier_dst] = src.tier_k[tier_src]
+            self.tier_v[tier_dst] = src.tier_v[tier_src]
+        if len(body_src):
+            for mine, theirs in zip(self.body, src.body):
+                for name, t in mine.items():
+                    t[body_dst] = theirs[name][body_src]
+            if self.mirror is not None and src.mirror is not None:
+                for t, s in zip(self.mirror, src.mirror):
+                    t[:, body_dst] = s[:, body_src]
+
+    def copy_rings_from(self, src: "LayerPools", row: int, src_row: int, body_pages: int) -> None:
+        """Give row ``row`` the refinements of ``src``'s row ``src_row``, a row of ``body_pages`` body
+        pages: the pages its ring holds (its newest, up to the ring's slots), each from its slot there
+        to its slot here (``index % K``); the rings here must be grown for the row already."""
+        for mine, theirs in zip(self.refine_rings, src.refine_rings):
+            held = min(body_pages, theirs.pages)
+            if not held:
+                continue
+            if mine.pages < held:
+                raise ValueError(f"the refine ring holds {mine.pages} pages per row, the adopted row {held}")
+            idx = torch.arange(body_pages - held, body_pages, device=mine.data.device)
+            mine.data[row, idx % mine.pages] = theirs.data[src_row, idx.to(theirs.data.device) % theirs.pages]
+
     def copy_pages(self, tier_src, tier_dst, body_src, body_dst) -> None:
         """Copy pages (a row repeated by beam search gets its own pages)."""
         if len(tier_src):

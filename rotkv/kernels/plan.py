@@ -8,7 +8,9 @@ switches that pick kernels (``rotkv.switches``) are read here only:
   kernel, the Triton v1 / v2 body kernels, or none (the caller runs its PyTorch reference), from the
   body's layout (widths, metadata dtypes, page size), the query's heads, head dim and device, the
   config, the refine tier and the switches; used by the cache layer, its CUDA graph (which captures
-  the plan's kernel) and the benchmarks. :func:`plan_step` is the cache's: None where it runs PyTorch;
+  the plan's kernel) and the benchmarks. :func:`plan_step` is the cache's: None where it runs PyTorch.
+  :func:`plan_refine_split`: whether a call over a refined body splits its pages between the kernel
+  that reads the refine tier and the plan's body kernel (``rotkv.kernels.refine_split``);
 - :func:`plan_write`: the quantize-on-write kernel (``rotkv.kernels.write``): CUDA or Triton;
 - :func:`plan_pools`, :func:`plan_encode`, :func:`plan_mirror`: which of a layer's pools' writes and
   reads run kernels; :func:`plan_rotate`, :func:`rotation_math`: how a rotation is computed;
@@ -356,6 +358,37 @@ class Launch:
         return f"triton {'v2' if self.v2 else 'v1'} n{self.cfg.block_n} w{self.cfg.num_warps}"
 
 
+REST_KERNELS = ("cuda", "reference")
+
+
+@dataclass(frozen=True)
+class RefineSplit:
+    """A decode call over a refined body split in two (``rotkv.kernels.refine_split``): ``refined`` (the
+    Triton v1 kernel) reads each request's refined pages, ``rest`` the others: ``"cuda"`` (the CUDA body
+    kernel, the plan's launch) or ``"reference"`` (the PyTorch reference,
+    :func:`~rotkv.kernels.refine_split.rest_partials_reference`)."""
+
+    rest: str
+    refined: Launch
+
+    def __post_init__(self):
+        if self.rest not in REST_KERNELS:
+            raise ValueError(f"RefineSplit.rest has to be one of {list(REST_KERNELS)} but got {self.rest!r}")
+
+
+def plan_refine_split(launch: Launch, mode: str, refined: Launch) -> RefineSplit | None:
+    """The split of a call over a refined body whose plain plan runs ``launch`` over the body, or None
+    (``refined``, the v1 kernel, reads every page): ``mode``, the ``refine_split`` switch: "1" splits
+    where ``launch`` is the CUDA kernel, "reference" always, "0" never."""
+    if mode == "reference":
+        return RefineSplit("reference", refined)
+    if mode == "1" and launch.kernel == "cuda":
+        return RefineSplit("cuda", refined)
+    if mode not in switches.REFINE_SPLITS:
+        raise ValueError(f"the refine split mode has to be one of {list(switches.REFINE_SPLITS)} but got {mode!r}")
+    return None
+
+
 _CUDA_WARNED: set = set()
 
 
@@ -369,7 +402,9 @@ class DecodePlan:
     covers the call and builds, else Triton; the CUDA library is built (or loaded) the first time
     ``main`` is asked for, once per plan. ``refine`` (keys, values): the body has a refine tier on
     that side (``rotkv.cache.refine``); only the Triton v1 body kernel reads it, so a call with body
-    tokens runs that kernel (``refine_launch``), or none where the ``refine_kernel`` switch is off.
+    tokens runs that kernel (``refine_launch``), or none where the ``refine_kernel`` switch is off;
+    or, where :meth:`refine_split` splits the call (the ``refine_split`` switch), that kernel reads
+    the refined pages and ``launch`` is the one that reads the others.
     """
 
     def __init__(self, layout: BodyLayout | None, hq: int, head_dim: int, device: tuple, cfg: DecodeConfig,
@@ -418,12 +453,14 @@ class DecodePlan:
         self._tier = self._triton(cfg, p)  # no body tokens: the tier kernel alone
         self.refine = tuple(refine) if layout is not None else (False, False)
         self.refine_launch: Launch | None = None
+        self.split_mode = "0"
         if any(self.refine):
             why = refine_reason() or self.triton_why
             if why is not None:
                 self.covered, self.why = False, why
             else:
                 self.refine_launch = self._triton(dataclasses.replace(cfg.for_bits(self.bits), v2=False), p)
+                self.split_mode = _switches().refine_split
 
     @property
     def bits(self) -> tuple[int, int]:
@@ -466,18 +503,37 @@ class DecodePlan:
         return self._triton(cfg.for_bits(self.bits), p)
 
     def launch(self, work: int) -> Launch:
-        """The launch for a call over ``work`` token-heads of body (``B * H_kv * max_len``)."""
-        if work > 0 and self.refine_launch is not None:
+        """The launch for a call over ``work`` token-heads of body (``B * H_kv * max_len``): with a
+        refine tier the one that reads it, unless the call splits (:meth:`refine_split`): then the
+        one that reads the unrefined pages."""
+        if work > 0 and self.refine_launch is not None and self.refine_split(work) is None:
             return self.refine_launch
+        return self._plain(work)
+
+    def _plain(self, work: int) -> Launch:
+        """The launch without a refine tier."""
         if self.small is not None and work < self.small_below:
             return self.small
         return self.main if work > 0 else self._tier
+
+    def refine_split(self, work: int) -> RefineSplit | None:
+        """The split of a call over ``work`` token-heads of a refined body, or None (no refine tier, no
+        body tokens, or the v1 kernel reads every page): :func:`plan_refine_split` of the launch that
+        the body would run without the tier."""
+        if work <= 0 or self.refine_launch is None or self.split_mode == "0":
+            return None
+        return plan_refine_split(self._plain(work), self.split_mode, self.refine_launch)
 
     def describe(self) -> str:
         """One line: what runs (the CUDA kernel named as planned, before its first build)."""
         if not self.covered:
             return f"reference (no kernel: {self.why})"
         if self.refine_launch is not None:
+            if self.split_mode == "reference":
+                return f"{self.refine_launch.name} over the refined pages, the PyTorch reference over the others"
+            if self.split_mode == "1":
+                return (f"{self.refine_launch.name} (reads the refine tier; over the refined pages only where the "
+                        "body kernel is CUDA, which reads the others)")
             return f"{self.refine_launch.name} (reads the refine tier)"
         if self._main is not None:
             main = self._main.name
