@@ -667,7 +667,6 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
     rep = hq // h
     hpad = max(16, triton.next_power_of_2(rep))
     sm_scale = d ** -0.5 if sm_scale is None else sm_scale
-    use_asm = (not _interpreting()) if cfg.use_asm is None else cfg.use_asm
     has_int2 = body is not None and max_len > 0
     has_tier = tier is not None and tier_max_len > 0
     ring = vring = None
