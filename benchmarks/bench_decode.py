@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -78,8 +77,10 @@ BF16_CONFIGS = {
 
 
 def git_commit() -> str:
-    if os.environ.get("ROTKV_COMMIT"):
-        return os.environ["ROTKV_COMMIT"]
+    from rotkv import switches
+
+    if switches.get().commit:
+        return switches.get().commit
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):

@@ -13,6 +13,8 @@ the rows then say ``fill: "synthetic"``).
 
     python benchmarks/bench_job.py --requests 32 --context 32768 --new-tokens 1024
     python benchmarks/bench_job.py --tiny --device cpu     # a small shape, to check the script
+    python benchmarks/bench_job.py --workload reasoning ...  # short prompts, 8K-32K new tokens,
+                                                             # continuous batching (benchmarks/job_reasoning.py)
 
 Writes benchmarks/results/job-<UTC time>.json: one row per method with method, requests, context,
 new_tokens, concurrent, waves, retries, prefill_s (every wave's prefill, or synthetic fill),
@@ -168,7 +170,20 @@ def fits(model, per_request: int, requests: int, chunk: int, reserve_gb: float) 
 
 
 def main(argv=None) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--workload", choices=["prefill", "reasoning"], default="prefill")
+    known, rest = pre.parse_known_args(argv)
+    if known.workload == "reasoning":  # short prompts, long generations, continuous batching: its own options
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import job_reasoning
+
+        return job_reasoning.main(rest)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", choices=["prefill", "reasoning"], default="prefill",
+                    help="prefill: this job (long prompts, few new tokens, waves); reasoning: short prompts and "
+                         "long generations, continuous batching (benchmarks/job_reasoning.py; --workload reasoning -h)")
     ap.add_argument("--shape", choices=sorted(RANDOM_SHAPES), default="qwen3-8b")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy shape (checks the script, e.g. on a CPU)")

@@ -46,7 +46,7 @@ def make_body(b, h, n, d, g, p, bits, dev, gen, v_meta=torch.float16):
 
 
 def overrides(cfg: DecodeConfig) -> str:
-    """The config as ``ROTKV_DECODE_CONFIG`` overrides (fields that differ from the defaults)."""
+    """The config as ``ROTKV_TUNING`` fields (those that differ from the defaults; docs/configuration.md)."""
     base = DecodeConfig()
     return ",".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
                     if getattr(cfg, f.name) != getattr(base, f.name) and f.name not in ("backend", "score"))

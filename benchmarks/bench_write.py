@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 
 import torch
 from triton.testing import do_bench
 
 from benchmarks.bench_decode import git_commit
 from benchmarks.results_io import write_results
+from rotkv import switches as rotkv_switches
 from rotkv.kernels.body import TokenPart
 from rotkv.kernels.write import quant_write
 from rotkv.rotations.identity import random_orthogonal
@@ -70,11 +70,11 @@ def main(argv=None) -> int:
                         itertools.product(args.cuda_switches, args.cuda_warps, args.cuda_precision)]
         for bits, (backend, bt, nw, rp) in itertools.product(args.bits, configs):
             switches = ""
-            if backend == "cuda":  # bt holds the build switches here (ROTKV_WRITE_<NAME>=<0|1>, comma-separated)
+            if backend == "cuda":  # bt holds the build switches here (<NAME>=<0|1>, comma-separated: REDUX, FASTDIV)
                 switches, bt = bt, 0
                 for item in filter(None, switches.split(",")):
                     name, _, val = item.partition("=")
-                    os.environ[f"ROTKV_WRITE_{name}"] = val
+                    rotkv_switches.configure(**{f"write_{name.lower()}": int(val)})  # kept for later configs
             pool = [TokenPart.zeros(np_, h, p, d, bits, g, torch.float16, dev) for _ in range(2)]
             nbytes = 2 * t * h * d * 2 + 2 * t * h * (d * bits // 8 + 2 * 2 * (d // g))
             variants = [("rotkv_write", True, True), ("rotkv_write_norot", False, True),

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import subprocess
 import time
 from contextlib import contextmanager, nullcontext
@@ -55,8 +54,10 @@ class Row:
 
 def commit() -> str:
     """The checkout's commit; ``ROTKV_COMMIT`` overrides it (the device copy's .git can be stale)."""
-    if os.environ.get("ROTKV_COMMIT"):
-        return os.environ["ROTKV_COMMIT"]
+    from rotkv import switches
+
+    if switches.get().commit:
+        return switches.get().commit
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()

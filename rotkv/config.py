@@ -59,7 +59,7 @@ class CacheSpec:
         error of long contexts concentrates. 0: off.
     refine_values: the refine tier's pages keep 2 more bits for their 2-bit values too, the same nested
         grid. Read as the keys' tier is: the PyTorch paths,
-        and the Triton v1 decode kernel (``ROTKV_REFINE_KERNEL=0``: the PyTorch path alone).
+        and the Triton v1 decode kernel (``ROTKV_TUNING=refine_kernel=0``: the PyTorch path alone).
     refine_every: the refine tier's size rule: a row of ``n`` body pages keeps ``min(ceil(refine_tokens /
         page_size), ceil(n / refine_every))`` pages refined, one per ``refine_every`` body pages, so that
         the tier's cost in bits per element stays constant at short contexts (at 1K, 224 refined tokens are a
@@ -332,8 +332,8 @@ PRESETS: dict[str, CacheSpec] = {
     # oscar-mix-long's artifact with a refine tier: 2 more bits for the keys and values of each row's newest
     # body pages, one per 19 body pages and at most 224 tokens (CacheSpec.refine_tokens, refine_values,
     # refine_every; rotkv.cache.refine), paid for by a 4-token sink instead of 16; the recommended preset.
-    # On the GPU the Triton v1 decode kernel reads the tier (ROTKV_REFINE_KERNEL=0: the PyTorch path, no
-    # CUDA graph)
+    # On the GPU the Triton v1 decode kernel reads the tier (ROTKV_TUNING=refine_kernel=0: the PyTorch path,
+    # no CUDA graph)
     "oscar-refine": CacheSpec(
         name="oscar-refine", bits=2, sink=4, window=32, window_share=1 / 64, refine_tokens=224, refine_values=True,
         refine_every=19, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="oscar",

@@ -53,6 +53,7 @@ def pieces(q, body, table, body_n, tier, ttab, tier_n, cfg):
             PT=tier[0].shape[2], BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, QK_INT8=True, USE_ASM=True,
             HAS_INT2=False, HAS_TIER=True, STATIC_STEPS=0, TIER_STATIC_STEPS=0, F16=False, V2=False,
             RP=max(4, triton.next_power_of_2(rep)), PB=min(body.page_size, cfg.block_n), K_BITS=2, V_BITS=2,
+            rf_ptr=q, RK=1, RE=1, REFINE=False, rv_ptr=q, REFINE_V=False, REF_ONLY=False, rl_ptr=q,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     def merge_only():

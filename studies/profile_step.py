@@ -11,6 +11,10 @@ captured; then it times
   graph (``GraphDecoder(flush_graph=False)``, what every step did before the flush graph), then
   ``graph_ms_again`` with the flush graph (the spread between the two orders); every timing starts
   after a flush, so the flush graph's one-off capture is not in them;
+- the decode-time flush (every P steps each row's oldest window page is quantized into the body):
+  ``flush_ms_by_pages`` its graph's replay alone at 1, 8 and N pages at once (a continuous batch's rows
+  flush a few pages a step), ``flush_ms`` at N, ``flush_per_step_ms`` that over P steps and
+  ``flush_share`` its share of ``graph_ms``;
 
 and records replays with ``torch.profiler``, summing the GPU time per kernel and per *category*
 (attention body / tier / merge, write and flush, rotations (small matmuls), the model's GEMMs,
@@ -85,6 +89,25 @@ def timed(fn, n: int) -> float:
     return start.elapsed_time(end) / n
 
 
+def flush_profile(graph, rows: int) -> dict[int, float]:
+    """The decode-time flush's GPU time alone, ms per flush, by pages flushed at once: 1, 8 and ``rows``
+    (a lockstep batch flushes every row's page on one step in P; the rows of a continuous batch flush a
+    few pages a step, ``rotkv.cache.graph.flush_bucket``), each a replay of its flush graph (captured
+    here where the run has not). Run it last: a replay quantizes the last flush's tier pages again, which
+    hold newer tokens by now, into body pages still in use."""
+    out = {}
+    for n in sorted({1, min(8, rows), rows}):
+        g = graph._flush_captured.get(n)
+        if g is None:
+            pages = graph.flush_pages[:, :n]  # the first n rows' pages of the last flush
+            graph._flush_layers(*pages)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                graph._flush_layers(*pages)
+        out[n] = round(timed(g.replay, 16), 4)
+    return out
+
+
 @torch.no_grad()
 def profile_preset(model, preset: str, rows: int, context: int, chunk: int, steps: int,
                    artifact_dir: str | None = None) -> dict:
@@ -133,6 +156,7 @@ def profile_preset(model, preset: str, rows: int, context: int, chunk: int, step
     cats: dict[str, float] = {}
     for k in kernels.values():
         cats[k["category"]] = round(cats.get(k["category"], 0.0) + k["us"], 2)
+    flush = flush_profile(graph, rows) if cache.spec.quantized else {}
     stats = cache.stats()
     del graph, cache
     gc.collect()
@@ -142,6 +166,9 @@ def profile_preset(model, preset: str, rows: int, context: int, chunk: int, step
                 replay_ms=round(replay_ms, 3),
                 kernel_ms=round(sum(cats.values()) / 1e3, 3), categories=cats,
                 kernels=dict(sorted(kernels.items(), key=lambda kv: -kv[1]["us"])),
+                flush_ms_by_pages=flush, flush_ms=flush.get(rows, 0.0),
+                flush_per_step_ms=round(flush.get(rows, 0.0) / p, 4),
+                flush_share=round(flush.get(rows, 0.0) / p / graph_ms, 4) if graph_ms else 0.0,
                 bits_per_element=round(stats["bits_per_element"], 3), kv_gb=round(stats["kv_bytes"] / 1e9, 3))
 
 
@@ -181,7 +208,8 @@ def main(argv=None) -> int:
     print("|---|" + "---|" * len(res))
     for c in cats:
         print(f"| {c} | " + " | ".join(f"{r['categories'].get(c, 0):.0f}" for r in res) + " |")
-    for key in ("kernel_ms", "replay_ms", "graph_ms", "graph_ms_eager_flush", "graph_ms_again"):
+    for key in ("kernel_ms", "replay_ms", "graph_ms", "graph_ms_eager_flush", "graph_ms_again", "flush_ms",
+                "flush_per_step_ms", "flush_share"):
         print(f"| **{key}** | " + " | ".join(f"{r[key]:.3f}" for r in res) + " |")
     for r in res:
         print(f"top kernels, {r['preset']}:")

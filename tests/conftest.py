@@ -3,6 +3,39 @@ import pytest
 from rotkv_testing import make_tiny_llama
 
 
+@pytest.fixture(autouse=True)
+def _switches_of_the_environment():
+    """Every test starts and ends with the switches its environment sets (``rotkv.switches`` reads the
+    environment once: a test that changes it calls ``switches.reload()``)."""
+    from rotkv import switches
+
+    switches.reload()
+    yield
+    switches.reload()
+
+
+@pytest.fixture
+def setenv(monkeypatch):
+    """``setenv(name, value)``: monkeypatch.setenv, then the switches read again."""
+    from rotkv import switches
+
+    def set_(name: str, value: str) -> None:
+        monkeypatch.setenv(name, value)
+        switches.reload()
+    return set_
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch, device):
+    """On a CPU machine the cache runs the kernels for CPU tensors (under the Triton interpreter) while
+    the ``ROTKV_KERNELS`` switch is on; on a GPU machine nothing changes."""
+    from rotkv import switches
+    from rotkv.kernels import plan
+
+    if device == "cpu":
+        monkeypatch.setattr(plan, "kernels_enabled", lambda t: switches.get().kernels)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real default model, loaded once per test session (about 20 s on 2 cores): from the

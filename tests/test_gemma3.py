@@ -158,14 +158,14 @@ def test_repair_replaces_a_broken_tokenizer_and_fixes_the_copy(tmp_path):
     assert gemma_tokenizer_problem(fixed) is None
 
 
-def test_load_model_gives_the_gemma_gguf_tokenizer(tmp_path, monkeypatch):
+def test_load_model_gives_the_gemma_gguf_tokenizer(tmp_path, monkeypatch, setenv):
     """End to end through transformers' own GGUF loading: under 5.17 the tokenizer transformers builds
     is wrong on the first load (Unigram) and on the load from the converted copy (no merges)."""
     from rotkv.hf.gguf_tokenizer import gemma_tokenizer_problem
     from rotkv.hf.models import load_model
 
-    monkeypatch.setenv("ROTKV_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("ROTKV_NO_MODEL_CACHE", raising=False)
+    setenv("ROTKV_CACHE_DIR", str(tmp_path / "cache"))
     src = write_tiny_gemma3_gguf(tmp_path / "tiny-gemma3.gguf")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers 5.17 is told about here, on a wrong tokenizer

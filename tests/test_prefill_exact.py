@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import rotkv.cache.layer as layer_mod
+from rotkv import switches
 from rotkv.cache import RotkvCache
 from rotkv.generation import prefill, reserve
 from rotkv.hf.compat import cache_kwarg
@@ -74,7 +75,7 @@ def test_one_row_group_returns_sdpa_output_unchanged(tiny_llama, preset, monkeyp
 @pytest.mark.parametrize("preset", ["quarot-int2", "bf16"])
 def test_first_chunk_attends_in_the_model_basis(tiny_llama, preset, monkeypatch):
     """A prefill step with nothing stored runs causal SDPA on the unrotated queries, keys and values
-    (ROTKV_PREFILL_OWN_BASIS; the rotation cancels): the first call's logits are the model's own
+    (the prefill_own_basis switch; the rotation cancels): the first call's logits are the model's own
     without a cache, the first layer's stored keys and values are bit-identical to the rotated path's,
     and only the first chunk of a row takes it (later chunks read the stored, quantized history)."""
     ids = _ids(2, 40, seed=4)
@@ -83,7 +84,7 @@ def test_first_chunk_attends_in_the_model_basis(tiny_llama, preset, monkeypatch)
     monkeypatch.setattr(layer_mod, "_sdpa_causal", lambda *a: calls.append(a[0].shape[2]) or real(*a))
 
     def run(basis):
-        monkeypatch.setattr(layer_mod, "OWN_BASIS", basis)
+        switches.configure(prefill_own_basis=basis)
         cache = RotkvCache(tiny_llama, preset, prefill_chunk=16, check_finite=False, **SMALL)
         outs = [tiny_llama(input_ids=ids[:, c0:c0 + 16], use_cache=True,
                            position_ids=torch.arange(c0, min(c0 + 16, 40))[None].expand(2, -1),
@@ -106,10 +107,11 @@ def test_first_chunk_attends_in_the_model_basis(tiny_llama, preset, monkeypatch)
 
 
 def test_own_basis_setting_is_checked(tiny_llama, monkeypatch):
-    monkeypatch.setattr(layer_mod, "OWN_BASIS", "sometimes")
-    cache = RotkvCache(tiny_llama, "quarot-int2", prefill_chunk=16, check_finite=False, **SMALL)
-    with pytest.raises(ValueError, match="ROTKV_PREFILL_OWN_BASIS"):
-        prefill(tiny_llama, _ids(1, 8), cache, chunk=16)
+    monkeypatch.setenv("ROTKV_TUNING", "prefill_own_basis=sometimes")
+    with pytest.raises(ValueError, match="ROTKV_TUNING prefill_own_basis"):
+        switches.reload()  # refused when the environment is read, on any device
+    with pytest.raises(ValueError, match="ROTKV_TUNING prefill_own_basis"):
+        RotkvCache(tiny_llama, "quarot-int2", prefill_chunk=16, check_finite=False, **SMALL)
 
 
 @pytest.mark.parametrize("hq,h", [(4, 4), (6, 2)])
@@ -148,7 +150,7 @@ def test_later_chunks_merge_history_with_own_tokens(tiny_llama, preset, mean, mo
     monkeypatch.setattr(layer_mod, "attention_lse", lambda *a: calls.append(a[3]) or real(*a))
 
     def run(basis):
-        monkeypatch.setattr(layer_mod, "OWN_BASIS", basis)
+        switches.configure(prefill_own_basis=basis)
         cache = RotkvCache(tiny_llama, preset, prefill_chunk=16, check_finite=False, tier_dtype="model", **SMALL)
         if mean:
             for i, layer in enumerate(cache.layers):

@@ -134,11 +134,11 @@ def test_cli_bad_input_is_one_clear_line(capsys):
 
 
 @pytest.mark.slow
-def test_converted_copy_loads_the_same_model(tmp_path, monkeypatch):
+def test_converted_copy_loads_the_same_model(tmp_path, monkeypatch, setenv):
     """The GGUF file is converted once; the safetensors copy gives the same logits, tokens and chat template."""
     from rotkv.hf.models import converted_dir, load_model, resolve_model_path
 
-    monkeypatch.setenv("ROTKV_CACHE_DIR", str(tmp_path))
+    setenv("ROTKV_CACHE_DIR", str(tmp_path))
     first = load_model()  # converts the GGUF file and writes the copy
     path, gguf, _ = resolve_model_path(None)
     assert os.path.exists(os.path.join(converted_dir(path, gguf), "model.safetensors"))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from rotkv import switches
 from rotkv.cache import RotkvCache
 from rotkv.cache.codecs import TokenCodec, make_codecs
 from rotkv.cache.layer import HybridLayer
@@ -212,7 +213,7 @@ def test_refine_tier_in_a_model_cache(tiny_llama, monkeypatch):
             assert torch.equal(k2, k) and torch.equal(v2, v)
     from rotkv.cache.graph import StaticDecode
 
-    monkeypatch.setenv("ROTKV_REFINE_KERNEL", "0")  # the kernel turned off: the graph cannot read the tier
+    switches.configure(refine_kernel=False)  # the kernel turned off: the graph cannot read the tier
     with pytest.raises(ValueError, match="refine tier"):
         StaticDecode(c, 2, 256)
     cv = RotkvCache(tiny_llama, "quarot-int2", sink=4, window=8, refine_tokens=64, refine_values=True)

@@ -48,8 +48,8 @@ def test_kind_of(name, kind):
     assert ri.kind_of(name) == kind
 
 
-def test_writer_stamps_names_and_index_reads_it_back(tmp_path, monkeypatch):
-    monkeypatch.setenv("ROTKV_COMMIT", "abc1234")
+def test_writer_stamps_names_and_index_reads_it_back(tmp_path, setenv):
+    setenv("ROTKV_COMMIT", "abc1234")
     now = datetime.datetime(2026, 12, 2, 19, 5, 7, tzinfo=datetime.timezone.utc)
     rows = [dict(impl="x", ms=1.0, gpu="already set"), dict(impl="y", ms=2.0)]
     path = rio.write_results("write", rows, tag="cuda-warps", now=now, root=tmp_path)

@@ -4,7 +4,7 @@ tensors) forced on the CPU: within 2 bf16 ulps of the float32 path, and the CPU 
 import pytest
 import torch
 
-import rotkv.rotations.base as base
+from rotkv import switches
 from rotkv.rotations.base import LayerRotation, bf16x2_matrix, rotation_math
 
 
@@ -54,7 +54,7 @@ def test_choice():
 
 
 def test_cpu_default_is_the_float32_path(monkeypatch):
-    monkeypatch.setattr(base, "ROTATION_MATH", "auto")
+    switches.configure(rotation_math="auto")
     rot = _rot()
     k, q = _x((3, 2, 7, 16), 1), _x((3, 6, 7, 16), 2)
     assert torch.equal(rot.keys(k, torch.bfloat16), rot.keys(k).to(torch.bfloat16))
@@ -72,10 +72,10 @@ def test_bf16x2_within_2_ulps_of_float32(monkeypatch, mean_scale):
     k = _x((3, 2, 40, 16), 1, scale=3.0) + (rot.k_mean.to(torch.bfloat16)[None, :, None] if rot.k_mean is not None else 0)
     q = _x((3, 6, 40, 16), 2)  # GQA: 3 query heads per KV head
     q_strided = _x((3, 40, 6, 16), 3).transpose(1, 2)  # the model's layout: a transposed view
-    monkeypatch.setattr(base, "ROTATION_MATH", "fp32")
+    switches.configure(rotation_math="fp32")
     ref = {"k": rot.keys(k), "v": rot.values(k), "q": rot.queries(q), "qs": rot.queries(q_strided),
            "o": rot.outputs(q.float())}
-    monkeypatch.setattr(base, "ROTATION_MATH", "bf16x2")
+    switches.configure(rotation_math="bf16x2")
     got = {"k": rot.keys(k, torch.bfloat16), "v": rot.values(k, torch.bfloat16), "q": rot.queries(q, torch.bfloat16),
            "qs": rot.queries(q_strided, torch.bfloat16), "o": rot.outputs(q, torch.bfloat16)}
     assert set(rot._split) == {"keys", "values", "queries", "outputs"}
@@ -106,9 +106,9 @@ def test_bf16x2_forced_through_the_cache(monkeypatch, tiny_llama):
         reserve(cache, 2, 30)
         return prefill(model, ids, cache, None, chunk=16).float()
 
-    monkeypatch.setattr(base, "ROTATION_MATH", "fp32")
+    switches.configure(rotation_math="fp32")
     ref = run()
-    monkeypatch.setattr(base, "ROTATION_MATH", "bf16x2")
+    switches.configure(rotation_math="bf16x2")
     got = run()
     assert torch.isfinite(got).all()
     assert float((got - ref).abs().max()) <= 0.05 * float(ref.abs().max())

@@ -4,8 +4,9 @@ per-row reference (:class:`rotkv.cache.rowstore.RowStoreLayer`, with its budgete
 A layer holds its spec, its rotation and its (key, value) codecs, resolved once per layer by
 :func:`rotkv.cache.assembly.plan_cache`. It follows transformers' ``CacheLayerMixin``: ``update``
 only records the new post-RoPE states (the registered attention function, rotkv.hf.attention,
-needs the padding mask to place them), then the subclass's ``attend`` runs the attention against
-what is stored and writes the new tokens.
+needs the padding mask to place them) and routes the layer's attention call to itself
+(:func:`rotkv.hf.attention.route`), then the subclass's ``attend`` runs the attention against what
+is stored and writes the new tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from rotkv.config import CacheSpec
+from rotkv.hf.attention import route
 from rotkv.rotations.base import LayerRotation
 
 TIER_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -53,8 +55,9 @@ class RotkvLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Record new post-RoPE states ``[B, kv_heads, q, D]``; the attention function stores them.
 
-        The returned key tensor carries a reference to this layer, which is how the registered
-        attention function finds the cache (transformers does not pass the cache to it).
+        The layer routes the model layer's attention call to itself (:func:`rotkv.hf.attention.route`):
+        transformers does not pass the cache to the attention function, which finds the layer by its
+        module's ``layer_idx``.
         """
         if getattr(self, "check_finite", False) and not bool(torch.isfinite(key_states).all()
                                                              & torch.isfinite(value_states).all()):
@@ -69,7 +72,7 @@ class RotkvLayer(CacheLayerMixin):
                 "the model must run with attn_implementation='rotkv' (RotkvCache sets it)"
             )
         self.pending = (key_states, value_states)
-        key_states._rotkv_layer = self
+        route(self.layer_idx, self, key_states)
         return key_states, value_states
 
     def get_seq_length(self) -> int:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
+from rotkv import switches
 from rotkv.cache.assembly import CachePlan, build_layer, plan_cache, resolve_spec
 from rotkv.cache.base import RotkvLayer
 from rotkv.cache.layer import HybridLayer
@@ -45,7 +46,8 @@ class RotkvCache(Cache):
     layer_bits: per-layer ``(key bits, value bits)`` of the token codec (each 2 or 4 for the GPU
     kernels; 8 runs the reference path), one pair per model layer; None: ``spec.bits`` everywhere.
     decode_score: the decode kernels' score variant ("auto", "bf16", "int8"; see
-    ``rotkv.kernels.decode.DecodeConfig.score``); None: ``ROTKV_DECODE_SCORE`` or "auto".
+    ``rotkv.kernels.decode_config.DecodeConfig.score``); None: the ``decode_score`` switch ("auto";
+    ``rotkv.switches``).
     context_length: the tokens each row is expected to reach (prompt + new tokens). An artifact with several
     key-side fits (``key_fit_lengths``) then serves the fit nearest that length
     (:func:`rotkv.rotations.artifact.pick_key_fit`); None keeps its primary fit. The fit used is
@@ -60,6 +62,7 @@ class RotkvCache(Cache):
         if artifact is not None and not isinstance(artifact, (str, os.PathLike, Artifact)):
             raise TypeError(f"artifact has to be a file path, an Artifact or None, not {type(artifact).__name__}")
         artifact = os.fspath(artifact) if isinstance(artifact, os.PathLike) else artifact
+        switches.get()  # the environment's switches, checked on any device before any work
         if not isinstance(check_finite, bool):
             raise TypeError(f"check_finite has to be a bool but got {check_finite!r} ({type(check_finite).__name__})")
         if decode_score is not None and decode_score not in DECODE_SCORES:
@@ -182,6 +185,55 @@ class RotkvCache(Cache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._select_rows(np.repeat(np.arange(self.state.rows), repeats))
+
+    # ---- continuous batching: rows freed and refilled while the others go on ----------------------
+    def _paged(self, what: str) -> list[HybridLayer]:
+        paged = [layer for layer in self.layers if isinstance(layer, HybridLayer)]
+        if len(paged) != len(self.layers):
+            raise ValueError(f"{what} needs every layer in rotkv's paged pools (no sliding-window or budgeted layers)")
+        return paged
+
+    def open_rows(self, rows: int, tier_pages: int, body_pages: int, device, dtype=None) -> None:
+        """Make this unused cache a batch of ``rows`` empty rows over pools of ``tier_pages`` and
+        ``body_pages`` pages (allocated now, so they never grow while a decode step is captured);
+        rows are then filled by :meth:`adopt_rows` and emptied by :meth:`release_rows`."""
+        paged = self._paged("open_rows")
+        st = self.state
+        if st.rows or st.seen:
+            raise ValueError("open_rows needs a cache that holds no batch yet (reset it first)")
+        probe = torch.zeros(rows, self.kv_heads, 1, self.head_dim, dtype=dtype or paged[0].tier_dtype, device=device)
+        for layer in paged:
+            layer.lazy_initialization(probe, probe)
+        st.reset(rows)
+        st.tier_free.grow(tier_pages)
+        st.body_free.grow(max(body_pages, 1))
+        for layer in paged:
+            layer.pools.fit(st.tier_free.capacity, st.body_free.capacity, rows)
+
+    def release_rows(self, rows) -> None:
+        """Free the pages of ``rows`` (finished requests) for others; the rows stay, empty
+        (:meth:`rotkv.cache.plan.PageState.release`)."""
+        self._paged("release_rows")
+        self.state.release(rows)
+
+    def adopt_rows(self, rows, src: "RotkvCache", src_rows) -> None:
+        """Move ``src``'s rows ``src_rows`` (requests prefilled in a cache of their own, the same spec and
+        model) into this cache's empty ``rows``: pages from this cache's free lists, every layer's pages
+        and refine rings copied. ``src`` is left as it was."""
+        mine, theirs = self._paged("adopt_rows"), src._paged("adopt_rows")
+        if src.spec != self.spec or len(mine) != len(theirs):
+            raise ValueError("adopt_rows needs a cache of the same spec over the same model")
+        st = self.state
+        for row, src_row in zip(np.atleast_1d(rows).tolist(), np.atleast_1d(src_rows).tolist()):
+            nb = int(src.state.body_count[src_row])
+            counts = st.body_count.copy()
+            ids = st.adopt(row, src.state, src_row)
+            for a, b in zip(mine, theirs):
+                a.pools.fit(st.tier_free.capacity, st.body_free.capacity)
+                a.pools.copy_from(b.pools, *(torch.as_tensor(i, device=a.device) for i in ids))
+                if a.pools.refine_rings:
+                    a.pools.grow_refine(counts, nb)
+                    a.pools.copy_rings_from(b.pools, row, src_row, nb)
 
     def reset(self) -> None:
         """Forget every token; the pools keep their memory for the next batch."""

@@ -1,10 +1,10 @@
 """The model's own layers compiled (``torch.compile``) for the captured decode step; rotkv's cache stays eager.
 
 Why: at a small model's decode shape the step is mostly short kernels of the model itself, not of
-the cache. At SmolLM2 64 x 8K (H200, ``benchmarks/profile_step.py``) about 1,000 of a step's kernels
-are RMSNorm's casts, powers, means and rsqrts, RoPE's multiplies, negations and concatenations, the
-MLP's activation and the residual adds, 2-3 us each: 1.8 ms of the 6.0 ms bf16 step and of the 5.2
-ms INT2 one. Compiled, each norm, each RoPE and each activation is one fused kernel.
+the cache: RMSNorm's casts, powers, means and rsqrts, RoPE's multiplies, negations and
+concatenations, the MLP's activation and the residual adds, a few microseconds each
+(``benchmarks/profile_step.py`` counts them; docs/kernel-notes.md). Compiled, each norm, each RoPE and
+each activation is one fused kernel.
 
 How: :meth:`rotkv.cache.RotkvCache.update` and the registered attention function
 (:func:`rotkv.hf.attention.rotkv_attention`) are ``torch.compiler.disable``-d, so dynamo breaks the

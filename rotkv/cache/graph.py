@@ -6,12 +6,12 @@ step's page tables and write slots (split into page and offset, once for every l
 into fixed buffers sized for that capacity; the kernels' grids are sized by the capacity (rows shorter than it exit early). Per step, on the
 host: plan the step (``PageState.plan``), copy its tables into the buffers, replay the graph,
 then, on a step where pages leave the window (every ``page_size`` steps per row), replay the
-*flush graph*: every layer's quantize-on-write of the leaving pages, captured once for ``rows``
-pages (a step that flushes fewer repeats its last page: writing the same page twice stores the
-same bytes). It takes the flush's launches (every layer's gather, writes and range check) off
-the host. At SmolLM2's shape, 64 x 8K, quarot-int2, the step measured the same either way (5.83-5.87
-ms against 5.85 eager, replay 5.72; ``benchmarks/profile_step.py``, H200): there the host launches
-the eager flush while the GPU still runs the replay. ``flush_graph=False`` flushes eagerly. Inside
+*flush graph*: every layer's quantize-on-write of the leaving pages, captured once per bucket of
+pages (powers of two up to ``rows``: rows that flush on different steps, as in continuous batching,
+flush a few pages a step; a step that flushes fewer than its bucket repeats its last page: writing
+the same page twice stores the same bytes). It takes the flush's launches (every layer's gather, writes and range check) off
+the host (where the host launches the eager flush while the GPU still runs the replay, the two take
+the same time: docs/kernel-notes.md). ``flush_graph=False`` flushes eagerly. Inside
 the graphs nothing syncs with the host: the NaN check is off, and the e4m3 range flags are ORed in
 place on the device. Each layer's
 kernel is its decode plan's (``rotkv.kernels.plan.plan_decode``) for the capacity: the graph
@@ -35,13 +35,13 @@ import torch
 
 from rotkv.cache.layer import HybridLayer
 from rotkv.cache.plan import Step
-from rotkv.cache.pools import refine_kernel
+from rotkv.kernels.plan import check_graph
 
 
 class StaticDecode:
     """Fixed device buffers that a captured decode step reads: write slots and page tables."""
 
-    def __init__(self, cache, rows: int, max_len: int):
+    def __init__(self, cache, rows: int, max_len: int, reserve: bool = True):
         st = cache.state
         if st.rows != rows:
             raise ValueError(f"the cache holds {st.rows} rows, not {rows}")
@@ -49,17 +49,17 @@ class StaticDecode:
         if len(self.layers) != len(cache.layers):
             raise ValueError("CUDA-graph decode needs every layer in rotkv's paged pools (no sliding-window "
                              "or budgeted layers); run without cuda_graph")
-        if cache.spec.refine_tokens and not refine_kernel():
-            raise ValueError("CUDA-graph decode runs the decode kernels, and ROTKV_REFINE_KERNEL=0 turned off the "
-                             f"one that reads the refine tier (refine_tokens={cache.spec.refine_tokens}): unset it, "
-                             "or run without cuda_graph")
+        check_graph(refine=bool(cache.spec.refine_tokens))
         dev = self.layers[0].device
         p = st.page
         self.body_pages = -(-max_len // p) if st.quantized else 0
         self.tier_pages = st.tier_pages_for(max_len)
-        # capacity: every row at max_len (a prefill chunk may have left more tier pages than that)
-        st.tier_free.grow(max(st.tier_free.capacity, rows * self.tier_pages))
-        st.body_free.grow(max(st.body_free.capacity, rows * self.body_pages + 1))
+        # capacity: every row at max_len (a prefill chunk may have left more tier pages than that);
+        # reserve=False keeps the pools as they are (continuous batching sizes them by memory, and
+        # admits a request only where its pages are free: rotkv.jobs)
+        if reserve:
+            st.tier_free.grow(max(st.tier_free.capacity, rows * self.tier_pages))
+            st.body_free.grow(max(st.body_free.capacity, rows * self.body_pages + 1))
         for layer in self.layers:
             layer.pools.fit(st.tier_free.capacity, st.body_free.capacity)
             # the refine rings at the size a row of max_len needs: the captured graph keeps their tensors
@@ -118,12 +118,12 @@ class GraphDecoder:
     """
 
     def __init__(self, model, cache, max_len: int, cache_kwarg: str = "past_key_values", flush_graph: bool = True,
-                 compile_layers: bool = False):
+                 compile_layers: bool = False, reserve: bool = True):
         if not torch.cuda.is_available() or model.device.type != "cuda":
             raise ValueError("cuda_graph needs the model on a CUDA device")
         self.model, self.cache, self.kw = model, cache, cache_kwarg
         rows = cache.state.rows
-        self.static = StaticDecode(cache, rows, max_len)
+        self.static = StaticDecode(cache, rows, max_len, reserve)
         dev = model.device
         self.ids = torch.zeros(rows, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(rows, 1, dtype=torch.long, device=dev)
@@ -135,7 +135,9 @@ class GraphDecoder:
         # the refine tier's ring); flush_graph=False flushes eagerly
         self.flush_graph = flush_graph
         self.flush_pages = torch.zeros(4, rows, dtype=torch.int64, device=dev)
-        self._flush_captured: torch.cuda.CUDAGraph | None = None
+        # one flush graph per bucket of pages (powers of two up to rows): rows that flush on different
+        # steps (continuous batching) flush a few pages a step, not the batch's worth
+        self._flush_captured: dict[int, torch.cuda.CUDAGraph] = {}
         self.compile_layers = compile_layers
 
     def _forward(self) -> torch.Tensor:
@@ -203,17 +205,25 @@ class GraphDecoder:
             dev = self.model.device
             self._flush_layers(*step.device_flush(dev), *step.device_flush_rows(dev))
             return
-        # a step that flushes fewer pages than rows repeats its last page (the same bytes written twice)
-        pairs = np.empty((4, rows), dtype=np.int64)
+        # a step that flushes fewer pages than its bucket repeats its last page (the same bytes written twice)
+        size = flush_bucket(n, rows)
+        pairs = np.empty((4, size), dtype=np.int64)
         for i, pages in enumerate((step.flush.src, step.flush.dst, step.flush.rows, step.flush.index)):
             pairs[i, :n], pairs[i, n:] = pages, pages[-1]
-        self.flush_pages.copy_(torch.from_numpy(pairs))
-        if self._flush_captured is not None:
-            self._flush_captured.replay()
+        buf = self.flush_pages[:, :size]
+        buf.copy_(torch.from_numpy(pairs))
+        g = self._flush_captured.get(size)
+        if g is not None:
+            g.replay()
             return
-        # the first flush runs eagerly (it is real, and warms every write kernel); then it is captured
-        self._flush_layers(*self.flush_pages)
+        # a bucket's first flush runs eagerly (it is real, and warms every write kernel); then it is captured
+        self._flush_layers(*buf)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            self._flush_layers(*self.flush_pages)
-        self._flush_captured = g
+            self._flush_layers(*buf)
+        self._flush_captured[size] = g
+
+
+def flush_bucket(n: int, rows: int) -> int:
+    """Pages a flush graph of a step that flushes ``n`` pages covers: the next power of two, at most ``rows``."""
+    return min(rows, 1 << max(0, int(n) - 1).bit_length())

@@ -23,7 +23,6 @@ writes only the tokens that stay into the tier (:meth:`HybridLayer.store`).
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import numpy as np
@@ -31,12 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from rotkv import switches
 from rotkv.cache.base import RotkvLayer
 from rotkv.cache.plan import PageState, Step
 from rotkv.cache.pools import LayerPools
 from rotkv.cache.refine import newest_pages
 from rotkv.config import CacheSpec
-from rotkv.kernels import backend as kernels
+from rotkv.kernels import plan as kernel_plan
 from rotkv.kernels.body import RefineTier
 from rotkv.rotations.base import LayerRotation
 
@@ -45,7 +45,7 @@ class HybridLayer(RotkvLayer):
     """A full-attention layer's cache; see the module docstring.
 
     ``state``: the :class:`PageState` shared with the cache's other layers (a layer built alone
-    makes its own). ``decode_score``: the decode kernels' score variant (None: ROTKV_DECODE_SCORE / auto).
+    makes its own). ``decode_score``: the decode kernels' score variant (None: the ``decode_score`` switch).
     """
 
     def __init__(self, spec: CacheSpec, rotation: LayerRotation, head_dim: int, kv_heads: int, layer_idx: int,
@@ -67,7 +67,7 @@ class HybridLayer(RotkvLayer):
         self.rotation = self.rotation_cpu.to(self.device)
         self.pools = LayerPools(self.kv_heads, self.head_dim, self.spec.page_size, self.tier_dtype, self.device,
                                 self.key_codec, self.value_codec,
-                                mirror=self.spec.quantized and not kernels.enabled(key_states),
+                                mirror=self.spec.quantized and kernel_plan.plan_mirror(key_states),
                                 refine_pages=-(-self.spec.refine_tokens // self.spec.page_size),
                                 refine_values=self.spec.refine_values, refine_every=self.spec.refine_every)
         if self.state.rows == 0 and self.state.seen == 0:
@@ -176,11 +176,11 @@ class HybridLayer(RotkvLayer):
         bf16 queries, keys and values (PyTorch's fastest kernel: cuDNN on Hopper); ``history``
         (something is stored): the rotated queries attend the stored tokens apart and the two parts
         merge by their log-sum-exp, the history's keys with their mean added back (:meth:`_attend_merged`).
-        Only the stored keys and values are rotated. On the GPU (:data:`OWN_BASIS`); the CPU keeps the
-        rotated float32 reference unless the tests set it."""
-        if OWN_BASIS not in OWN_BASES:
-            raise ValueError(f"ROTKV_PREFILL_OWN_BASIS has to be one of {list(OWN_BASES)} but got {OWN_BASIS!r}")
-        if not step.direct or not (OWN_BASIS == "always" or (OWN_BASIS == "gpu" and query.is_cuda
+        Only the stored keys and values are rotated. On the GPU (the ``prefill_own_basis`` switch: "gpu"
+        for bf16/fp16 CUDA queries, "always" also on the CPU, "never"); the CPU keeps the rotated float32
+        reference unless the tests set it."""
+        own_basis = switches.get().prefill_own_basis
+        if not step.direct or not (own_basis == "always" or (own_basis == "gpu" and query.is_cuda
                                                              and query.dtype in (torch.bfloat16, torch.float16))):
             return None
 
@@ -248,9 +248,9 @@ class HybridLayer(RotkvLayer):
             pools.write_tier(None, None if k_done else rot.keys(k_new, self.tier_dtype)[:, :, 0],
                              None if v_done else rot.values(v_new, self.tier_dtype)[:, :, 0], at=tuple(st.slot_at))
         q = self._kernel_query(query)
-        plan = self.pools.decode_plan(q, kernels.decode_config(self.decode_score))
+        plan = self.pools.decode_plan(q, kernel_plan.decode_config(self.decode_score))
         if plan is None:
-            what = ("the refine tier (`refine_tokens`), which only the PyTorch path reads" if pools.refine_rings
+            what = ("the refine tier (`refine_tokens`) with its kernel off" if pools.refine_rings
                     else "this cache's body on this device")
             raise ValueError(f"layer {self.layer_idx}: no decode kernel reads {what} (CUDA-graph decode runs the "
                              "kernels only); run without cuda_graph")
@@ -265,8 +265,7 @@ class HybridLayer(RotkvLayer):
         """The decode kernels' query ``[B, Hq, D]``: the last position's ``q R_K`` in the query's dtype.
         On the GPU (bf16) that is LayerRotation's bf16x2 GEMM (float32-exact, rounded to bf16 once, no
         float32 copy of q); the kernels read any float dtype and return theirs, and the output's turn
-        back (``outputs``) is bf16x2 likewise. Before, q and the output went through float32 GEMMs and
-        casts: at SmolLM2 64 x 8K those were 0.5 ms of a 4.3 ms step (``benchmarks/profile_step.py``)."""
+        back (``outputs``) is bf16x2 likewise: no float32 GEMM or cast of q and the output in the step."""
         return self.rotation.queries(query[:, :, -1:], query.dtype)[:, :, 0]
 
     def _step(self, step: Step, query: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, scaling: float,
@@ -285,13 +284,12 @@ class HybridLayer(RotkvLayer):
         plan = None
         if not output:
             o = None
-        elif step.decode and kernels.enabled(query):
-            qr = self._kernel_query(query)
-            plan = self.pools.decode_plan(qr, kernels.decode_config(self.decode_score))
+        elif step.decode:  # the plan sees the step's shape and device; the query is rotated for a kernel only
+            plan = self.pools.decode_plan(query[:, :, -1], kernel_plan.decode_config(self.decode_score))
         if not output:
             pass
         elif plan is not None:
-            o = self._attend_kernel(step, qr, scaling, plan)[:, :, None]
+            o = self._attend_kernel(step, self._kernel_query(query), scaling, plan)[:, :, None]
         else:
             o = self._attend_dense(step, query, scaling)
         if len(step.flush):
@@ -342,7 +340,7 @@ class HybridLayer(RotkvLayer):
             plan = None
         o = decode_attention(q, body, t.body if body is not None else None, t.body_max,
                              (self.pools.tier_k, self.pools.tier_v), t.tier, t.tier_max, sm_scale=scaling,
-                             cfg=kernels.decode_config(self.decode_score), tier_start=self.state.pad, plan=plan,
+                             cfg=kernel_plan.decode_config(self.decode_score), tier_start=self.state.pad, plan=plan,
                              **self._rings(body))
         return o  # in q's dtype (:meth:`_kernel_query`)
 
@@ -490,26 +488,16 @@ class HybridLayer(RotkvLayer):
         }
 
 
-PREFILL_HISTORY_MB = 2048  # default bound of one row group's dequantized history (K and V), MiB
-
-
 def row_groups(rows: int, bytes_per_row: int, budget_mb: int | None = None) -> list[tuple[int, int]]:
     """``[(r0, r1), ...]``: rows in groups whose K and V history (``bytes_per_row`` each row) fit in
-    ``budget_mb`` MiB (``ROTKV_PREFILL_HISTORY_MB``, default :data:`PREFILL_HISTORY_MB`); at least one
-    row per group."""
+    ``budget_mb`` MiB (``ROTKV_PREFILL_HISTORY_MB``, ``rotkv.switches``); at least one row per group."""
 
     if budget_mb is None:
-        budget_mb = int(os.environ.get("ROTKV_PREFILL_HISTORY_MB", PREFILL_HISTORY_MB))
+        budget_mb = switches.get().prefill_history_mb
     if budget_mb < 1:
         raise ValueError(f"ROTKV_PREFILL_HISTORY_MB has to be >= 1 but got {budget_mb}")
     per = max(1, (budget_mb << 20) // max(bytes_per_row, 1))
     return [(r0, min(r0 + per, rows)) for r0 in range(0, rows, per)]
-
-
-# where a prefill step's own tokens attend in the model's basis (HybridLayer._own_basis):
-# "gpu" (bf16/fp16 CUDA queries), "always" (also the CPU: tests), "never"; ROTKV_PREFILL_OWN_BASIS
-OWN_BASIS = os.environ.get("ROTKV_PREFILL_OWN_BASIS", "gpu")
-OWN_BASES = ("gpu", "always", "never")
 
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

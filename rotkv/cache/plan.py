@@ -41,7 +41,22 @@ class FreeList:
         self.capacity = 0
         self._stack = np.zeros(0, dtype=np.int64)
         self._top = 0
+        self._saved = None  # (stack, top, capacity) at the checkpoint, and the entries free() overwrote since
+        self._writes: list = []
         self.grow(capacity)
+
+    def checkpoint(self) -> None:
+        """Remember the list as it is, so that :meth:`restore` can undo what follows: work proportional to the
+        pages handed out and back since, not to the capacity (a grown list keeps its old stack untouched)."""
+        self._saved, self._writes = (self._stack, self._top, self.capacity), []
+
+    def restore(self) -> None:
+        """Back to the last :meth:`checkpoint` (once)."""
+        if self._saved is None:
+            return
+        for arr, at, old in reversed(self._writes):
+            arr[at: at + len(old)] = old
+        (self._stack, self._top, self.capacity), self._saved, self._writes = self._saved, None, []
 
     def grow(self, capacity: int) -> None:
         """Add ids up to ``capacity`` (the pools must then be at least that large)."""
@@ -63,6 +78,8 @@ class FreeList:
     def free(self, pages: np.ndarray) -> None:
         pages = np.asarray(pages, dtype=np.int64)
         if len(pages):
+            if self._saved is not None:
+                self._writes.append((self._stack, self._top, self._stack[self._top: self._top + len(pages)].copy()))
             self._stack[self._top: self._top + len(pages)] = pages[::-1]
             self._top += len(pages)
 
@@ -297,9 +314,11 @@ class PageState:
         if len(counts) != self.rows:
             raise ValueError(f"batch size changed from {self.rows} to {len(counts)} without reordering the cache")
         self._undo_q = q
-        self._undo = (self.tier_tokens.copy(), self.body_count.copy(), self.tier_pages.copy(), self.body_pages.copy(),
-                      self.tier_free._stack.copy(), self.tier_free._top, self.tier_free.capacity,
-                      self.body_free._stack.copy(), self.body_free._top, self.body_free.capacity)
+        # the arrays as they are (a plan replaces them, or writes only past each row's pages and tokens,
+        # which the restored counts do not read), and the free lists' checkpoints: no copy of either
+        self._undo = (self.tier_tokens, self.body_count, self.tier_pages, self.body_pages)
+        self.tier_free.checkpoint()
+        self.body_free.checkpoint()
         steps = []
         c = self.chunk
         n_steps = max(1, -(-int(counts.max(initial=0)) // c))
@@ -320,9 +339,9 @@ class PageState:
             return
         if len(self._attended) > 1:
             self.broken = True
-        (self.tier_tokens, self.body_count, self.tier_pages, self.body_pages, ts, tt, tc, bs, bt, bc) = self._undo
-        self.tier_free._stack, self.tier_free._top, self.tier_free.capacity = ts, tt, tc
-        self.body_free._stack, self.body_free._top, self.body_free.capacity = bs, bt, bc
+        (self.tier_tokens, self.body_count, self.tier_pages, self.body_pages) = self._undo
+        self.tier_free.restore()
+        self.body_free.restore()
         self._undo, self._attended, self.plan_steps = None, {None}, []
         self.seen -= self._undo_q
 
@@ -348,8 +367,10 @@ class PageState:
         self.tier_tokens = after
         cmax = int(n.max(initial=0))
         qpos = np.minimum(start[:, None] + np.arange(max(cmax, 1))[None, :], q - 1)  # past a row's end: unused
-        step = Step(rows, start[rows] + j, slots, qpos, n.copy(), self.tier_pages.copy(), after.copy(), before,
-                    self.body_pages.copy(), self.body_count.copy(), self._flush(), decode)
+        # the tables as they are (no copy): the flush replaces the tier's and writes the body's past each
+        # row's count, which the step does not read
+        step = Step(rows, start[rows] + j, slots, qpos, n.copy(), self.tier_pages, after.copy(), before,
+                    self.body_pages, self.body_count.copy(), self._flush(), decode)
         return step
 
     def _prefill_step(self, start: np.ndarray, n: np.ndarray, q: int) -> Step:
@@ -457,6 +478,43 @@ class PageState:
         self.tier_free.free(src)
         return Flush(rows, src, dst, index=index)
 
+    # ---- continuous batching: a row's pages freed, another state's row taken in --------------------
+    def release(self, rows) -> None:
+        """Free every page of ``rows`` and empty them (0 tokens); the batch keeps its size, so a
+        captured decode step still covers them. The next call writes such a row's first token."""
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        if len(rows) and (rows.min() < 0 or rows.max() >= self.rows):
+            raise ValueError(f"row index out of range for a batch of {self.rows}: {rows.tolist()}")
+        self._undo = None  # the last call is done: nothing to roll back across an edit of the rows
+        used_t = self.tier_used_pages()
+        for r in rows:
+            self.tier_free.free(self.tier_pages[r, : int(used_t[r])])
+            self.body_free.free(self.body_pages[r, : int(self.body_count[r])])
+        self.tier_tokens[rows] = 0
+        self.body_count[rows] = 0
+        self.tier_pages[rows] = 0
+        self.body_pages[rows] = 0
+
+    def adopt(self, row: int, src: "PageState", src_row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Make the empty ``row`` hold ``src``'s row ``src_row`` (a request prefilled in a cache of its
+        own, same sink, window and page size): pages from this state's free lists, the same token
+        counts. Returns ``(tier_src, tier_dst, body_src, body_dst)``: the page ids each layer copies
+        from ``src``'s pools into this state's (:meth:`rotkv.cache.pools.LayerPools.copy_from`)."""
+        if (src.sink, src.window, src.page, src.quantized) != (self.sink, self.window, self.page, self.quantized):
+            raise ValueError("adopt needs a state of the same sink, window, page size and quantization")
+        if self.tier_tokens[row] or self.body_count[row]:
+            raise ValueError(f"row {row} holds tokens: release it first")
+        self._undo = None
+        nt = int(src.tier_used_pages()[src_row])
+        nb = int(src.body_count[src_row])
+        tier_src, body_src = src.tier_pages[src_row, :nt].copy(), src.body_pages[src_row, :nb].copy()
+        tier_dst, body_dst = self.tier_free.alloc(nt), self.body_free.alloc(nb)
+        self.tier_pages = self._widen(self.tier_pages, nt)
+        self.body_pages = self._widen(self.body_pages, nb)
+        self.tier_pages[row, :nt], self.body_pages[row, :nb] = tier_dst, body_dst
+        self.tier_tokens[row], self.body_count[row] = src.tier_tokens[src_row], nb
+        return tier_src, tier_dst, body_src, body_dst
+
     # ---- batch edits (beam search, row removal) ---------------------------------------------------
     def select_rows(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Keep rows ``index`` (in that order; a row may repeat). Returns the page copies the pools
@@ -494,10 +552,14 @@ def page_table_host(pages: np.ndarray, counts: np.ndarray, last: np.ndarray) -> 
     """``kv_indptr [B+1]``, ``kv_indices``, ``kv_last_page_len [B]`` (int32 numpy) of the first
     ``counts[b]`` pages of every row of ``pages [B, N]``."""
     width = pages.shape[1]
-    mask = np.arange(width)[None, :] < counts[:, None]
     indptr = np.zeros(len(counts) + 1, dtype=np.int32)
     np.cumsum(counts, out=indptr[1:])
-    indices = pages[mask].astype(np.int32)
+    if width <= 64:  # a mask over the table
+        indices = pages[np.arange(width)[None, :] < counts[:, None]].astype(np.int32)
+    else:  # long rows (a large batch's body): one slice copy per row, no pass over the whole table
+        indices = np.empty(int(indptr[-1]), dtype=np.int32)
+        for row, (a, b) in enumerate(zip(indptr[:-1].tolist(), indptr[1:].tolist())):
+            indices[a:b] = pages[row, : b - a]
     if not len(indices):
         indices = np.zeros(1, dtype=np.int32)
     return indptr, indices, np.ascontiguousarray(last, dtype=np.int32)

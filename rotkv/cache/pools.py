@@ -16,13 +16,11 @@ Pools grow (by at least 25%, copying once) when the cache's free lists grow; the
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 
 from rotkv.cache.codecs import TokenCodec
 from rotkv.cache.refine import RefineRing
-from rotkv.kernels import backend as kernels
 from rotkv.kernels import plan
 from rotkv.kernels.body import PagedBody, TokenPart
 
@@ -45,12 +43,6 @@ def _grow(t: torch.Tensor, pages: int) -> torch.Tensor:
     out = torch.zeros(pages, *t.shape[1:], dtype=t.dtype, device=t.device)
     out[: t.shape[0]] = t
     return out
-
-
-def refine_kernel() -> bool:
-    """Decode a refine tier with the Triton v1 kernel (the default; compiled and tested on the H200 at
-    44643d7), or with ``ROTKV_REFINE_KERNEL=0`` through the PyTorch path (no CUDA graph then)."""
-    return os.environ.get("ROTKV_REFINE_KERNEL", "1") != "0"
 
 
 class LayerPools:
@@ -87,25 +79,20 @@ class LayerPools:
                                    for parts in self.body for t in parts.values())
         self.paged: PagedBody | None = None
         self._type_body()
-        # which parts the write and dequant kernels store and read (rotkv.kernels.plan; what decode
-        # runs is asked per step: decode_plan)
-        cap = plan.device_capability(device) if kernels.enabled(self.tier_k) else None
-        self.part_kernels = tuple(self.paged is not None and plan.part_reason(pt.bits, pt.meta, pt.format, cap) is None
-                                  for pt in (self.paged.parts if self.paged is not None else (None, None)))
-        self.dequant_kernel = all(self.part_kernels) and kernels.enabled(self.tier_k)
+        # which parts the write and dequant kernels store and read (rotkv.kernels.plan.plan_pools; what
+        # decode runs is asked per step: decode_plan)
+        kernels = plan.plan_pools(self.tier_k, self.paged)
+        self.part_kernels, self.dequant_kernel = kernels.write, kernels.dequant
         # per side, a device flag set where a kernel write stored e4m3 metadata out of range (None: no
         # such write yet); the reference encoder raises at once instead
         self.range_flags: list[torch.Tensor | None] = [None, None]
 
     def decode_plan(self, q: torch.Tensor, cfg) -> plan.DecodePlan | None:
         """The decode plan of a step with rotated queries ``q [B, Hq, D]`` (``rotkv.kernels.plan``),
-        or None where no kernel runs it (kernels off, or a body the kernels do not read)."""
-        if not kernels.enabled(q) or (self.codecs[0] is not None and self.paged is None):
-            return None
-        if self.refine_rings and not refine_kernel():
-            return None  # the Triton v1 kernel reads the refine tier, but has not run on a GPU yet: opt-in
-        p = plan.plan_decode(q, self.paged, cfg)
-        return p if p.covered else None
+        or None where no kernel runs it (``rotkv.kernels.plan.plan_step``: kernels off, a body the kernels
+        do not read, or a refine tier whose kernel is off)."""
+        return plan.plan_step(q, self.paged, cfg, readable=self.codecs[0] is None or self.paged is not None,
+                              refine=(self.refine is not None, self.refine_v is not None))
 
     def _type_body(self) -> None:
         """(Re)build ``paged`` over the current body tensors (token codecs only)."""
@@ -213,7 +200,7 @@ class LayerPools:
         for x, parts, codec, i, ring in zip((xk, xv), self.body, self.codecs, (0, 1), (self.refine, self.refine_v)):
             pages = x.reshape(n, p, h, d).transpose(1, 2)  # [n, H, P, D]
             stored = base = None  # the pages' parts and their 2-bit reading, where this flush has them
-            if self.part_kernels[i] and kernels.enabled(x):
+            if self.part_kernels[i]:
                 from rotkv.kernels.write import quant_write
 
                 slots = (dst[:, None] * p + torch.arange(p, device=dst.device)[None]).reshape(-1)
@@ -271,6 +258,34 @@ class LayerPools:
         for t, parts, ring in zip((k, v), self.body, (self.refine, self.refine_v)):
             if ring is not None:
                 ring.add(t, nb, rows, local, index, parts["scale"][pages])
+
+    def copy_from(self, src: "LayerPools", tier_src, tier_dst, body_src, body_dst) -> None:
+        """Copy pages of another layer's pools (same layout) into these: tier pages ``tier_src`` of
+        ``src`` to ``tier_dst`` here, body pages (every part, and the mirror) likewise; ids are
+        ``[n]`` int64 tensors on this device. The refine rings are copied apart (:meth:`copy_rings_from`)."""
+        if len(tier_src):
+            self.tier_k[tier_dst] = src.tier_k[tier_src]
+            self.tier_v[tier_dst] = src.tier_v[tier_src]
+        if len(body_src):
+            for mine, theirs in zip(self.body, src.body):
+                for name, t in mine.items():
+                    t[body_dst] = theirs[name][body_src]
+            if self.mirror is not None and src.mirror is not None:
+                for t, s in zip(self.mirror, src.mirror):
+                    t[:, body_dst] = s[:, body_src]
+
+    def copy_rings_from(self, src: "LayerPools", row: int, src_row: int, body_pages: int) -> None:
+        """Give row ``row`` the refinements of ``src``'s row ``src_row``, a row of ``body_pages`` body
+        pages: the pages its ring holds (its newest, up to the ring's slots), each from its slot there
+        to its slot here (``index % K``); the rings here must be grown for the row already."""
+        for mine, theirs in zip(self.refine_rings, src.refine_rings):
+            held = min(body_pages, theirs.pages)
+            if not held:
+                continue
+            if mine.pages < held:
+                raise ValueError(f"the refine ring holds {mine.pages} pages per row, the adopted row {held}")
+            idx = torch.arange(body_pages - held, body_pages, device=mine.data.device)
+            mine.data[row, idx % mine.pages] = theirs.data[src_row, idx.to(theirs.data.device) % theirs.pages]
 
     def copy_pages(self, tier_src, tier_dst, body_src, body_dst) -> None:
         """Copy pages (a row repeated by beam search gets its own pages)."""

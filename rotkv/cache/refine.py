@@ -27,7 +27,7 @@ its row's K newest then), so a row whose share grows finds its older pages' bits
 With ``CacheSpec.refine_values`` the values get a ring of their own, the same way. Read by the PyTorch
 paths (dense decode, prefill history, :meth:`HybridLayer.read`) and by the Triton v1 decode kernel
 (``rotkv.kernels.decode``: a second key, or value, of scale ``s / 4`` and minimum ``-3/8 s`` for the refined
-pages; on by default, ``ROTKV_REFINE_KERNEL=0`` turns it off); the CUDA-graph decoder captures a refined
+pages; on by default, ``ROTKV_TUNING=refine_kernel=0`` turns it off); the CUDA-graph decoder captures a refined
 cache too (its flush graph writes the ring).
 """
 

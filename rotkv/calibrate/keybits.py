@@ -30,6 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from rotkv.cache.layer import HybridLayer
 from rotkv.hf import compat
+from rotkv.hf.attention import route
 
 
 @torch.inference_mode()
@@ -83,7 +84,7 @@ class _RowsLayer(CacheLayerMixin):
         outs = [layer.update(key_states[s], value_states[s], *args, **kwargs)
                 for layer, s in self._parts(key_states.shape[0])]
         if self.rotkv:  # the attention function stores them, through attend()
-            key_states._rotkv_layer = self
+            route(self.idx, self, key_states)
             return key_states, value_states
         if self.owner.shared:
             return outs[0]

@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
 
     warnings.showwarning = show
     try:
+        from rotkv import switches
+
+        switches.reload()  # the environment, read as the command starts: a bad variable fails here, before any work
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print(f"rotkv {args.command}: interrupted", file=sys.stderr)

@@ -25,7 +25,9 @@ class UsageError(ValueError):
 
 
 def debug_requested(args=None) -> bool:
-    return bool(getattr(args, "debug", False)) or os.environ.get("ROTKV_DEBUG", "") not in ("", "0")
+    from rotkv import switches
+
+    return bool(getattr(args, "debug", False)) or switches.debug()
 
 
 def one_line(e: BaseException) -> str:

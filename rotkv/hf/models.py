@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rotkv import switches
 from rotkv.hf.geometry import attention_modules, model_geometry, text_config
 from rotkv.hf.gguf_tokenizer import repair_gemma_tokenizer
 
@@ -94,7 +95,7 @@ def converted_dir(path: str, gguf: str) -> str:
     with open(os.path.join(path, gguf), "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
-    root = os.environ.get("ROTKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "rotkv")
+    root = switches.get().cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "rotkv")
     return os.path.join(root, "models", f"{gguf.removesuffix('.gguf')}-{h.hexdigest()[:16]}")
 
 
@@ -163,7 +164,7 @@ def load_model(model: str | None = None, device: str | None = None, dtype: torch
     path, gguf, model_id = resolve_model_path(model)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
-    use_copy = gguf is not None and os.environ.get("ROTKV_NO_MODEL_CACHE", "0") in ("", "0")
+    use_copy = gguf is not None and switches.get().model_cache
     copy_dir = converted_dir(path, gguf) if use_copy else None
     source = os.path.join(path, gguf) if gguf is not None else None
     from_copy = copy_dir is not None and os.path.exists(os.path.join(copy_dir, "config.json"))

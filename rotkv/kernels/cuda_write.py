@@ -12,11 +12,11 @@ it is exact) against R as one bf16 matrix (``rot_precision="bf16"``) or as the s
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
 
+from rotkv import switches
 from rotkv.kernels import nvcc as nvcc_build
 from rotkv.kernels.body import TokenPart
 
@@ -31,8 +31,8 @@ def smem(d: int, split: int, warps: int) -> int:
 
 
 def default_warps(d: int, rot_precision: str, rotate: bool) -> int:
-    """Warps per block of the rotating kernel, the measured best (H200, D = 128): 4 with R as two
-    bf16 parts, 8 with one, where R and the product tiles fit in shared memory."""
+    """Warps per block of the rotating kernel: 4 with R as two bf16 parts, 8 with one, where R and the
+    product tiles fit in shared memory (docs/kernel-notes.md)."""
     if rotate and rot_precision == "bf16" and smem(d, 1, 8) <= SMEM_LIMIT:
         return 8
     return 4
@@ -54,9 +54,10 @@ def variant_macros(d: int, g: int, bits: int, split: int, warps: int, meta8: boo
 def build(device: torch.device, d: int, g: int, bits: int, split: int, warps: int, meta8: bool = False) -> ctypes.CDLL:
     """The library of one variant; ``meta8``: scale and lo stored as e4m3 bytes (``ROTKV_META8``)."""
     macros = variant_macros(d, g, bits, split, warps, meta8)
-    for name in ("REDUX", "FASTDIV"):  # measurement switches (benchmarks/bench_write.py)
-        if f"ROTKV_WRITE_{name}" in os.environ:
-            macros[f"ROTKV_{name}"] = int(os.environ[f"ROTKV_WRITE_{name}"])
+    sw = switches.get()  # build variants that benchmarks/bench_write.py compares (ROTKV_TUNING write_redux, ...)
+    for name, value in (("REDUX", sw.write_redux), ("FASTDIV", sw.write_fastdiv)):
+        if value is not None:
+            macros[f"ROTKV_{name}"] = int(value)
     # no -use_fast_math: the clip, the fp16 rounding and the code division are IEEE, as the reference
     return nvcc_build.load(SOURCE, "quant_write", macros, device, False, _setup)
 

@@ -180,8 +180,12 @@ def _int2_part(
     REP: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
     BLOCK_N: tl.constexpr, QK_INT8: tl.constexpr, USE_ASM: tl.constexpr, STATIC_STEPS: tl.constexpr,
     F16: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, rf_ptr, RK, RE, REFINE: tl.constexpr,
-    rv_ptr, REFINE_V: tl.constexpr,
+    rv_ptr, REFINE_V: tl.constexpr, s_out, REF_ONLY: tl.constexpr, rl_ptr,
 ):
+    # s: the split (its tokens), s_out: the partial slot it writes. REF_ONLY (the refine split,
+    # rotkv.kernels.refine_split): the splits cover only each request's refined pages (its newest rn_r),
+    # another kernel reads the others; split 0 of KV head 0 also writes that kernel's kv_last_page_len,
+    # ``rl_ptr [B]``: P - rn_r * P, so that its request ends where the refined pages start
     # REFINE (INT2 keys): the refine tier (rotkv.cache.refine), ``rf_ptr`` uint8 [B, RK, H, P, D/4]: the
     # refined pages of request b, its min(RK, ceil(npages / RE)) newest (rotkv.quant.refine.refined_pages;
     # RE >= 1), add (j - 1.5) / 4 * s to each key element, i.e. a second key of
@@ -235,6 +239,11 @@ def _int2_part(
     npages_r = tl.load(indptr_ptr + b + 1) - start  # the request's body pages
     # its refined pages, the newest rn_r: one per RE body pages, at most RK (RE >= 1; every = 0 is RE = 1)
     rn_r = tl.minimum((npages_r + RE - 1) // RE, RK)
+    if REF_ONLY:
+        seq = tl.where(npages_r > 0, (npages_r - 1) * P + tl.load(last_ptr + b), 0)
+        tok_lo = (npages_r - rn_r) * P + s * tokens_per_split
+        tok_hi = tl.minimum(seq, tok_lo + tokens_per_split)
+        tl.store(rl_ptr + b, P - rn_r * P, mask=(s == 0) & (h == 0))
     for it in range(0, _n_steps(tok_lo, tok_hi, BLOCK_N, STATIC_STEPS)):
         offs_n = tok_lo + it * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < tok_hi
@@ -369,7 +378,7 @@ def _int2_part(
                 a2 = tl.dot(u2, _quarter_bf16(gc, gc, 2, 2, USE_ASM, F16), a2) + e2[:, None]
                 a3 = tl.dot(u3, _quarter_bf16(gc, gc, 3, 2, USE_ASM, F16), a3) + e3[:, None]
     # ---- partials
-    prow = (qrow * NS + s)
+    prow = (qrow * NS + s_out)
     tl.store(m_ptr + prow, m_i, mask=rmask)
     tl.store(l_ptr + prow, l_i, mask=rmask)
     op = o_ptr + prow[:, None] * D + offs_c[None, :]
@@ -560,10 +569,16 @@ def _split_kernel(
     HAS_INT2: tl.constexpr, HAS_TIER: tl.constexpr, STATIC_STEPS: tl.constexpr,
     TIER_STATIC_STEPS: tl.constexpr, F16: tl.constexpr, V2: tl.constexpr, RP: tl.constexpr, PB: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, rf_ptr, RK, RE, REFINE: tl.constexpr, rv_ptr, REFINE_V: tl.constexpr,
+    REF_ONLY: tl.constexpr, rl_ptr,
 ):
     pid, s = tl.program_id(0), tl.program_id(1) + s0  # s0 > 0: the body's splits were written elsewhere
     b, h = pid // H, pid % H
-    if HAS_INT2 and s < n_int2_splits:
+    if REF_ONLY and s < n_int2_splits:  # the refine split: slots [s0, n_int2_splits) are the refined pages'
+        _int2_part(q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
+                   o_ptr, m_ptr, l_ptr, b, h, s - s0, H, HQ, NS, qk_scale, tokens_per_split,
+                   REP, HPAD, D, G, P, BLOCK_N, QK_INT8, USE_ASM, STATIC_STEPS, F16, K_BITS, V_BITS,
+                   rf_ptr, RK, RE, REFINE, rv_ptr, REFINE_V, s, True, rl_ptr)
+    elif HAS_INT2 and s < n_int2_splits:
         if V2:  # constexpr: only the selected body kernel is compiled
             _int2_part_v2(q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
                           o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
@@ -572,7 +587,7 @@ def _split_kernel(
             _int2_part(q_ptr, kc_ptr, ks_ptr, kl_ptr, vc_ptr, vs_ptr, vl_ptr, indptr_ptr, indices_ptr, last_ptr,
                        o_ptr, m_ptr, l_ptr, b, h, s, H, HQ, NS, qk_scale, tokens_per_split,
                        REP, HPAD, D, G, P, BLOCK_N, QK_INT8, USE_ASM, STATIC_STEPS, F16, K_BITS, V_BITS,
-                       rf_ptr, RK, RE, REFINE, rv_ptr, REFINE_V)
+                       rf_ptr, RK, RE, REFINE, rv_ptr, REFINE_V, s, False, rl_ptr)
     elif HAS_TIER:
         _bf16_part(q_ptr, tk_ptr, tv_ptr, tindptr_ptr, tindices_ptr, tlast_ptr,
                    o_ptr, m_ptr, l_ptr, b, h, s - n_int2_splits, s, H, HQ, NS, qk_scale, tier_tokens_per_split,
@@ -628,31 +643,37 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
     size; table ``(kv_indptr, kv_indices, kv_last_page_len)``; ``max_len``: the longest request's
     body length (host int, sizes the grid). tier ``(k, v)`` ``[NPT, H, PT, D]`` with ``tier_table``
     and ``tier_max_len`` likewise; tier positions below ``tier_start`` are skipped (they hold no token).
-    ``plan``: the call's :class:`~rotkv.kernels.plan.DecodePlan` (``plan_decode(q, body, cfg)``,
+    ``plan``: the call's :class:`~rotkv.kernels.plan.DecodePlan` (``plan_decode(q, body, cfg, refine)``,
     looked up here when not given); it says which kernel runs, this function only launches it.
     ``refine``: the refine tier of an INT2-key body (:class:`~rotkv.kernels.body.RefineTier`, or ``(ring [B,
-    K, H, P, D/4] uint8, K[, every])``; :mod:`rotkv.cache.refine`): only the Triton v1 body kernel reads
-    it, so that kernel runs in place of the plan's body kernel. ``refine_values``: the same for the INT2
-    values (``CacheSpec.refine_values``); both cover the same pages.
+    K, H, P, D/4] uint8, K[, every])``; :mod:`rotkv.cache.refine`), which the plan was made for (its
+    ``refine``: only the Triton v1 body kernel reads the tier: it reads every page, or, where the plan
+    splits the call (``plan.refine_split``, :mod:`rotkv.kernels.refine_split`), the refined pages only
+    while the plan's launch reads the others). ``refine_values``: the same for the INT2 values
+    (``CacheSpec.refine_values``); both cover the same pages.
     Returns ``[B, Hq, D]`` in q's dtype (or written into ``out``).
     """
     b_sz, hq, d = q.shape
-    plan = plan or plan_decode(q, body, cfg)
+    given = (refine is not None, refine_values is not None)
+    plan = plan or plan_decode(q, body, cfg, given)
     if not plan.covered:
         raise ValueError(plan.why)
     h = body.kv_heads if body is not None else tier[0].shape[1]
     # the plan picks the launch by the work (small bodies: Triton v2, cfg.small_*)
-    launch = plan.launch(b_sz * h * max_len if body is not None else 0)
+    work = b_sz * h * max_len if body is not None else 0
+    launch = plan.launch(work)
     cfg, bits = launch.cfg, plan.bits
     q = q.contiguous()
     rep = hq // h
     hpad = max(16, triton.next_power_of_2(rep))
     sm_scale = d ** -0.5 if sm_scale is None else sm_scale
-    use_asm = (not _interpreting()) if cfg.use_asm is None else cfg.use_asm
     has_int2 = body is not None and max_len > 0
     has_tier = tier is not None and tier_max_len > 0
     ring = vring = None
     rk, re = 1, 0
+    if has_int2 and plan.refine != given:
+        raise ValueError(f"the plan reads refine tiers {plan.refine} (keys, values), the call gives {given}: "
+                         "plan_decode(q, body, cfg, refine)")
     if has_int2 and (refine is not None or refine_values is not None):
         refine = RefineTier.of(refine) if refine is not None else None
         refine_values = RefineTier.of(refine_values) if refine_values is not None else None
@@ -670,15 +691,18 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
                              f"{refine_values[1:]})")
         ring = refine.ring if refine is not None else None
         vring = refine_values.ring if refine_values is not None else None
-        launch = plan.v1_launch()  # only the v1 body kernel reads the tier
-        cfg = launch.cfg
-        use_asm = (not _interpreting()) if cfg.use_asm is None else cfg.use_asm
-    use_cuda = has_int2 and launch.kernel == "cuda"
+    # the refine split (the plan's): v1 reads the refined pages (its own launch), ``launch`` the others
+    split = plan.refine_split(work) if has_int2 else None
+    ref_launch = split.refined if split is not None else None
+    use_cuda = has_int2 and launch.kernel == "cuda" and (split is None or split.rest == "cuda")
+    rest_ref = split is not None and split.rest == "reference"
     fuse_mode = resolve_fuse(cfg, d)
     fuse = use_cuda and fuse_mode != "none"  # the CUDA kernel pre-merges blocks of 4 splits
     if has_int2:
         g, p = body.group_size, body.page_size
-        if use_cuda:
+        if rest_ref:  # the PyTorch reference writes the other pages' partials into one slot
+            per, n_int2 = max_len, 1
+        elif use_cuda:
             per, n_int2 = _splits(max_len, b_sz * h, 16 * cfg.cuda_tiles, cfg.cuda_target_warps,
                                   cfg.cuda_min_split_tokens)
             if fuse:  # whole blocks of 4 splits (trailing ones may be empty)
@@ -696,7 +720,13 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
     else:
         pt, tper, n_tier = 16, cfg.block_t, 0
     body_slots = n_int2 // 4 if fuse else n_int2  # partial slots the body fills
-    ns = max(1, body_slots + n_tier)
+    n_ref, per_ref, rest_last = 0, per, None
+    if split is not None:  # the refined pages' splits, slots [body_slots, body_slots + n_ref): at most rk pages a request
+        rcfg = ref_launch.cfg
+        per_ref, n_ref = _splits(min(rk * p, max_len), b_sz * h, rcfg.block_n, rcfg.target_programs,
+                                 rcfg.min_split_tokens)
+        rest_last = torch.empty(b_sz, dtype=torch.int32, device=q.device)  # written by the refined launch
+    ns = max(1, body_slots + n_ref + n_tier)
     v2 = launch.v2
     dev = q.device
     # every program writes all of its rows, so the partials need no initialization
@@ -709,27 +739,40 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
         m_part.fill_(float("-inf")), l_part.zero_(), o_part.zero_()
     else:
         dummy = q
-        bt = body.tensors() if has_int2 and not use_cuda else (dummy,) * 6
-        tb = table if has_int2 and not use_cuda else (dummy,) * 3
+        triton_body = has_int2 and (not use_cuda or split is not None)  # all pages, or a split's refined ones
+        bt = body.tensors() if triton_body else (dummy,) * 6
+        tb = table if triton_body else (dummy,) * 3
         tt = tier if has_tier else (dummy,) * 2
         ttb = tier_table if has_tier else (dummy,) * 3
-        # with the CUDA body kernel the tier runs first (its own launch, partial slots after the
-        # body's), so that the fused kernel's last block per (request, KV head) can merge it too
-        s0 = body_slots if use_cuda else 0
-        if not use_cuda or n_tier > 0:
-            _split_kernel[(b_sz * h, body_slots + n_tier - s0)](
-                q, *bt, *tb, *tt, *ttb, o_part, m_part, l_part, h, hq, ns, body_slots, s0, sm_scale * LOG2E, per, tper,
-                tier_start, REP=rep, HPAD=hpad, D=d, G=g, P=p, PT=pt, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
-                QK_INT8=launch.qk_int8, USE_ASM=use_asm,
-                HAS_INT2=has_int2 and not use_cuda, HAS_TIER=has_tier,
-                STATIC_STEPS=per // cfg.block_n if _interpreting() else 0,
+        # with the CUDA body kernel (or a split's rest) the tier runs first (its own launch, partial slots
+        # after the body's), so that the fused kernel's last block per (request, KV head) can merge it too;
+        # a split's refined pages run in that launch, before the tier (and write the rest's table)
+        s0 = body_slots if (use_cuda or split is not None) else 0
+        lc = ref_launch.cfg if split is not None else cfg  # the refined pages': v1's config (block_t the same)
+        lper = per_ref if split is not None else per
+        if not use_cuda or n_tier > 0 or split is not None:
+            _split_kernel[(b_sz * h, body_slots + n_ref + n_tier - s0)](
+                q, *bt, *tb, *tt, *ttb, o_part, m_part, l_part, h, hq, ns, body_slots + n_ref, s0, sm_scale * LOG2E,
+                lper, tper, tier_start, REP=rep, HPAD=hpad, D=d, G=g, P=p, PT=pt, BLOCK_N=lc.block_n, BLOCK_T=cfg.block_t,
+                QK_INT8=(ref_launch if split is not None else launch).qk_int8,
+                USE_ASM=(not _interpreting()) if lc.use_asm is None else lc.use_asm,
+                HAS_INT2=has_int2 and not use_cuda and split is None, HAS_TIER=has_tier,
+                STATIC_STEPS=lper // lc.block_n if _interpreting() else 0,
                 TIER_STATIC_STEPS=tper // cfg.block_t if _interpreting() else 0, F16=_interpreting(),
-                V2=v2, RP=max(4, triton.next_power_of_2(rep)), PB=min(p, cfg.block_n), K_BITS=bits[0], V_BITS=bits[1],
+                V2=v2 and split is None, RP=max(4, triton.next_power_of_2(rep)), PB=min(p, lc.block_n),
+                K_BITS=bits[0], V_BITS=bits[1],
                 rf_ptr=ring if ring is not None else dummy, RK=rk, RE=max(re, 1), REFINE=ring is not None,
                 rv_ptr=vring if vring is not None else dummy, REFINE_V=vring is not None,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                REF_ONLY=split is not None, rl_ptr=rest_last if rest_last is not None else dummy,
+                num_warps=lc.num_warps, num_stages=lc.num_stages,
             )
+        if rest_ref:
+            from rotkv.kernels.refine_split import rest_partials_reference
+
+            rest_partials_reference(q, body, (table[0], table[1], rest_last), o_part, m_part, l_part, 0, sm_scale)
         if use_cuda:
+            if split is not None:  # the rest: the body's table, each request ending at its first refined page
+                table = (table[0], table[1], rest_last)
             from rotkv.kernels.cuda_decode import body_partials, merges_into
 
             qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)

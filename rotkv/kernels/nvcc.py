@@ -20,12 +20,17 @@ from typing import Callable
 
 import torch
 
+from rotkv import switches
+
 
 @functools.lru_cache(maxsize=None)
 def nvcc_path() -> str | None:
-    """ROTKV_NVCC, else nvcc on PATH, else $CUDA_HOME/bin/nvcc (looked up once per process)."""
-    for cand in (os.environ.get("ROTKV_NVCC"), shutil.which("nvcc"),
-                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+    """ROTKV_NVCC, else nvcc on PATH, else $CUDA_HOME/bin/nvcc (looked up once per process;
+    ``rotkv.switches`` refuses a ROTKV_NVCC that is not an executable file)."""
+    sw = switches.get()
+    if sw.nvcc:
+        return sw.nvcc
+    for cand in (shutil.which("nvcc"), os.path.join(sw.cuda_home, "bin", "nvcc")):
         if cand and os.path.exists(cand):
             return cand
     return None
@@ -37,7 +42,7 @@ def arch(device: torch.device) -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("ROTKV_CACHE_DIR", Path.home() / ".cache" / "rotkv"))
+    return Path(switches.get().cache_dir or Path.home() / ".cache" / "rotkv")
 
 
 def build_key(source: bytes, arch_: str, tag: str) -> str:

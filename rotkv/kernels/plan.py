@@ -1,30 +1,40 @@
 """Which kernel runs a call: decided once per shape and configuration, then looked up.
 
 flashinfer's split: ``plan()`` sees the shapes, dtypes and configuration and picks the kernel;
-the call only runs it. Every decision of whether a kernel covers a call lives here:
+the call only runs it. Every decision of whether a kernel covers a call lives here, and the
+switches that pick kernels (``rotkv.switches``) are read here only:
 
 - :func:`plan_decode`: the decode attention of one step (``rotkv.kernels.decode``): the CUDA body
-  kernel, the Triton v1 / v2 body kernels, or none (the caller runs its PyTorch reference); used
-  by the cache layer, its CUDA graph (which captures the plan's kernel) and the benchmarks;
+  kernel, the Triton v1 / v2 body kernels, or none (the caller runs its PyTorch reference), from the
+  body's layout (widths, metadata dtypes, page size), the query's heads, head dim and device, the
+  config, the refine tier and the switches; used by the cache layer, its CUDA graph (which captures
+  the plan's kernel) and the benchmarks. :func:`plan_step` is the cache's: None where it runs PyTorch.
+  :func:`plan_refine_split`: whether a call over a refined body splits its pages between the kernel
+  that reads the refine tier and the plan's body kernel (``rotkv.kernels.refine_split``);
 - :func:`plan_write`: the quantize-on-write kernel (``rotkv.kernels.write``): CUDA or Triton;
+- :func:`plan_pools`, :func:`plan_encode`, :func:`plan_mirror`: which of a layer's pools' writes and
+  reads run kernels; :func:`plan_rotate`, :func:`rotation_math`: how a rotation is computed;
+  :func:`check_graph`: whether a CUDA-graph decode can run a cache;
 - :func:`decode_builds_for` / :func:`write_builds_for`: the CUDA builds the default plans run at
   one attention shape, without a GPU (``rotkv build-kernels``, ``rotkv.kernels.prebuild``).
 
-Plans are cached per (body layout, query heads, device, configuration): a decode step looks one
-up in a dict. The widths come from ``rotkv.quant.widths``; nothing here needs triton.
+Plans are cached per (body layout, query heads, device, configuration, refine tier): a decode step
+looks one up in a dict; the cache is dropped when the switches change. The widths come from
+``rotkv.quant.widths``; nothing here needs triton (:func:`have_triton` only asks whether it is there).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import warnings
 from dataclasses import dataclass
 
 import torch
 
+from rotkv import switches
 from rotkv.kernels.body import BodyLayout, PagedBody, TokenPart
+from rotkv.kernels.decode_config import DecodeConfig
 from rotkv.quant.widths import CUDA_DECODE_WIDTHS, KERNEL_WIDTHS
 
 CUDA_HEAD_DIMS = (64, 128, 256)  # the CUDA kernels' instantiations
@@ -32,11 +42,9 @@ CUDA_MIN_CAPABILITY = (8, 0)  # mma.sync int8 m16n8k32, movmatrix, redux.sync, b
 MAX_CUDA_REP = 8  # the CUDA decode kernel's GQA group
 
 
-@functools.lru_cache(maxsize=1)
 def interpreting() -> bool:
-    """Triton runs under its interpreter (``TRITON_INTERPRET``, the CPU tests; read once: Triton
-    reads it when the kernels are defined)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Triton runs under its interpreter (``TRITON_INTERPRET``, the CPU tests)."""
+    return switches.get().triton_interpret
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,15 +61,6 @@ def device_capability(device: torch.device | str) -> tuple[int, int] | None:
 
 
 FP8_MIN_CAPABILITY = (8, 9)  # Triton's e4m3 (fp8e4nv) conversions
-# e4m3 metadata in the GPU kernels (Triton write / dequant / decode, the CUDA decode's VMETA8 build):
-# on by default since their tests passed on the H200 (2026-12-03, b7d0dd2: the write kernel's bytes equal
-# the reference's, the dequant and both decode kernels match theirs). ROTKV_FP8_KERNELS=0 turns them off
-# (those presets then run the PyTorch path on the GPU); the CPU interpreter always runs them.
-FP8_KERNELS = os.environ.get("ROTKV_FP8_KERNELS", "1") == "1"
-# the CUDA write kernel's e4m3 build (ROTKV_META8: oscar-mix's value writes, which otherwise run the
-# Triton write): its test passes on the H200, but oscar-mix's prefill measured no faster with it (1.426
-# against 1.398 s, 6037f1e; README, "ROTKV_CUDA_WRITE_FP8"), so it is off (ROTKV_CUDA_WRITE_FP8=1 turns it on)
-CUDA_WRITE_FP8 = os.environ.get("ROTKV_CUDA_WRITE_FP8", "0") == "1"
 
 
 def _device_key(t: torch.Tensor) -> tuple:
@@ -72,114 +71,88 @@ def _device_key(t: torch.Tensor) -> tuple:
     return t.device.type, None, (0, 0), interpreting()
 
 
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Tuning knobs of :func:`decode_attention` (defaults chosen by ``benchmarks/bench_decode.py``)."""
+_SEEN: list = [None]  # the switches the cached plans were made under
 
-    block_n: int = 64  # INT2 tokens per inner step
-    block_t: int = 32  # bf16 tokens per inner step
-    target_programs: int = 1024  # split so that B * H_kv * splits reaches about this many
-    min_split_tokens: int = 256
-    qk_int8: bool = True  # int8 query . codes for the scores; used when head_dim >= 128 (int8 MMA K >= 32)
-    use_asm: bool | None = None  # None: inline PTX on a GPU, portable code under the interpreter
-    num_warps: int = 1  # one warp per program was fastest on the H200 (docs/kernels.md)
-    num_stages: int = 2
-    v2: bool = False  # the (plane, head)-row kernel `_int2_part_v2` (int8 scores at any head_dim)
-    # INT2 body kernel: "cuda" (rotkv/kernels/cuda/int2_decode.cu, built with nvcc on first use),
-    # "triton", or "auto" (CUDA where it is supported and builds, else Triton)
-    backend: str = "auto"
-    cuda_tiles: int = 1  # 16-token tiles per softmax step of the CUDA kernel
-    cuda_min_blocks: int | None = None  # __launch_bounds__ min blocks of 4 warps per SM; None: 4 (128
-    # registers) at head_dim <= 128 with <= 2 groups, 3 with more groups, 2 at head_dim 256
-    # auto: bodies under this many token-heads (B * H_kv * max_len) take the Triton v2 kernel with
-    # small_block_n-token blocks and small_num_warps warps (one launch fewer; faster at B=1, 4K on the
-    # H200): the plan's "small" launch (DecodePlan.small), chosen per call by the work
-    small_work: int = 65536
-    small_block_n: int = 128
-    small_num_warps: int = 4
-    cuda_target_warps: int = 2048  # CUDA kernel: split so that B * H_kv * splits reaches about this
-    cuda_min_split_tokens: int = 64
-    # CUDA kernel's partials: "none" (one per split, merged by the Triton merge kernel), "block" (the
-    # 4 warps of a block, 4 splits of one request and KV head, merge theirs in shared memory: 4x
-    # fewer partials for the merge kernel), or "all" (also the last block of each request and KV
-    # head merges every partial and the tier's, launched first, into the output: no merge launch;
-    # measured slower on the H200, docs/kernels.md), or "auto": "none" at head_dim <= 64 (SmolLM2's
-    # heads at 64 x 8K: 59.6 us unfused against 84.0 us with block merges,
-    # decode-d64-20261203-836f16b.json), "block" above
-    cuda_fuse: str = "auto"
-    # merge kernel: partial slots per step, and dims per program where B * Hq < 1024 (else all D)
-    merge_chunk: int = 128  # 128: one step for the ~70 slots of B = 1, 128K (2.55x against 2.46x at 64)
-    merge_slice: int = 32
-    # CUDA kernel: two register buffers, the next step's loads issued before this step's math
-    # (with cuda_tiles=1 the fastest variant measured from B = 8 on, docs/kernels.md)
-    cuda_prefetch: bool = True
-    # CUDA kernel: the value product in fp16 (0x6400 | code bits = 1024 + 4^i c, every plane in place,
-    # one LOP3 per operand register, p * s_v by HMUL2) instead of bf16 (byte permutes, plane 3
-    # shifted); 4-6% faster from B = 8 on at 32K-128K on the H200 (docs/kernels.md)
-    cuda_value_f16: bool = True
-    # CUDA kernel: every this many steps (a power of two) the value accumulators drop their
-    # magic-number offset (0: only at the end). The tensor cores' truncation error grows with the
-    # accumulators' size; without it the fp16 path's output error was 8x the bf16 path's, with 8 it
-    # is within 15% of it (docs/kernels.md)
-    cuda_value_flush: int = 8
-    # scores of the quantized body: "int8" (query quantized to int8 per head: the CUDA kernel's
-    # m16n8k32, and the Triton kernels where qk_int8 applies), "bf16" (query not quantized: Triton
-    # with bf16 codes, the CUDA kernel with an fp16 query and exact 4^i c codes, m16n8k16), or
-    # "auto": bf16 at head_dim <= 64 and int8 above (top-1 agreement on SmolLM2, D 64: 0.984 with
-    # bf16 scores against 0.938 with the int8 query; docs/kernels.md)
-    score: str = "auto"
-    # CUDA kernel, score "bf16": how the exact code operand is made: 1 fp16 subnormals (one LOP3 per
-    # register), 2 fp16 1024 + 4^i c minus 1024 (one LOP3 and one HSUB2)
-    cuda_score_f16: int = 1
-    # Triton v1 over a body with a 4-bit side (oscar-mix's INT4-key layers, which the CUDA kernel does
-    # not read): its programs, warps and block; None: target_programs, num_warps, block_n (tuned on INT2
-    # at Qwen3-8B's shape). At SmolLM2's shape with INT4 keys, 64 x 8K, 2048 programs took 0.105 ms
-    # against 0.160 with 1024 (more warps: slower; equal at 8 x 8K), and oscar-mix's graph step 7.09
-    # against 7.81 ms (H200, mixed-smolmix-20261203-e54e975.json, benchmarks/bench_mixed.py --kinds smolmix)
-    wide_target_programs: int | None = 2048
-    wide_num_warps: int | None = None
-    wide_block_n: int | None = None
 
-    def __post_init__(self):
-        if self.backend not in ("auto", "cuda", "triton"):
-            raise ValueError(f"backend must be 'auto', 'cuda' or 'triton', got {self.backend!r}")
-        if self.score not in ("auto", "bf16", "int8"):
-            raise ValueError(f"score must be 'auto', 'bf16' or 'int8', got {self.score!r}")
-        if self.cuda_score_f16 not in (1, 2):
-            raise ValueError(f"cuda_score_f16 must be 1 or 2, got {self.cuda_score_f16}")
-        if self.cuda_fuse not in ("auto", "none", "block", "all"):
-            raise ValueError(f"cuda_fuse must be 'auto', 'none', 'block' or 'all', got {self.cuda_fuse!r}")
-        if not 0 <= self.cuda_value_flush <= 4096 or self.cuda_value_flush & (self.cuda_value_flush - 1):
-            raise ValueError(f"cuda_value_flush must be 0 or a power of two up to 4096, got {self.cuda_value_flush}")
-        if not 1 <= self.cuda_tiles <= 8:
-            raise ValueError(f"cuda_tiles must be in 1..8, got {self.cuda_tiles}")
-        if self.cuda_min_blocks is not None and not 1 <= self.cuda_min_blocks <= 8:
-            raise ValueError(f"cuda_min_blocks must be None or in 1..8, got {self.cuda_min_blocks}")
-        for name, v in (("merge_chunk", self.merge_chunk), ("merge_slice", self.merge_slice)):
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two, got {v}")
-        for name in ("block_n", "block_t", "target_programs", "min_split_tokens", "cuda_target_warps",
-                     "cuda_min_split_tokens", "small_block_n", "small_num_warps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("wide_target_programs", "wide_num_warps", "wide_block_n"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"{name} must be None or >= 1, got {v}")
-        for name in ("block_n", "wide_block_n", "num_warps", "wide_num_warps"):
-            v = getattr(self, name)
-            if v is not None and v & (v - 1):
-                raise ValueError(f"{name} must be a power of two, got {v}")
+def _switches() -> switches.Switches:
+    """The switches; the cached plans are dropped when they changed (``rotkv.switches`` configure,
+    override, reload)."""
+    sw = switches.get()
+    if sw is not _SEEN[0]:
+        clear_plans()
+        _SEEN[0] = sw
+    return sw
 
-    def for_bits(self, bits: tuple[int, int]) -> "DecodeConfig":
-        """The config a Triton body launch over K/V widths ``bits`` runs: the ``wide_*`` knobs where a
-        side is 4-bit and they are set, else this config."""
-        if bits == (2, 2) or (self.wide_target_programs, self.wide_num_warps, self.wide_block_n) == (None,) * 3:
-            return self
-        pick = lambda wide, base: base if wide is None else wide
-        return dataclasses.replace(self, target_programs=pick(self.wide_target_programs, self.target_programs),
-                                   num_warps=pick(self.wide_num_warps, self.num_warps),
-                                   block_n=pick(self.wide_block_n, self.block_n))
+
+@functools.lru_cache(maxsize=1)
+def have_triton() -> bool:
+    """triton is installed (the ``kernels`` extra)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kernels_enabled(t: torch.Tensor) -> bool:
+    """The cache runs the GPU kernels for tensors on ``t``'s device: CUDA, triton installed, and the
+    ``ROTKV_KERNELS`` switch on; elsewhere it runs its PyTorch reference code."""
+    return t.is_cuda and switches.get().kernels and have_triton()
+
+
+def decode_config(score: str | None = None) -> DecodeConfig:
+    """The cache's decode config: ``ROTKV_DECODE_BACKEND``, the score (``score``, else the
+    ``decode_score`` switch) and the ``ROTKV_TUNING`` knobs; one object per switches and score."""
+    return _switches().decode_config(score)
+
+
+# ---- rotation ------------------------------------------------------------------------------------
+def rotation_math(x: torch.Tensor, dtype: torch.dtype | None) -> str:
+    """``"bf16x2"`` or ``"fp32"``: how ``x`` is rotated into a result of ``dtype`` (None: float32).
+    The ``rotation_math`` switch: "auto" (bf16x2 for bf16 CUDA tensors into bf16, else fp32), "fp32"
+    (always float32), "bf16x2" (also on the CPU: the tests of the GPU arithmetic)."""
+    how = switches.get().rotation_math
+    if how == "fp32" or dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or x.dim() != 4:
+        return "fp32"
+    return "bf16x2" if (x.is_cuda or how == "bf16x2") else "fp32"
+
+
+def rotate_block(d: int) -> int | None:
+    """The rotation kernel's K and E block: the largest of 64, 32, 16 that divides ``d`` (tl.dot
+    needs >= 16), or None."""
+    return next((s for s in (64, 32, 16) if d % s == 0), None)
+
+
+def rotate_reason(x: torch.Tensor, a: torch.Tensor) -> str | None:
+    """Why the rotation kernel (``rotkv.kernels.rotate``) cannot take ``x`` with the split matrix
+    ``a`` (None: it can)."""
+    if x.dtype != torch.bfloat16 or a.dtype != torch.bfloat16:
+        return "bf16 inputs only"
+    if x.dim() != 4 or a.dim() != 3:
+        return "x has to be [B, Hq, T, D] and a [H, K, D]"
+    d = x.shape[-1]
+    if rotate_block(d) is None:
+        return f"head_dim {d} is not a multiple of 16"
+    if a.shape[2] != d or a.shape[1] not in (2 * d, 2 * d + 8):
+        return f"a {tuple(a.shape)} is not a split matrix for head_dim {d}"
+    if x.shape[1] % a.shape[0]:
+        return f"{x.shape[1]} heads do not split into {a.shape[0]} groups"
+    if x.stride(-1) != 1:
+        return "x's last dim is not contiguous"
+    return None
+
+
+def require_rotate(x: torch.Tensor, a: torch.Tensor) -> None:
+    """A ValueError unless the rotation kernel takes ``x`` with ``a`` (its callers' contract)."""
+    why = rotate_reason(x, a)
+    if why is not None:
+        raise ValueError(f"rotate_bf16x2: {why}")
+
+
+def plan_rotate(x: torch.Tensor, a: torch.Tensor) -> bool:
+    """Whether the bf16x2 rotation of ``x`` by ``a`` runs the rotation kernel: on CUDA, with the
+    kernels on, in a shape it takes (else the PyTorch bf16x2 GEMMs)."""
+    return kernels_enabled(x) and rotate_reason(x, a) is None
 
 
 def resolve_score(cfg: DecodeConfig, head_dim: int) -> str:
@@ -242,8 +215,8 @@ def part_reason(bits: int, meta: torch.dtype, fmt: str = "token",
     if meta not in (torch.float16, torch.float8_e4m3fn):
         return f"the kernels read fp16 or e4m3 metadata, got {meta}"
     if meta == torch.float8_e4m3fn and capability is not None:
-        if not FP8_KERNELS:
-            return "e4m3 metadata in the GPU kernels is off (ROTKV_FP8_KERNELS=0)"
+        if not switches.get().fp8_kernels:
+            return "e4m3 metadata in the GPU kernels is off (ROTKV_TUNING fp8_kernels=0)"
         if capability < FP8_MIN_CAPABILITY:
             return f"e4m3 metadata needs compute capability 8.9+, this GPU has {capability[0]}.{capability[1]}"
     return None
@@ -275,8 +248,8 @@ def cuda_decode_reason(layout: BodyLayout, rep: int, score: str, capability: tup
     if layout.metas[0] != torch.float16 or layout.metas[1] not in (torch.float16, torch.float8_e4m3fn):
         return (f"the CUDA decode kernel reads fp16 key metadata and fp16 or e4m3 value metadata, got "
                 f"{layout.metas} (the Triton kernel runs)")
-    if layout.metas[1] == torch.float8_e4m3fn and not FP8_KERNELS:
-        return "the CUDA decode kernel's e4m3 value metadata is off (ROTKV_FP8_KERNELS=0)"
+    if layout.metas[1] == torch.float8_e4m3fn and not switches.get().fp8_kernels:
+        return "the CUDA decode kernel's e4m3 value metadata is off (ROTKV_TUNING fp8_kernels=0)"
     if gk != gv or any(f != "token" for f in layout.formats):
         return "K and V need token parts with one group size"
     why = shape_reason(layout.head_dim, gk)
@@ -291,6 +264,76 @@ def cuda_decode_reason(layout: BodyLayout, rep: int, score: str, capability: tup
     if not layout.aligned:
         return "body tensors must be contiguous and 16-byte aligned"
     return None
+
+
+def require_part(part: TokenPart, device: torch.device | str) -> None:
+    """A ValueError unless the Triton write and dequant kernels read ``part`` on ``device``
+    (:func:`part_reason`)."""
+    why = part_reason(part.bits, part.meta, part.format, device_capability(device))
+    if why:
+        raise ValueError(why)
+
+
+def plan_encode(x: torch.Tensor, bits: int, group_size: int) -> bool:
+    """Whether ``TokenCodec.encode`` of a page batch ``x [nb, H, P, D]`` runs the write kernel
+    (``rotkv.kernels.backend.token_encode``): the kernels on for x's device, a kernel width with fp16
+    metadata, and whole groups."""
+    return (kernels_enabled(x) and part_reason(bits, torch.float16) is None and x.dim() == 4
+            and x.shape[-1] % group_size == 0)
+
+
+# ---- the cache's pools ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PoolsPlan:
+    """The kernels a layer's page pools run, decided when the pools are made: ``write[i]``: side i
+    (keys, values) is flushed by the write kernel (else the codec's reference encoder); ``dequant``:
+    dense reads of the body run the dequant kernel (else the PyTorch decoder)."""
+
+    write: tuple[bool, bool]
+    dequant: bool
+
+
+def plan_pools(t: torch.Tensor, body: PagedBody | None) -> PoolsPlan:
+    """The kernels of pools on ``t``'s device over the typed ``body`` (None: codecs the kernels do
+    not read): a part the kernels read (:func:`part_reason`, at the device's compute capability),
+    with the kernels on for the device (:func:`kernels_enabled`)."""
+    on = kernels_enabled(t)
+    cap = device_capability(t.device) if on else None
+    parts = body.parts if body is not None else (None, None)
+    ok = tuple(on and body is not None and part_reason(pt.bits, pt.meta, pt.format, cap) is None for pt in parts)
+    return PoolsPlan(write=ok, dequant=all(ok))
+
+
+def plan_mirror(t: torch.Tensor) -> bool:
+    """Whether the PyTorch reader keeps a float32 mirror of the body pages for tensors on ``t``'s
+    device: where the kernels do not run (``rotkv.cache.pools``)."""
+    return not kernels_enabled(t)
+
+
+def refine_reason() -> str | None:
+    """Why no decode kernel reads a refine tier now (the ``refine_kernel`` switch), or None."""
+    if not _switches().refine_kernel:
+        return "the refine tier's decode kernel is off (ROTKV_TUNING refine_kernel=0)"
+    return None
+
+
+def plan_step(q: torch.Tensor, body: PagedBody | None, cfg: DecodeConfig | None, readable: bool,
+              refine: tuple[bool, bool] = (False, False)) -> "DecodePlan | None":
+    """The decode plan of one of the cache's decode steps with queries ``q [B, Hq, D]`` over ``body``,
+    or None where the cache runs its PyTorch reader: the kernels off for q's device, a body no kernel
+    reads (``readable`` False), or a plan that covers nothing (:func:`plan_decode`)."""
+    if not (readable and kernels_enabled(q)):
+        return None
+    p = plan_decode(q, body, cfg, refine)
+    return p if p.covered else None
+
+
+def check_graph(refine: bool) -> None:
+    """A ValueError where a CUDA-graph decode cannot run a cache (it runs the decode kernels only);
+    ``refine``: the cache has a refine tier."""
+    why = refine_reason() if refine else None
+    if why:
+        raise ValueError(f"CUDA-graph decode runs the decode kernels, and {why}: turn it on, or run without cuda_graph")
 
 
 _DEFAULT = DecodeConfig()
@@ -315,6 +358,37 @@ class Launch:
         return f"triton {'v2' if self.v2 else 'v1'} n{self.cfg.block_n} w{self.cfg.num_warps}"
 
 
+REST_KERNELS = ("cuda", "reference")
+
+
+@dataclass(frozen=True)
+class RefineSplit:
+    """A decode call over a refined body split in two (``rotkv.kernels.refine_split``): ``refined`` (the
+    Triton v1 kernel) reads each request's refined pages, ``rest`` the others: ``"cuda"`` (the CUDA body
+    kernel, the plan's launch) or ``"reference"`` (the PyTorch reference,
+    :func:`~rotkv.kernels.refine_split.rest_partials_reference`)."""
+
+    rest: str
+    refined: Launch
+
+    def __post_init__(self):
+        if self.rest not in REST_KERNELS:
+            raise ValueError(f"RefineSplit.rest has to be one of {list(REST_KERNELS)} but got {self.rest!r}")
+
+
+def plan_refine_split(launch: Launch, mode: str, refined: Launch) -> RefineSplit | None:
+    """The split of a call over a refined body whose plain plan runs ``launch`` over the body, or None
+    (``refined``, the v1 kernel, reads every page): ``mode``, the ``refine_split`` switch: "1" splits
+    where ``launch`` is the CUDA kernel, "reference" always, "0" never."""
+    if mode == "reference":
+        return RefineSplit("reference", refined)
+    if mode == "1" and launch.kernel == "cuda":
+        return RefineSplit("cuda", refined)
+    if mode not in switches.REFINE_SPLITS:
+        raise ValueError(f"the refine split mode has to be one of {list(switches.REFINE_SPLITS)} but got {mode!r}")
+    return None
+
+
 _CUDA_WARNED: set = set()
 
 
@@ -326,10 +400,15 @@ class DecodePlan:
     ``small`` (Triton v2, ``cfg.small_*``) below ``cfg.small_work`` where the config lets the plan
     choose (backend "auto" on CUDA), else ``main``. ``main`` is the CUDA body kernel where it
     covers the call and builds, else Triton; the CUDA library is built (or loaded) the first time
-    ``main`` is asked for, once per plan.
+    ``main`` is asked for, once per plan. ``refine`` (keys, values): the body has a refine tier on
+    that side (``rotkv.cache.refine``); only the Triton v1 body kernel reads it, so a call with body
+    tokens runs that kernel (``refine_launch``), or none where the ``refine_kernel`` switch is off;
+    or, where :meth:`refine_split` splits the call (the ``refine_split`` switch), that kernel reads
+    the refined pages and ``launch`` is the one that reads the others.
     """
 
-    def __init__(self, layout: BodyLayout | None, hq: int, head_dim: int, device: tuple, cfg: DecodeConfig):
+    def __init__(self, layout: BodyLayout | None, hq: int, head_dim: int, device: tuple, cfg: DecodeConfig,
+                 refine: tuple[bool, bool] = (False, False)):
         dev_type, index, capability, interp = device
         self.layout, self.hq, self.head_dim, self.device, self.cfg = layout, hq, head_dim, device, cfg
         self.score = resolve_score(cfg, head_dim)
@@ -372,6 +451,16 @@ class DecodePlan:
             self.small, self.small_below = self._triton(small, p), cfg.small_work
         self._main: Launch | None = None
         self._tier = self._triton(cfg, p)  # no body tokens: the tier kernel alone
+        self.refine = tuple(refine) if layout is not None else (False, False)
+        self.refine_launch: Launch | None = None
+        self.split_mode = "0"
+        if any(self.refine):
+            why = refine_reason() or self.triton_why
+            if why is not None:
+                self.covered, self.why = False, why
+            else:
+                self.refine_launch = self._triton(dataclasses.replace(cfg.for_bits(self.bits), v2=False), p)
+                self.split_mode = _switches().refine_split
 
     @property
     def bits(self) -> tuple[int, int]:
@@ -413,23 +502,39 @@ class DecodePlan:
             warnings.warn(f"rotkv: CUDA INT2 decode kernel not used ({why}); using the Triton kernel", stacklevel=5)
         return self._triton(cfg.for_bits(self.bits), p)
 
-    def v1_launch(self) -> Launch:
-        """The Triton v1 body kernel's launch: the one kernel that reads the refine tier (rotkv.cache.refine)."""
-        if self.triton_why is not None:
-            raise ValueError(self.triton_why)
-        p = self.layout.page_size if self.layout is not None else 16
-        return self._triton(dataclasses.replace(self.cfg.for_bits(self.bits), v2=False), p)
-
     def launch(self, work: int) -> Launch:
-        """The launch for a call over ``work`` token-heads of body (``B * H_kv * max_len``)."""
+        """The launch for a call over ``work`` token-heads of body (``B * H_kv * max_len``): with a
+        refine tier the one that reads it, unless the call splits (:meth:`refine_split`): then the
+        one that reads the unrefined pages."""
+        if work > 0 and self.refine_launch is not None and self.refine_split(work) is None:
+            return self.refine_launch
+        return self._plain(work)
+
+    def _plain(self, work: int) -> Launch:
+        """The launch without a refine tier."""
         if self.small is not None and work < self.small_below:
             return self.small
         return self.main if work > 0 else self._tier
+
+    def refine_split(self, work: int) -> RefineSplit | None:
+        """The split of a call over ``work`` token-heads of a refined body, or None (no refine tier, no
+        body tokens, or the v1 kernel reads every page): :func:`plan_refine_split` of the launch that
+        the body would run without the tier."""
+        if work <= 0 or self.refine_launch is None or self.split_mode == "0":
+            return None
+        return plan_refine_split(self._plain(work), self.split_mode, self.refine_launch)
 
     def describe(self) -> str:
         """One line: what runs (the CUDA kernel named as planned, before its first build)."""
         if not self.covered:
             return f"reference (no kernel: {self.why})"
+        if self.refine_launch is not None:
+            if self.split_mode == "reference":
+                return f"{self.refine_launch.name} over the refined pages, the PyTorch reference over the others"
+            if self.split_mode == "1":
+                return (f"{self.refine_launch.name} (reads the refine tier; over the refined pages only where the "
+                        "body kernel is CUDA, which reads the others)")
+            return f"{self.refine_launch.name} (reads the refine tier)"
         if self._main is not None:
             main = self._main.name
         elif self.cuda_why is None:
@@ -448,27 +553,33 @@ def _nvcc_path():
     return nvcc_path()
 
 
-_DECODE_PLANS: dict = {}  # (id(layout), Hq, D, device, id(cfg)) -> (layout, cfg, plan)
-_EQUAL: dict = {}  # (layout, Hq, D, device, cfg) -> plan
+_DECODE_PLANS: dict = {}  # (id(layout), Hq, D, device, id(cfg), refine) -> (layout, cfg, plan)
+_EQUAL: dict = {}  # (layout, Hq, D, device, cfg, refine) -> plan
 
 
-def plan_decode(q: torch.Tensor, body: PagedBody | None, cfg: DecodeConfig | None = None) -> DecodePlan:
-    """The decode plan of a call with query ``q [B, Hq, D]`` over ``body`` (None: the tier alone):
-    cached per (body layout, Hq, D, device, config); raises ValueError for a config the call cannot
-    run (``backend="cuda"`` where the CUDA kernel does not cover it, mismatched heads)."""
+def plan_decode(q: torch.Tensor, body: PagedBody | None, cfg: DecodeConfig | None = None,
+                refine: tuple[bool, bool] = (False, False)) -> DecodePlan:
+    """The decode plan of a call with query ``q [B, Hq, D]`` over ``body`` (None: the tier alone),
+    ``refine``: which sides of the body have a refine tier (keys, values); everything else that
+    decides is in the body's layout (widths, metadata dtypes), q's shape and device, the config and
+    the switches. Cached per (body layout, Hq, D, device, config, refine); raises ValueError for a
+    config the call cannot run (``backend="cuda"`` where the CUDA kernel does not cover it,
+    mismatched heads)."""
     cfg = cfg or _DEFAULT
     layout = body.layout if body is not None else None
+    refine = (bool(refine[0]), bool(refine[1]))
+    _switches()
     # keyed by the layout's and the config's identity (hashing them costs more than the rest of the
     # lookup); the entry holds both, so their ids stay theirs while it lives
-    key = (id(layout), q.shape[1], q.shape[-1], _device_key(q), id(cfg))
+    key = (id(layout), q.shape[1], q.shape[-1], _device_key(q), id(cfg), refine)
     hit = _DECODE_PLANS.get(key)
     if hit is not None:
         return hit[2]
     # an equal layout and config seen before (another body of the same shape, an equal config object)
-    eq_key = (layout, *key[1:4], cfg)
+    eq_key = (layout, *key[1:4], cfg, refine)
     plan = _EQUAL.get(eq_key)
     if plan is None:
-        plan = DecodePlan(layout, q.shape[1], q.shape[-1], key[3], cfg)
+        plan = DecodePlan(layout, q.shape[1], q.shape[-1], key[3], cfg, refine)
     if len(_DECODE_PLANS) >= 4096:  # a long-lived process over many shapes: start over
         _DECODE_PLANS.clear(), _EQUAL.clear()
     _EQUAL[eq_key] = plan
@@ -477,7 +588,7 @@ def plan_decode(q: torch.Tensor, body: PagedBody | None, cfg: DecodeConfig | Non
 
 
 def clear_plans() -> None:
-    """Forget every cached plan (tests; a changed environment such as ROTKV_NVCC)."""
+    """Forget every cached plan (tests; a changed environment such as ROTKV_NVCC; changed switches)."""
     _DECODE_PLANS.clear()
     _EQUAL.clear()
     _write_plan.cache_clear()
@@ -506,8 +617,10 @@ def cuda_write_reason(head_dim: int, group_size: int, dtype: torch.dtype, rotate
     from rotkv.kernels import cuda_write
 
     if meta == torch.float8_e4m3fn:
-        if not (CUDA_WRITE_FP8 and FP8_KERNELS):
-            return "the CUDA write kernel's e4m3 build is off until verified on a GPU (ROTKV_CUDA_WRITE_FP8=1)"
+        sw = switches.get()
+        if not (sw.cuda_write_fp8 and sw.fp8_kernels):
+            return ("the CUDA write kernel's e4m3 build is off (ROTKV_TUNING cuda_write_fp8=1 turns it on; "
+                    "the Triton write stores e4m3 metadata)")
     elif meta != torch.float16:
         return f"the CUDA write kernel stores fp16 or e4m3 metadata, the part's is {meta}"
     if capability < CUDA_MIN_CAPABILITY:
@@ -529,9 +642,9 @@ def plan_write(x: torch.Tensor, part: TokenPart, rotate: bool, clip: float, back
     """The write kernel that stores ``x [T, H, D]`` into ``part``; cached per shape and options.
 
     backend: "auto" (default, or ``ROTKV_WRITE_BACKEND``): the CUDA kernel for a rotating or
-    clipping write where it covers the call (where it measured faster on the H200), else Triton;
+    clipping write where it covers the call (where it is the faster one: docs/kernel-notes.md), else Triton;
     "cuda" raises where it does not cover the call. Raises ValueError for options that contradict."""
-    backend = backend or os.environ.get("ROTKV_WRITE_BACKEND", "auto")
+    backend = backend or _switches().write_backend
     # what varies per call beyond the shape: the input's strides and alignment (the rotating kernel
     # reads bf16 pairs) and the pool's contiguity
     x_ok = x.stride(-1) == 1 and not (rotate and (x.stride(0) % 2 or x.stride(1) % 2 or x.data_ptr() % 4))
@@ -553,7 +666,7 @@ def _write_plan(d, g, dtype, device, x_ok, part_ok, rotate, clipping, backend, r
     if backend == "triton" and rot_precision in CUDA_PRECISIONS:
         raise ValueError(f"rot_precision={rot_precision!r} is a CUDA option; the Triton kernel takes "
                          f"{list(TRITON_PRECISIONS)}")
-    # the plain unclipped write is Triton's (0.13 against 0.19 ms at 32K tokens x 8 heads on the H200)
+    # the plain unclipped write is Triton's (the faster one there: docs/kernel-notes.md)
     wanted = backend == "cuda" or rot_precision in CUDA_PRECISIONS or (backend == "auto" and (rotate or clipping))
     if wanted and rot_precision not in TRITON_PRECISIONS:
         prec = rot_precision or "bf16x2"

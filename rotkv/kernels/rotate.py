@@ -4,8 +4,7 @@ The GPU arithmetic of ``rotkv.rotations.base`` ("bf16x2", its docstring has the 
 matrix is stored as ``[R_hi; R_lo (; -c_hi; -c_lo; 0 x 6)]`` (:func:`~rotkv.rotations.base.bf16x2_matrix`)
 and ``y = x R_hi + x R_lo (- c_hi - c_lo)`` with float32 accumulation, rounded to bf16 once. Its
 PyTorch form (``_rotate_bf16x2``) feeds cuBLAS ``[x, x (, 1, 1, 0..)]``: a concatenated copy of
-``x`` at twice its size, which the prefill profile measured at 12% of an INT2 prefill (188 ms of
-1.53 s, SmolLM2 64 x 8K). Here one program loads a ``[BLOCK_T, D]`` tile of one head straight from
+``x`` at twice its size, a visible share of an INT2 prefill (docs/kernel-notes.md). Here one program loads a ``[BLOCK_T, D]`` tile of one head straight from
 the caller's strides (the projections' ``[B, T, H, D]`` memory seen as ``[B, H, T, D]``) and runs
 two ``tl.dot`` per K block into one float32 accumulator: reads ``x`` once, writes ``y`` once.
 
@@ -23,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rotkv.kernels.plan import interpreting
+from rotkv.kernels.plan import interpreting, require_rotate, rotate_block
 
 
 @triton.jit
@@ -67,38 +66,13 @@ def _rotate_kernel(x_ptr, sxb, sxh, sxt, a_ptr, y_ptr, syb, syh, syt, rows_ptr, 
     tl.store(yrow + offs_e[None, :], acc.to(tl.bfloat16), mask=tmask[:, None])
 
 
-def _block(d: int) -> int | None:
-    """The K and E block: the largest of 64, 32, 16 that divides ``d`` (tl.dot needs >= 16), or None."""
-    return next((s for s in (64, 32, 16) if d % s == 0), None)
-
-
-def rotate_reason(x: torch.Tensor, a: torch.Tensor) -> str | None:
-    """Why :func:`rotate_bf16x2` cannot take ``x`` with the split matrix ``a`` (None: it can)."""
-    if x.dtype != torch.bfloat16 or a.dtype != torch.bfloat16:
-        return "bf16 inputs only"
-    if x.dim() != 4 or a.dim() != 3:
-        return "x has to be [B, Hq, T, D] and a [H, K, D]"
-    d = x.shape[-1]
-    if _block(d) is None:
-        return f"head_dim {d} is not a multiple of 16"
-    if a.shape[2] != d or a.shape[1] not in (2 * d, 2 * d + 8):
-        return f"a {tuple(a.shape)} is not a split matrix for head_dim {d}"
-    if x.shape[1] % a.shape[0]:
-        return f"{x.shape[1]} heads do not split into {a.shape[0]} groups"
-    if x.stride(-1) != 1:
-        return "x's last dim is not contiguous"
-    return None
-
-
 def rotate_bf16x2(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor | None = None,
                   rows: torch.Tensor | None = None) -> torch.Tensor:
     """``x [B, Hq, T, D]`` bf16 (any strides, last dim contiguous) -> ``(x - mu) R`` per head group,
     bf16 ``[B, Hq, T, D]`` (contiguous, or ``out``). ``a``: :func:`~rotkv.rotations.base.bf16x2_matrix`.
     ``rows`` (int64 ``[B]``, with ``out``): row ``b``'s result starts ``rows[b]`` elements into
     ``out``, whose dims 1 and 2 are the heads and the tokens (``out [N, Hq, >= T, D]``, a tier pool)."""
-    why = rotate_reason(x, a)
-    if why is not None:
-        raise ValueError(f"rotate_bf16x2: {why}")
+    require_rotate(x, a)
     b, hq, t, d = x.shape
     h, k, _ = a.shape
     a = a.contiguous()
@@ -114,7 +88,7 @@ def rotate_bf16x2(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor | None = N
         raise ValueError(f"rotate_bf16x2: out {tuple(y.shape)} does not fit x {tuple(x.shape)}")
     if x.numel() == 0:
         return y
-    blk = _block(d)
+    blk = rotate_block(d)
     block_t = 64 if d <= 128 else 32
     grid = (b * hq, triton.cdiv(t, block_t), d // blk)  # rows x heads on axis 0 (the others cap at 65535)
     _rotate_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), a, y, y.stride(0), y.stride(1), y.stride(2),

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from rotkv.kernels.body import TokenPart
-from rotkv.kernels.plan import device_capability, part_reason, plan_write
+from rotkv.kernels.plan import plan_write, require_part
 
 _RNE = tl.constexpr(12582912.0)  # 1.5 * 2**23: (y + _RNE) - _RNE rounds |y| < 2**22 to nearest-even in fp32
 
@@ -55,9 +55,9 @@ def _fp8_round(x, up: tl.constexpr):
     """float32 ``x`` -> e4m3fn, rounded towards +inf (``up``) or -inf, as ``rotkv.quant.quantizer.
     _round_dir`` does: returns ``(byte, value)``, the code as int32 (sign bit 128) and its float32 value.
 
-    Integer arithmetic only: no float8 type is touched. Triton 3.6 on the H200 scrambled the bytes of
-    a float32 -> e4m3 conversion stored from a [BLOCK_T, NG] tile (rows 8-15 of every 16 held other
-    rows' codes: ``test_fp8_rounding_steps_every_way``), and its interpreter does
+    Integer arithmetic only: no float8 type is touched. Triton's own float32 -> e4m3 conversion,
+    stored from a [BLOCK_T, NG] tile, scrambled the bytes on a GPU (rows 8-15 of every 16 held other
+    rows' codes: ``test_fp8_rounding_steps_every_way``; docs/kernel-notes.md), and its interpreter does
     not carry a rounded-up mantissa into the exponent (1.96 -> 1.0). Here the code is the magnitude's
     top 3 mantissa bits below its exponent (normal: ``(e + 7) << 3 | m``; below 2^-6, ``floor(|x| *
     512)``, which meets the normal codes at 8), plus one where a remainder was cut and the rounding
@@ -134,7 +134,7 @@ def _quant_write_kernel(
     if META_FP8:  # bytes (the launcher passes uint8 views of e4m3 scale and lo)
         lom, lof = _fp8_round(lo, False)
         sm, sf = _fp8_round(tl.div_rn(hi - lof, LEVELS * 1.0), True)
-        lom, sm = lom.to(tl.uint8), (sm & 127).to(tl.uint8)  # hi - lo >= 0: the H200 gave -0 - -0 as -0
+        lom, sm = lom.to(tl.uint8), (sm & 127).to(tl.uint8)  # hi - lo >= 0: the sign bit goes (-0 - -0 can be -0)
     else:
         lom = lo.to(tl.float16)
         lom = tl.where(lom.to(tl.float32) > lo, _fp16_step(lom, False), lom)
@@ -165,13 +165,11 @@ def _quant_write_kernel(
 
 def check_part(x: torch.Tensor, part: TokenPart) -> None:
     """A ValueError unless the write kernels can store ``x [T, H, D]`` into ``part``: a token
-    part of a kernel width (``rotkv.quant.widths``) with fp16 or e4m3 metadata (:func:`part_reason`),
+    part of a kernel width (``rotkv.quant.widths``) with fp16 or e4m3 metadata (``rotkv.kernels.plan.part_reason``),
     over x's heads and dims."""
     if not isinstance(part, TokenPart):
         raise TypeError(f"the write kernels store into a TokenPart, got {type(part).__name__}")
-    why = part_reason(part.bits, part.meta, part.format, device_capability(x.device))
-    if why:
-        raise ValueError(why)
+    require_part(part, x.device)
     if x.dim() != 3 or x.shape[1:] != (part.codes.shape[1], part.head_dim):
         raise ValueError(f"x {tuple(x.shape)} does not fit the part ({part.codes.shape[1]} heads, head_dim "
                          f"{part.head_dim})")
@@ -189,9 +187,9 @@ def quant_write(x: torch.Tensor, slots: torch.Tensor, part: TokenPart,
 
     The kernel is the write plan's (:func:`rotkv.kernels.plan.plan_write`). backend: "auto"
     (default, or ``ROTKV_WRITE_BACKEND``): the CUDA kernel (``rotkv.kernels.cuda_write``) for a
-    rotating or clipping write where it covers the call (where it measured faster on the H200),
+    rotating or clipping write where it covers the call (where it is the faster one),
     else this Triton kernel; "cuda" raises where it does not cover the call. num_warps: None picks
-    the measured best (Triton 4; CUDA 4 with "bf16x2", 8 with "bf16" where the shared memory
+    the default (Triton 4; CUDA 4 with "bf16x2", 8 with "bf16" where the shared memory
     allows). rot_precision (None: near-fp32 on either backend): "tf32x3" or "tf32" (one pass,
     faster, codes may differ from the fp32 reference near rounding boundaries) on Triton; "bf16x2"
     (R as two bf16 parts, near fp32) or "bf16" (one bf16 MMA) on CUDA. docs/kernels.md has the

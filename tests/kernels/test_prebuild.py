@@ -34,8 +34,8 @@ def test_plan_follows_the_default_paths():
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-def test_loaders_find_the_prebuilt_libraries(tmp_path, monkeypatch):
-    monkeypatch.setenv("ROTKV_CACHE_DIR", str(tmp_path))
+def test_loaders_find_the_prebuilt_libraries(tmp_path, monkeypatch, setenv):
+    setenv("ROTKV_CACHE_DIR", str(tmp_path))
     builds, _ = prebuild.builds(128, 64)
     done = prebuild.build(builds, "90", jobs=2, progress=False)
     assert [fresh for *_, fresh in done] == [True] * 3 and all(p.exists() for _, p, _ in done)

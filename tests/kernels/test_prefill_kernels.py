@@ -1,9 +1,8 @@
 """The prefill's kernel path (the Triton dequantizer into the front of the K/V buffer, the write
 kernel over pages assembled from the stored tier and the call) against the PyTorch reference path,
 through HybridLayer on chunked, left-padded prefills. On a CPU machine the kernels run under the
-Triton interpreter (``enabled`` is patched to accept CPU tensors)."""
+Triton interpreter (the ``kernels_on_cpu`` fixture)."""
 
-import os
 
 import numpy as np
 import pytest
@@ -14,14 +13,11 @@ pytest.importorskip("triton")
 from rotkv.cache.codecs import make_codecs  # noqa: E402
 from rotkv.cache.layer import HybridLayer  # noqa: E402
 from rotkv.config import CacheSpec  # noqa: E402
-from rotkv.kernels import backend  # noqa: E402
 from rotkv.rotations.registry import build_rotations  # noqa: E402
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_prefill_kernel_path_matches_reference(padded, monkeypatch, device):
-    if device == "cpu":
-        monkeypatch.setattr(backend, "enabled", lambda t: os.environ.get("ROTKV_KERNELS", "1") != "0")
+def test_prefill_kernel_path_matches_reference(padded, device, kernels_on_cpu, setenv):
     h, b, d, g, rep = 2, 2, 64, 32, 2
     spec = CacheSpec(bits=2, group_size=g, sink=8, window=16, page_size=16, prefill_chunk=48, rotation="hadamard")
     rot = build_rotations("hadamard", 1, h, d)[0]
@@ -36,7 +32,7 @@ def test_prefill_kernel_path_matches_reference(padded, monkeypatch, device):
         real[1, :21] = False
     outs, layers = [], []
     for use in ("0", "1"):
-        monkeypatch.setenv("ROTKV_KERNELS", use)
+        setenv("ROTKV_KERNELS", use)
         layer = HybridLayer(spec, rot, d, h, 0, make_codecs("token", 2, g, 1.0, 1.0), dt)
         o = []
         for c0 in range(0, n, 48):  # calls of one chunk: the later ones dequantize the body

@@ -78,14 +78,13 @@ def test_decode_refuses_a_ring_that_does_not_match(device):
 
 
 @pytest.mark.parametrize("values,meta", [(False, None), (True, None), (True, "float8")])
-def test_layer_decodes_the_refine_tier_through_the_kernel(values, meta, device, monkeypatch):
-    """A HybridLayer with a refine tier: decode steps through the kernel (ROTKV_REFINE_KERNEL=1) give the
+def test_layer_decodes_the_refine_tier_through_the_kernel(values, meta, device, monkeypatch, kernels_on_cpu, setenv):
+    """A HybridLayer with a refine tier: decode steps through the kernel (the refine_kernel switch on) give the
     PyTorch path's outputs, through page flushes that move pages in and out of the tier; ``meta``: the
     keys' and values' scales and minima in e4m3 (the refinement's grid follows the stored scale)."""
     from rotkv.cache.codecs import make_codecs
     from rotkv.cache.layer import HybridLayer
     from rotkv.config import CacheSpec
-    from rotkv.kernels import backend
     from rotkv.kernels import decode as decode_mod
     from rotkv.rotations.registry import build_rotations
 
@@ -94,9 +93,6 @@ def test_layer_decodes_the_refine_tier_through_the_kernel(values, meta, device, 
     monkeypatch.setattr(decode_mod, "decode_attention",
                         lambda *a, **k: calls.append(k.get("refine") is not None
                                                      and (k.get("refine_values") is not None) == values) or kernel(*a, **k))
-    if device == "cpu":
-        monkeypatch.setattr(backend, "enabled", lambda t: os.environ.get("ROTKV_KERNELS", "1") != "0")
-    monkeypatch.setenv("ROTKV_REFINE_KERNEL", "1")
     h, d, rep, b = 2, 64, 3, 2
     spec = CacheSpec(bits=2, group_size=64, sink=4, window=16, page_size=16, prefill_chunk=64, rotation="hadamard",
                      clip_k=0.96, clip_v=0.92, refine_tokens=32, refine_values=values, meta_k=meta, meta_v=meta)
@@ -107,13 +103,13 @@ def test_layer_decodes_the_refine_tier_through_the_kernel(values, meta, device, 
     n_pre, steps = 70, 36
     ks, vs = (torch.randn(b, h, n_pre + steps, d, generator=gen).bfloat16().to(device) for _ in range(2))
     qs = torch.randn(b, h * rep, n_pre + steps, d, generator=gen).bfloat16().to(device)
-    errs = kernel_against_reference(layers, ks, vs, qs, n_pre, monkeypatch)
+    errs = kernel_against_reference(layers, ks, vs, qs, n_pre, setenv)
     assert any(calls) and layers[1].state.body_count.min() > spec.refine_tokens // 16  # pages aged out of the tier
     assert max(errs[1:]) < 2e-2, errs
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graph_decode_with_a_refine_tier_matches_eager(monkeypatch):
+def test_cuda_graph_decode_with_a_refine_tier_matches_eager():
     """A refined cache decodes in a CUDA graph (the flush graph writes the ring, the rings grown before
     capture) as it does eagerly, both through the kernel, through page flushes and a ragged batch. The kernel
     against the PyTorch path is the tests above: greedy tokens of the eager PyTorch path and the graph
@@ -122,7 +118,6 @@ def test_cuda_graph_decode_with_a_refine_tier_matches_eager(monkeypatch):
 
     from rotkv.cache import RotkvCache
 
-    monkeypatch.setenv("ROTKV_REFINE_KERNEL", "1")
     agree = graph_agreement(
         lambda model: RotkvCache(model, "quarot-int2", sink=4, window=32, page_size=16, prefill_chunk=128,
                                  refine_tokens=64, check_finite=False))

@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from rotkv.kernels.rotate import rotate_bf16x2, rotate_reason  # noqa: E402
+from rotkv.kernels.plan import rotate_reason  # noqa: E402
+from rotkv.kernels.rotate import rotate_bf16x2  # noqa: E402
 from rotkv.rotations.base import _rotate_bf16x2_bmm, bf16x2_matrix  # noqa: E402
 from rotkv.rotations.identity import random_orthogonal  # noqa: E402
 

@@ -431,7 +431,7 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
   // The value accumulators carry OFFSET * sum p~ beside the signal sum p~ 4^i c (OFFSET = 128 for bf16,
   // 1024 for fp16 operands). The output error grows with the accumulators' magnitude, i.e. with the
-  // offset (measured: 8x with 1024 against 128 over ~1000-token splits), as it would if the tensor
+  // offset (docs/kernel-notes.md), as it would if the tensor
   // cores' accumulation truncated relative to its largest addend (our reading; not documented). Subtracting OFFSET * psum from them every ROTKV_VFLUSH steps (and zeroing psum) keeps
   // them at the size of a few steps' products. The step count comes from blk (no counter register).
   static_assert((ROTKV_VFLUSH & (ROTKV_VFLUSH - 1)) == 0, "ROTKV_VFLUSH must be 0 or a power of two");

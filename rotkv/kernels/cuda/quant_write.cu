@@ -144,8 +144,8 @@ DEVI void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t 
 }
 
 // Clip, quantize, pack and store one row held in the strided layout. One row at a time per warp:
-// interleaving 4 rows (their warp reductions in flight together) took 88 registers instead of 71
-// and measured 1.2-1.5x slower on the H200, and so did a bounded for-loop in place of the while.
+// interleaving 4 rows (their warp reductions in flight together) takes more registers and was slower,
+// and so was a bounded for-loop in place of the while (docs/kernel-notes.md).
 #if ROTKV_META8
 // float32 -> e4m3fn rounded towards +inf (up) or -inf, as rotkv.quant.quantizer._round_dir; returns the
 // byte and sets val to its value. Integer arithmetic on the bits, as the Triton write does
@@ -235,7 +235,7 @@ DEVI void quant_row(float (&v)[V], int clip_r, long long row, uint8_t* __restric
 #if ROTKV_META8
     lo16[g] = e4m3_dir(mn, false, lof[g]);
     float sf;
-    // hi - lo >= 0: the sign bit goes (the H200 gave -0 - -0 as -0 in the Triton write)
+    // hi - lo >= 0: the sign bit goes (-0 - -0 can give -0)
     s16[g] = e4m3_dir(__fdiv_rn(__fsub_rn(mx, lof[g]), (float)LEVELS), true, sf) & 127;
     sf = fabsf(sf);
 #else
@@ -305,8 +305,8 @@ __global__ void __launch_bounds__(PNW * 32) write_plain(const XT* __restrict__ x
     const int t0 = tile * 32;
     const long long my_row = dst_row(slots, t0 + lane, T, h, H, P);  // one division per lane per 32 rows
     const int n = min(32, T - t0);
-    // one row at a time, loaded where it is used: loading 4 rows ahead measured 10% slower (more
-    // registers, fewer warps per SM; the warps in flight already cover the load latency)
+    // one row at a time, loaded where it is used: loading 4 rows ahead was slower (more registers,
+    // fewer warps per SM; the warps in flight already cover the load latency)
     for (int rr = 0; rr < n; ++rr) {
       const long long row = __shfl_sync(FULL, my_row, rr);
       const XT* src = x + (long long)(t0 + rr) * sxt + (long long)h * sxh;

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The long-generation job, the refine split and the decode-time flush on a GPU, as one background run polled
+# across device calls (a call is at most 10 minutes; every stage below is under its own timeout):
+#   bash benchmarks/device_jobs.sh start            # starts the run (setsid nohup), returns at once
+#   bash benchmarks/device_jobs.sh poll N           # waits up to N seconds, copies what is done to $OUT
+#   STAGES="tests split" bash benchmarks/device_jobs.sh start   # some stages only (default: tests split stepprof jobqwen)
+# Needs: artifacts/ (oscar-mix.safetensors, oscar-mix-long.safetensors; carried, gitignored) and $ROTKV_GGUF (the real
+# SmolLM2) for split, stepprof's real rows and jobsmol. Stages (results under ~/jobs, copied to $OUT by every poll):
+#   tests     the GPU tests of this work: the continuous-batching job in a CUDA graph against the eager job, the
+#             refine split with the CUDA kernel as the rest (tests/kernels/test_refine_split.py runs it against the
+#             PyTorch reference), the flush graph per bucket, the refine kernel's tests (about 4 minutes)
+#   split     the step of oscar-refine +graph+compile without and with the split (ROTKV_TUNING=refine_split=0/1) beside
+#             oscar-mix and bf16 +graph+compile: `rotkv bench`, real SmolLM2 64 x 8K; then the Qwen3-8B shape
+#             (random weights, 8 layers, 16 x 32K): quarot-int2 with oscar-refine's tiers (sink 4, window 32, share
+#             1/64, 224 refined tokens, keys and values, one page per 19) without and with the split, beside the same
+#             tiers unrefined (target: the split's step within 5% of the unrefined one's) (about 6 minutes)
+#   stepprof  profile_step.py: the flush graph's time alone (flush_ms at 1, 8 and 64 pages, its share of the step)
+#             at SmolLM2's shape 64 x 8K for quarot-int2 and bf16 +compile, and oscar-refine (split) and oscar-mix
+#             on the real SmolLM2 (about 4 minutes)
+#   jobqwen   bench_job.py --workload reasoning at the Qwen3-8B shape, 36 layers, random weights: 512 requests of
+#             512-2K prompt and 8K-32K new tokens, one KV budget (the free memory less 8 GB), each method cut at
+#             150 s (a first request ends after 8K steps: at about 30 ms a step the cut measures the batch each
+#             method holds and its tokens/s; JOB_SECONDS=600 and one method at a time see rows refilled):
+#             quarot-int2 with oscar-mix's tiers, with oscar-refine's (split on), rotkv bf16, all +graph+compile, and
+#             HF StaticCache + compile (waves) (about 15 minutes: poll across calls)
+#   jobsmol   the same job on the real SmolLM2: oscar-refine (split on), oscar-mix, quarot-int2, bf16 (+graph+compile)
+#             and HF StaticCache + compile, 2048 requests, 90 s each (about 10 minutes)
+set -u
+R=${RES:-$HOME/jobs}
+if [ "${1:-}" = start ]; then
+  mkdir -p "$R"
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+  export ROTKV_COMMIT=${ROTKV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  setsid nohup bash "$0" run >> "$R/run.log" 2>&1 < /dev/null &
+  echo "started $ROTKV_COMMIT"
+  exit 0
+fi
+if [ "${1:-}" = poll ]; then
+  end=$(( $(date +%s) + ${2:-500} ))
+  while [ "$(date +%s)" -lt "$end" ] && ! grep -q "^all done" "$R/run.log" 2>/dev/null; do sleep 10; done
+  mkdir -p "${OUT:-/tmp/out}" && cp -r "$R"/. "${OUT:-/tmp/out}/"
+  grep -E "^(stage|all done)|rc=|passed|failed|tok/s|^\| (16|64) x" "$R/run.log" | tail -60
+  exit 0
+fi
+cd "$(dirname "$0")/.."
+STAGES=${STAGES:-tests split stepprof jobqwen}
+JOB_SECONDS=${JOB_SECONDS:-150}
+stage() { echo "stage $1 start $(date +%T)"; }
+want() { case " $STAGES " in *" $1 "*) return 0;; *) return 1;; esac; }
+MIX_TIERS="sink=16,window=32,window_share=0.015625,meta_v=float8"  # as job_reasoning.MIX_TIERS / REFINE_TIERS
+REFINE_TIERS="sink=4,window=32,window_share=0.015625,meta_v=float8,refine_tokens=224,refine_values=true,refine_every=19"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+if want tests; then stage tests
+timeout 420 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_jobs.py tests/kernels/test_refine_split.py \
+  tests/kernels/test_refine_kernel.py tests/kernels/test_backend.py -k "job or split or refine or graph or flush" \
+  > "$R/tests-jobs.log" 2>&1
+echo "tests rc=$?"; tail -3 "$R/tests-jobs.log"; fi
+if want split; then stage split
+for mode in 0 1; do
+  ROTKV_TUNING=refine_split=$mode timeout 300 python3 -m rotkv.cli bench --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" \
+    --batch 64 --context 8192 --new-tokens 32 --methods rotkv:oscar-refine+graph+compile \
+    --artifact artifacts/oscar-mix-long.safetensors --out "$R/generate-split$mode-refine-smollm2.json" >> "$R/split.log" 2>&1
+  echo "split $mode oscar-refine rc=$?"; grep "^| 64 x" "$R/split.log" | tail -1
+done
+timeout 300 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --context 8192 --new-tokens 32 \
+  --methods rotkv:oscar-mix+graph+compile rotkv:bf16+graph+compile --artifact artifacts/oscar-mix.safetensors \
+  --out "$R/generate-split-mix-smollm2.json" >> "$R/split.log" 2>&1
+echo "split oscar-mix bf16 rc=$?"; grep "^| 64 x" "$R/split.log" | tail -2
+for mode in 0 1; do
+  ROTKV_TUNING=refine_split=$mode timeout 300 python3 -m rotkv.cli bench --random qwen3-8b --layers 8 --batch 16 --context 32768 \
+    --new-tokens 32 --methods rotkv:quarot-int2+graph+compile --sink 4 --window 32 --window-share 0.015625 --refine-tokens 224 \
+    --refine-values --refine-every 19 --out "$R/generate-split$mode-refine-qwen8L.json" >> "$R/split.log" 2>&1
+  echo "split $mode qwen refine rc=$?"; grep "^| 16 x" "$R/split.log" | tail -1
+done
+timeout 300 python3 -m rotkv.cli bench --random qwen3-8b --layers 8 --batch 16 --context 32768 --new-tokens 32 \
+  --methods rotkv:quarot-int2+graph+compile rotkv:bf16+graph+compile --sink 4 --window 32 --window-share 0.015625 \
+  --out "$R/generate-split-plain-qwen8L.json" >> "$R/split.log" 2>&1
+echo "split qwen plain rc=$?"; grep "^| 16 x" "$R/split.log" | tail -2; fi
+if want stepprof; then stage stepprof
+timeout 240 python3 benchmarks/profile_step.py --shape smollm2 --requests 64 --context 8192 \
+  --presets quarot-int2+compile bf16+compile --out "$R/stepprof-flush-smollm2.json" > "$R/stepprof.log" 2>&1
+echo "stepprof shape rc=$?"; grep -E "flush|graph_ms" "$R/stepprof.log" | tail -6
+ROTKV_TUNING=refine_split=1 timeout 300 python3 benchmarks/profile_step.py --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" \
+  --artifact-dir artifacts --requests 64 --context 8192 --presets oscar-refine+compile oscar-mix+compile \
+  --out "$R/stepprof-flush-real.json" >> "$R/stepprof.log" 2>&1
+echo "stepprof real rc=$?"; grep -E "flush|graph_ms" "$R/stepprof.log" | tail -6; fi
+if want jobqwen; then stage jobqwen
+ROTKV_TUNING=refine_split=1 timeout 1500 python3 benchmarks/bench_job.py --workload reasoning --shape qwen3-8b --requests 512 \
+  --max-seconds "$JOB_SECONDS" --methods "rotkv:quarot-int2+graph+compile@$MIX_TIERS" "rotkv:quarot-int2+graph+compile@$REFINE_TIERS" \
+  rotkv:bf16+graph+compile hf-static-compile --out "$R/jobreason-qwen3-8b-36l.json" > "$R/jobqwen.log" 2>&1
+echo "jobqwen rc=$?"; grep "tok/s" "$R/jobqwen.log" | tail -4; fi
+if want jobsmol; then stage jobsmol
+ROTKV_TUNING=refine_split=1 timeout 1200 python3 benchmarks/bench_job.py --workload reasoning --model "${ROTKV_GGUF:?}" \
+  --artifact-dir artifacts --requests 2048 --max-seconds "${SMOL_SECONDS:-90}" --methods rotkv:oscar-refine+graph+compile \
+  rotkv:oscar-mix+graph+compile rotkv:quarot-int2+graph+compile rotkv:bf16+graph+compile hf-static-compile \
+  --out "$R/jobreason-smollm2.json" > "$R/jobsmol.log" 2>&1
+echo "jobsmol rc=$?"; grep "tok/s" "$R/jobsmol.log" | tail -5; fi
+echo "all done $(date +%T)"
