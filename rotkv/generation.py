@@ -171,8 +171,10 @@ def generate(model, tokenizer, ids: torch.Tensor, cache: RotkvCache, max_new_tok
     chunk but the last by :func:`prefill`, then ``model.generate`` runs the last (at most one chunk,
     last-position logits only) and decodes; the chunk boundaries are those of one call chunked by
     the cache. If ``context`` (a prefix of ids) is given, it is prefilled on its own first, so the
-    rest of the prompt (the question) starts its own chunk and reads the stored, quantized context."""
+    rest of the prompt (the question) starts its own chunk and reads the stored, quantized context.
+    A fresh rotkv cache first reserves its pages for ``n + max_new_tokens`` tokens (:func:`reserve`)."""
     ids = ids.to(model.device)
+    reserve(cache, ids.shape[0], ids.shape[1] + max_new_tokens)
     t0 = time.perf_counter()
     done = 0
     if context is not None:

@@ -8,7 +8,7 @@ Modes: ``onecall`` runs the whole prompt in one model call and takes ``logits[:,
 of ``generate_batch`` before the prefill was chunked; the cache chunks the attention inside); ``chunked`` runs
 ``rotkv.generation.prefill`` (model calls of ``--chunk`` tokens, last-position logits only). The
 peak counts everything the process touched during the prefill: activations, logits, the cache's
-pools (float32 tiers on the CPU) and the reference reader's float32 mirror of the body. Prints one
+pools (float32 tiers on the CPU) and the reader's per-chunk decoding of the body. Prints one
 JSON line per case.
 """
 

@@ -196,6 +196,35 @@ def test_key_widths_are_chosen_by_measured_gain(tiny_llama, tmp_path):
     assert tensors["k_bits"].tolist()[int(np.argmax(gains))] == 4 and sorted(tensors["k_bits"].tolist()) == [2, 4]
 
 
+def test_the_key_width_search_reduces_each_token_as_it_comes(tiny_llama, tmp_path, monkeypatch):
+    """The search keeps per decode token a [runs, windows] KL, never every token's log-probabilities: bit for bit
+    the KL of the stacked [runs, windows, new, vocab] log-probabilities (the form it replaced)."""
+    import rotkv.calibrate.keybits as kb
+    from rotkv.cache import RotkvCache
+    from rotkv.config import get_preset
+    from rotkv.rotations.artifact import load_artifact
+    from test_cache_model import write_random_artifact
+
+    path = tmp_path / "a.safetensors"
+    write_random_artifact(tiny_llama, path)
+    art = load_artifact(str(path))
+    spec = get_preset("quarot-int2", rotation="artifact", group_size=16)
+    kw = dict(sink=4, window=8, prefill_chunk=32)
+    variants = [{}, {"k_bits": "0:4"}, {"k_bits": "1:4"}]
+    torch.manual_seed(2)
+    ids = torch.randint(1, 120, (2, 96 + 8))
+    length, new, g = 96, 8, len(variants)
+    ref = torch.stack([kb._logp(tiny_llama, ids[w:w + 1, :length + new - 1], keep=new) for w in range(2)])
+    seen = []
+    real = kb._chunk_logp
+    monkeypatch.setattr(kb, "_chunk_logp", lambda *a: seen.append(real(*a)) or seen[-1])
+    got = kb.grouped_decode_kl(tiny_llama, [RotkvCache(tiny_llama, spec, art, **kw, **v) for v in variants], ids,
+                               length, new, 32, ref, first=[None, 0, 1])
+    lps = [seen[-new].repeat(g, 1) if seen[-new].shape[0] == 2 else seen[-new]] + seen[-new + 1:]
+    lp = torch.stack(lps, 1).view(g, 2, new, -1)
+    assert torch.equal(got, (ref.exp()[None] * (ref[None] - lp)).sum(-1).clamp_min(0))
+
+
 @pytest.mark.parametrize("prune", [False, True])
 def test_grouped_key_width_runs_match_the_lone_runs(tiny_llama, tmp_path, prune):
     """The key-width search runs every cache variant and window as rows of one batch (the first

@@ -520,6 +520,7 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tiny, capsys, monkeypatch, tmp_pat
     assert rc == 0, err
     for name in presets.split(","):
         assert f"  {name}" in out and any(line.startswith(name + " ") for line in out.splitlines()), out
+    assert "held MB" in out  # the resident bytes beside the stored bytes
     if "oscar" in presets:  # oscar-mix: the OSCAR base beside its own artifact, not in its place
         assert (tmp_path / "oscar.safetensors").exists()
     if "oscar-mix" in presets:

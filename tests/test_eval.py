@@ -160,8 +160,9 @@ def test_rotkv_bytes_agree_with_the_walker(loaded):
     ids = loaded.tokenizer("hello world " * 60, return_tensors="pt").input_ids[:, :150]
     prefill(loaded.model, cache, ids, 64)
     pools = [layer.pools for layer in cache.layers]
-    st = cache.stats()  # the pools' capacity (free pages too) and the CPU reader's float32 mirror (scratch)
-    assert peers.resident_bytes(pools)["kv_bytes"] == st["pool_bytes"] + st["scratch_bytes"]
+    st = cache.stats()  # the pools' capacity (free pages too); the reader keeps no copy (scratch 0)
+    assert peers.resident_bytes(pools)["kv_bytes"] == st["pool_bytes"] == st["resident_bytes"]
+    assert st["scratch_bytes"] == 0
     assert st["kv_bytes"] <= st["pool_bytes"]
 
 

@@ -124,6 +124,7 @@ def test_generate_cli_json(smollm2, monkeypatch, capsys):
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["prompt_tokens"] > 5 and out["kv_bytes"] < out["kv_bytes_bf16"]
     assert {"text", "bits_per_element", "body_bits_per_element", "decode_tokens_per_s", "artifact_bytes"} <= set(out)
+    assert out["kv_bytes"] <= out["resident_bytes"]  # what the process holds: the pools, in whole pages
 
 
 def test_cli_bad_input_is_one_clear_line(capsys):

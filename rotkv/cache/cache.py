@@ -253,19 +253,22 @@ class RotkvCache(Cache):
         the artifact's key fit in use, None without named fits).
 
         kv_bytes counts codes, metadata and the bf16 tiers of the stored tokens (and bf16 sliding
-        layers); rotation matrices and means are reported apart as rotation_bytes, the PyTorch
-        reference reader's float32 mirror of the body (not part of the cache format; the GPU
-        kernels have none) as scratch_bytes, and the pools' allocated capacity (free pages
-        included) as pool_bytes.
+        layers); rotation matrices and means are reported apart as rotation_bytes, the pools'
+        allocated capacity (free pages included) as pool_bytes, what a budgeted (per-row) layer's
+        reference reader keeps beside its tiers (a float32 view of its tokens) as scratch_bytes,
+        and resident_bytes is what the process holds for the stored tokens: the pools, the
+        per-row layers' tensors and scratch, and the model's own sliding layers (the paged
+        layers' reader decodes the body per call, a chunk at a time, and keeps nothing).
         """
         tot = {"tokens": 0, "body_tokens": 0, "body_bytes": 0, "tier_bytes": 0, "scratch_bytes": 0, "elements": 0,
-               "body_elements": 0, "pool_bytes": 0}
+               "body_elements": 0, "pool_bytes": 0, "resident_bytes": 0}
         for layer in self.layers:
             if hasattr(layer, "stats"):
                 for k, v in layer.stats().items():
                     tot[k] = tot.get(k, 0) + v
             elif getattr(layer, "is_initialized", False) and layer.keys is not None:
                 tot["tier_bytes"] += layer.keys.numel() * layer.keys.element_size() * 2
+                tot["resident_bytes"] += layer.keys.numel() * layer.keys.element_size() * 2
                 tot["elements"] += layer.keys.numel() * 2
         kv_bytes = tot["body_bytes"] + tot["tier_bytes"]
         return {
@@ -276,6 +279,7 @@ class RotkvCache(Cache):
             "rotation_bytes": self.rotation_bytes,
             "scratch_bytes": tot["scratch_bytes"],
             "pool_bytes": tot["pool_bytes"],
+            "resident_bytes": tot["resident_bytes"],
             "artifact_bytes": self.artifact.nbytes if self.artifact is not None else 0,
             "bits_per_element": 8 * kv_bytes / tot["elements"] if tot["elements"] else 0.0,
             "body_bits_per_element": 8 * tot["body_bytes"] / tot["body_elements"] if tot["body_elements"] else 0.0,

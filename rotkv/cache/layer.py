@@ -33,7 +33,7 @@ from torch.nn.attention.bias import causal_lower_right
 from rotkv import switches
 from rotkv.cache.base import RotkvLayer
 from rotkv.cache.plan import PageState, Step
-from rotkv.cache.pools import LayerPools
+from rotkv.cache.pools import READ_PAGES, LayerPools
 from rotkv.cache.refine import newest_pages
 from rotkv.config import CacheSpec
 from rotkv.kernels import plan as kernel_plan
@@ -67,7 +67,6 @@ class HybridLayer(RotkvLayer):
         self.rotation = self.rotation_cpu.to(self.device)
         self.pools = LayerPools(self.kv_heads, self.head_dim, self.spec.page_size, self.tier_dtype, self.device,
                                 self.key_codec, self.value_codec,
-                                mirror=self.spec.quantized and kernel_plan.plan_mirror(key_states),
                                 refine_pages=-(-self.spec.refine_tokens // self.spec.page_size),
                                 refine_values=self.spec.refine_values, refine_every=self.spec.refine_every)
         if self.state.rows == 0 and self.state.seen == 0:
@@ -92,11 +91,11 @@ class HybridLayer(RotkvLayer):
     # ---- reading the stored tokens -------------------------------------------------------------
     def read(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 ``[kv_heads, n, D]`` keys and values of one row in order (sink, dequantized body,
-        window), decoded from the stored format (never from the CPU mirror)."""
+        window), decoded from the stored format."""
         st = self.state
         n_body = int(st.body_count[row])
         pages = torch.as_tensor(st.body_pages[row, :n_body], device=self.device)
-        bk, bv = self.pools.body_dense(pages[None], torch.float32, use_mirror=False)
+        bk, bv = self.pools.body_dense(pages[None], torch.float32)
         if self.pools.refine_rings:
             _, idx = newest_pages(np.array([n_body]), self.pools.refine_pages, self.pools.refine_every)
             i = torch.as_tensor(idx, device=self.device)
@@ -370,18 +369,22 @@ class HybridLayer(RotkvLayer):
         if uniform:
             pg, off = step.cached(("tier_index", dev), lambda: self._tier_index(step.tier_pages, step.tier_tokens))
             tk, tv = self.pools.tier_dense(pg, off, cdt)  # [B, H, Lt, D]
-            bk = bv = None
-            if nb:
-                bk, bv = self._body(step, 0, b, nb, cdt)
             h = tk.shape[1]
             qh = self.rotation.queries(query[:, :, -1:], cdt).reshape(b, h, hq // h, d) * scaling
-            parts = [(bk, bv)] if bk is not None else []
-            parts.append((tk, tv))
-            s = torch.cat([qh @ k.transpose(-1, -2) for k, _ in parts], -1).softmax(-1)
+            if nb and self.pools.dequant_kernel:  # the Triton dequantizer: the whole body at once
+                bk, bv = self._body(step, 0, b, nb, cdt)
+                body = [(lambda k=bk: k, lambda v=bv: v)]
+            else:  # the codec's decoder, READ_PAGES pages at a time: keys for the scores, then values
+                chunks = [(c0, min(c0 + READ_PAGES, nb)) for c0 in range(0, nb, READ_PAGES)]
+                body = [(lambda c=c: self._body_side(step, 0, *c, cdt), lambda c=c: self._body_side(step, 1, *c, cdt))
+                        for c in chunks]
+            parts = body + [(lambda: tk, lambda: tv)]
+            s = torch.cat([qh @ k().transpose(-1, -2) for k, _ in parts], -1).softmax(-1)
             o, i = 0, 0
-            for k, v in parts:
-                o = o + s[..., i:i + k.shape[2]] @ v
-                i += k.shape[2]
+            for _, v in parts:
+                v = v()
+                o = o + s[..., i:i + v.shape[2]] @ v
+                i += v.shape[2]
             return o.reshape(b, hq, 1, d)
         c = step.query_pos.shape[1]
         lt = int(step.tier_tokens.max(initial=0)) if own is not None else max(int(step.tier_tokens.max(initial=0)), 1)
@@ -420,14 +423,24 @@ class HybridLayer(RotkvLayer):
             bc = step.body_count[r0:r1]
             table = step.cached(("body_table", dev, r0, r1), lambda: page_table(
                 step.body_pages[r0:r1], bc, np.where(bc > 0, self.spec.page_size, 0), dev))
-        run = step.cached(("run", r0, r1), lambda: _consecutive_run(sub, nb))
-        k, v = self.pools.body_dense(pages, cdt, table=table, run=run, out=out)
+        k, v = self.pools.body_dense(pages, cdt, table=table, out=out)
         if self.pools.refine_rings:
-            if out is None:  # may be views of the mirror, which holds the 2-bit reading
-                k = k.clone() if self.pools.refine is not None else k
-                v = v.clone() if self.pools.refine_v is not None else v
             self.pools.add_refinement(k, v, nb, *step.cached(("refined", dev, r0, r1), lambda: self._refined(step, r0, r1)))
         return k, v
+
+    def _body_side(self, step: Step, side: int, c0: int, c1: int, cdt) -> torch.Tensor:
+        """Body pages ``c0:c1`` of every row, one side (0 keys, 1 values), decoded ``[B, H, (c1 - c0) * P, D]``
+        with the refine tier added (the PyTorch reader's scratch: one such chunk)."""
+        dev, b, nb = self.device, len(step.body_count), int(step.body_count.max(initial=0))
+        pages = step.cached(("body_pages", dev, 0, b),
+                            lambda: torch.from_numpy(np.ascontiguousarray(step.body_pages[:, :nb])).to(dev))
+        x = self.pools.decode_pages(pages[:, c0:c1], side, cdt)
+        if (self.pools.refine, self.pools.refine_v)[side] is not None:
+            rows, local, idx, pg = step.cached(("refined", dev, 0, b), lambda: self._refined(step, 0, b))
+            sel = (idx >= c0) & (idx < c1)
+            self.pools.add_refinement(*((x, None) if side == 0 else (None, x)), c1 - c0, rows[sel], local[sel], idx[sel],
+                                      pg[sel], start=c0)
+        return x
 
     def _refined(self, step: Step, r0: int, r1: int) -> tuple[torch.Tensor, ...]:
         """(batch row, local row, body index, page id) of the refined body pages of rows ``r0:r1``, on the device."""
@@ -481,8 +494,9 @@ class HybridLayer(RotkvLayer):
                            + (sum(r.stored_bytes(st.body_count) for r in pools.refine_rings) if st.rows else 0))
             if pools else 0,
             "tier_bytes": tier_tokens * 2 * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.tier_dtype).element_size(),
-            "scratch_bytes": pools.mirror_bytes() if pools else 0,
+            "scratch_bytes": 0,  # the reader decodes per call (one chunk at a time): nothing held between calls
             "pool_bytes": pools.nbytes() if pools else 0,
+            "resident_bytes": pools.nbytes() if pools else 0,
             "elements": 2 * tokens * self.kv_heads * self.head_dim,
             "body_elements": 2 * body_tokens * self.kv_heads * self.head_dim,
         }
@@ -571,14 +585,6 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
                           "lower-right causal bias from now on", RuntimeWarning, stacklevel=2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale,
                                           enable_gqa=gqa)
-
-
-def _consecutive_run(pages: np.ndarray, n: int) -> int | None:
-    """The first page id when the batch is one row whose ``n`` body pages are consecutive, else None."""
-    if pages.shape[0] != 1:
-        return None
-    first = int(pages[0, 0])
-    return first if (pages[0, :n] == np.arange(first, first + n)).all() else None
 
 
 def _mask(step: Step, page: int, body_pages: int, tier_len: int, device, own: int = 0) -> torch.Tensor | None:

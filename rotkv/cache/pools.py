@@ -6,9 +6,9 @@
   ``scale, lo [pages, H, P, D/G]``; ``paged`` holds them typed, as the kernels read them
   (:class:`rotkv.kernels.body.PagedBody`, built when the pools are made or grow; None for
   codecs the kernels do not read);
-- mirror (the CPU reference path only): the body pages dequantized to float32 when they are
-  written, so a read gathers pages instead of decoding them again. It is scratch memory of the
-  PyTorch reader, reported apart (``scratch_bytes``), not part of the format.
+- no dequantized copy: the PyTorch reader (the CPU path) decodes the body pages it reads per
+  chunk of :data:`READ_PAGES` pages (:meth:`LayerPools.body_chunks`), so what the pools hold is what
+  the process holds for the cache.
 
 Pools grow (by at least 25%, copying once) when the cache's free lists grow; they never shrink.
 """
@@ -45,9 +45,12 @@ def _grow(t: torch.Tensor, pages: int) -> torch.Tensor:
     return out
 
 
+READ_PAGES = 64  # body pages the PyTorch reader decodes at a time (its float32 scratch: one such chunk)
+
+
 class LayerPools:
     def __init__(self, kv_heads: int, head_dim: int, page: int, tier_dtype: torch.dtype, device, key_codec,
-                 value_codec, mirror: bool, refine_pages: int = 0, refine_values: bool = False, refine_every: int = 0):
+                 value_codec, refine_pages: int = 0, refine_values: bool = False, refine_every: int = 0):
         self.kv_heads, self.head_dim, self.page, self.device = kv_heads, head_dim, page, device
         self.codecs = (key_codec, value_codec)
         # the refine tier (rotkv.cache.refine): 2 more bits for the keys (and with refine_values the values)
@@ -72,9 +75,6 @@ class LayerPools:
                 probe = torch.zeros(1, kv_heads, page, head_dim, device=device)
                 for name, t in copy.copy(codec).encode(probe).items():
                     parts[name] = torch.zeros(0, *t.shape[1:], dtype=t.dtype, device=device)
-        # the mirror is head-major, [H, pages, P, D]: gathering one row's pages gives [H, n * P, D] in place
-        mshape = (kv_heads, 0, page, head_dim)
-        self.mirror = (torch.zeros(mshape, device=device), torch.zeros(mshape, device=device)) if mirror else None
         self.body_page_bytes = sum(int(torch.tensor(t.shape[1:]).prod()) * t.element_size()
                                    for parts in self.body for t in parts.values())
         self.paged: PagedBody | None = None
@@ -115,16 +115,11 @@ class LayerPools:
                 for name, t in parts.items():
                     parts[name] = _grow(t, body_pages)
             self._type_body()
-        if self.mirror is not None and self.mirror[0].shape[1] < body_pages:
-            self.mirror = tuple(_grow(t.transpose(0, 1), body_pages).transpose(0, 1).contiguous() for t in self.mirror)
 
     def nbytes(self) -> int:
-        """Bytes the pools hold (capacity, free pages included), the mirror not counted."""
+        """Bytes the pools hold (capacity, free pages included)."""
         ring = sum(_nbytes(r.data) for r in self.refine_rings)
         return _nbytes(self.tier_k) * 2 + sum(_nbytes(t) for parts in self.body for t in parts.values()) + ring
-
-    def mirror_bytes(self) -> int:
-        return sum(_nbytes(t) for t in self.mirror) if self.mirror is not None else 0
 
     # ---- tier ------------------------------------------------------------------------------------
     def write_tier(self, slots: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None,
@@ -143,42 +138,40 @@ class LayerPools:
 
     # ---- body ------------------------------------------------------------------------------------
     def body_dense(self, pages: torch.Tensor, dtype, table: tuple | None = None,
-                   use_mirror: bool = True, run: int | None = None,
                    out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized ``[B, H, N * P, D]`` keys and values of the body pages ``pages [B, N]``
-        (trailing entries of short rows are read but masked by the caller): from the mirror, by
-        the Triton dequantizer over ``table`` (which leaves a short row's trailing entries
-        untouched), or by the codec's decoder. ``run``: the first page when ``pages`` is one row of
-        consecutive ids (read from the mirror as a view). ``out``: ``(k, v)`` contiguous ``[B, H, >= N * P,
-        D]`` buffers of ``dtype`` whose first ``N * P`` positions are written; returned as they are."""
+        (trailing entries of short rows are read but masked by the caller): by the Triton
+        dequantizer over ``table`` (which leaves a short row's trailing entries untouched), or by
+        the codec's decoder, :data:`READ_PAGES` pages at a time (:meth:`decode_pages`). ``out``:
+        ``(k, v)`` contiguous ``[B, H, >= N * P, D]`` buffers of ``dtype`` whose first ``N * P``
+        positions are written; returned as they are."""
         b, n = pages.shape
         h, p, d = self.kv_heads, self.page, self.head_dim
         if n == 0 or self.codecs[0] is None:
             empty = torch.zeros(b, h, 0, d, dtype=dtype, device=self.device)
             return out if out is not None else (empty, empty)
-        if table is not None and not (self.mirror is not None and use_mirror):
+        if out is None:
+            out = tuple(torch.empty(b, h, n * p, d, dtype=dtype, device=self.device) for _ in range(2))
+        if table is not None:
             from rotkv.kernels.dequant import dequant_dense
 
-            if out is None:
-                out = tuple(torch.empty(b, h, n * p, d, dtype=dtype, device=self.device) for _ in range(2))
             for part, o in zip(self.paged.parts, out):
                 dequant_dense(part, *table, n * p, o)
             return out
-        if self.mirror is not None and use_mirror:
-            if run is not None:  # one row whose pages are consecutive: a view, no copy
-                res = tuple(m[:, run:run + n].reshape(1, h, n * p, d).to(dtype) for m in self.mirror)
-            else:
-                res = tuple(m[:, pages].transpose(0, 1).reshape(b, h, n * p, d).to(dtype) for m in self.mirror)
-        else:
-            flat = pages.reshape(-1)
-            res = tuple(codec.decode({k: t[flat] for k, t in parts.items()}).reshape(b, n, h, p, d)
-                        .permute(0, 2, 1, 3, 4).reshape(b, h, n * p, d).to(dtype)
-                        for parts, codec in zip(self.body, self.codecs))
-        if out is None:
-            return res
-        for o, r in zip(out, res):
-            o[:, :, : n * p].copy_(r)
+        for side, o in enumerate(out):
+            for c0 in range(0, n, READ_PAGES):
+                c1 = min(c0 + READ_PAGES, n)
+                o[:, :, c0 * p:c1 * p].view(b, h, c1 - c0, p, d).copy_(self.decode_pages(pages[:, c0:c1], side, None))
         return out
+
+    def decode_pages(self, pages: torch.Tensor, side: int, dtype) -> torch.Tensor:
+        """The codec's float32 decoding of body pages ``pages [B, n]`` of one side (0 keys, 1 values):
+        ``[B, H, n, P, D]`` (a permuted view; ``dtype`` given: ``[B, H, n * P, D]`` of that dtype)."""
+        b, n = pages.shape
+        parts, codec = self.body[side], self.codecs[side]
+        x = codec.decode({k: t[pages.reshape(-1)] for k, t in parts.items()})  # [B * n, H, P, D]
+        x = x.view(b, n, *x.shape[1:]).permute(0, 2, 1, 3, 4)
+        return x if dtype is None else x.reshape(b, self.kv_heads, n * self.page, self.head_dim).to(dtype)
 
     def flush(self, src: torch.Tensor, dst: torch.Tensor, refine_at: tuple | None = None) -> None:
         """Quantize tier pages ``src`` into body pages ``dst`` (keys and values)."""
@@ -215,10 +208,8 @@ class LayerPools:
                 stored = codec.encode(pages.float())
                 for name, t in stored.items():
                     parts[name][dst] = t
-                if self.mirror is not None or ring is not None:
+                if ring is not None:
                     base = codec.decode(stored)
-                if self.mirror is not None:
-                    self.mirror[i][:, dst] = base.transpose(0, 1)
             if ring is not None:  # the refine tier: from the exact pages and their stored 2-bit reading
                 rows, index, sel = refine_at
                 if sel is not None:
@@ -251,17 +242,18 @@ class LayerPools:
         """The refine tier's size rule: one refined page per this many body pages (0: ``refine_pages``)."""
         return self.refine_rings[0].every if self.refine_rings else 0
 
-    def add_refinement(self, k: torch.Tensor, v: torch.Tensor, nb: int, rows: torch.Tensor, local: torch.Tensor,
-                       index: torch.Tensor, pages: torch.Tensor) -> None:
-        """Add the refine tier to dequantized body keys and values ``[b, H, >= nb * P, D]`` in place: the
-        ``index[i]``-th body page (id ``pages[i]``) of local row ``local[i]``, batch row ``rows[i]``."""
+    def add_refinement(self, k: torch.Tensor | None, v: torch.Tensor | None, nb: int, rows: torch.Tensor,
+                       local: torch.Tensor, index: torch.Tensor, pages: torch.Tensor, start: int = 0) -> None:
+        """Add the refine tier to dequantized body keys and values ``[b, H, >= nb * P, D]`` in place (None:
+        that side is not read): the ``index[i]``-th body page (id ``pages[i]``) of local row ``local[i]``,
+        batch row ``rows[i]``; ``k, v`` hold the body pages from index ``start`` on."""
         for t, parts, ring in zip((k, v), self.body, (self.refine, self.refine_v)):
-            if ring is not None:
-                ring.add(t, nb, rows, local, index, parts["scale"][pages])
+            if ring is not None and t is not None:
+                ring.add(t, nb, rows, local, index, parts["scale"][pages], start)
 
     def copy_from(self, src: "LayerPools", tier_src, tier_dst, body_src, body_dst) -> None:
         """Copy pages of another layer's pools (same layout) into these: tier pages ``tier_src`` of
-        ``src`` to ``tier_dst`` here, body pages (every part, and the mirror) likewise; ids are
+        ``src`` to ``tier_dst`` here, body pages (every part) likewise; ids are
         ``[n]`` int64 tensors on this device. The refine rings are copied apart (:meth:`copy_rings_from`)."""
         if len(tier_src):
             self.tier_k[tier_dst] = src.tier_k[tier_src]
@@ -270,9 +262,6 @@ class LayerPools:
             for mine, theirs in zip(self.body, src.body):
                 for name, t in mine.items():
                     t[body_dst] = theirs[name][body_src]
-            if self.mirror is not None and src.mirror is not None:
-                for t, s in zip(self.mirror, src.mirror):
-                    t[:, body_dst] = s[:, body_src]
 
     def copy_rings_from(self, src: "LayerPools", row: int, src_row: int, body_pages: int) -> None:
         """Give row ``row`` the refinements of ``src``'s row ``src_row``, a row of ``body_pages`` body
@@ -296,6 +285,3 @@ class LayerPools:
             for parts in self.body:
                 for t in parts.values():
                     t[body_dst] = t[body_src]
-            if self.mirror is not None:
-                for t in self.mirror:
-                    t[:, body_dst] = t[:, body_src]

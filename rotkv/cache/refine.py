@@ -121,14 +121,14 @@ class RefineRing:
         self.data[rows, index % self.pages] = pack(j, 2)
 
     def add(self, k: torch.Tensor, nb: int, rows: torch.Tensor, local: torch.Tensor, index: torch.Tensor,
-            scale: torch.Tensor) -> None:
+            scale: torch.Tensor, start: int = 0) -> None:
         """Add the refinements to the dequantized keys of ``nb`` body pages per row, ``k [b, H, >= nb * P, D]``
-        (in place): page ``index[i]`` of local row ``local[i]`` (batch row ``rows[i]``), whose scales are
-        ``scale [n, H, P, D / G]``."""
+        (in place), which hold the body pages from index ``start`` on: page ``index[i]`` of local row
+        ``local[i]`` (batch row ``rows[i]``), whose scales are ``scale [n, H, P, D / G]``."""
         if not len(index):
             return
         b, h, _, d = k.shape
         p = self.shape[2]
         view = k[:, :, : nb * p].view(b, h, nb, p, d)
         delta = refine_delta(unpack(self.data[rows, index % self.pages], 2), scale, self.group_size)
-        view[local, :, index] += delta.to(k.dtype)
+        view[local, :, index - start] += delta.to(k.dtype)

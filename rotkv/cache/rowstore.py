@@ -230,6 +230,7 @@ class RowStoreLayer(RotkvLayer):
             "body_bytes": sum(r.body_bytes() for r in self.rows),
             "tier_bytes": sum(r.tier_bytes() for r in self.rows),
             "scratch_bytes": sum(r.scratch_bytes() for r in self.rows),
+            "resident_bytes": sum(r.tier_bytes() + r.body_bytes() + r.scratch_bytes() for r in self.rows),
             "elements": 2 * tokens * self.kv_heads * self.head_dim,
             "body_elements": 2 * body_tokens * self.kv_heads * self.head_dim,
         }

@@ -193,7 +193,12 @@ def grouped_decode_kl(model, caches, ids: torch.Tensor, length: int, new: int, c
         first = None
     rows = _RowGroups(caches, first)
     rep = lambda x: x.repeat(g, 1)  # noqa: E731
-    lps = None
+
+    def kl(lp: torch.Tensor, t: int) -> torch.Tensor:  # [G, W]: decode token t's KL of every (cache, window)
+        r = ref[:, t]  # [W, V]
+        return (r.exp()[None] * (r[None] - lp.view(g, w, -1))).sum(-1).clamp_min(0)
+
+    kls = None  # per decode token [G, W]: the log-probabilities are reduced as they come, never all kept
     bar = tqdm(total=-(-length // chunk) + new - 1, desc=f"key widths ({g} runs x {w} windows)", unit="forward",
                disable=not progress)
     with rows.prune(model, w) if first is not None else nullcontext():
@@ -201,15 +206,14 @@ def grouped_decode_kl(model, caches, ids: torch.Tensor, length: int, new: int, c
             part = ids[:, c0:min(c0 + chunk, length)]
             rows.shared = c0 == 0
             lp = _chunk_logp(model, part if rows.shared else rep(part), rows)
-            lps = [lp.repeat(g, 1) if rows.shared else lp]
+            kls = [kl(lp.repeat(g, 1) if rows.shared else lp, 0)]
             bar.update()
         rows.shared = False
         for t in range(new - 1):
-            lps.append(_chunk_logp(model, rep(ids[:, length + t:length + t + 1]), rows))
+            kls.append(kl(_chunk_logp(model, rep(ids[:, length + t:length + t + 1]), rows), t + 1))
             bar.update()
     bar.close()
-    lp = torch.stack(lps, 1).view(g, w, new, -1)  # [G, W, new, V]
-    return (ref.exp()[None] * (ref[None] - lp)).sum(-1).clamp_min(0)
+    return torch.stack(kls, -1)  # [G, W, new]
 
 
 def layer_gains(loaded, artifact, preset: str = "oscar-int2", length: int = 1024, new: int = 32, windows: int = 2,

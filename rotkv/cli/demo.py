@@ -168,13 +168,16 @@ def run(args) -> int:
         st = cache.stats()
         answer = g.text.strip().splitlines()[0] if g.text.strip() else ""
         reference = reference if reference is not None else (answer if name == "bf16" else None)
-        rows.append((name, answer, args.code in answer, st["kv_bytes"], st["kv_bytes_bf16"], st["bits_per_element"]))
+        rows.append((name, answer, args.code in answer, st["kv_bytes"], st["kv_bytes_bf16"], st["bits_per_element"],
+                     st["resident_bytes"]))
         print(f"  {name:<12} -> {answer!r}", flush=True)
     print()
-    print(f"{'preset':<12} {'answer':<14} {'correct':<8} {'same as bf16':<13} {'KV MB':>7} {'vs bf16':>8} {'bits/elem':>9}")
-    for name, answer, ok, kv, kv16, bpe in rows:
+    print(f"{'preset':<12} {'answer':<14} {'correct':<8} {'same as bf16':<13} {'KV MB':>7} {'vs bf16':>8} {'bits/elem':>9} "
+          f"{'held MB':>8}")
+    for name, answer, ok, kv, kv16, bpe, held in rows:
         same = "-" if reference is None else ("yes" if answer == reference else "no")
         print(f"{name:<12} {answer[:14]:<14} {'yes' if ok else 'NO':<8} {same:<13} {kv / 1e6:>7.2f} "
-              f"{kv16 / kv:>7.1f}x {bpe:>9.2f}")
-    print("\nKV MB counts codes, metadata and the bf16 sink/window as resident; bits/elem is measured over all tiers.")
+              f"{kv16 / kv:>7.1f}x {bpe:>9.2f} {held / 1e6:>8.2f}")
+    print("\nKV MB counts codes, metadata and the bf16 sink/window as resident; bits/elem is measured over all tiers; "
+          "held MB is what the process holds for the cache (its pools, free pages included).")
     return 0

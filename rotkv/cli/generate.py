@@ -113,6 +113,7 @@ def run(args) -> int:
             "text": g.text, "prompt_tokens": g.prompt_tokens, "new_tokens": len(g.new_tokens),
             "preset": cache.spec.name, "model": loaded.model_id,
             "kv_bytes": int(st["kv_bytes"]), "kv_bytes_bf16": int(st["kv_bytes_bf16"]),
+            "resident_bytes": int(st["resident_bytes"]),
             "artifact_bytes": int(st["artifact_bytes"]), "rotation_bytes": int(st["rotation_bytes"]),
             "bits_per_element": round(st["bits_per_element"], 4),
             "body_bits_per_element": round(st["body_bits_per_element"], 4),

@@ -44,7 +44,7 @@ class Method:
         """Resident bytes of ``cache`` as it is now, and its element count (2 * tokens * kv_heads * D * layers)."""
         if self.kind == "rotkv":
             st = cache.stats()
-            # scratch: the CPU reference reader's float32 read buffer (the GPU kernels read the packed pages)
+            # scratch: what a per-row (budgeted) layer's reference reader keeps beside its tiers (paged layers: 0)
             return {"kv_bytes": int(st["kv_bytes"]), "kv_bytes_at_bf16": int(st["kv_bytes"]),
                     "elements": int(st["elements"]), "rotation_bytes": int(st["rotation_bytes"]),
                     "scratch_bytes": int(st.get("scratch_bytes", 0))}

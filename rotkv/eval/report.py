@@ -185,11 +185,10 @@ def write_report(out_dir: str) -> list[str]:
                      "(a subclass whose `update` drops the extra arguments) and restores the `np.trapz` alias; the "
                      "environment is unchanged.")
     if methods - set(PEERS):
-        notes.append("rotkv's CPU reference reader also keeps a float32 read buffer of every stored token (reported by "
-                     "`RotkvCache.stats()` as `scratch_bytes`, grown by doubling: about 42-63 bits per element at 1-3K "
-                     "tokens). It is not part of the cache format and the GPU decode kernel has none, so it is not in "
-                     "rotkv's bpe; it is in the record's `scratch_bytes` where recorded. A peer's dequantized copy is "
-                     "counted because it is part of the peer's only implementation.")
+        notes.append("rotkv's paged layers keep no float32 copy of the body (the CPU reader decodes it a chunk of "
+                     "pages at a time); records made before that hold one in `scratch_bytes` (about 42-63 bits per "
+                     "element at 1-3K tokens), not in rotkv's bpe. A peer's dequantized copy is counted because it "
+                     "is part of the peer's only implementation.")
     if notes:
         L += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     if unavailable:

@@ -12,7 +12,7 @@ switches that pick kernels (``rotkv.switches``) are read here only:
   :func:`plan_refine_split`: whether a call over a refined body splits its pages between the kernel
   that reads the refine tier and the plan's body kernel (``rotkv.kernels.refine_split``);
 - :func:`plan_write`: the quantize-on-write kernel (``rotkv.kernels.write``): CUDA or Triton;
-- :func:`plan_pools`, :func:`plan_encode`, :func:`plan_mirror`: which of a layer's pools' writes and
+- :func:`plan_pools`, :func:`plan_encode`: which of a layer's pools' writes and
   reads run kernels; :func:`plan_rotate`, :func:`rotation_math`: how a rotation is computed;
   :func:`check_graph`: whether a CUDA-graph decode can run a cache;
 - :func:`decode_builds_for` / :func:`write_builds_for`: the CUDA builds the default plans run at
@@ -302,12 +302,6 @@ def plan_pools(t: torch.Tensor, body: PagedBody | None) -> PoolsPlan:
     parts = body.parts if body is not None else (None, None)
     ok = tuple(on and body is not None and part_reason(pt.bits, pt.meta, pt.format, cap) is None for pt in parts)
     return PoolsPlan(write=ok, dequant=all(ok))
-
-
-def plan_mirror(t: torch.Tensor) -> bool:
-    """Whether the PyTorch reader keeps a float32 mirror of the body pages for tensors on ``t``'s
-    device: where the kernels do not run (``rotkv.cache.pools``)."""
-    return not kernels_enabled(t)
 
 
 def refine_reason() -> str | None:
