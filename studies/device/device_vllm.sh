@@ -3,18 +3,18 @@
 #
 # Here, first (no device time), in the root of the checkout the device calls send:
 #   bash scripts/vllm_wheels.sh                 # -> .whl/vllm/b1 b2 b3 (about 49 + 49 + 34 MiB)
-#   bash benchmarks/device_vllm.sh split-gguf   # -> .gguf/smollm2.gguf.part-aa, -ab (50 MB + 48 MB) + .sha256
+#   bash studies/device/device_vllm.sh split-gguf   # -> .gguf/smollm2.gguf.part-aa, -ab (50 MB + 48 MB) + .sha256
 # Then one device call each (every call carries at most one batch: a batch plus the ~10 MB working tree
 # stays under 64 MiB), back to back so that the machine stays warm (30 s):
-#   1. carry [".whl/vllm/b1"]        bash benchmarks/device_vllm.sh wheels .whl/vllm/b1
-#   2. carry [".whl/vllm/b2"]        bash benchmarks/device_vllm.sh wheels .whl/vllm/b2
-#   3. carry [".whl/vllm/b3"]        bash benchmarks/device_vllm.sh wheels .whl/vllm/b3   (installs, import check,
+#   1. carry [".whl/vllm/b1"]        bash studies/device/device_vllm.sh wheels .whl/vllm/b1
+#   2. carry [".whl/vllm/b2"]        bash studies/device/device_vllm.sh wheels .whl/vllm/b2
+#   3. carry [".whl/vllm/b3"]        bash studies/device/device_vllm.sh wheels .whl/vllm/b3   (installs, import check,
 #                                    the plugin's entry point, the Qwen3-8B dummy dir, the plugin's tests,
 #                                    then starts the Qwen3 queue in the background)
-#   4. carry [".gguf/smollm2.gguf.part-aa", ".gguf/smollm2.gguf.sha256"]   bash benchmarks/device_vllm.sh gguf
-#   5. carry [".gguf/smollm2.gguf.part-ab", ".gguf/smollm2.gguf.sha256"]   bash benchmarks/device_vllm.sh gguf
+#   4. carry [".gguf/smollm2.gguf.part-aa", ".gguf/smollm2.gguf.sha256"]   bash studies/device/device_vllm.sh gguf
+#   5. carry [".gguf/smollm2.gguf.part-ab", ".gguf/smollm2.gguf.sha256"]   bash studies/device/device_vllm.sh gguf
 #                                    (cats the halves, checks sha256, writes the SmolLM2 dir, queues its jobs)
-#   6+. bash benchmarks/device_vllm.sh poll 540      # waits, then copies results to $OUT (as often as needed)
+#   6+. bash studies/device/device_vllm.sh poll 540      # waits, then copies results to $OUT (as often as needed)
 # Every call ends by copying what is done to $OUT (vllmrun.tgz plus the summary). Copy the JSONs from
 # vllmrun.tgz to benchmarks/results/ to commit them.
 #
@@ -30,7 +30,7 @@
 # METHODS (default bf16,fp8,turboquant_k3v4_nc,turboquant_3bit_nc,rotkv:quarot-int2), ROTKV_CONFIG (JSON for
 # additional_config["rotkv"], default sink 16 / window 32 as the accuracy runs), TP_REQUESTS etc. override.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/out}
 export VLLM_SITE=${VLLM_SITE:-$HOME/site}
 export PYTHONPATH=$VLLM_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The long-generation job, the refine split and the decode-time flush on a GPU, as one background run polled
 # across device calls (a call is at most 10 minutes; every stage below is under its own timeout):
-#   bash benchmarks/device_jobs.sh start            # starts the run (setsid nohup), returns at once
-#   bash benchmarks/device_jobs.sh poll N           # waits up to N seconds, copies what is done to $OUT
-#   STAGES="tests split" bash benchmarks/device_jobs.sh start   # some stages only (default: tests split stepprof jobqwen)
+#   bash studies/device/device_jobs.sh start            # starts the run (setsid nohup), returns at once
+#   bash studies/device/device_jobs.sh poll N           # waits up to N seconds, copies what is done to $OUT
+#   STAGES="tests split" bash studies/device/device_jobs.sh start   # some stages only (default: tests split stepprof jobqwen)
 # Needs: artifacts/ (oscar-mix.safetensors, oscar-mix-long.safetensors; carried, gitignored) and $ROTKV_GGUF (the real
 # SmolLM2) for split, stepprof's real rows and jobsmol. Stages (results under ~/jobs, copied to $OUT by every poll):
 #   tests     the GPU tests of this work: the continuous-batching job in a CUDA graph against the eager job, the
@@ -42,7 +42,7 @@ if [ "${1:-}" = poll ]; then
   grep -E "^(stage|all done)|rc=|passed|failed|tok/s|^\| (16|64) x" "$R/run.log" | tail -60
   exit 0
 fi
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STAGES=${STAGES:-tests split stepprof jobqwen}
 JOB_SECONDS=${JOB_SECONDS:-150}
 stage() { echo "stage $1 start $(date +%T)"; }

@@ -2,14 +2,14 @@
 # The multi-domain suite on a GPU (SmolLM2), for a session with a device: artifacts calibrated with the default
 # (multi-domain) corpus, the suite's test split at 2K and 8K for the presets and quanto INT4, then the
 # GPU = CPU test. Run it in the background and poll (each device call is at most 10 minutes):
-#   setsid nohup bash benchmarks/device_suite.sh > ~/suite.log 2>&1 &   # results under ~/suite
-#   STAGES="calib test2k" bash benchmarks/device_suite.sh                # some stages only
+#   setsid nohup bash studies/device/device_suite.sh > ~/suite.log 2>&1 &   # results under ~/suite
+#   STAGES="calib test2k" bash studies/device/device_suite.sh                # some stages only
 # Stages: calib (oscar-mix, oscar-mix-long with the default key fits 4096,8192), test2k / test8k (the
 # presets on the GPU, each at its own sink and window; 16 windows x 128 tokens per domain), quanto2k (HF quanto
 # INT4 on the CPU over the same windows: quanto's cache runs there), dev2k (the dev split, where levers are
 # chosen), gpucpu (tests/kernels/test_gpu_equals_cpu.py).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 R=${R:-$HOME/suite}
 A=$R/artifacts
 P=${PY:-.venv/bin/python}
