@@ -49,6 +49,7 @@ from results_io import results_path, write_results  # noqa: E402
 from rotkv.bench import commit, device_name, parse_method  # noqa: E402
 from rotkv.cli.bench import RANDOM_SHAPES  # noqa: E402
 from rotkv.jobs import Request, reservation, run_job  # noqa: E402
+from rotkv.config import artifact_file, get_preset  # noqa: E402
 
 # oscar-mix's and oscar-refine's tiers and value metadata on an artifact-free preset (random weights have no
 # artifact: Hadamard rotations, no INT4-key layers)
@@ -144,9 +145,11 @@ def run_rotkv(model, method: str, requests, budget: int, a) -> dict:
     if preset is None or "fold" in flags:
         raise SystemExit(f"unknown method {method!r}: rotkv:<preset>[+graph][+compile][@field=value,...] or "
                          "hf-static-compile")
-    from profile_prefill import preset_artifact
-
-    artifact = preset_artifact(preset, a.artifact_dir)
+    artifact = None
+    if get_preset(preset).needs_artifact:
+        if a.artifact_dir is None:
+            raise SystemExit(f"preset {preset!r} needs an artifact: pass --artifact-dir")
+        artifact = os.path.join(a.artifact_dir, artifact_file(preset))
     max_len = max(r.length for r in requests)
     dev = model.device
 

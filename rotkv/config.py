@@ -354,7 +354,7 @@ SHARED_ARTIFACTS = {n: s.artifact_kind for n, s in PRESETS.items()
                     if s.k_bits == "artifact" and s.artifact_kind not in (None, n)}
 
 DEFAULT_PRESET = "int4"  # the cache a caller gets without naming one and without an artifact: keeps the answer
-RECOMMENDED_PRESET = "oscar-mix"  # the INT2 preset to calibrate for (rotkv calibrate --method oscar-mix)
+RECOMMENDED_PRESET = "oscar-refine"  # the INT2 preset to calibrate for (rotkv calibrate --method oscar-mix-long)
 
 
 def calibration_method(spec: CacheSpec | str) -> str:

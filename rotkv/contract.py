@@ -138,8 +138,9 @@ def validate_artifact(artifact: Artifact, model, spec: CacheSpec | None = None) 
 
 
 def default_preset(artifact: Artifact | None) -> str:
-    """The preset a caller gets without naming one: the first preset ``artifact`` serves (the recommended one
-    for its kind: ``oscar-mix`` for an oscar-mix artifact), or without an artifact :data:`DEFAULT_PRESET`."""
+    """The preset a caller gets without naming one: :data:`RECOMMENDED_PRESET` where ``artifact`` serves it,
+    else the first preset it serves (``oscar-mix`` for an oscar-mix artifact), or without an artifact
+    :data:`DEFAULT_PRESET`."""
     if artifact is None:
         return DEFAULT_PRESET
     served = presets_served(artifact.kind)
@@ -147,7 +148,7 @@ def default_preset(artifact: Artifact | None) -> str:
         kind = PRESETS[RECOMMENDED_PRESET].artifact_kind
         raise ArtifactMismatch(f"artifact {artifact.path} is {artifact.describe()}, which no preset reads; name a "
                                f"preset, or make one for the recommended preset with `{make_command(kind)}`")
-    return served[0]
+    return RECOMMENDED_PRESET if RECOMMENDED_PRESET in served else served[0]
 
 
 def default_note() -> str:

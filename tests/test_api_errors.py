@@ -103,8 +103,8 @@ def test_the_api_refuses_a_swapped_artifact(tiny, tmp_path):
 
 def test_the_default_preset_keeps_the_answer(tiny, tmp_path):
     """No preset: int4 with a note naming the calibration; with an artifact, the preset it was made for."""
-    with pytest.warns(RotkvWarning, match="using int4 .*rotkv calibrate --method oscar-mix"):
+    with pytest.warns(RotkvWarning, match="using int4 .*rotkv calibrate --method oscar-mix-long"):
         assert RotkvCache(tiny).spec.name == "int4"
     mix, long = _mix_and_long(tiny, tmp_path)
     assert RotkvCache(tiny, artifact=mix, group_size=16).spec.name == "oscar-mix"
-    assert RotkvCache(tiny, None, long, group_size=16).spec.name == "oscar-mix-long"
+    assert RotkvCache(tiny, None, long, group_size=16).spec.name == "oscar-refine"  # the recommended preset, which that artifact serves

@@ -661,7 +661,7 @@ def test_without_a_preset_the_artifact_names_it(no_model, capsys, tiny, tmp_path
     """No --preset: the preset the artifact was made for; no artifact: int4 and a note naming the calibration."""
     from rotkv.cli.common import pick_preset
 
-    own = {"oscar": "oscar-int2", "oscar-mix": "oscar-mix", "oscar-mix-long": "oscar-mix-long"}
+    own = {"oscar": "oscar-int2", "oscar-mix": "oscar-mix", "oscar-mix-long": "oscar-refine"}  # the recommended preset where the artifact serves it
     for old in (False, True):
         folder = tmp_path / str(old)
         folder.mkdir()
@@ -671,7 +671,7 @@ def test_without_a_preset_the_artifact_names_it(no_model, capsys, tiny, tmp_path
     rc, _, err = run_cli(capsys, "generate", "--prompt", "hi")
     lines = err.splitlines()
     assert lines[0].startswith("rotkv generate: note: no preset named and no artifact given: using int4")
-    assert "rotkv calibrate --method oscar-mix --out oscar-mix.safetensors" in lines[0]
+    assert "rotkv calibrate --method oscar-mix-long --out oscar-mix-long.safetensors" in lines[0]
     assert rc == 1 and "ModelLoaded" in lines[1] and len(lines) == 2
     rc, _, err = run_cli(capsys, "generate", "--prompt", "hi", "--artifact", _kinds(tiny, tmp_path)["oscar-mix"],
                          "--group-size", "16")

@@ -69,17 +69,29 @@ def test_int2_block_is_much_smaller_than_bf16():
 
 
 # ---- settings ----------------------------------------------------------------------------------------------
-def test_settings_from_additional_config_and_env(monkeypatch, tmp_path):
+def test_settings_from_additional_config(tmp_path):
     s = parse_settings({"rotkv": {"preset": "quarot-int2", "sink": 32, "window": 64}})
     assert (s.spec.name, s.spec.sink, s.spec.window, s.artifact) == ("quarot-int2", 32, 64, None)
-    assert parse_settings({}).spec.name == "quarot-int2"
-    monkeypatch.setenv("ROTKV_VLLM_CONFIG", json.dumps({"preset": "naive-int2", "window": 48}))
-    s = parse_settings({})
-    assert (s.spec.name, s.spec.window) == ("naive-int2", 48)
-    assert parse_settings({"rotkv": {"preset": "int4"}}).spec.name == "int4"  # additional_config wins
-    monkeypatch.setenv("ROTKV_VLLM_CONFIG", "{not json")
-    with pytest.raises(ValueError, match="ROTKV_VLLM_CONFIG"):
-        parse_settings({})
+    assert parse_settings({}).spec.name == "int4"  # no preset, no artifact: 4 bits, no calibration
+    assert parse_settings({"rotkv": "naive-int2"}).spec.name == "naive-int2"
+    assert parse_settings({"rotkv": '{"preset": "naive-int2", "window": 48}'}).spec.window == 48
+    with pytest.raises(ValueError, match=r'additional_config\["rotkv"\] must hold a JSON object'):
+        parse_settings({"rotkv": "{not json"})
+
+
+def test_without_a_preset_the_artifact_names_it(tmp_path):
+    """No preset: the first preset the artifact serves that the backend serves (oscar-mix-long's artifact:
+    oscar-mix-long, not the refine preset the backend refuses)."""
+    from rotkv.contract import kind_meta
+    from rotkv_testing import make_tiny_llama, write_artifact
+
+    model = make_tiny_llama()
+    widths = {"k_bits": torch.tensor([4, 2], dtype=torch.int32), "k_gain": torch.tensor([0.1, 0.0])}
+    for kind, extra in (("oscar", {}), ("oscar-mix", {}), ("oscar-mix-long", {"longfit_seq_len": "4096"})):
+        path = write_artifact(model, tmp_path / f"{kind}.safetensors", tensors=widths if "mix" in kind else None,
+                              **extra, **kind_meta(kind))
+        want = "oscar-int2" if kind == "oscar" else kind
+        assert parse_settings({"rotkv": {"artifact": path}}).spec.name == want
 
 
 @pytest.mark.parametrize("raw,match", [

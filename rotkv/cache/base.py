@@ -5,7 +5,7 @@ A layer holds its spec, its rotation and its (key, value) codecs, resolved once 
 :func:`rotkv.cache.assembly.plan_cache`. It follows transformers' ``CacheLayerMixin``: ``update``
 only records the new post-RoPE states (the registered attention function, rotkv.hf.attention,
 needs the padding mask to place them) and routes the layer's attention call to itself
-(:func:`rotkv.hf.attention.route`), then the subclass's ``attend`` runs the attention against what
+(:func:`rotkv.cache.route.route`), then the subclass's ``attend`` runs the attention against what
 is stored and writes the new tokens.
 """
 
@@ -16,7 +16,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from rotkv.config import CacheSpec
-from rotkv.hf.attention import route
+from rotkv.cache.route import route
 from rotkv.rotations.base import LayerRotation
 
 TIER_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -55,7 +55,7 @@ class RotkvLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Record new post-RoPE states ``[B, kv_heads, q, D]``; the attention function stores them.
 
-        The layer routes the model layer's attention call to itself (:func:`rotkv.hf.attention.route`):
+        The layer routes the model layer's attention call to itself (:func:`rotkv.cache.route.route`):
         transformers does not pass the cache to the attention function, which finds the layer by its
         module's ``layer_idx``.
         """

@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from rotkv.cache.layer import HybridLayer
 from rotkv.hf import compat
-from rotkv.hf.attention import route
+from rotkv.cache.route import route
 
 
 @torch.inference_mode()

@@ -7,20 +7,20 @@ or a run without a rotkv cache) needs it. The attention function rotates queries
 quantized cache through :meth:`rotkv.cache.layer.HybridLayer.attend`.
 
 transformers does not pass the cache to the attention function, so a cache layer's ``update``
-routes the call (:func:`route`): it records itself under its layer index, and the attention
-function finds it by its module's ``layer_idx`` (:func:`routed`), for the key states that
-``update`` returned only. A cache that wraps rotkv's layers routes the call to itself the same way.
+routes the call (:func:`rotkv.cache.route.route`): it records itself under its layer index, and the
+attention function finds it by its module's ``layer_idx`` (:func:`rotkv.cache.route.routed`), for the
+key states that ``update`` returned only. A cache that wraps rotkv's layers routes the call to itself
+the same way.
 """
 
 from __future__ import annotations
-
-import threading
-import weakref
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from rotkv.cache.route import route, routed  # noqa: F401 (route: re-exported)
 
 NAME = "rotkv"
 
@@ -48,30 +48,6 @@ def rotkv_mask(**kwargs) -> RotkvMask:
     if padding is not None and bool(padding.all()):
         padding = None
     return RotkvMask(padding, kwargs)
-
-
-_ROUTES = threading.local()  # per thread: layer index -> (the layer, the key states it returned), weakly held
-
-
-def route(layer_idx: int, layer, key: torch.Tensor) -> None:
-    """Send the attention call of model layer ``layer_idx`` whose key states are ``key`` to
-    ``layer.attend(query, real, scaling)``. A cache layer's ``update`` calls it with the key states it
-    returns; the entry lasts until that attention call takes it (or the next ``update`` of the index)."""
-    table = getattr(_ROUTES, "table", None)
-    if table is None:
-        table = _ROUTES.table = {}
-    table[layer_idx] = (weakref.ref(layer), weakref.ref(key))
-
-
-def routed(module, key: torch.Tensor):
-    """The layer routed to the attention call of ``module`` (by its ``layer_idx``) over ``key``, or
-    None: a layer rotkv does not manage, or a run without a rotkv cache."""
-    table = getattr(_ROUTES, "table", None)
-    entry = table.pop(getattr(module, "layer_idx", None), None) if table else None
-    if entry is None:
-        return None
-    layer, routed_key = entry[0](), entry[1]()
-    return layer if layer is not None and routed_key is key else None
 
 
 @torch.compiler.disable  # a compiled model breaks its graph here (rotkv.cache.compiled)

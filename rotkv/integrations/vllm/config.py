@@ -6,7 +6,6 @@ A user picks the preset, the artifact and any cache field through ``additional_c
         "artifact": "oscar-mix.safetensors"}})
     vllm serve MODEL --attention-backend CUSTOM --additional-config '{"rotkv": {"preset": "quarot-int2"}}'
 
-or, where ``additional_config`` has no ``"rotkv"`` entry, the same dict as JSON in ``ROTKV_VLLM_CONFIG``.
 Keys: ``preset``, ``artifact``, ``context_length``, ``spare_slots`` and the :class:`~rotkv.config.CacheSpec`
 fields listed in :data:`SPEC_KEYS`. Every bad value raises a ValueError naming the key.
 
@@ -26,9 +25,8 @@ from rotkv.config import CacheSpec, get_preset, parse_layer_bits
 from rotkv.quant.quantizer import check_group
 from rotkv.rotations.base import LayerRotation
 
-ENV = "ROTKV_VLLM_CONFIG"
 WHERE = 'additional_config["rotkv"]'
-DEFAULT_PRESET = "quarot-int2"
+DEFAULT_PRESET = "int4"  # without a preset and an artifact: 4 bits, no calibration, keeps the answer
 # the CacheSpec fields a user may override from vLLM (the others are format choices this backend fixes)
 SPEC_KEYS = ("sink", "window", "window_share", "group_size", "clip_k", "clip_v", "k_bits", "meta_k", "meta_v",
              "key_mean", "rotate_values", "seed", "page_size")
@@ -49,25 +47,39 @@ class VllmSettings:
 
 
 def _raw(additional_config) -> dict:
-    """The ``rotkv`` dict from vLLM's additional_config (a dict), else from ``ROTKV_VLLM_CONFIG``, else {}."""
+    """The ``rotkv`` dict from vLLM's additional_config (a dict, or an object holding one), else {}."""
     if additional_config is not None and not isinstance(additional_config, dict):
         additional_config = getattr(additional_config, "__dict__", None)
-    if isinstance(additional_config, dict) and "rotkv" in additional_config:
-        raw = additional_config["rotkv"]
-        where = WHERE
-    elif os.environ.get(ENV):
-        try:
-            raw = json.loads(os.environ[ENV])
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{ENV} must hold a JSON object like '{{\"preset\": \"quarot-int2\"}}': {e}") from None
-        where = ENV
-    else:
+    if not isinstance(additional_config, dict) or "rotkv" not in additional_config:
         return {}
+    raw = additional_config["rotkv"]
     if isinstance(raw, str):  # --additional-config '{"rotkv": "{...}"}' or a preset name alone
-        raw = {"preset": raw} if not raw.strip().startswith("{") else json.loads(raw)
+        try:
+            raw = {"preset": raw} if not raw.strip().startswith("{") else json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{WHERE} must hold a JSON object like '{{\"preset\": \"int4\"}}': {e}") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"{where} must be a dict like {{\"preset\": \"quarot-int2\"}}, got {type(raw).__name__}")
+        raise ValueError(f"{WHERE} must be a dict like {{\"preset\": \"int4\"}}, got {type(raw).__name__}")
     return raw
+
+
+def default_preset(artifact: str | None) -> str:
+    """The preset served without a ``preset`` key: the first preset the artifact was made for that this backend
+    serves (``rotkv.contract.presets_served``), or without an artifact :data:`DEFAULT_PRESET`."""
+    if artifact is None or not os.path.isfile(artifact):
+        return DEFAULT_PRESET
+    from rotkv.contract import presets_served
+    from rotkv.rotations.artifact import load_artifact
+
+    art = load_artifact(artifact)
+    for name in presets_served(art.kind):
+        try:
+            check_spec(get_preset(name))
+        except ValueError:
+            continue
+        return name
+    raise ValueError(f'{WHERE}["artifact"] {artifact} is {art.describe()}, which no preset this backend serves '
+                     f'reads: name a preset in {WHERE}["preset"]')
 
 
 def parse_settings(additional_config=None) -> VllmSettings:
@@ -76,7 +88,7 @@ def parse_settings(additional_config=None) -> VllmSettings:
     unknown = sorted(set(raw) - set(SPEC_KEYS) - set(OWN_KEYS))
     if unknown:
         raise ValueError(f"unknown key(s) {unknown} in {WHERE}; known: {sorted(OWN_KEYS + SPEC_KEYS)}")
-    preset = raw.get("preset", DEFAULT_PRESET)
+    preset = raw["preset"] if "preset" in raw else default_preset(raw.get("artifact"))
     if not isinstance(preset, str):
         raise ValueError(f'{WHERE}["preset"] must be a preset name, got {preset!r}')
     overrides = {k: raw[k] for k in SPEC_KEYS if k in raw}
