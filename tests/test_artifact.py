@@ -13,7 +13,7 @@ from rotkv.hf.models import Loaded
 from rotkv.contract import validate_artifact
 from rotkv.rotations.artifact import ArtifactMismatch, load_artifact, save_artifact
 from rotkv.rotations import registry
-from rotkv.rotations.folding import fold_artifact_values
+from rotkv.hf.folding import fold_artifact_values
 from rotkv_testing import make_tiny_llama
 
 

@@ -8,7 +8,7 @@ import torch
 
 from rotkv.calibrate.capture import capturing
 from rotkv.hf.models import attention_modules
-from rotkv.rotations.folding import fold_pairwise, fold_values, foldable_pairs
+from rotkv.hf.folding import fold_pairwise, fold_values, foldable_pairs
 from rotkv.rotations.identity import random_orthogonal
 from rotkv.rotations.pairwise import block_hadamard, pair_matrix
 
@@ -85,7 +85,7 @@ def test_block_hadamard_does_not_commute_with_rope():
     m = _tiny("llama")
     ref = m(IDS).logits
     f = copy.deepcopy(m)
-    from rotkv.rotations.folding import _rotate_rows
+    from rotkv.hf.folding import _rotate_rows
 
     # block_hadamard on the RoPE pairs (i, i + D/2): permute to pair-adjacent order and back
     perm = torch.arange(16).reshape(2, 8).T.reshape(-1)
@@ -200,7 +200,7 @@ def test_fold_cache_values_once():
 
 def test_fold_cache_values_leaves_layers_without_r_v():
     from rotkv.cache import RotkvCache
-    from rotkv.rotations.folding import without_values
+    from rotkv.hf.folding import without_values
 
     m = _tiny("llama")
     before = [_attn_weights(m)[:4], _attn_weights(m)[4:]]  # layer 0's v/o weights and biases, layer 1's

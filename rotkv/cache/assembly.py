@@ -112,7 +112,7 @@ def layer_rotations(model, spec: CacheSpec, artifact: Artifact | str | None,
         if artifact.values_folded and not getattr(model.config, "rotkv_values_folded", False):
             raise ValueError(
                 f"artifact {artifact.path} has R_V folded into the weights, but this model is not folded; "
-                "fold it with rotkv.rotations.folding before building the cache"
+                "fold it with rotkv.hf.folding before building the cache"
             )
         return rots, artifact
     if spec.key_mean:

@@ -19,7 +19,7 @@ from rotkv.cache.progressive import ProgressiveLayer
 from rotkv.config import CacheSpec, RotkvWarning
 from rotkv.hf.attention import install
 from rotkv.rotations.artifact import Artifact
-from rotkv.rotations.folding import fold_model_values, without_values
+from rotkv.hf.folding import fold_model_values, without_values
 
 
 DECODE_SCORES = ("auto", "bf16", "int8")  # the decode kernels' score variants (rotkv.kernels.plan)
@@ -141,7 +141,7 @@ class RotkvCache(Cache):
         """Fold this cache's value rotations into ``model`` (in place) and drop them from the cache.
 
         v_proj then R_V per KV head, o_proj's input columns by R_V^T per query-head group
-        (:func:`rotkv.rotations.folding.fold_model_values`): v_proj then emits ``v R_V``, so the cache
+        (:func:`rotkv.hf.folding.fold_model_values`): v_proj then emits ``v R_V``, so the cache
         stores the same rotated values with no rotation of the values or the attention output. Only
         layers that rotate values are touched. A cache without R_V (folded already, or none) is a
         no-op; the model is marked folded, and one folded with other matrices raises. Fold before the

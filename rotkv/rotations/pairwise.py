@@ -1,7 +1,7 @@
 """RoPE-aligned pairwise rotations and block-Hadamard rotations (METHODS 3.5).
 
 Pairwise: one SO(2) rotation per RoPE channel pair ``(i, i + D/2)`` (the rotate_half convention).
-It commutes with RoPE, so it can be folded into W_Q and W_K (``rotkv.rotations.folding``). The
+It commutes with RoPE, so it can be folded into W_Q and W_K (``rotkv.hf.folding``). The
 angle (a choice, the "pooled-variance surrogate") equalizes the two channels' variance, which
 minimizes the larger of the two: with pair covariance ``[[a, c], [c, b]]`` that is
 ``phi = atan2(a - b, 2c) / 2``.
