@@ -225,6 +225,46 @@ def test_the_key_width_search_reduces_each_token_as_it_comes(tiny_llama, tmp_pat
     assert torch.equal(got, (ref.exp()[None] * (ref[None] - lp)).sum(-1).clamp_min(0))
 
 
+def test_the_key_width_search_in_batches_of_rows_finds_the_same_gains(tmp_path):
+    """layer_gains runs its cache runs through the model a few rows at a time (``max_rows``, each batch with a run of
+    the preset again): the gains, the preset's KL and the order of the layers are those of the one-batch search, to
+    float rounding. A 4-layer Llama with sharpened attention and logits, so that the gains stand well above it."""
+    import numpy as np
+
+    from rotkv.calibrate.keybits import layer_gains
+    from rotkv.config import get_preset
+    from rotkv.rotations.artifact import load_artifact
+    from rotkv_testing import make_tiny_llama
+    from test_cache_model import write_random_artifact
+
+    model = make_tiny_llama(layers=4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+        model.lm_head.weight.mul_(20)
+
+    class Loaded:  # the model with a character tokenizer over the built-in calibration text
+        tokenizer = staticmethod(lambda text, return_tensors=None: type("T", (), {
+            "input_ids": torch.tensor([[1 + ord(c) % 120 for c in text[:4000]]])})())
+
+    Loaded.model = model
+    path = tmp_path / "a.safetensors"
+    write_random_artifact(model, path)
+    art = load_artifact(str(path))
+    spec = get_preset("quarot-int2", rotation="artifact", group_size=16)
+    kw = dict(length=96, new=8, windows=2, chunk=32, sink=4, window=8, progress=False)
+    whole, base = layer_gains(Loaded, art, spec, max_rows=10, **kw)  # the preset and the 4 layers' runs in one batch
+    assert np.abs(whole).min() > 1e-3 and base > 1e-2  # gains far above the rounding below
+    for rows in (6, 4):  # 2 layers' runs, then 1, per batch beside a run of the preset
+        sliced, base_s = layer_gains(Loaded, art, spec, max_rows=rows, **kw)
+        assert abs(base_s - base) <= 1e-6 * base
+        np.testing.assert_allclose(sliced, whole, rtol=1e-3, atol=1e-6)
+        assert (np.argsort(-sliced) == np.argsort(-whole)).all()
+    with pytest.raises(ValueError, match="max_rows"):
+        layer_gains(Loaded, art, spec, max_rows=3, **kw)
+
+
 @pytest.mark.parametrize("prune", [False, True])
 def test_grouped_key_width_runs_match_the_lone_runs(tiny_llama, tmp_path, prune):
     """The key-width search runs every cache variant and window as rows of one batch (the first

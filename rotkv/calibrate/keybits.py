@@ -216,14 +216,24 @@ def grouped_decode_kl(model, caches, ids: torch.Tensor, length: int, new: int, c
     return torch.stack(kls, -1)  # [G, W, new]
 
 
+MAX_ROWS = 16
+"""The most rows (cache runs x windows) :func:`layer_gains` puts through the model in one forward: a
+forward's activations grow with its rows times the prefill chunk, so this bounds the search's memory
+whatever the layer count."""
+
+
 def layer_gains(loaded, artifact, preset: str = "oscar-int2", length: int = 1024, new: int = 32, windows: int = 2,
                 chunk: int = 512, sink: int = 16, window: int = 64, files=None, progress: bool = True,
-                prune: bool = True) -> tuple[np.ndarray, float]:
+                prune: bool = True, max_rows: int = MAX_ROWS) -> tuple[np.ndarray, float]:
     """(gain ``[L]``: mean KL of the preset minus mean KL with layer l's keys at 4 bits, the preset's mean KL).
 
-    The L + 1 cache runs of every window go through the model as one batch, the windows as rows of
-    each run (:func:`grouped_decode_kl`): the first prefill chunk runs once, and with ``prune`` the
-    run of layer l skips layers below l, where it computes what the preset's run computes."""
+    The L + 1 cache runs of every window go through the model in batches of at most ``max_rows`` rows
+    (at least one run of the preset and one layer's run, times the windows), the windows as rows of
+    each run (:func:`grouped_decode_kl`): the first prefill chunk runs once per batch, and with
+    ``prune`` the run of layer l skips layers below l, where it computes what the preset's run
+    computes. Every batch after the first holds a run of the preset again (the rows the pruned runs
+    copy below their layer); the preset's KL is the first batch's. Each cache run's per-token KL is
+    that of its lone run, so the batches change no result beyond float rounding."""
     from rotkv.cache import RotkvCache
     from rotkv.calibrate.corpus import token_chunks
     from rotkv.hf.models import sliding_layers
@@ -244,10 +254,19 @@ def layer_gains(loaded, artifact, preset: str = "oscar-int2", length: int = 1024
     with torch.inference_mode():
         ref = torch.log_softmax(model(input_ids=ids[:, :span - 1], use_cache=False,
                                       logits_to_keep=new).logits[:, -new:].float(), -1)  # [W, new, V]
-    caches = [RotkvCache(model, preset, artifact, **kw, **({} if r is None else {"k_bits": f"{r}:4"})) for r in runs]
-    out = grouped_decode_kl(model, caches, ids, length, new, chunk, ref, first=runs if prune else None,
-                            progress=progress)
-    kl = dict(zip(runs, out))
+    if max_rows < 2 * windows:
+        raise ValueError(f"max_rows has to be at least 2 x the windows ({2 * windows}) but got {max_rows}")
+    per = max_rows // windows - 1  # layer runs per batch, beside the preset's
+    kl = {}
+    for b0 in range(0, max(len(cached), 1), per):
+        part = [None] + cached[b0:b0 + per]
+        caches = [RotkvCache(model, preset, artifact, **kw, **({} if r is None else {"k_bits": f"{r}:4"}))
+                  for r in part]
+        out = grouped_decode_kl(model, caches, ids, length, new, chunk, ref, first=part if prune else None,
+                                progress=progress)
+        kl.setdefault(None, out[0])
+        kl |= dict(zip(part[1:], out[1:]))
+        del caches, out
     base = kl[None].mean().item()
     gains = np.array([base - kl[i].mean().item() if i in kl else float("-inf") for i in range(n_layers)])
     return gains, base
