@@ -180,7 +180,9 @@ def side_vllm(spec: dict) -> dict:
 
             register()
             kw.update(attention_backend="CUSTOM", block_size=16, additional_config={"rotkv": spec["configs"][method]})
+        t0 = time.time()
         llm = LLM(**kw)
+        print(f"vllm_kl_compare: vLLM {method}: engine up in {time.time() - t0:.0f} s", flush=True)
         vocab = llm.llm_engine.model_config.get_vocab_size()
         if vocab != ref.shape[-1]:
             raise AssertionError(f"vLLM's vocabulary {vocab} != the reference's {ref.shape[-1]}")
@@ -211,6 +213,8 @@ def side_vllm(spec: dict) -> dict:
             res["kl"].append(kl_rows(r, lp).tolist())
             res["nll"].append((-lp.gather(-1, tgt[:, None])[:, 0]).tolist())
             res["top1"].append((lp.argmax(-1) == r.argmax(-1)).float().tolist())
+        print(f"vllm_kl_compare: vLLM {method}: {len(spec['windows'])} windows in {time.time() - t0:.0f} s, mean KL "
+              f"{mean([x for w in res['kl'] for x in w]):.5f}", flush=True)
         out[method] = res
         del llm
     return out
@@ -241,10 +245,13 @@ def side_rotkv(spec: dict) -> dict:
             art = cfg.pop("artifact", None)
             m = Method(method, "rotkv", nominal_bits(method), cfg, art)
             side = dict(kl=[], nll=[])
+            t0 = time.time()
             for w, ids in enumerate(wins):
                 per, _ = score_window(model, m, ids, P, N, spec["chunk"], refs[w])
                 side["kl"].append(per["kl"]); side["nll"].append(per["nll"])
             out[method][dt] = side
+            print(f"vllm_kl_compare: transformers {method} ({dt} weights): {len(wins)} windows in {time.time() - t0:.0f} s, "
+                  f"mean KL {mean([x for w in side['kl'] for x in w]):.5f}", flush=True)
         del model
         torch.cuda.empty_cache()
     return out

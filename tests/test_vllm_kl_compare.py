@@ -124,8 +124,21 @@ def test_driver_writes_the_json(tmp_path, monkeypatch):
                     "--out", str(out)]) == 0
     assert seen == [("_rotkv", ["bf16", "quarot-int2"], "0"), ("_vllm", ["bf16"], "0"), ("_vllm", ["quarot-int2"], "0")]
     data = json.loads(out.read_text())
-    assert data["schema"] == "rotkv-vllm-kl/1" and data["split"] == "test" and data["chunk"] == 64
+    assert data["schema"] == "rotkv-vllm-kl/1" and data["complete"] and data["split"] == "test" and data["chunk"] == 64
     assert len(data["windows"]) == 4 and data["settings"]["quarot-int2"] == {"preset": "quarot-int2", "sink": 16, "window": 32}
     row = data["methods"]["quarot-int2"]
     assert row["ratio"] == pytest.approx(1.02) and row["within_10pct"] and row["n_tokens"] == 32
     assert row["ratio_ci95"] == pytest.approx([1.02, 1.02])
+
+    # a vLLM engine that fails: the other methods still run, the JSON says which failed, the exit is loud
+    def failing(side, spec_path, result_path, env):
+        spec = json.loads(Path(spec_path).read_text())
+        return 1 if side == "_vllm" and spec["methods"] == ["bf16"] else fake_run(side, spec_path, result_path, env)
+
+    monkeypatch.setattr(kc, "run_side", failing)
+    with pytest.raises(SystemExit, match="failed for .'bf16'."):
+        kc.main(["--model-dir", str(tmp_path), "--methods", "bf16,quarot-int2", "--prompt-len", "64", "--new-tokens", "8",
+                 "--requests", "4", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert not data["complete"] and data["methods"]["bf16"]["vllm_failed"] == "exit 1"
+    assert "rotkv_kl" in data["methods"]["bf16"] and "ratio" in data["methods"]["quarot-int2"]
