@@ -160,6 +160,20 @@ if AdapterLogitsProcessor is not None:
             return lambda output_ids, logits: forced_row(logits, output_ids, forced)
 
 
+def engine_kwargs(spec: dict, method: str) -> dict:
+    """``LLM(**kw)`` of one method: one request at a time, prefill chunks of ``spec["chunk"]`` tokens, the
+    forcing processor, full-vocabulary log-probs from before the processors, rotkv's backend for presets."""
+    P, N = spec["prompt_len"], spec["new_tokens"]
+    kw = dict(model=spec["model_dir"], dtype="bfloat16", max_model_len=P + N + 16, enable_prefix_caching=False,
+              gpu_memory_utilization=spec["gpu_memory_utilization"], seed=0, enforce_eager=spec["enforce_eager"],
+              max_num_seqs=1, max_num_batched_tokens=spec["chunk"], enable_chunked_prefill=True,
+              async_scheduling=False, max_logprobs=-1, logprobs_mode="raw_logprobs",
+              logits_processors=["vllm_kl_compare:ForceTextTokens"])
+    if method != "bf16":
+        kw.update(attention_backend="CUSTOM", block_size=16, additional_config={"rotkv": spec["configs"][method]})
+    return kw
+
+
 def side_vllm(spec: dict) -> dict:
     import numpy as np
     import torch
@@ -170,16 +184,11 @@ def side_vllm(spec: dict) -> dict:
     P, N = spec["prompt_len"], spec["new_tokens"]
     out = {}
     for method in spec["methods"]:
-        kw = dict(model=spec["model_dir"], dtype="bfloat16", max_model_len=P + N + 16, enable_prefix_caching=False,
-                  gpu_memory_utilization=spec["gpu_memory_utilization"], seed=0, enforce_eager=spec["enforce_eager"],
-                  max_num_seqs=1, max_num_batched_tokens=spec["chunk"], enable_chunked_prefill=True,
-                  async_scheduling=False, max_logprobs=-1, logprobs_mode="raw_logprobs",
-                  logits_processors=["vllm_kl_compare:ForceTextTokens"])
+        kw = engine_kwargs(spec, method)
         if method != "bf16":
             from rotkv.integrations.vllm import register
 
             register()
-            kw.update(attention_backend="CUSTOM", block_size=16, additional_config={"rotkv": spec["configs"][method]})
         t0 = time.time()
         llm = LLM(**kw)
         print(f"vllm_kl_compare: vLLM {method}: engine up in {time.time() - t0:.0f} s", flush=True)

@@ -24,18 +24,46 @@ def test_forced_row_keeps_only_the_texts_next_token():
     assert kc.forced_row(logits, [1, 2, 3], [3, 5, 7]) is logits  # past the forced ids: untouched
 
 
-def test_force_processor_class():
+def test_force_processor_in_vllms_batch_machinery():
+    """The processor as vLLM drives it: loaded by its qualified name, a request added through a BatchUpdate,
+    each step forced to the next id as the request's output list grows; the sampling params and engine
+    arguments the script passes are vLLM's; its flat log-probs become a dense row."""
     pytest.importorskip("vllm")
-    proc = kc.ForceTextTokens.__new__(kc.ForceTextTokens)
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.logprobs import append_logprobs_for_next_position, create_sample_logprobs
+    from vllm.v1.sample.logits_processor import BatchUpdate, _load_logitsprocs_by_fqcns
+
+    (cls,) = _load_logitsprocs_by_fqcns(["vllm_kl_compare:ForceTextTokens"])
+    proc = cls(None, torch.device("cpu"), False)
     assert proc.is_argmax_invariant() is False
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=-1, flat_logprobs=True,
+                        detokenize=False, extra_args={kc.FORCED_KEY: [2, 6, 1]})
+    other = SamplingParams(temperature=0.0, max_tokens=3)
+    out0: list[int] = []
+    proc.update_state(BatchUpdate(batch_size=2, removed=[], added=[(0, sp, [9, 9], out0), (1, other, [9], [])], moved=[]))
+    logits = torch.randn(2, 8)
+    for want in (2, 6, 1):
+        got = proc.apply(logits.clone())
+        assert got[0].argmax().item() == want and torch.isinf(got[0]).sum() == 7
+        assert torch.equal(got[1], logits[1])  # a request without forced ids is untouched
+        out0.append(want)
+        proc.update_state(None)
+    import dataclasses
 
-    class P:
-        extra_args = {kc.FORCED_KEY: [2, 6]}
-
-    fn = proc.new_req_logits_processor(P)
-    assert fn([0], torch.zeros(8)).argmax().item() == 6
-    P.extra_args = None
-    assert proc.new_req_logits_processor(P) is None
+    spec = dict(model_dir="m", prompt_len=64, new_tokens=8, chunk=32, gpu_memory_utilization=0.5, enforce_eager=False,
+                configs={"quarot-int2": {"preset": "quarot-int2"}})
+    kw = kc.engine_kwargs(spec, "quarot-int2")
+    assert set(kw) <= {f.name for f in dataclasses.fields(EngineArgs)}
+    assert kw["max_num_batched_tokens"] == 32 and kw["max_model_len"] == 64 + 8 + 16 and kw["attention_backend"] == "CUSTOM"
+    assert "attention_backend" not in kc.engine_kwargs(spec, "bf16")
+    flat = create_sample_logprobs(True)
+    lp = torch.log_softmax(torch.randn(8, dtype=torch.float64), -1)
+    order = lp.argsort(descending=True).tolist()
+    append_logprobs_for_next_position(flat, [6] + order, [lp[6].item()] + lp[order].tolist(), [None] * 9, 3, -1)
+    s, e = flat.start_indices[0], flat.end_indices[0]
+    row = kc.dense_logprobs(flat.token_ids[s:e], flat.logprobs[s:e], 8)
+    assert torch.allclose(torch.from_numpy(row).double(), lp, atol=1e-6)
 
 
 def test_dense_logprobs_needs_the_full_normalized_vocabulary():
