@@ -141,7 +141,7 @@ def test_driver_writes_the_json(tmp_path, monkeypatch):
             if side == "_vllm":
                 res[m] = dict(kl=[[1.02 * x for x in w] for w in kl], nll=kl, top1=kl, engine_kwargs={"seed": 0})
             else:
-                res[m] = {dt: dict(kl=kl, nll=kl) for dt in kc.ROTKV_DTYPES}
+                res[m] = {dt: dict(kl=kl, nll=kl) for dt in spec["rotkv_dtypes"]}
         Path(result_path).write_text(json.dumps(res))
         return 0
 
@@ -149,14 +149,16 @@ def test_driver_writes_the_json(tmp_path, monkeypatch):
     out = tmp_path / "kl.json"
     assert kc.main(["--model-dir", str(tmp_path), "--methods", "bf16,rotkv:quarot-int2", "--sink", "16",
                     "--window", "32", "--prompt-len", "64", "--new-tokens", "8", "--requests", "4",
-                    "--out", str(out)]) == 0
+                    "--rotkv-dtypes", "bfloat16,float32", "--out", str(out)]) == 0
     assert seen == [("_rotkv", ["bf16", "quarot-int2"], "0"), ("_vllm", ["bf16"], "0"), ("_vllm", ["quarot-int2"], "0")]
     data = json.loads(out.read_text())
     assert data["schema"] == "rotkv-vllm-kl/1" and data["complete"] and data["split"] == "test" and data["chunk"] == 64
     assert len(data["windows"]) == 4 and data["settings"]["quarot-int2"] == {"preset": "quarot-int2", "sink": 16, "window": 32}
     row = data["methods"]["quarot-int2"]
     assert row["ratio"] == pytest.approx(1.02) and row["within_10pct"] and row["n_tokens"] == 32
-    assert row["ratio_ci95"] == pytest.approx([1.02, 1.02])
+    assert row["ratio_ci95"] == pytest.approx([1.02, 1.02]) and row["ratio_fp32_model"] == pytest.approx(1.02)
+    with pytest.raises(SystemExit, match="--rotkv-dtypes"):
+        kc.main(["--model-dir", str(tmp_path), "--rotkv-dtypes", "float32"])
 
     # a vLLM engine that fails: the other methods still run, the JSON says which failed, the exit is loud
     def failing(side, spec_path, result_path, env):
