@@ -239,7 +239,7 @@ def side_rotkv(spec: dict) -> dict:
     P, N = spec["prompt_len"], spec["new_tokens"]
     wins = [torch.tensor([w["ids"]]) for w in spec["windows"]]
     out: dict = {m: {} for m in spec["methods"]}
-    device = spec.get("device", "cuda")
+    device = spec["device"]
     ref_model = load_model(spec["gguf"], device=device, dtype=torch.float32).model
     refs = torch.stack([reference(ref_model, w.to(ref_model.device), P, N).cpu() for w in wins])
     if refs.shape != (len(wins), N, refs.shape[-1]):
@@ -296,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rotkv-dtypes", default="bfloat16",
                     help="weights of the transformers side: bfloat16 (what vLLM runs; the ratio's base), "
                          "and float32 (what `rotkv eval` uses) if listed too")
+    ap.add_argument("--device", default="cuda", help="device of the transformers side")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default=None)
@@ -322,7 +323,7 @@ def main(argv=None) -> int:
     assert all(len(w["ids"]) == P + N for w in wins), "a window is shorter than --prompt-len + --new-tokens"
     tmp = tempfile.TemporaryDirectory(prefix="vllm-kl-")  # the reference log-probs (R x N x vocab floats) stay out of --out's dir
     spec = dict(model_dir=str(Path(args.model_dir).resolve()), gguf=args.gguf or os.environ.get("ROTKV_GGUF"),
-                methods=methods, rotkv_dtypes=dtypes, windows=wins, prompt_len=P, new_tokens=N, chunk=args.chunk or P,
+                methods=methods, rotkv_dtypes=dtypes, device=args.device, windows=wins, prompt_len=P, new_tokens=N, chunk=args.chunk or P,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                 configs={m: rotkv_config(m, args) for m in methods if m != "bf16"},
                 ref_path=str(Path(tmp.name) / "ref.pt"))
