@@ -12,8 +12,8 @@ teacher-forced one decode step each, every step reading the stored (quantized) h
   budget of ``--chunk`` make vLLM's prefill chunks those of the transformers side. Custom logits
   processors run only under vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0`` is set).
 - transformers: ``rotkv.eval.nll.score_window`` (the decode KL of ``rotkv eval``) with the same preset,
-  artifact, sink, window and prefill chunk, on the bf16 weights vLLM runs and on the float32 weights
-  ``rotkv eval`` uses.
+  artifact, sink, window and prefill chunk, on the bf16 weights vLLM runs (and, with ``--rotkv-dtypes
+  bfloat16,float32``, also on the float32 weights ``rotkv eval`` uses).
 - reference: ``rotkv.eval.nll.reference``, the float32 model without a cache over the same tokens.
 
 ``ratio`` = vLLM KL / transformers KL (bf16 weights); its interval is a paired bootstrap over windows.
@@ -41,7 +41,6 @@ sys.path.insert(1, str(HERE.parent))
 from vllm_greedy_compare import rotkv_config  # noqa: E402
 
 FORCED_KEY = "rotkv_forced"
-ROTKV_DTYPES = ("float32", "bfloat16")
 
 
 # ---- pure parts (CPU-tested) ------------------------------------------------------------------------------
@@ -160,6 +159,20 @@ if AdapterLogitsProcessor is not None:
             return lambda output_ids, logits: forced_row(logits, output_ids, forced)
 
 
+def engine_kwargs(spec: dict, method: str) -> dict:
+    """``LLM(**kw)`` of one method: one request at a time, prefill chunks of ``spec["chunk"]`` tokens, the
+    forcing processor, full-vocabulary log-probs from before the processors, rotkv's backend for presets."""
+    P, N = spec["prompt_len"], spec["new_tokens"]
+    kw = dict(model=spec["model_dir"], dtype="bfloat16", max_model_len=P + N + 16, enable_prefix_caching=False,
+              gpu_memory_utilization=spec["gpu_memory_utilization"], seed=0, enforce_eager=spec["enforce_eager"],
+              max_num_seqs=1, max_num_batched_tokens=spec["chunk"], enable_chunked_prefill=True,
+              async_scheduling=False, max_logprobs=-1, logprobs_mode="raw_logprobs",
+              logits_processors=["vllm_kl_compare:ForceTextTokens"])
+    if method != "bf16":
+        kw.update(attention_backend="CUSTOM", block_size=16, additional_config={"rotkv": spec["configs"][method]})
+    return kw
+
+
 def side_vllm(spec: dict) -> dict:
     import numpy as np
     import torch
@@ -170,16 +183,11 @@ def side_vllm(spec: dict) -> dict:
     P, N = spec["prompt_len"], spec["new_tokens"]
     out = {}
     for method in spec["methods"]:
-        kw = dict(model=spec["model_dir"], dtype="bfloat16", max_model_len=P + N + 16, enable_prefix_caching=False,
-                  gpu_memory_utilization=spec["gpu_memory_utilization"], seed=0, enforce_eager=spec["enforce_eager"],
-                  max_num_seqs=1, max_num_batched_tokens=spec["chunk"], enable_chunked_prefill=True,
-                  async_scheduling=False, max_logprobs=-1, logprobs_mode="raw_logprobs",
-                  logits_processors=["vllm_kl_compare:ForceTextTokens"])
+        kw = engine_kwargs(spec, method)
         if method != "bf16":
             from rotkv.integrations.vllm import register
 
             register()
-            kw.update(attention_backend="CUSTOM", block_size=16, additional_config={"rotkv": spec["configs"][method]})
         t0 = time.time()
         llm = LLM(**kw)
         print(f"vllm_kl_compare: vLLM {method}: engine up in {time.time() - t0:.0f} s", flush=True)
@@ -231,14 +239,14 @@ def side_rotkv(spec: dict) -> dict:
     P, N = spec["prompt_len"], spec["new_tokens"]
     wins = [torch.tensor([w["ids"]]) for w in spec["windows"]]
     out: dict = {m: {} for m in spec["methods"]}
-    refs = None
-    for dt in ROTKV_DTYPES:  # float32 first: that model also gives the reference
-        model = load_model(spec["gguf"], device=spec.get("device", "cuda"), dtype=getattr(torch, dt)).model
-        if refs is None:
-            assert dt == "float32"
-            refs = torch.stack([reference(model, w.to(model.device), P, N).cpu() for w in wins])
-            assert refs.shape == (len(wins), N, refs.shape[-1]), refs.shape
-            torch.save(refs, spec["ref_path"])
+    device = spec["device"]
+    ref_model = load_model(spec["gguf"], device=device, dtype=torch.float32).model
+    refs = torch.stack([reference(ref_model, w.to(ref_model.device), P, N).cpu() for w in wins])
+    if refs.shape != (len(wins), N, refs.shape[-1]):
+        raise AssertionError(f"reference log-probs of shape {tuple(refs.shape)}")
+    torch.save(refs, spec["ref_path"])
+    for dt in spec["rotkv_dtypes"]:
+        model = ref_model if dt == "float32" else load_model(spec["gguf"], device=device, dtype=getattr(torch, dt)).model
         for method in spec["methods"]:
             cfg = dict(spec["configs"].get(method, {}))
             cfg.pop("preset", None)
@@ -253,7 +261,7 @@ def side_rotkv(spec: dict) -> dict:
             print(f"vllm_kl_compare: transformers {method} ({dt} weights): {len(wins)} windows in {time.time() - t0:.0f} s, "
                   f"mean KL {mean([x for w in side['kl'] for x in w]):.5f}", flush=True)
         del model
-        torch.cuda.empty_cache()
+    del ref_model
     return out
 
 
@@ -285,6 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=int, default=8, help="windows of the held-out text (spread over the suite's domains)")
     ap.add_argument("--split", default="test", choices=("dev", "test"), help="the mixed suite's split")
     ap.add_argument("--chunk", type=int, default=None, help="prefill chunk of both sides (default: --prompt-len, one chunk)")
+    ap.add_argument("--rotkv-dtypes", default="bfloat16",
+                    help="weights of the transformers side: bfloat16 (what vLLM runs; the ratio's base), "
+                         "and float32 (what `rotkv eval` uses) if listed too")
+    ap.add_argument("--device", default="cuda", help="device of the transformers side")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default=None)
@@ -302,13 +314,16 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     methods = [m.strip().removeprefix("rotkv:") for m in args.methods.split(",") if m.strip()]
+    dtypes = [d.strip() for d in args.rotkv_dtypes.split(",") if d.strip()]
+    if "bfloat16" not in dtypes or not set(dtypes) <= {"bfloat16", "float32"}:
+        raise SystemExit(f"--rotkv-dtypes has to list bfloat16 (and may list float32), got {args.rotkv_dtypes!r}")
     tok = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
     P, N = args.prompt_len, args.new_tokens
     wins = windows(tok, args.split, args.requests, P, N)
     assert all(len(w["ids"]) == P + N for w in wins), "a window is shorter than --prompt-len + --new-tokens"
     tmp = tempfile.TemporaryDirectory(prefix="vllm-kl-")  # the reference log-probs (R x N x vocab floats) stay out of --out's dir
     spec = dict(model_dir=str(Path(args.model_dir).resolve()), gguf=args.gguf or os.environ.get("ROTKV_GGUF"),
-                methods=methods, windows=wins, prompt_len=P, new_tokens=N, chunk=args.chunk or P,
+                methods=methods, rotkv_dtypes=dtypes, device=args.device, windows=wins, prompt_len=P, new_tokens=N, chunk=args.chunk or P,
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                 configs={m: rotkv_config(m, args) for m in methods if m != "bf16"},
                 ref_path=str(Path(tmp.name) / "ref.pt"))

@@ -24,18 +24,46 @@ def test_forced_row_keeps_only_the_texts_next_token():
     assert kc.forced_row(logits, [1, 2, 3], [3, 5, 7]) is logits  # past the forced ids: untouched
 
 
-def test_force_processor_class():
+def test_force_processor_in_vllms_batch_machinery():
+    """The processor as vLLM drives it: loaded by its qualified name, a request added through a BatchUpdate,
+    each step forced to the next id as the request's output list grows; the sampling params and engine
+    arguments the script passes are vLLM's; its flat log-probs become a dense row."""
     pytest.importorskip("vllm")
-    proc = kc.ForceTextTokens.__new__(kc.ForceTextTokens)
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.logprobs import append_logprobs_for_next_position, create_sample_logprobs
+    from vllm.v1.sample.logits_processor import BatchUpdate, _load_logitsprocs_by_fqcns
+
+    (cls,) = _load_logitsprocs_by_fqcns(["vllm_kl_compare:ForceTextTokens"])
+    proc = cls(None, torch.device("cpu"), False)
     assert proc.is_argmax_invariant() is False
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=-1, flat_logprobs=True,
+                        detokenize=False, extra_args={kc.FORCED_KEY: [2, 6, 1]})
+    other = SamplingParams(temperature=0.0, max_tokens=3)
+    out0: list[int] = []
+    proc.update_state(BatchUpdate(batch_size=2, removed=[], added=[(0, sp, [9, 9], out0), (1, other, [9], [])], moved=[]))
+    logits = torch.randn(2, 8)
+    for want in (2, 6, 1):
+        got = proc.apply(logits.clone())
+        assert got[0].argmax().item() == want and torch.isinf(got[0]).sum() == 7
+        assert torch.equal(got[1], logits[1])  # a request without forced ids is untouched
+        out0.append(want)
+        proc.update_state(None)
+    import dataclasses
 
-    class P:
-        extra_args = {kc.FORCED_KEY: [2, 6]}
-
-    fn = proc.new_req_logits_processor(P)
-    assert fn([0], torch.zeros(8)).argmax().item() == 6
-    P.extra_args = None
-    assert proc.new_req_logits_processor(P) is None
+    spec = dict(model_dir="m", prompt_len=64, new_tokens=8, chunk=32, gpu_memory_utilization=0.5, enforce_eager=False,
+                configs={"quarot-int2": {"preset": "quarot-int2"}})
+    kw = kc.engine_kwargs(spec, "quarot-int2")
+    assert set(kw) <= {f.name for f in dataclasses.fields(EngineArgs)}
+    assert kw["max_num_batched_tokens"] == 32 and kw["max_model_len"] == 64 + 8 + 16 and kw["attention_backend"] == "CUSTOM"
+    assert "attention_backend" not in kc.engine_kwargs(spec, "bf16")
+    flat = create_sample_logprobs(True)
+    lp = torch.log_softmax(torch.randn(8, dtype=torch.float64), -1)
+    order = lp.argsort(descending=True).tolist()
+    append_logprobs_for_next_position(flat, [6] + order, [lp[6].item()] + lp[order].tolist(), [None] * 9, 3, -1)
+    s, e = flat.start_indices[0], flat.end_indices[0]
+    row = kc.dense_logprobs(flat.token_ids[s:e], flat.logprobs[s:e], 8)
+    assert torch.allclose(torch.from_numpy(row).double(), lp, atol=1e-6)
 
 
 def test_dense_logprobs_needs_the_full_normalized_vocabulary():
@@ -113,7 +141,7 @@ def test_driver_writes_the_json(tmp_path, monkeypatch):
             if side == "_vllm":
                 res[m] = dict(kl=[[1.02 * x for x in w] for w in kl], nll=kl, top1=kl, engine_kwargs={"seed": 0})
             else:
-                res[m] = {dt: dict(kl=kl, nll=kl) for dt in kc.ROTKV_DTYPES}
+                res[m] = {dt: dict(kl=kl, nll=kl) for dt in spec["rotkv_dtypes"]}
         Path(result_path).write_text(json.dumps(res))
         return 0
 
@@ -121,14 +149,16 @@ def test_driver_writes_the_json(tmp_path, monkeypatch):
     out = tmp_path / "kl.json"
     assert kc.main(["--model-dir", str(tmp_path), "--methods", "bf16,rotkv:quarot-int2", "--sink", "16",
                     "--window", "32", "--prompt-len", "64", "--new-tokens", "8", "--requests", "4",
-                    "--out", str(out)]) == 0
+                    "--rotkv-dtypes", "bfloat16,float32", "--out", str(out)]) == 0
     assert seen == [("_rotkv", ["bf16", "quarot-int2"], "0"), ("_vllm", ["bf16"], "0"), ("_vllm", ["quarot-int2"], "0")]
     data = json.loads(out.read_text())
     assert data["schema"] == "rotkv-vllm-kl/1" and data["complete"] and data["split"] == "test" and data["chunk"] == 64
     assert len(data["windows"]) == 4 and data["settings"]["quarot-int2"] == {"preset": "quarot-int2", "sink": 16, "window": 32}
     row = data["methods"]["quarot-int2"]
     assert row["ratio"] == pytest.approx(1.02) and row["within_10pct"] and row["n_tokens"] == 32
-    assert row["ratio_ci95"] == pytest.approx([1.02, 1.02])
+    assert row["ratio_ci95"] == pytest.approx([1.02, 1.02]) and row["ratio_fp32_model"] == pytest.approx(1.02)
+    with pytest.raises(SystemExit, match="--rotkv-dtypes"):
+        kc.main(["--model-dir", str(tmp_path), "--rotkv-dtypes", "float32"])
 
     # a vLLM engine that fails: the other methods still run, the JSON says which failed, the exit is loud
     def failing(side, spec_path, result_path, env):
