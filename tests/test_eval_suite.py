@@ -173,7 +173,7 @@ def test_tiny_suite_run_end_to_end_and_report_only(tmp_path):
 def test_suite_compare_pairs_two_folders_on_the_same_windows(tmp_path, capsys):
     from rotkv_testing import load_benchmark
 
-    compare = load_benchmark("suite_compare")
+    compare = load_benchmark("suite_compare", "studies")
     for run, kls in (("old", {"a": [0.02, 0.04], "b": [0.1, 0.2]}), ("new", {"a": [0.01, 0.03], "b": [0.1, 0.1]})):
         os.makedirs(tmp_path / run)
         json.dump({"domains": ["a", "b"], "split": "test"}, open(tmp_path / run / "suite.json", "w"))

@@ -1,4 +1,4 @@
-"""benchmarks/plot_step_compile.py on the committed result files: bar labels, the figure, an empty file refused."""
+"""studies/plot_step_compile.py on the committed result files: bar labels, the figure, an empty file refused."""
 
 import json
 import os
@@ -9,7 +9,7 @@ from rotkv_testing import load_benchmark
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RES = os.path.join(ROOT, "benchmarks", "results")
 pytest.importorskip("matplotlib")
-plot = load_benchmark("plot_step_compile")
+plot = load_benchmark("plot_step_compile", "studies")
 
 FILES = ["generate-compile-smollm2-1x4k-20261204-6e62d7f.json", "generate-compile-qwen8L-4x32k-20261204-6e62d7f.json",
          "generate-compile-real-smollm2-64x8k-20261204-d525038.json", "generate-compile-qwen36L-8x32k-20261204-d525038.json"]

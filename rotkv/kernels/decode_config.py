@@ -68,7 +68,7 @@ class DecodeConfig:
     cuda_score_f16: int = 1
     # Triton v1 over a body with a 4-bit side (oscar-mix's INT4-key layers, which the CUDA kernel does
     # not read): its programs, warps and block; None: target_programs, num_warps, block_n (which are
-    # tuned on INT2 bodies; benchmarks/bench_mixed.py tunes these)
+    # tuned on INT2 bodies; studies/bench_mixed.py tunes these)
     wide_target_programs: int | None = 2048
     wide_num_warps: int | None = None
     wide_block_n: int | None = None

@@ -123,7 +123,7 @@ timeout 200 python3 studies/profile_step.py --shape smollm2 --presets bf16+compi
   --requests $1 --context $2 --out "$R/stepprof-tierwrite-smollm2-$1x$2.json" > "$R/stepprof-tierwrite-$1x$2.log" 2>&1
 echo "tierwrite stepprof $1x$2 rc=$?"; grep -E "graph_ms |replay_ms|kernel_ms|write|other" "$R/stepprof-tierwrite-$1x$2.log" | head -8; done; fi
 if want smolmix; then stage smolmix
-timeout 300 python3 benchmarks/bench_mixed.py --kinds smolmix --out "$R/mixed-smolmix.json" > "$R/smolmix.log" 2>&1
+timeout 300 python3 studies/bench_mixed.py --kinds smolmix --out "$R/mixed-smolmix.json" > "$R/smolmix.log" 2>&1
 echo "smolmix rc=$?"
 python3 - "$R/mixed-smolmix.json" > "$R/best-overrides.txt" <<'PY'
 import json, sys

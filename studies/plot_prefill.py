@@ -1,7 +1,7 @@
 """The prefill's progress, in one figure: seconds of one prefill per commit, rotkv bf16 and INT2
 against HF StaticCache, one panel per shape, with the peak GPU memory on each bar.
 
-    python benchmarks/plot_prefill.py \
+    python studies/plot_prefill.py \
         --files benchmarks/results/generate-20261203-3464ee4-smollm2-64x8k.json \
                 benchmarks/results/generate-20261203-3464ee4-qwen8l-4x32k.json \
                 benchmarks/results/prefill-sweep-smollm2-20261203-5f66706.json \
@@ -12,7 +12,7 @@ against HF StaticCache, one panel per shape, with the peak GPU memory on each ba
 
 The real SmolLM2 with the recommended preset (docs/serving_prefill_real.png):
 
-    python benchmarks/plot_prefill.py --files benchmarks/results/generate-real-smollm2-64x8k-20261203-64f94e5.json \
+    python studies/plot_prefill.py --files benchmarks/results/generate-real-smollm2-64x8k-20261203-64f94e5.json \
         benchmarks/results/generate-oscar-mix-smollm2-64x8k-20261203-64f94e5.json \
         benchmarks/results/generate-real-smollm2-64x8k-20261203-56face6.json \
         benchmarks/results/generate-oscar-mix-smollm2-64x8k-20261203-56face6.json --out docs/serving_prefill_real.png

@@ -2,7 +2,7 @@
 calibrated two ways, each run in its own folder on the same windows): per domain and as the mean over domains,
 the KL of each, and the difference with its paired, stratified 95% interval (rotkv.eval.suite).
 
-    python benchmarks/suite_compare.py --length 2048 \\
+    python studies/suite_compare.py --length 2048 \\
         old=/tmp/acc/test2k_old:oscar-mix new=/tmp/acc/test2k_new:oscar-mix [--out compare.md]
 
 Each argument is LABEL=DIR:METHOD; every one is compared with the first. The folders have to hold the same

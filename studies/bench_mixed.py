@@ -13,7 +13,7 @@
 CUDA-graph replays with the L2 flushed (``bench_decode.time_ms``). Writes
 ``benchmarks/results/mixed-<YYYYMMDD-HHMM>.json``.
 
-    PYTHONPATH=. python benchmarks/bench_mixed.py
+    PYTHONPATH=. python studies/bench_mixed.py
 """
 
 from __future__ import annotations

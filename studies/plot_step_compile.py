@@ -1,6 +1,6 @@
 """The decode step with and without the model's layers compiled (`rotkv bench` JSONs), one panel per file.
 
-    python benchmarks/plot_step_compile.py \
+    python studies/plot_step_compile.py \
         benchmarks/results/generate-compile-smollm2-1x4k-20261204-6e62d7f.json \
         benchmarks/results/generate-compile-qwen8L-4x32k-20261204-6e62d7f.json \
         benchmarks/results/generate-compile-real-smollm2-64x8k-20261204-d525038.json \
