@@ -203,12 +203,6 @@ class CacheSpec:
             raise ValueError("`refine_every` sizes the refine tier: needs `refine_tokens` > 0 (its cap)")
         self._check_progressive()
 
-    def key_bits(self, layer: int, artifact_bits: list[int] | None = None) -> int | None:
-        """The key width of ``layer``: its ``k_bits`` entry (or the artifact's, for ``k_bits="artifact"``), else ``bits``."""
-        if self.k_bits == "artifact":
-            return artifact_bits[layer]
-        return parse_layer_bits(self.k_bits).get(layer, self.bits) if self.k_bits else self.bits
-
     def window_at(self, tokens: int) -> int:
         """The window (unquantized recent tokens) of a row holding ``tokens`` tokens."""
         return window_at(self.window, self.window_share, tokens)

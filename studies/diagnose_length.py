@@ -38,6 +38,7 @@ import sys
 import torch
 
 from rotkv.cache.codecs import make_codecs
+from rotkv.cache.widths import resolve_widths
 from rotkv.config import get_preset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -281,13 +282,13 @@ def main() -> None:
         art = arts["main"]
         tables = ll.load_tables(args.levers, model, tok, art, spec, args.grid_tokens, ".scratch/levers",
                                 os.path.basename(args.artifact))
-        bits = [int(b) for b in art.tensors["k_bits"].tolist()] if "k_bits" in art.tensors else None
+        bits = [w.key for w in resolve_widths(spec, len(caps), art)]
         for cfg_name in args.levers:
             if cfg_name in rec.get("levers", {}):
                 continue
             per, extra = {}, 0
             for i, cap in enumerate(caps):
-                lq = LayerQuant(spec, art.layer_rotation(i), head_dim, spec.key_bits(i, bits))
+                lq = LayerQuant(spec, art.layer_rotation(i), head_dim, bits[i])
                 lq.kc, lq.vc, e = ll.lever_codecs(cfg_name.split("+"), i, lq.kc, lq.vc, lq.rot, spec, tables)
                 extra += e
                 per[i] = analyse_layer(cap, lq, w_os[i], scalings[i], L, n, sink, window, page, {"kv"})
@@ -315,9 +316,9 @@ def main() -> None:
                 if os.path.exists(path):
                     caps = torch.load(path)
                 art = arts["main"]
-                bits = [int(b) for b in art.tensors["k_bits"].tolist()] if "k_bits" in art.tensors else None
+                bits = [w.key for w in resolve_widths(spec, len(caps), art)]
                 for i, cap in enumerate(caps):
-                    lq = LayerQuant(spec, art.layer_rotation(i), head_dim, spec.key_bits(i, bits))
+                    lq = LayerQuant(spec, art.layer_rotation(i), head_dim, bits[i])
                     extra = analyse_layer(cap, lq, w_os[i], scalings[i], L, n, sink, window, page, set(args.exp))
                     runs[key]["layers"][str(i) if str(i) in runs[key]["layers"] else i].update(extra)
                 save()
@@ -337,10 +338,10 @@ def main() -> None:
                 share_window = max(window, round(share * L) - sink)
                 rec = {"start": s, "share_window": share_window, "layers": {}}
                 for name, art in arts.items():
-                    bits = [int(b) for b in art.tensors["k_bits"].tolist()] if "k_bits" in art.tensors else None
+                    bits = [w.key for w in resolve_widths(spec, len(caps), art)]
                     per = {}
                     for i, cap in enumerate(caps):
-                        lq = LayerQuant(spec, art.layer_rotation(i), head_dim, spec.key_bits(i, bits))
+                        lq = LayerQuant(spec, art.layer_rotation(i), head_dim, bits[i])
                         exps = set(args.exp) if name == "main" else {"kv"}
                         per[i] = analyse_layer(cap, lq, w_os[i], scalings[i], L, n, sink, window, page, exps, share_window)
                     rec["layers" if name == "main" else "layers_alt"] = per
@@ -351,9 +352,9 @@ def main() -> None:
                 save()
             if need_alt:
                 art = arts["alt"]
-                bits = [int(b) for b in art.tensors["k_bits"].tolist()] if "k_bits" in art.tensors else None
+                bits = [w.key for w in resolve_widths(spec, len(caps), art)]
                 runs[key]["layers_alt"] = {
-                    i: analyse_layer(cap, LayerQuant(spec, art.layer_rotation(i), head_dim, spec.key_bits(i, bits)),
+                    i: analyse_layer(cap, LayerQuant(spec, art.layer_rotation(i), head_dim, bits[i]),
                                      w_os[i], scalings[i], L, n, sink, window, page, {"kv"})
                     for i, cap in enumerate(caps)}
                 save()

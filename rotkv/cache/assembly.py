@@ -2,8 +2,8 @@
 
 :func:`plan_cache` reads the model, the spec and the artifact once and resolves, per layer: its
 kind, rotation, (key, value) codecs (their widths, group size, clip ratios and metadata dtypes)
-and byte budget. :func:`build_layer` makes the layer a :class:`LayerPlan` describes. Nothing is
-built and then replaced.
+and byte budget; the widths from :func:`rotkv.cache.widths.resolve_widths`, called once here.
+:func:`build_layer` makes the layer a :class:`LayerPlan` describes. Nothing is built and then replaced.
 
 Layer kinds:
 
@@ -24,17 +24,17 @@ from dataclasses import dataclass
 import torch
 
 from rotkv.cache.base import tier_dtype
-from rotkv.cache.codecs import TokenCodec, make_codecs, with_key_table
+from rotkv.cache.codecs import fixed_codecs, with_key_table
 from rotkv.cache.layer import HybridLayer
 from rotkv.cache.plan import PageState
 from rotkv.cache.progressive import EvictingLayer, ProgressiveCodec, ProgressiveLayer, layer_budget
-from rotkv.config import CacheSpec, artifact_file, artifact_kind, get_preset, parse_layer_bits
+from rotkv.cache.widths import check_width_sources, resolve_widths
+from rotkv.config import CacheSpec, artifact_file, artifact_kind, get_preset
 from rotkv.contract import make_command, validate_artifact
 from rotkv.hf import compat
 from rotkv.hf.geometry import model_geometry
 from rotkv.hf.models import check_supported, mean_centering_blocker, sliding_layers
 from rotkv.quant.quantizer import check_group
-from rotkv.quant.widths import WIDTHS
 from rotkv.rotations.artifact import Artifact, load_artifact, pick_key_fit
 from rotkv.rotations.base import LayerRotation
 from rotkv.rotations.registry import build_rotations
@@ -120,35 +120,15 @@ def layer_rotations(model, spec: CacheSpec, artifact: Artifact | str | None,
     return build_rotations(spec.rotation, layers, kv_heads, head_dim, spec.seed, spec.rotate_values), None
 
 
-def final_widths(spec: CacheSpec, artifact: Artifact | None, num_layers: int) -> list[int | None]:
-    """Per-layer final widths of a budgeted cache: the artifact's ``bits [L]`` when it has them, else ``spec.bits``."""
-    if artifact is not None and "bits" in artifact.tensors:
-        bits = [int(b) for b in artifact.tensors["bits"].tolist()]
-        if len(bits) != num_layers:
-            raise ValueError(f"artifact {artifact.path} has {len(bits)} widths in `bits` for {num_layers} layers")
-        return bits
-    return [spec.bits] * num_layers
-
-
 def _check(model, spec: CacheSpec, num_layers: int, head_dim: int, layer_bits) -> None:
     """The checks that need the model: group size, `k_bits` layers, mean-centering, `layer_bits`."""
     if spec.quantized:
         check_group(spec.resolved_group(head_dim), head_dim)
-    if spec.k_bits and spec.k_bits != "artifact":
-        bad = sorted(i for i in parse_layer_bits(spec.k_bits) if i >= num_layers)
-        if bad:
-            raise ValueError(f"`k_bits` names layers {bad} but the model has {num_layers} layers (0-{num_layers - 1})")
+    check_width_sources(spec, num_layers, layer_bits)
     if spec.key_mean:
         why = mean_centering_blocker(model)
         if why:
             raise ValueError(f"key mean-centering is not exact on this model ({why}); use a preset without key_mean")
-    if layer_bits is not None:
-        if len(layer_bits) != num_layers or spec.codec != "token" or not spec.quantized or spec.budget_tokens is not None:
-            raise ValueError(f"layer_bits needs one (key bits, value bits) pair per layer ({num_layers}) and a "
-                             f"quantized token-codec spec without a budget")
-        for kb, vb in layer_bits:
-            if kb not in WIDTHS or vb not in WIDTHS:
-                raise ValueError(f"layer_bits entries must be in {WIDTHS}, got {(kb, vb)}")
 
 
 def plan_cache(model, spec: CacheSpec, artifact: Artifact | str | None = None, layer_bits=None,
@@ -167,17 +147,11 @@ def plan_cache(model, spec: CacheSpec, artifact: Artifact | str | None = None, l
     if context_length is not None:
         pick_key_fit((), context_length)  # a bad length fails whatever the preset
     rotations, art = layer_rotations(model, spec, artifact, context_length)
-    artifact_bits = None
-    if spec.k_bits == "artifact":
-        if art is None or "k_bits" not in art.tensors:
-            raise ValueError("`k_bits`='artifact' needs an artifact with per-layer key widths (`k_bits`); make one with "
-                             f"`{make_command(artifact_kind(spec))}`")
-        artifact_bits = [int(b) for b in art.tensors["k_bits"].tolist()]
     budgeted = spec.budget_tokens is not None
     if budgeted and art is None and artifact is not None:  # rotation-free budgeted presets read only `bits`
         art = load_artifact(artifact) if isinstance(artifact, str) else artifact
         validate_artifact(art, model)
-    finals = final_widths(spec, art, num_layers) if budgeted else [spec.bits] * num_layers
+    widths = resolve_widths(spec, num_layers, art, layer_bits)
     g = spec.resolved_group(head_dim)
     tier_size = torch.empty(0, dtype=tier_dtype(spec, model.dtype)).element_size()
     windows = sliding_layers(model)
@@ -187,25 +161,19 @@ def plan_cache(model, spec: CacheSpec, artifact: Artifact | str | None = None, l
             layers.append(LayerPlan(i, "sliding", r, window=windows[i]))
             continue
         clip_k, clip_v = r.clip_k or spec.clip_k, r.clip_v or spec.clip_v
+        w = widths[i]
         if spec.start_bits is not None:
-            final = finals[i]
-            if final is None or final > spec.start_bits:
-                raise ValueError(f"layer {i}: final width {final} has to be one of {list(WIDTHS)} and <= start_bits {spec.start_bits}")
-            codecs = tuple(ProgressiveCodec(spec.start_bits, final, g, clip, spec.anchor, spec.shift) for clip in (clip_k, clip_v))
-            budget = layer_budget(spec, final, kv_heads, head_dim, tier_size)
-            layers.append(LayerPlan(i, "progressive", r, codecs, budget=budget, final_bits=final))
+            codecs = tuple(ProgressiveCodec(w.key, w.final, g, clip, spec.anchor, spec.shift) for clip in (clip_k, clip_v))
+            budget = layer_budget(spec, w.final, kv_heads, head_dim, tier_size)
+            layers.append(LayerPlan(i, "progressive", r, codecs, budget=budget, final_bits=w.final))
             continue
         codecs = None
         if spec.quantized:
-            codecs = make_codecs(spec.codec, spec.bits, g, clip_k, clip_v, spec.key_bits(i, artifact_bits),
-                                 spec.meta_k, spec.meta_v)
-            codecs = with_key_table(spec, art, i, codecs)  # a calibrated key format (`k_table`), if any
-            if layer_bits is not None:  # the widths change; clip ratios and metadata stay the spec's
-                kc, vc = codecs
-                codecs = (TokenCodec(layer_bits[i][0], kc.group_size, kc.clip, kc.meta),
-                          TokenCodec(layer_bits[i][1], vc.group_size, vc.clip, vc.meta))
-        if budgeted:  # fixed width: spec.bits, whatever widths an artifact carries
-            budget = layer_budget(spec, spec.bits, kv_heads, head_dim, tier_size)
+            codecs = fixed_codecs(spec, w, g, clip_k, clip_v)
+            if layer_bits is None:  # a calibrated key format (`k_table`), if any; layer_bits keeps the token codec
+                codecs = with_key_table(spec, art, i, codecs)
+        if budgeted:  # a fixed width (w.final: spec.bits), oldest tokens evicted over budget
+            budget = layer_budget(spec, w.final, kv_heads, head_dim, tier_size)
             layers.append(LayerPlan(i, "evicting", r, codecs, budget=budget))
         else:
             layers.append(LayerPlan(i, "paged", r, codecs))

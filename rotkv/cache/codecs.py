@@ -135,6 +135,16 @@ def make_codecs(codec: str, bits: int, group_size: int, clip_k: float, clip_v: f
     raise ValueError(f"`codec` has to be one of ['token', 'kivi'] but got {codec!r}")
 
 
+def fixed_codecs(spec, width, group_size: int, clip_k: float, clip_v: float):
+    """(key codec, value codec) of a fixed-width layer of ``spec`` whose widths ``width`` resolved
+    (:class:`rotkv.cache.widths.LayerWidth`): the token codec at ``width.key`` / ``width.value`` bits (keys
+    unclipped where ``width.clip_key`` is False), or the spec's other codec at ``spec.bits``."""
+    if spec.codec == "token":
+        return (TokenCodec(width.key, group_size, clip_k if width.clip_key else 1.0, spec.meta_k),
+                TokenCodec(width.value, group_size, clip_v, spec.meta_v))
+    return make_codecs(spec.codec, spec.bits, group_size, clip_k, clip_v)
+
+
 def with_key_table(spec, artifact, layer: int, codecs):
     """``codecs`` with the key codec of ``layer`` replaced by ``spec.k_table``'s calibrated format (from the
     artifact's ``k_grid`` or ``pq_book``/``pq_sigma``) where the layer's keys are at ``spec.bits``."""

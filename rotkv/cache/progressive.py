@@ -16,8 +16,8 @@ its final width, the bf16 sink and window included (``layer_budget``), times the
   post-RoPE, so the kept tokens keep their positions.
 
 Final widths per layer come from an artifact's ``bits [L]`` (``rotkv calibrate --method pmkvq``),
-otherwise ``spec.bits`` for every layer; :func:`rotkv.cache.assembly.plan_cache` resolves them with
-each layer's codecs and budget. Rotations compose: the body stores rotated rows.
+otherwise ``spec.bits`` for every layer (:func:`rotkv.cache.widths.resolve_widths`);
+:func:`rotkv.cache.assembly.plan_cache` resolves them with each layer's codecs and budget. Rotations compose: the body stores rotated rows.
 """
 
 from __future__ import annotations

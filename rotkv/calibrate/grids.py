@@ -19,13 +19,14 @@ from rotkv.quant.grid import lloyd_max, normalized_samples, uniform_grid
 def fit_grids(model, tokenizer, artifact, spec, tokens: int = 4096, chunk_len: int = 512, sink: int = 16,
               files=None) -> dict[str, torch.Tensor]:
     """``{"k_grid", "v_grid"}`` ``[L, H, 2^bits]`` from ``tokens`` calibration tokens (the sink tokens skipped)."""
+    from rotkv.cache.widths import resolve_widths
     from rotkv.calibrate.capture import capturing
     from rotkv.calibrate.corpus import token_chunks
     from rotkv.hf.geometry import model_geometry
 
     layers, kv_heads, head_dim = model_geometry(model.config)
     bits, g = spec.bits, spec.resolved_group(head_dim)
-    art_bits = [int(b) for b in artifact.tensors["k_bits"].tolist()] if "k_bits" in artifact.tensors else None
+    widths = resolve_widths(spec, layers, artifact)
     rots = [artifact.layer_rotation(i) for i in range(layers)]
     samples: dict[tuple[int, str], list[torch.Tensor]] = {}
 
@@ -34,7 +35,7 @@ def fit_grids(model, tokenizer, artifact, spec, tokens: int = 4096, chunk_len: i
         ck = r.clip_k if r.clip_k is not None else spec.clip_k
         cv = r.clip_v if r.clip_v is not None else spec.clip_v
         kr, vr = r.keys(k.float())[0, :, sink:], r.values(v.float())[0, :, sink:]  # [H, T, D]
-        if spec.key_bits(layer, art_bits) == bits:
+        if widths[layer].key == bits:
             samples.setdefault((layer, "k"), []).append(normalized_samples(kr, bits, g, ck, spec.meta_k))
         samples.setdefault((layer, "v"), []).append(normalized_samples(vr, bits, g, cv, spec.meta_v))
 

@@ -20,8 +20,9 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from rotkv.cache.codecs import TokenCodec, make_codecs
-from rotkv.config import CacheSpec, get_preset, parse_layer_bits
+from rotkv.cache.codecs import TokenCodec, fixed_codecs
+from rotkv.cache.widths import resolve_widths
+from rotkv.config import CacheSpec, get_preset
 from rotkv.quant.quantizer import check_group
 from rotkv.rotations.base import LayerRotation
 
@@ -176,22 +177,17 @@ def load_rotations(settings: VllmSettings, num_layers: int, kv_heads: int, head_
 
 def layer_codecs(spec: CacheSpec, layer: int, head_dim: int, rotation: LayerRotation,
                  artifact=None, num_layers: int | None = None) -> tuple[TokenCodec, TokenCodec]:
-    """(key codec, value codec) of ``layer``, as ``rotkv.cache.assembly.plan_cache`` makes them for a paged layer."""
+    """(key codec, value codec) of ``layer`` of ``num_layers`` (None: ``layer + 1``), as
+    ``rotkv.cache.assembly.plan_cache`` makes them for a paged layer: its widths from
+    :func:`rotkv.cache.widths.resolve_widths`."""
     g = spec.resolved_group(head_dim)
     check_group(g, head_dim)
-    artifact_bits = None
-    if spec.k_bits == "artifact":
-        if artifact is None or "k_bits" not in artifact.tensors:
-            raise ValueError(f"preset {spec.name!r} reads per-layer key widths (`k_bits`) from its artifact, and "
-                             f'{WHERE}["artifact"] has none')
-        artifact_bits = [int(b) for b in artifact.tensors["k_bits"].tolist()]
-    elif spec.k_bits and num_layers is not None:
-        bad = sorted(i for i in parse_layer_bits(spec.k_bits) if i >= num_layers)
-        if bad:
-            raise ValueError(f'{WHERE}["k_bits"] names layers {bad} but the model has {num_layers} layers')
+    try:
+        width = resolve_widths(spec, layer + 1 if num_layers is None else num_layers, artifact)[layer]
+    except ValueError as e:
+        raise ValueError(f"{WHERE}: {e}") from None
     clip_k, clip_v = rotation.clip_k or spec.clip_k, rotation.clip_v or spec.clip_v
-    kc, vc = make_codecs(spec.codec, spec.bits, g, clip_k, clip_v, spec.key_bits(layer, artifact_bits),
-                         spec.meta_k, spec.meta_v)
+    kc, vc = fixed_codecs(spec, width, g, clip_k, clip_v)
     for side, c in (("key", kc), ("value", vc)):
         if c.bits not in (2, 4):
             raise ValueError(f"layer {layer}: {side} width {c.bits} is not one the kernels read (2 or 4)")
