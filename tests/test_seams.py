@@ -93,3 +93,142 @@ def test_resolve_widths_reads_every_source():
         resolve_widths(CacheSpec(bits=2, k_bits="artifact", rotation="artifact"), 2, Art(bits=[2, 2]))
     with pytest.raises(ValueError, match=r"`k_bits` names layers \[3\]"):
         resolve_widths(CacheSpec(bits=2, k_bits="3:4"), 2)
+
+
+# ---- the tier seam ---------------------------------------------------------------------------------------
+TIER_MODULE = RK / "cache" / "refine.py"  # the refine tier's one module on the cache side
+TIER_NAME = r"(?i)refine|(^|_)rings?($|_)|newest_pages"  # an identifier of the refine tier's storage
+
+
+def tier_names(source: str) -> list[str]:
+    """``name:line`` of every identifier in ``source`` (names, attributes, arguments, keywords, imports)
+    that names the refine tier's storage; docstrings and comments are not read."""
+    import re
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, ast.arg):
+            names = [node.arg]
+        elif isinstance(node, ast.keyword) and node.arg:
+            names = [node.arg]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + ([node.module] if getattr(node, "module", None) else [])
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names = [node.name]
+        found += [f"{n}:{getattr(node, 'lineno', 0)}" for n in names if re.search(TIER_NAME, n.split(".")[-1])]
+    return found
+
+
+def test_the_tier_check_finds_the_refine_fields():
+    old = """
+from rotkv.cache.refine import newest_pages
+def f(self, pools, spec):
+    if pools.refine_rings:
+        pools.grow_refine(counts, nb)
+    return LayerPools(refine_pages=-(-spec.refine_tokens // 16), refine_every=spec.refine_every), self._rings(None)
+"""
+    assert sorted(n.split(":")[0] for n in tier_names(old)) == sorted(
+        ["newest_pages", "rotkv.cache.refine", "refine_rings", "grow_refine", "refine_pages", "refine_tokens",
+         "refine_every", "refine_every", "_rings"])
+    assert tier_names("def g(pools, step):\n    pools.read_tiers(k, v, nb, c, p, memo=step.cached)\n") == []
+
+
+def test_the_cache_composes_tiers_without_naming_the_refine_tier():
+    """Outside the refine tier's module, the cache's modules name none of its storage: the pools, the layer,
+    the cache, its plan and its CUDA graph call the tier hooks (rotkv.cache.tiers), which registers the kind."""
+    named = {}
+    for path in sorted((RK / "cache").glob("*.py")):
+        if path == TIER_MODULE:
+            continue
+        found = tier_names(path.read_text())
+        if found:
+            named[path.name] = sorted({n.split(":")[0] for n in found})
+    assert named == {"tiers.py": ["RefineRings", "rotkv.cache.refine"]}  # the one registration: its import, KINDS
+
+
+class CountingTier:
+    """A second tier kind for the test: it counts what the cache asks of it (and stores nothing)."""
+
+    label = "the counting tier"
+    PUBLISHED = {"counting": ("self", None)}
+
+    def __init__(self):
+        self.calls, self.rows = [], 0
+        self.self = self
+
+    @classmethod
+    def build(cls, spec, codecs, kv_heads, page, head_dim, device):
+        return cls()
+
+    @staticmethod
+    def graph_flags(spec):
+        return {}
+
+    def fit(self, rows):
+        self.rows = rows
+
+    def nbytes(self):
+        return 1000
+
+    def stored_bytes(self, counts):
+        return 7 * int(counts.sum())
+
+    def grow(self, counts, upto):
+        self.calls.append("grow")
+
+    def select(self, index):
+        self.calls.append("select")
+
+    def adopt(self, src, row, src_row, counts, body_pages):
+        self.calls.append("adopt")
+
+    def flush_target(self, pages, device):
+        return len(pages.flush)
+
+    def write(self, side, x, dst, stored, parts, codec, target):
+        assert target == len(dst) == x.shape[0]
+        self.calls.append(f"write{side}")
+
+    def read(self, k, v, nb, counts, pages, r0, body, start=0, memo=None):
+        self.calls.append("read")
+
+    def plan_args(self):
+        return {}
+
+    def kernel_args(self):
+        return {}
+
+
+def test_a_new_tier_kind_is_composed_by_the_hooks_alone(monkeypatch):
+    """A tier kind added to rotkv.cache.tiers.KINDS is built, written, read, counted and edited with the
+    batch through its hooks alone, beside the refine tier."""
+    from rotkv.cache import tiers
+    from rotkv.cache.codecs import make_codecs
+    from rotkv.cache.layer import HybridLayer
+    from rotkv.config import CacheSpec
+    from rotkv.rotations.registry import build_rotations
+
+    monkeypatch.setattr(tiers, "KINDS", (*tiers.KINDS, CountingTier))
+    h, d = 2, 16
+    spec = CacheSpec(bits=2, group_size=16, sink=2, window=4, page_size=4, tier_dtype="float32", refine_tokens=8)
+    layer = HybridLayer(spec, build_rotations("hadamard", 1, h, d)[0], d, h, 0, make_codecs("token", 2, 16, 0.9, 1.0))
+    g = torch.Generator().manual_seed(0)
+    for n in (30, 1, 1, 1, 1):  # a prefill, then decode steps: pages flushed and read
+        k = torch.randn(2, h, n, d, generator=g)
+        layer.update(k, k)
+        layer.attend(torch.randn(2, 4, n, d, generator=g), None, 0.3)
+    pools = layer.pools
+    counting = pools.counting
+    assert [type(t) for t in pools.tiers] == [tiers.RefineRings, CountingTier] and pools.refine is not None
+    assert {"write0", "write1", "read"} <= set(counting.calls) and counting.rows == 2
+    stats = layer.stats()
+    assert stats["body_bytes"] == (int(layer.state.body_count.sum()) * (pools.body_page_bytes + 7)
+                                   + pools.refine_rings[0].stored_bytes(layer.state.body_count))
+    assert stats["pool_bytes"] >= 1000
+    pools.select_tiers(torch.tensor([1, 0]))
+    assert counting.calls[-1] == "select"

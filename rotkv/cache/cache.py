@@ -169,8 +169,7 @@ class RotkvCache(Cache):
             for layer in paged:
                 layer.pools.fit(self.state.tier_free.capacity, self.state.body_free.capacity)
                 layer.pools.copy_pages(*(torch.as_tensor(c, device=layer.device) for c in copies))
-                for ring in layer.pools.refine_rings:  # a ring per row: each row takes its source row's
-                    ring.select(torch.as_tensor(index))
+                layer.pools.select_tiers(torch.as_tensor(index))  # each row takes its source row's
         for layer in self.layers:
             if not isinstance(layer, HybridLayer) and getattr(layer, "is_initialized", False):
                 layer.reorder_cache(torch.as_tensor(index))  # index_select (row-store layers copy rows)
@@ -219,7 +218,7 @@ class RotkvCache(Cache):
     def adopt_rows(self, rows, src: "RotkvCache", src_rows) -> None:
         """Move ``src``'s rows ``src_rows`` (requests prefilled in a cache of their own, the same spec and
         model) into this cache's empty ``rows``: pages from this cache's free lists, every layer's pages
-        and refine rings copied. ``src`` is left as it was."""
+        and tiers copied. ``src`` is left as it was."""
         mine, theirs = self._paged("adopt_rows"), src._paged("adopt_rows")
         if src.spec != self.spec or len(mine) != len(theirs):
             raise ValueError("adopt_rows needs a cache of the same spec over the same model")
@@ -231,9 +230,7 @@ class RotkvCache(Cache):
             for a, b in zip(mine, theirs):
                 a.pools.fit(st.tier_free.capacity, st.body_free.capacity)
                 a.pools.copy_from(b.pools, *(torch.as_tensor(i, device=a.device) for i in ids))
-                if a.pools.refine_rings:
-                    a.pools.grow_refine(counts, nb)
-                    a.pools.copy_rings_from(b.pools, row, src_row, nb)
+                a.pools.adopt_tiers(b.pools, row, src_row, counts, nb)
 
     def reset(self) -> None:
         """Forget every token; the pools keep their memory for the next batch."""

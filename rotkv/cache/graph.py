@@ -35,6 +35,7 @@ import torch
 
 from rotkv.cache.layer import HybridLayer
 from rotkv.cache.plan import Step
+from rotkv.cache.tiers import graph_flags
 from rotkv.kernels.plan import check_graph
 
 
@@ -49,7 +50,7 @@ class StaticDecode:
         if len(self.layers) != len(cache.layers):
             raise ValueError("CUDA-graph decode needs every layer in rotkv's paged pools (no sliding-window "
                              "or budgeted layers); run without cuda_graph")
-        check_graph(refine=bool(cache.spec.refine_tokens))
+        check_graph(**graph_flags(cache.spec))
         dev = self.layers[0].device
         p = st.page
         self.body_pages = -(-max_len // p) if st.quantized else 0
@@ -62,8 +63,8 @@ class StaticDecode:
             st.body_free.grow(max(st.body_free.capacity, rows * self.body_pages + 1))
         for layer in self.layers:
             layer.pools.fit(st.tier_free.capacity, st.body_free.capacity)
-            # the refine rings at the size a row of max_len needs: the captured graph keeps their tensors
-            layer.pools.grow_refine(st.body_count, self.body_pages)
+            # the tiers at the size a row of max_len needs: the captured graph keeps their tensors
+            layer.pools.grow_tiers(st.body_count, self.body_pages)
         # every buffer a step reads is a view of one int64 and one int32 device buffer, each loaded by one
         # copy from its host mirror per step (:meth:`load`; before, eight host-to-device and six
         # device-to-device copies)
@@ -132,7 +133,7 @@ class GraphDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         # the flush graph's (tier page, body page, row, index in the row's body) per row (the last two for
-        # the refine tier's ring); flush_graph=False flushes eagerly
+        # the tiers: rotkv.cache.tiers); flush_graph=False flushes eagerly
         self.flush_graph = flush_graph
         self.flush_pages = torch.zeros(4, rows, dtype=torch.int64, device=dev)
         # one flush graph per bucket of pages (powers of two up to rows): rows that flush on different
@@ -188,13 +189,11 @@ class GraphDecoder:
         self._flush(step)
         return self.logits
 
-    def _flush_layers(self, src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, index: torch.Tensor,
-                      sel: torch.Tensor | None = None) -> None:
-        """Flush every layer's pages ``src`` into ``dst``; the refine rings keep the pages ``sel`` of them
-        (None: all; a decode step flushes at most one page per row, so no two share a ring slot,
-        rotkv.cache.refine.ring_writes)."""
+    def _flush_layers(self, src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> None:
+        """Flush every layer's pages ``src`` into ``dst``, the ``index``-th body pages of batch rows ``rows``
+        (for the tiers; a decode step flushes at most one page per row)."""
         for layer in self.static.layers:
-            layer.pools.flush(src, dst, (rows, index, sel) if layer.pools.refine_rings else None)
+            layer.pools.flush(src, dst, (rows, index))
 
     def _flush(self, step: Step) -> None:
         n = len(step.flush)

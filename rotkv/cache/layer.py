@@ -34,10 +34,9 @@ from rotkv import switches
 from rotkv.cache.base import RotkvLayer
 from rotkv.cache.plan import PageState, Step
 from rotkv.cache.pools import READ_PAGES, LayerPools
-from rotkv.cache.refine import newest_pages
+from rotkv.cache.tiers import build_tiers
 from rotkv.config import CacheSpec
 from rotkv.kernels import plan as kernel_plan
-from rotkv.kernels.body import RefineTier
 from rotkv.rotations.base import LayerRotation
 
 
@@ -65,10 +64,10 @@ class HybridLayer(RotkvLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.rotation = self.rotation_cpu.to(self.device)
+        codecs = (self.key_codec, self.value_codec)
         self.pools = LayerPools(self.kv_heads, self.head_dim, self.spec.page_size, self.tier_dtype, self.device,
-                                self.key_codec, self.value_codec,
-                                refine_pages=-(-self.spec.refine_tokens // self.spec.page_size),
-                                refine_values=self.spec.refine_values, refine_every=self.spec.refine_every)
+                                *codecs, tiers=build_tiers(self.spec, codecs, self.kv_heads, self.spec.page_size,
+                                                           self.head_dim, self.device))
         if self.state.rows == 0 and self.state.seen == 0:
             self.state.reset(key_states.shape[0])
         self.is_initialized = True
@@ -96,10 +95,7 @@ class HybridLayer(RotkvLayer):
         n_body = int(st.body_count[row])
         pages = torch.as_tensor(st.body_pages[row, :n_body], device=self.device)
         bk, bv = self.pools.body_dense(pages[None], torch.float32)
-        if self.pools.refine_rings:
-            _, idx = newest_pages(np.array([n_body]), self.pools.refine_pages, self.pools.refine_every)
-            i = torch.as_tensor(idx, device=self.device)
-            self.pools.add_refinement(bk, bv, n_body, torch.full_like(i, row), torch.zeros_like(i), i, pages[i])
+        self.pools.read_tiers(bk, bv, n_body, st.body_count[row:row + 1], st.body_pages[row:row + 1], r0=row)
         tt = int(st.tier_tokens[row])
         s = min(tt, st.sink)
         tk, tv = self.pools.tier_dense(*self._tier_index(st.tier_pages[row:row + 1], np.array([tt])), torch.float32)
@@ -249,15 +245,14 @@ class HybridLayer(RotkvLayer):
         q = self._kernel_query(query)
         plan = self.pools.decode_plan(q, kernel_plan.decode_config(self.decode_score))
         if plan is None:
-            what = ("the refine tier (`refine_tokens`) with its kernel off" if pools.refine_rings
-                    else "this cache's body on this device")
+            what = next((f"{tier.label} with its kernel off" for tier in pools.tiers), "this cache's body on this device")
             raise ValueError(f"layer {self.layer_idx}: no decode kernel reads {what} (CUDA-graph decode runs the "
                              "kernels only); run without cuda_graph")
         body = self.pools.paged if self.spec.quantized else None
         # the graph captures the plan's launch for the capacity (st.body_max): one kernel every replay
         o = decode_attention(q, body, st.body if body is not None else None, st.body_max,
                              (self.pools.tier_k, self.pools.tier_v), st.tier, st.tier_max, sm_scale=scaling,
-                             tier_start=self.state.pad, plan=plan, **self._rings(body))
+                             tier_start=self.state.pad, plan=plan, **self._tier_kernel_args(body))
         return rot.outputs(o[:, :, None], query.dtype).transpose(1, 2)
 
     def _kernel_query(self, query: torch.Tensor) -> torch.Tensor:
@@ -292,17 +287,8 @@ class HybridLayer(RotkvLayer):
         else:
             o = self._attend_dense(step, query, scaling)
         if len(step.flush):
-            self.pools.flush(*step.device_flush(self.device), refine_at=self._refine_at(step))
+            self.pools.flush(*step.device_flush(self.device), step)
         return o
-
-    def _refine_at(self, step: Step):
-        """Where the layer has a refine tier: its rings grown for the flush, and ``(rows, index, sel)`` of the
-        flushed pages they keep (:meth:`Step.device_refine_at`); else None."""
-        if not self.pools.refine_rings:
-            return None
-        # the rings grow (before the write) to hold the refined pages of the longest row after the flush
-        self.pools.grow_refine(step.body_count, int(step.flush.index.max()) + 1)
-        return step.device_refine_at(self.device, self.pools.refine_pages)
 
     def store(self, step: Step, take) -> None:
         """Store a prefill step's tokens: the pages that leave the window are assembled from the
@@ -323,7 +309,7 @@ class HybridLayer(RotkvLayer):
                 k, v = take(new_rows, new_pos)
                 xk[new_at] = k
                 xv[new_at] = v
-            self.pools.flush_tokens(xk, xv, dst, self._refine_at(step))
+            self.pools.flush_tokens(xk, xv, dst, step)
             del xk, xv
         rows, pos, slots = step.device_write(dev)
         if len(slots):
@@ -340,15 +326,12 @@ class HybridLayer(RotkvLayer):
         o = decode_attention(q, body, t.body if body is not None else None, t.body_max,
                              (self.pools.tier_k, self.pools.tier_v), t.tier, t.tier_max, sm_scale=scaling,
                              cfg=kernel_plan.decode_config(self.decode_score), tier_start=self.state.pad, plan=plan,
-                             **self._rings(body))
+                             **self._tier_kernel_args(body))
         return o  # in q's dtype (:meth:`_kernel_query`)
 
-    def _rings(self, body) -> dict:
-        """The decode kernel's refine-tier arguments (``refine``, ``refine_values``) for a call over ``body``."""
-        if body is None:
-            return {}
-        pick = lambda r: RefineTier(r.data, r.pages, r.every) if r is not None else None  # noqa: E731
-        return {"refine": pick(self.pools.refine), "refine_values": pick(self.pools.refine_v)}
+    def _tier_kernel_args(self, body) -> dict:
+        """The decode kernel's arguments for the layer's tiers (``rotkv.cache.tiers``) in a call over ``body``."""
+        return {} if body is None else self.pools.tier_args("kernel_args")
 
     def _attend_dense(self, step: Step, query: torch.Tensor, scaling: float, own=None) -> torch.Tensor:
         """Dense attention of the step's queries ``[B, Hq, C, D]`` (float32 on the CPU, bf16 on the
@@ -424,29 +407,19 @@ class HybridLayer(RotkvLayer):
             table = step.cached(("body_table", dev, r0, r1), lambda: page_table(
                 step.body_pages[r0:r1], bc, np.where(bc > 0, self.spec.page_size, 0), dev))
         k, v = self.pools.body_dense(pages, cdt, table=table, out=out)
-        if self.pools.refine_rings:
-            self.pools.add_refinement(k, v, nb, *step.cached(("refined", dev, r0, r1), lambda: self._refined(step, r0, r1)))
+        self.pools.read_tiers(k, v, nb, step.body_count[r0:r1], step.body_pages[r0:r1], r0, memo=step.cached)
         return k, v
 
     def _body_side(self, step: Step, side: int, c0: int, c1: int, cdt) -> torch.Tensor:
         """Body pages ``c0:c1`` of every row, one side (0 keys, 1 values), decoded ``[B, H, (c1 - c0) * P, D]``
-        with the refine tier added (the PyTorch reader's scratch: one such chunk)."""
+        with the tiers added (the PyTorch reader's scratch: one such chunk)."""
         dev, b, nb = self.device, len(step.body_count), int(step.body_count.max(initial=0))
         pages = step.cached(("body_pages", dev, 0, b),
                             lambda: torch.from_numpy(np.ascontiguousarray(step.body_pages[:, :nb])).to(dev))
         x = self.pools.decode_pages(pages[:, c0:c1], side, cdt)
-        if (self.pools.refine, self.pools.refine_v)[side] is not None:
-            rows, local, idx, pg = step.cached(("refined", dev, 0, b), lambda: self._refined(step, 0, b))
-            sel = (idx >= c0) & (idx < c1)
-            self.pools.add_refinement(*((x, None) if side == 0 else (None, x)), c1 - c0, rows[sel], local[sel], idx[sel],
-                                      pg[sel], start=c0)
+        self.pools.read_tiers(*((x, None) if side == 0 else (None, x)), c1 - c0, step.body_count, step.body_pages,
+                              start=c0, memo=step.cached)
         return x
-
-    def _refined(self, step: Step, r0: int, r1: int) -> tuple[torch.Tensor, ...]:
-        """(batch row, local row, body index, page id) of the refined body pages of rows ``r0:r1``, on the device."""
-        rows, idx = newest_pages(step.body_count[r0:r1], self.pools.refine_pages, self.pools.refine_every)
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)  # noqa: E731
-        return t(rows + r0), t(rows), t(idx), t(step.body_pages[r0 + rows, idx])
 
     def _history(self, step: Step, r0: int, r1: int, nb: int, lt: int, cdt, own=None,
                  whole: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -491,7 +464,7 @@ class HybridLayer(RotkvLayer):
             "tokens": tokens,
             "body_tokens": body_tokens,
             "body_bytes": (body_tokens // self.spec.page_size * pools.body_page_bytes
-                           + (sum(r.stored_bytes(st.body_count) for r in pools.refine_rings) if st.rows else 0))
+                           + (pools.tier_bytes(st.body_count) if st.rows else 0))
             if pools else 0,
             "tier_bytes": tier_tokens * 2 * self.kv_heads * self.head_dim * torch.empty(0, dtype=self.tier_dtype).element_size(),
             "scratch_bytes": 0,  # the reader decodes per call (one chunk at a time): nothing held between calls

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rotkv.cache.refine import ring_writes
 from rotkv.config import window_at
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -98,7 +97,7 @@ class Flush:
 
     A decode step's flush moves whole tier pages: ``rows[i]``'s tier page ``src[i]`` becomes body
     page ``dst[i]``, the ``index[i]``-th page of that row's body (0-based; every flush sets ``rows``
-    and ``index``, which the refine tier's ring uses). A prefill step's flush (``direct``) takes the leaving tokens from where they
+    and ``index``, which the tiers use: ``rotkv.cache.tiers``). A prefill step's flush (``direct``) takes the leaving tokens from where they
     are: the flushed pages' tokens, in order (page ``i`` of ``dst`` is tokens ``i*P .. i*P+P-1``),
     are either stored tier tokens (``old_slots``, at ``old_at``) or the step's own new tokens
     (batch row ``new_rows``, call position ``new_pos``, at ``new_at``), which never enter the tier.
@@ -181,16 +180,6 @@ class Step:
     def device_flush_rows(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(batch row, index in that row's body) of every flushed page, int64 on ``device``."""
         return self.cached(("flush_rows", device), lambda: (_dev(self.flush.rows, device), _dev(self.flush.index, device)))
-
-    def device_refine_at(self, device, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(rows, index, sel)`` of the flushed pages a ``k``-slot refine ring keeps, on ``device``
-        (:func:`rotkv.cache.refine.ring_writes`; ``sel`` their positions in the flush, None for all)."""
-        def make():
-            f = self.flush
-            sel = ring_writes(f.rows, f.index, k)
-            rows, index = (f.rows, f.index) if sel is None else (f.rows[sel], f.index[sel])
-            return _dev(rows, device), _dev(index, device), None if sel is None else _dev(sel, device)
-        return self.cached(("refine_at", device, k), make)
 
     def device_flush_tokens(self, device) -> tuple[torch.Tensor, ...]:
         """A prefill step's flush on ``device``: (old_slots, old_at, new_rows, new_pos, new_at, dst)."""

@@ -8,7 +8,9 @@
   codecs the kernels do not read);
 - no dequantized copy: the PyTorch reader (the CPU path) decodes the body pages it reads per
   chunk of :data:`READ_PAGES` pages (:meth:`LayerPools.body_chunks`), so what the pools hold is what
-  the process holds for the cache.
+  the process holds for the cache;
+- tiers: storage features over the body pages (``rotkv.cache.tiers``), each its own; the pools call
+  their hooks and name none.
 
 Pools grow (by at least 25%, copying once) when the cache's free lists grow; they never shrink.
 """
@@ -20,7 +22,7 @@ import copy
 import torch
 
 from rotkv.cache.codecs import TokenCodec
-from rotkv.cache.refine import RefineRing
+from rotkv.cache.tiers import published
 from rotkv.kernels import plan
 from rotkv.kernels.body import PagedBody, TokenPart
 
@@ -50,16 +52,10 @@ READ_PAGES = 64  # body pages the PyTorch reader decodes at a time (its float32 
 
 class LayerPools:
     def __init__(self, kv_heads: int, head_dim: int, page: int, tier_dtype: torch.dtype, device, key_codec,
-                 value_codec, refine_pages: int = 0, refine_values: bool = False, refine_every: int = 0):
+                 value_codec, tiers: tuple = ()):
         self.kv_heads, self.head_dim, self.page, self.device = kv_heads, head_dim, page, device
         self.codecs = (key_codec, value_codec)
-        # the refine tier (rotkv.cache.refine): 2 more bits for the keys (and with refine_values the values)
-        # of each row's newest body pages, 2-bit token-codec sides only (4-bit keys have none)
-        two = lambda c: isinstance(c, TokenCodec) and c.bits == 2  # noqa: E731
-        self.refine = (RefineRing(refine_pages, kv_heads, page, head_dim, key_codec.group_size, device, refine_every)
-                       if refine_pages > 0 and two(key_codec) else None)
-        self.refine_v = (RefineRing(refine_pages, kv_heads, page, head_dim, value_codec.group_size, device, refine_every)
-                         if refine_pages > 0 and refine_values and two(value_codec) else None)
+        self.tiers = tuple(tiers)  # rotkv.cache.tiers.build_tiers: what rides on the body pages
         shape = (0, kv_heads, page, head_dim)
         self.tier_k = torch.zeros(shape, dtype=tier_dtype, device=device)
         self.tier_v = torch.zeros(shape, dtype=tier_dtype, device=device)
@@ -87,12 +83,24 @@ class LayerPools:
         # such write yet); the reference encoder raises at once instead
         self.range_flags: list[torch.Tensor | None] = [None, None]
 
+    def __getattr__(self, name: str):
+        """A name a tier publishes (``rotkv.cache.tiers.published``); AttributeError for any other."""
+        return published(self.__dict__.get("tiers", ()), name)
+
     def decode_plan(self, q: torch.Tensor, cfg) -> plan.DecodePlan | None:
         """The decode plan of a step with rotated queries ``q [B, Hq, D]`` (``rotkv.kernels.plan``),
         or None where no kernel runs it (``rotkv.kernels.plan.plan_step``: kernels off, a body the kernels
-        do not read, or a refine tier whose kernel is off)."""
+        do not read, or a tier whose kernel is off); the plan is made for the tiers (their ``plan_args``)."""
         return plan.plan_step(q, self.paged, cfg, readable=self.codecs[0] is None or self.paged is not None,
-                              refine=(self.refine is not None, self.refine_v is not None))
+                              **self.tier_args("plan_args"))
+
+    def tier_args(self, hook: str) -> dict:
+        """The keyword arguments every tier gives by ``hook`` (``plan_args``: the decode plan's,
+        ``kernel_args``: the decode kernel's), merged."""
+        out = {}
+        for tier in self.tiers:
+            out.update(getattr(tier, hook)())
+        return out
 
     def _type_body(self) -> None:
         """(Re)build ``paged`` over the current body tensors (token codecs only)."""
@@ -103,10 +111,10 @@ class LayerPools:
 
     # ---- capacity ------------------------------------------------------------------------------
     def fit(self, tier_pages: int, body_pages: int, rows: int | None = None) -> None:
-        """Make room for page ids below ``tier_pages`` and ``body_pages`` (and the refine rings of ``rows`` rows)."""
+        """Make room for page ids below ``tier_pages`` and ``body_pages`` (and the tiers of ``rows`` rows)."""
         if rows is not None:
-            for ring in self.refine_rings:
-                ring.fit(rows)
+            for tier in self.tiers:
+                tier.fit(rows)
         if self.tier_k.shape[0] < tier_pages:
             self.tier_k, self.tier_v = _grow(self.tier_k, tier_pages), _grow(self.tier_v, tier_pages)
         first = next(iter(self.body[0].values()), None)  # any codec's parts: [pages, ...]
@@ -118,8 +126,8 @@ class LayerPools:
 
     def nbytes(self) -> int:
         """Bytes the pools hold (capacity, free pages included)."""
-        ring = sum(_nbytes(r.data) for r in self.refine_rings)
-        return _nbytes(self.tier_k) * 2 + sum(_nbytes(t) for parts in self.body for t in parts.values()) + ring
+        tiers = sum(t.nbytes() for t in self.tiers)
+        return _nbytes(self.tier_k) * 2 + sum(_nbytes(t) for parts in self.body for t in parts.values()) + tiers
 
     # ---- tier ------------------------------------------------------------------------------------
     def write_tier(self, slots: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None,
@@ -173,26 +181,24 @@ class LayerPools:
         x = x.view(b, n, *x.shape[1:]).permute(0, 2, 1, 3, 4)
         return x if dtype is None else x.reshape(b, self.kv_heads, n * self.page, self.head_dim).to(dtype)
 
-    def flush(self, src: torch.Tensor, dst: torch.Tensor, refine_at: tuple | None = None) -> None:
-        """Quantize tier pages ``src`` into body pages ``dst`` (keys and values)."""
+    def flush(self, src: torch.Tensor, dst: torch.Tensor, pages=None) -> None:
+        """Quantize tier pages ``src`` into body pages ``dst`` (keys and values); ``pages`` as :meth:`flush_tokens`."""
         n, h, p, d = len(src), self.kv_heads, self.page, self.head_dim
         self.flush_tokens(*(t[src].transpose(1, 2).reshape(n * p, h, d) for t in (self.tier_k, self.tier_v)), dst,
-                          refine_at)
+                          pages)
 
-    def flush_tokens(self, xk: torch.Tensor, xv: torch.Tensor, dst: torch.Tensor,
-                     refine_at: tuple | None = None) -> None:
+    def flush_tokens(self, xk: torch.Tensor, xv: torch.Tensor, dst: torch.Tensor, pages=None) -> None:
         """Quantize the tokens ``xk, xv [n * P, H, D]`` (page ``i`` of ``dst``: tokens ``i*P .. i*P+P-1``)
         into body pages ``dst``: on CUDA one call of the fused write kernel each (INT2/INT4 token
-        codec), else the codec's reference encoder. ``refine_at``, for the refine tier (required when
-        the pools have one): ``(rows, index, sel)``, the batch row and body index of the pages the rings
-        keep, the positions ``sel`` of those pages in ``dst`` (None: all of them, in order;
-        :func:`rotkv.cache.refine.ring_writes`)."""
+        codec), else the codec's reference encoder; then every tier writes its part of them. ``pages``,
+        which rows' pages these are, for the tiers (a tier may require it): the layer's
+        :class:`~rotkv.cache.plan.Step`, or ``(rows, index)`` device tensors, the batch row and index in its
+        body of each page (``Tier.flush_target``)."""
         n, h, p, d = len(dst), self.kv_heads, self.page, self.head_dim
-        if self.refine_rings and refine_at is None:
-            raise ValueError("a flush into pools with a refine tier needs the pages' rows and body indices")
-        for x, parts, codec, i, ring in zip((xk, xv), self.body, self.codecs, (0, 1), (self.refine, self.refine_v)):
-            pages = x.reshape(n, p, h, d).transpose(1, 2)  # [n, H, P, D]
-            stored = base = None  # the pages' parts and their 2-bit reading, where this flush has them
+        targets = [tier.flush_target(pages, self.device) for tier in self.tiers]
+        for x, parts, codec, i in zip((xk, xv), self.body, self.codecs, (0, 1)):
+            x_pages = x.reshape(n, p, h, d).transpose(1, 2)  # [n, H, P, D]
+            stored = None  # the pages' parts, where this flush encoded them here
             if self.part_kernels[i]:
                 from rotkv.kernels.write import quant_write
 
@@ -205,56 +211,45 @@ class LayerPools:
                     # in place: a CUDA graph that captured this flush accumulates into the same flag
                     self.range_flags[i].logical_or_(fp8_meta_out_of_range(part, dst))
             else:
-                stored = codec.encode(pages.float())
+                stored = codec.encode(x_pages.float())
                 for name, t in stored.items():
                     parts[name][dst] = t
-                if ring is not None:
-                    base = codec.decode(stored)
-            if ring is not None:  # the refine tier: from the exact pages and their stored 2-bit reading
-                rows, index, sel = refine_at
-                if sel is not None:
-                    pages = pages[sel]
-                if stored is None:  # written by the kernel: read back
-                    stored = {name: t[dst if sel is None else dst[sel]] for name, t in parts.items()}
-                    base = codec.decode(stored)
-                elif sel is not None:
-                    stored, base = {name: t[sel] for name, t in stored.items()}, base[sel]
-                ring.write(pages, base, stored["scale"], rows, index)
+            for tier, target in zip(self.tiers, targets):
+                tier.write(i, x_pages, dst, stored, parts, codec, target)
 
-    @property
-    def refine_rings(self) -> list[RefineRing]:
-        """The refine tier's rings (keys, then values), those the layer has."""
-        return [r for r in (self.refine, self.refine_v) if r is not None]
+    # ---- tiers: every hook over every tier (rotkv.cache.tiers) -------------------------------------
+    def tier_bytes(self, counts) -> int:
+        """Bytes the tiers add to rows of ``counts`` body pages now."""
+        return sum(tier.stored_bytes(counts) for tier in self.tiers)
 
-    @property
-    def refine_pages(self) -> int:
-        """Slots per row of the refine rings now, the most refined pages any row reads (0: no tier)."""
-        return self.refine_rings[0].pages if self.refine_rings else 0
+    def grow_tiers(self, counts, upto: int) -> None:
+        """Make the tiers hold a row of ``upto`` body pages (rows of ``counts`` pages now)."""
+        for tier in self.tiers:
+            tier.grow(counts, upto)
 
-    def grow_refine(self, counts, upto: int) -> None:
-        """Grow the refine rings to hold a row of ``upto`` body pages (rows of ``counts`` pages now;
-        :meth:`rotkv.cache.refine.RefineRing.grow`)."""
-        for ring in self.refine_rings:
-            ring.grow(counts, upto)
+    def select_tiers(self, index: torch.Tensor) -> None:
+        """The tiers' rows become ``index`` (the body's pages are copied apart: :meth:`copy_pages`)."""
+        for tier in self.tiers:
+            tier.select(index)
 
-    @property
-    def refine_every(self) -> int:
-        """The refine tier's size rule: one refined page per this many body pages (0: ``refine_pages``)."""
-        return self.refine_rings[0].every if self.refine_rings else 0
+    def adopt_tiers(self, src: "LayerPools", row: int, src_row: int, counts, body_pages: int) -> None:
+        """Give ``row`` (rows of ``counts`` body pages here before) what ``src``'s tiers hold for its row
+        ``src_row``, a row of ``body_pages`` body pages."""
+        for mine, theirs in zip(self.tiers, src.tiers):
+            mine.adopt(theirs, row, src_row, counts, body_pages)
 
-    def add_refinement(self, k: torch.Tensor | None, v: torch.Tensor | None, nb: int, rows: torch.Tensor,
-                       local: torch.Tensor, index: torch.Tensor, pages: torch.Tensor, start: int = 0) -> None:
-        """Add the refine tier to dequantized body keys and values ``[b, H, >= nb * P, D]`` in place (None:
-        that side is not read): the ``index[i]``-th body page (id ``pages[i]``) of local row ``local[i]``,
-        batch row ``rows[i]``; ``k, v`` hold the body pages from index ``start`` on."""
-        for t, parts, ring in zip((k, v), self.body, (self.refine, self.refine_v)):
-            if ring is not None and t is not None:
-                ring.add(t, nb, rows, local, index, parts["scale"][pages], start)
+    def read_tiers(self, k: torch.Tensor | None, v: torch.Tensor | None, nb: int, counts, pages, r0: int = 0,
+                   start: int = 0, memo=None) -> None:
+        """Add the tiers to dequantized body keys and values ``[b, H, >= nb * P, D]`` in place (None: that side
+        is not read), which hold body pages ``start .. start + nb - 1`` of rows ``r0 .. r0 + b - 1``: ``counts
+        [b]`` body pages each, their ids ``pages [b, N]`` (host). ``memo``: a per-step store (``Step.cached``)."""
+        for tier in self.tiers:
+            tier.read(k, v, nb, counts, pages, r0, self.body, start, memo)
 
     def copy_from(self, src: "LayerPools", tier_src, tier_dst, body_src, body_dst) -> None:
         """Copy pages of another layer's pools (same layout) into these: tier pages ``tier_src`` of
         ``src`` to ``tier_dst`` here, body pages (every part) likewise; ids are
-        ``[n]`` int64 tensors on this device. The refine rings are copied apart (:meth:`copy_rings_from`)."""
+        ``[n]`` int64 tensors on this device. The tiers are copied apart (:meth:`adopt_tiers`)."""
         if len(tier_src):
             self.tier_k[tier_dst] = src.tier_k[tier_src]
             self.tier_v[tier_dst] = src.tier_v[tier_src]
@@ -262,19 +257,6 @@ class LayerPools:
             for mine, theirs in zip(self.body, src.body):
                 for name, t in mine.items():
                     t[body_dst] = theirs[name][body_src]
-
-    def copy_rings_from(self, src: "LayerPools", row: int, src_row: int, body_pages: int) -> None:
-        """Give row ``row`` the refinements of ``src``'s row ``src_row``, a row of ``body_pages`` body
-        pages: the pages its ring holds (its newest, up to the ring's slots), each from its slot there
-        to its slot here (``index % K``); the rings here must be grown for the row already."""
-        for mine, theirs in zip(self.refine_rings, src.refine_rings):
-            held = min(body_pages, theirs.pages)
-            if not held:
-                continue
-            if mine.pages < held:
-                raise ValueError(f"the refine ring holds {mine.pages} pages per row, the adopted row {held}")
-            idx = torch.arange(body_pages - held, body_pages, device=mine.data.device)
-            mine.data[row, idx % mine.pages] = theirs.data[src_row, idx.to(theirs.data.device) % theirs.pages]
 
     def copy_pages(self, tier_src, tier_dst, body_src, body_dst) -> None:
         """Copy pages (a row repeated by beam search gets its own pages)."""

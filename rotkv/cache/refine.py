@@ -29,6 +29,12 @@ paths (dense decode, prefill history, :meth:`HybridLayer.read`) and by the Trito
 (``rotkv.kernels.decode``: a second key, or value, of scale ``s / 4`` and minimum ``-3/8 s`` for the refined
 pages; on by default, ``ROTKV_TUNING=refine_kernel=0`` turns it off); the CUDA-graph decoder captures a refined
 cache too (its flush graph writes the ring).
+
+The tier seam (:mod:`rotkv.cache.tiers`): :class:`RefineRings` is one layer's tier, the hooks the pools, the
+layer, the cache and its CUDA graph call on every tier; everything they need of the refine tier is here. Its
+kernel parts sit beside the kernels: the ring as the kernels read it (``rotkv.kernels.body.RefineTier``), the
+decode kernel's read, its PyTorch reference (``rotkv.kernels.reference.refine_dense``) and the split of a call
+(``rotkv.kernels.refine_split``); the arithmetic of the nested grid is ``rotkv.quant.refine``.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rotkv.cache.codecs import TokenCodec
+from rotkv.kernels.body import RefineTier
 from rotkv.quant.packing import pack, unpack
 from rotkv.quant.refine import refine_codes, refine_delta, refined_pages
 
@@ -132,3 +140,167 @@ class RefineRing:
         view = k[:, :, : nb * p].view(b, h, nb, p, d)
         delta = refine_delta(unpack(self.data[rows, index % self.pages], 2), scale, self.group_size)
         view[local, :, index - start] += delta.to(k.dtype)
+
+
+def _dev(a: np.ndarray, device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+
+
+class RefineRings:
+    """One layer's refine tier (a tier of :mod:`rotkv.cache.tiers`): the ring of the keys, and with
+    ``refine_values`` the ring of the values, of its 2-bit token-codec sides (4-bit keys have none)."""
+
+    label = "the refine tier (`refine_tokens`)"
+    # names the pools answer for the tier (rotkv.cache.tiers.published): its attribute, and the value of a
+    # layer without the tier
+    PUBLISHED = {"refine": ("keys", None), "refine_v": ("values", None), "refine_rings": ("rings", ()),
+                 "refine_pages": ("pages", 0), "refine_every": ("every", 0)}
+
+    def __init__(self, keys: RefineRing | None, values: RefineRing | None):
+        self.keys, self.values = keys, values
+
+    @classmethod
+    def build(cls, spec, codecs, kv_heads: int, page: int, head_dim: int, device) -> "RefineRings | None":
+        """The tier of a layer of ``spec`` whose (key, value) codecs are ``codecs``, or None: no
+        ``refine_tokens``, or no 2-bit token-codec side to refine."""
+        pages = -(-spec.refine_tokens // page)
+        two = lambda c: isinstance(c, TokenCodec) and c.bits == 2  # noqa: E731
+        kc, vc = codecs
+        ring = lambda c: RefineRing(pages, kv_heads, page, head_dim, c.group_size, device, spec.refine_every)  # noqa: E731
+        keys = ring(kc) if pages > 0 and two(kc) else None
+        values = ring(vc) if pages > 0 and spec.refine_values and two(vc) else None
+        return cls(keys, values) if keys is not None or values is not None else None
+
+    @staticmethod
+    def graph_flags(spec) -> dict:
+        """What the kernel plan's CUDA-graph check needs to know (``rotkv.kernels.plan.check_graph``)."""
+        return {"refine": bool(spec.refine_tokens)}
+
+    # ---- pages and bytes -----------------------------------------------------------------------
+    @property
+    def rings(self) -> list[RefineRing]:
+        """The rings the layer has (keys, then values)."""
+        return [r for r in (self.keys, self.values) if r is not None]
+
+    @property
+    def pages(self) -> int:
+        """Slots per row of the rings now, the most refined pages any row reads."""
+        return self.rings[0].pages
+
+    @property
+    def every(self) -> int:
+        """The size rule: one refined page per this many body pages (0: ``pages``)."""
+        return self.rings[0].every
+
+    def fit(self, rows: int) -> None:
+        """Hold ``rows`` rows (a new batch)."""
+        for ring in self.rings:
+            ring.fit(rows)
+
+    def nbytes(self) -> int:
+        """Bytes the rings hold."""
+        return sum(r.data.numel() * r.data.element_size() for r in self.rings)
+
+    def stored_bytes(self, counts: np.ndarray) -> int:
+        """Bytes of the refinements read now by rows of ``counts`` body pages."""
+        return sum(r.stored_bytes(counts) for r in self.rings)
+
+    def grow(self, counts, upto: int) -> None:
+        """Make room for a row of ``upto`` body pages (rows of ``counts`` pages now; :meth:`RefineRing.grow`)."""
+        for ring in self.rings:
+            ring.grow(counts, upto)
+
+    # ---- rows ------------------------------------------------------------------------------------
+    def select(self, index: torch.Tensor) -> None:
+        """Rows become ``index`` (beam search, row removal): each row takes its source row's rings."""
+        for ring in self.rings:
+            ring.select(index)
+
+    def adopt(self, src: "RefineRings", row: int, src_row: int, counts, body_pages: int) -> None:
+        """Give ``row`` (rows of ``counts`` body pages before) the refinements of ``src``'s row ``src_row``,
+        a row of ``body_pages`` body pages: the rings grow for it, then each page ``src`` holds (its newest,
+        up to its slots) moves from its slot there to its slot here (``index % K``)."""
+        self.grow(counts, body_pages)
+        for mine, theirs in zip(self.rings, src.rings):
+            held = min(body_pages, theirs.pages)
+            if not held:
+                continue
+            if mine.pages < held:
+                raise ValueError(f"the refine ring holds {mine.pages} pages per row, the adopted row {held}")
+            idx = torch.arange(body_pages - held, body_pages, device=mine.data.device)
+            mine.data[row, idx % mine.pages] = theirs.data[src_row, idx.to(theirs.data.device) % theirs.pages]
+
+    # ---- write -----------------------------------------------------------------------------------
+    def flush_target(self, pages, device) -> tuple:
+        """Where a flush's pages go in the rings: ``(rows, index, sel)``, the batch row and body index of the
+        pages the rings keep and their positions ``sel`` in the flush (None: all, in order). ``pages``: the
+        layer's :class:`~rotkv.cache.plan.Step` (the rings grow for its flush first, and what is derived from
+        its flush is kept once per step for every layer: :func:`ring_writes`), or ``(rows, index)`` device
+        tensors of a flush that writes at most one page per row (the CUDA-graph decoder's; grown before capture)."""
+        if pages is None:
+            raise ValueError("a flush into pools with a refine tier needs the pages' rows and body indices")
+        if isinstance(pages, tuple):
+            return (*pages, None)
+        step = pages
+        # the rings grow (before the write) to hold the refined pages of the longest row after the flush
+        self.grow(step.body_count, int(step.flush.index.max()) + 1)
+        k = self.pages
+
+        def make():
+            f = step.flush
+            sel = ring_writes(f.rows, f.index, k)
+            rows, index = (f.rows, f.index) if sel is None else (f.rows[sel], f.index[sel])
+            return _dev(rows, device), _dev(index, device), None if sel is None else _dev(sel, device)
+        return step.cached(("refine_at", device, k), make)
+
+    def write(self, side: int, x: torch.Tensor, dst: torch.Tensor, stored: dict | None, parts: dict, codec,
+              target: tuple) -> None:
+        """Refine the body pages ``dst`` of side ``side`` (0 keys, 1 values) just written from the exact pages
+        ``x [n, H, P, D]``: ``stored``, their encoded parts where the flush has them (None: written by a kernel,
+        read back from the body's ``parts``); ``target`` from :meth:`flush_target`."""
+        ring = (self.keys, self.values)[side]
+        if ring is None:
+            return
+        rows, index, sel = target
+        if sel is not None:
+            x = x[sel]
+        if stored is None:
+            stored = {name: t[dst if sel is None else dst[sel]] for name, t in parts.items()}
+        elif sel is not None:
+            stored = {name: t[sel] for name, t in stored.items()}
+        ring.write(x, codec.decode(stored), stored["scale"], rows, index)
+
+    # ---- read ------------------------------------------------------------------------------------
+    def read(self, k: torch.Tensor | None, v: torch.Tensor | None, nb: int, counts: np.ndarray, pages: np.ndarray,
+             r0: int, body: tuple, start: int = 0, memo=None) -> None:
+        """Add the refinements to dequantized body keys and values ``[b, H, >= nb * P, D]`` in place (None: that
+        side is not read), which hold body pages ``start .. start + nb - 1`` of the rows ``r0 .. r0 + b - 1``
+        (``counts [b]`` body pages each, their ids ``pages [b, N]`` on the host). ``body``: the pools' parts
+        (keys, values), whose scales the refinement reads. ``memo(key, make)``: a per-step store shared by the
+        layers (``Step.cached``) for the refined pages' indices; None computes them."""
+        sides = [(t, ring, parts) for t, ring, parts in zip((k, v), (self.keys, self.values), body)
+                 if t is not None and ring is not None]
+        if not sides:
+            return
+        device = sides[0][0].device
+
+        def make():
+            rows, idx = newest_pages(counts, self.pages, self.every)
+            return _dev(rows + r0, device), _dev(rows, device), _dev(idx, device), _dev(pages[rows, idx], device)
+        key = ("refined", device, r0, r0 + len(counts), self.pages, self.every)
+        rows, local, idx, ids = memo(key, make) if memo is not None else make()
+        if start or nb < int(np.max(counts, initial=0)):  # the pages of this chunk only
+            sel = (idx >= start) & (idx < start + nb)
+            rows, local, idx, ids = rows[sel], local[sel], idx[sel], ids[sel]
+        for t, ring, parts in sides:
+            ring.add(t, nb, rows, local, idx, parts["scale"][ids], start)
+
+    # ---- the kernels -----------------------------------------------------------------------------
+    def plan_args(self) -> dict:
+        """What the decode plan is made for (``rotkv.kernels.plan.plan_decode``): the refined sides."""
+        return {"refine": (self.keys is not None, self.values is not None)}
+
+    def kernel_args(self) -> dict:
+        """The decode kernel's arguments for the rings (``rotkv.kernels.decode.decode_attention``)."""
+        pick = lambda r: RefineTier(r.data, r.pages, r.every) if r is not None else None  # noqa: E731
+        return {"refine": pick(self.keys), "refine_values": pick(self.values)}
