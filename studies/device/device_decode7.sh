@@ -4,7 +4,7 @@
 # build and the unflushed fp16 one, and the error check. Run from the tree's root; $OUT collects.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p $OUT
-timeout 90 python3 benchmarks/prebuild_decode.py --configs cuda-bf16v cuda-vf16 --shapes 128/2; echo "prebuild rc=$?"
+timeout 90 python3 scripts/prebuild_decode.py --configs cuda-bf16v cuda-vf16 --shapes 128/2; echo "prebuild rc=$?"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py tests/kernels/test_backend.py \
   -k "(cuda_kernel or fused or refuses or layer_kernel_path or cuda_graph) and not quant_write" > $OUT/tests.log 2>&1
 echo "tests rc=$?"; grep -E "passed|failed|FAILED|Error" $OUT/tests.log | tail -12

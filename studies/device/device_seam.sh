@@ -12,7 +12,7 @@
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p $OUT benchmarks/results
 t0=$(date +%s)
-timeout 90 python3 benchmarks/prebuild_decode.py --shapes 128/2 64/1 256/4 > $OUT/prebuild.log 2>&1
+timeout 90 python3 scripts/prebuild_decode.py --shapes 128/2 64/1 256/4 > $OUT/prebuild.log 2>&1
 r1=$?; echo "prebuild rc=$r1"; tail -2 $OUT/prebuild.log
 timeout 190 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_kernels.py \
   -k "not cuda_kernel_matches or 2048-block-True or 2048-none-False" > $OUT/kernels.log 2>&1

@@ -4,7 +4,7 @@ Each build is one ``nvcc`` run of ~15 s; the kernel grid test alone needs a few 
 after another on first use. On a fresh GPU machine, run this first so that they are in the cache
 (``$ROTKV_CACHE_DIR``) before the tests start::
 
-    python benchmarks/prebuild_decode.py [--jobs 16] [--configs default cuda-bf16v] [--shapes 128/2 64/1]
+    python scripts/prebuild_decode.py [--jobs 16] [--configs default cuda-bf16v] [--shapes 128/2 64/1]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))  # test_kernels imports its fixture module by name
 
 from bench_decode import CONFIGS  # noqa: E402
 
