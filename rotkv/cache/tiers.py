@@ -38,7 +38,8 @@ class Tier(Protocol):
         """Bytes the tier adds to rows of ``counts`` body pages now (counted in the cache's measured bits)."""
 
     def grow(self, counts: np.ndarray, upto: int) -> None:
-        """Make room for a row of ``upto`` body pages (rows of ``counts`` pages now), before a CUDA graph's capture."""
+        """Make room for a row of ``upto`` body pages (rows of ``counts`` pages now); a CUDA graph grows its
+        layers' tiers for its capacity before the capture."""
 
     def select(self, index: torch.Tensor) -> None:
         """Rows become ``index`` (beam search, row removal)."""
