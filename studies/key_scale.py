@@ -1,0 +1,62 @@
+"""Artifacts with a key scaling (``k_scale``, rotkv.rotations.keyscale) for several exponents, from one pass of
+statistics: the oscar-mix-long refit's own sequences (``--long-seq-len 4096``, 2 sequences, the default corpus),
+so that every artifact differs from its base only by ``k_scale`` (the script checks that the refitted R_K equals
+the base's). What ``rotkv calibrate --method oscar-mix-long --key-scale ALPHA`` writes, for several ALPHA at the
+cost of one.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python studies/key_scale.py --base artifacts/oscar-mix-long.safetensors \
+        --alphas 0.25,0.5,1 --out /tmp/ks     # writes /tmp/ks/a0.5/oscar-mix-long.safetensors, ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from rotkv.calibrate.corpus import token_chunks
+from rotkv.calibrate.longfit import long_stats
+from rotkv.hf.models import load_model
+from rotkv.rotations.artifact import load_artifact, save_artifact
+from rotkv.rotations.base import pooled
+from rotkv.rotations.keyscale import key_scale
+from rotkv.rotations.oscar import oscar_rotation
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", required=True, help="an oscar-mix-long artifact with one key fit")
+    ap.add_argument("--alphas", default="0.5,1")
+    ap.add_argument("--sequences", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    art = load_artifact(a.base)
+    seq_len = int(art.meta["longfit_seq_len"])
+    if "key_fit_lengths" in art.meta:
+        raise SystemExit("give an artifact with one key fit (--long-seq-len N)")
+    loaded = load_model(None)
+    chunks = token_chunks(loaded.tokenizer, None, seq_len * a.sequences, seq_len)
+    cq, ks, kn, kk = long_stats(loaded.model, chunks, int(art.meta.get("sink", 16)), key_moments=True)
+    gran = art.meta.get("granularity", "layer")
+    worst = 0.0
+    scales = {}
+    for layer in cq:
+        r = oscar_rotation(pooled(cq[layer], gran))[:art.tensors[f"R_K.{layer}"].shape[0]]
+        worst = max(worst, (r - art.tensors[f"R_K.{layer}"]).abs().max().item())
+        mu = ks[layer] / kn[layer]
+        scales[layer] = (pooled(cq[layer], gran), pooled(kk[layer] / kn[layer] - torch.einsum("hd,he->hde", mu, mu), gran))
+    print(f"max |R_K refitted - base R_K| = {worst:.2e}")
+    for alpha in [float(x) for x in a.alphas.split(",")]:
+        tensors = dict(art.tensors)
+        for layer, (c_q, c_k) in scales.items():
+            tensors[f"k_scale.{layer}"] = key_scale(c_q, c_k, alpha)[:art.tensors[f"R_K.{layer}"].shape[0]].contiguous()
+        out = os.path.join(a.out, f"a{alpha:g}")
+        os.makedirs(out, exist_ok=True)
+        save_artifact(os.path.join(out, "oscar-mix-long.safetensors"), tensors, dict(art.meta) | {"key_scale": f"{alpha:g}"})
+        print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
