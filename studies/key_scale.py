@@ -6,6 +6,7 @@ cost of one.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python studies/key_scale.py --base artifacts/oscar-mix-long.safetensors \
         --alphas 0.25,0.5,1 --out /tmp/ks     # writes /tmp/ks/a0.5/oscar-mix-long.safetensors, ...
+    (--granularity kv-head: one scaling per KV head, folders a0.5-head, ...; --stats FILE keeps the statistics)
 """
 
 from __future__ import annotations
@@ -30,29 +31,39 @@ def main():
     ap.add_argument("--alphas", default="0.5,1")
     ap.add_argument("--sequences", type=int, default=2)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--granularity", default=None, choices=["layer", "kv-head"],
+                    help="how the scaling pools the KV heads' statistics (default: the base's, as the refit does)")
+    ap.add_argument("--stats", default=None, help="a .pt file: read the statistics from it if it exists, else save them")
     a = ap.parse_args()
     torch.set_num_threads(1)
     art = load_artifact(a.base)
     seq_len = int(art.meta["longfit_seq_len"])
     if "key_fit_lengths" in art.meta:
         raise SystemExit("give an artifact with one key fit (--long-seq-len N)")
-    loaded = load_model(None)
-    chunks = token_chunks(loaded.tokenizer, None, seq_len * a.sequences, seq_len)
-    cq, ks, kn, kk = long_stats(loaded.model, chunks, int(art.meta.get("sink", 16)), key_moments=True)
+    if a.stats and os.path.exists(a.stats):
+        cq, ks, kn, kk = torch.load(a.stats)
+    else:
+        loaded = load_model(None)
+        chunks = token_chunks(loaded.tokenizer, None, seq_len * a.sequences, seq_len)
+        cq, ks, kn, kk = long_stats(loaded.model, chunks, int(art.meta.get("sink", 16)), key_moments=True)
+        if a.stats:
+            torch.save((cq, ks, kn, kk), a.stats)
     gran = art.meta.get("granularity", "layer")
+    sgran = a.granularity or gran
     worst = 0.0
     scales = {}
     for layer in cq:
         r = oscar_rotation(pooled(cq[layer], gran))[:art.tensors[f"R_K.{layer}"].shape[0]]
         worst = max(worst, (r - art.tensors[f"R_K.{layer}"]).abs().max().item())
         mu = ks[layer] / kn[layer]
-        scales[layer] = (pooled(cq[layer], gran), pooled(kk[layer] / kn[layer] - torch.einsum("hd,he->hde", mu, mu), gran))
+        scales[layer] = (pooled(cq[layer], sgran), pooled(kk[layer] / kn[layer] - torch.einsum("hd,he->hde", mu, mu), sgran))
     print(f"max |R_K refitted - base R_K| = {worst:.2e}")
     for alpha in [float(x) for x in a.alphas.split(",")]:
         tensors = dict(art.tensors)
         for layer, (c_q, c_k) in scales.items():
-            tensors[f"k_scale.{layer}"] = key_scale(c_q, c_k, alpha)[:art.tensors[f"R_K.{layer}"].shape[0]].contiguous()
-        out = os.path.join(a.out, f"a{alpha:g}")
+            s = key_scale(c_q, c_k, alpha)
+            tensors[f"k_scale.{layer}"] = (s if sgran == "kv-head" else s[:art.tensors[f"R_K.{layer}"].shape[0]]).contiguous()
+        out = os.path.join(a.out, f"a{alpha:g}" + ("-head" if sgran == "kv-head" else ""))
         os.makedirs(out, exist_ok=True)
         save_artifact(os.path.join(out, "oscar-mix-long.safetensors"), tensors, dict(art.meta) | {"key_scale": f"{alpha:g}"})
         print("wrote", out)

@@ -223,3 +223,16 @@ def test_the_oscar_export_refuses_a_key_scaling(tmp_path):
     art = load_artifact(scaled_artifact(make_tiny_llama(), tmp_path / "s.safetensors"))
     with pytest.raises(ValueError, match="has a key scaling"):
         oscar_states(art)
+
+
+def test_the_queries_matrix_survives_sharding_and_dropping_the_mean(tmp_path):
+    """vLLM's tensor-parallel shard and a preset without key means rebuild the rotation: R_Q goes along."""
+    import dataclasses
+
+    from rotkv.integrations.vllm.tp import shard_rotation
+
+    rot = load_artifact(scaled_artifact(make_tiny_llama(), tmp_path / "s.safetensors")).layer_rotation(1)
+    part = shard_rotation(rot, total_kv_heads=2, tp_size=2, tp_rank=1)
+    assert torch.equal(part.R_Q, rot.R_Q[1:2]) and torch.equal(part.R_K, rot.R_K[1:2])
+    plain = dataclasses.replace(rot, k_mean=None)  # what rotkv.cache.assembly does for key_mean=False
+    assert torch.equal(plain.R_Q, rot.R_Q) and plain.k_mean is None
