@@ -236,3 +236,29 @@ def test_the_queries_matrix_survives_sharding_and_dropping_the_mean(tmp_path):
     assert torch.equal(part.R_Q, rot.R_Q[1:2]) and torch.equal(part.R_K, rot.R_K[1:2])
     plain = dataclasses.replace(rot, k_mean=None)  # what rotkv.cache.assembly does for key_mean=False
     assert torch.equal(plain.R_Q, rot.R_Q) and plain.k_mean is None
+
+
+def test_calibrate_writes_the_scaling_with_the_key_side(tmp_path, monkeypatch, capsys):
+    """``rotkv calibrate --method oscar-mix-long --key-scale 0.5``: the refit's R_K and key means, plus k_scale and
+    its exponent in the metadata; a cache built from the file reads it."""
+    from rotkv.hf.models import Loaded
+
+    model = make_tiny_llama()
+    monkeypatch.setattr("rotkv.hf.models.load_model", lambda *a, **k: Loaded(model, char_tokenizer(), "tiny"))
+    monkeypatch.setattr("rotkv.hf.models.peek_geometry", lambda model=None: (2, 2, 16))
+    base = write_artifact(model, tmp_path / "base.safetensors", tensors={"k_bits": torch.tensor([2, 4], dtype=torch.int32)},
+                          sink="4", granularity="layer", keybits_layers="1", keybits_seconds="1")
+    out = {}
+    for name, extra in (("plain", []), ("scaled", ["--key-scale", "0.5"])):
+        out[name] = str(tmp_path / f"{name}.safetensors")
+        rc = main(["calibrate", "--method", "oscar-mix-long", "--long-seq-len", "512", "--long-sequences", "1",
+                   "--base-artifact", base, "--out", out[name], *extra])
+        assert rc == 0, capsys.readouterr().err
+    plain, scaled = load_artifact(out["plain"]), load_artifact(out["scaled"])
+    assert scaled.meta["key_scale"] == "0.5" and "key_scale" not in plain.meta
+    for layer in range(2):
+        assert torch.equal(scaled.tensors[f"R_K.{layer}"], plain.tensors[f"R_K.{layer}"])
+        assert torch.equal(scaled.tensors[f"k_mean.{layer}"], plain.tensors[f"k_mean.{layer}"])
+        assert f"k_scale.{layer}" in scaled.tensors and f"k_scale.{layer}" not in plain.tensors
+    cache = RotkvCache(model, "oscar-refine", out["scaled"], sink=4, window=8)
+    assert cache.layers[0].rotation_cpu.R_Q is not None
