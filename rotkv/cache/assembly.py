@@ -19,6 +19,7 @@ Imports run one way: cache -> assembly -> layer, progressive, rowstore, codecs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -108,7 +109,7 @@ def layer_rotations(model, spec: CacheSpec, artifact: Artifact | str | None,
         artifact = artifact.for_context(context_length)
         rots = [artifact.layer_rotation(i) for i in range(layers)]
         if not spec.key_mean:
-            rots = [LayerRotation(r.R_K, r.R_V, None, r.clip_k, r.clip_v) for r in rots]
+            rots = [dataclasses.replace(r, k_mean=None) for r in rots]
         if artifact.values_folded and not getattr(model.config, "rotkv_values_folded", False):
             raise ValueError(
                 f"artifact {artifact.path} has R_V folded into the weights, but this model is not folded; "

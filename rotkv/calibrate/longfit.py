@@ -15,6 +15,10 @@ Several lengths (:func:`refit_lengths`, ``rotkv calibrate --method oscar-mix-lon
 write one artifact with a key-side fit per length: the first length's as ``R_K``/``k_mean``, the others as
 ``R_K@n``/``k_mean@n``, listed in ``key_fit_lengths``; a cache picks one by its context length
 (``RotkvCache(..., context_length=)``). A fit serves best near its own length.
+
+``key_scale`` (``--key-scale ALPHA``) adds to each fit a key scaling in the query eigenbasis
+(:mod:`rotkv.rotations.keyscale`, the artifact's ``k_scale``) from the same sequences' query covariance and
+centred key covariance.
 """
 
 from __future__ import annotations
@@ -26,14 +30,15 @@ from tqdm.auto import tqdm
 
 
 @torch.no_grad()
-def long_stats(model, chunks: list[torch.Tensor], sink: int = 16, call: int = 512):
-    """Per layer: (C_Q ``[H, D, D]`` float64 summed over each KV head's query heads, key sum ``[H, D]``, key count)."""
+def long_stats(model, chunks: list[torch.Tensor], sink: int = 16, call: int = 512, key_moments: bool = False):
+    """Per layer: (C_Q ``[H, D, D]`` float64 summed over each KV head's query heads, key sum ``[H, D]``, key count),
+    and with ``key_moments`` a fourth: the keys' summed outer products ``[H, D, D]`` (the same keys as the sum)."""
     from transformers import DynamicCache
 
     from rotkv.calibrate.capture import capturing
     from rotkv.hf import compat
 
-    cq, ks, kn = {}, {}, {}
+    cq, ks, kn, kk = {}, {}, {}, {}
     pos = [0]
 
     def rec(layer, q, k, v, out, probs):
@@ -42,8 +47,11 @@ def long_stats(model, chunks: list[torch.Tensor], sink: int = 16, call: int = 51
         g = q0.reshape(h, -1, q0.shape[-1])  # KV head i reads query heads i*n_rep .. (i+1)*n_rep-1
         cq[layer] = cq.get(layer, 0) + torch.einsum("htd,hte->hde", g, g).cpu()
         skip = max(0, sink - pos[0])
-        ks[layer] = ks.get(layer, 0) + k0[:, -t:][:, skip:].sum(1).cpu()
+        new = k0[:, -t:][:, skip:]
+        ks[layer] = ks.get(layer, 0) + new.sum(1).cpu()
         kn[layer] = kn.get(layer, 0) + max(t - skip, 0)
+        if key_moments:
+            kk[layer] = kk.get(layer, 0) + torch.einsum("htd,hte->hde", new, new).cpu()
 
     dev = next(model.parameters()).device
     calls = sum(-(-ids.shape[1] // call) for ids in chunks)
@@ -56,15 +64,18 @@ def long_stats(model, chunks: list[torch.Tensor], sink: int = 16, call: int = 51
                 model(input_ids=ids[:, c0:c0 + call].to(dev), use_cache=True, logits_to_keep=1,
                       **{compat.cache_kwarg(model): cache})
                 bar.update()
-    return cq, ks, kn
+    return (cq, ks, kn, kk) if key_moments else (cq, ks, kn)
 
 
-def refit(model, tokenizer, artifact, seq_len: int = 4096, sequences: int = 2, call: int = 512, files=None):
-    """(tensors, metadata) of ``artifact`` with R_K and the key means refitted on long sequences."""
+def refit(model, tokenizer, artifact, seq_len: int = 4096, sequences: int = 2, call: int = 512, files=None,
+          key_scale: float | None = None):
+    """(tensors, metadata) of ``artifact`` with R_K and the key means refitted on long sequences; with
+    ``key_scale`` (the exponent alpha of :func:`rotkv.rotations.keyscale.key_scale`) a ``k_scale`` per layer too."""
     from rotkv.calibrate.corpus import token_chunks
     from rotkv.contract import kind_meta
     from rotkv.rotations.artifact import without_key_fits
     from rotkv.rotations.base import pooled
+    from rotkv.rotations.keyscale import key_scale as key_scale_matrix
     from rotkv.rotations.oscar import oscar_rotation
 
     if seq_len < call or sequences < 1:
@@ -73,22 +84,32 @@ def refit(model, tokenizer, artifact, seq_len: int = 4096, sequences: int = 2, c
     if chunks[0].shape[1] < seq_len:
         raise ValueError(f"the calibration text is shorter than one sequence of {seq_len} tokens")
     t0 = time.time()
-    cq, ks, kn = long_stats(model, chunks, int(artifact.meta.get("sink", 16)), call)
+    stats = long_stats(model, chunks, int(artifact.meta.get("sink", 16)), call, key_moments=key_scale is not None)
+    cq, ks, kn = stats[:3]
     tensors, base_meta = without_key_fits(artifact.tensors, artifact.meta)  # the key side is replaced whole
+    tensors = {k: v for k, v in tensors.items() if not k.startswith("k_scale.")}
+    base_meta.pop("key_scale", None)
     gran = artifact.meta.get("granularity", "layer")
     for layer in cq:
         old = tensors[f"R_K.{layer}"]
         tensors[f"R_K.{layer}"] = oscar_rotation(pooled(cq[layer], gran))[:old.shape[0]].contiguous()
         tensors[f"k_mean.{layer}"] = (ks[layer] / kn[layer]).float()
+        if key_scale is not None:
+            mu = ks[layer] / kn[layer]  # [H, D] float64
+            ck = stats[3][layer] / kn[layer] - torch.einsum("hd,he->hde", mu, mu)
+            s = key_scale_matrix(pooled(cq[layer], gran), pooled(ck, gran), key_scale)
+            tensors[f"k_scale.{layer}"] = s[:old.shape[0]].contiguous()
     meta = base_meta | {"longfit_seq_len": str(seq_len), "longfit_tokens": str(sum(c.shape[1] for c in chunks)),
                         "longfit_seconds": f"{time.time() - t0:.0f}"}
+    if key_scale is not None:
+        meta["key_scale"] = f"{key_scale:g}"
     kind = artifact.kind if artifact.kind.endswith("-long") else f"{artifact.kind}-long"  # oscar-mix -> oscar-mix-long
     meta |= kind_meta(kind, artifact)
     return tensors, meta
 
 
 def refit_lengths(model, tokenizer, artifact, seq_lens: list[int], sequences: int = 2, call: int = 512,
-                  files=None, log=print):
+                  files=None, log=print, key_scale: float | None = None):
     """(tensors, metadata) of ``artifact`` with one key-side fit per length of ``seq_lens`` (:func:`refit` each):
     the first's as ``R_K.l``/``k_mean.l``, each other's as ``R_K@n.l``/``k_mean@n.l``, and ``key_fit_lengths``
     listing them. R_V, clips and key widths are the base's, shared. One length gives :func:`refit`'s artifact
@@ -102,7 +123,7 @@ def refit_lengths(model, tokenizer, artifact, seq_lens: list[int], sequences: in
     seconds, tokens = [], []
     for n in seq_lens:
         log(f"refitting R_K and the key means on {sequences} sequences of {n} tokens ...")
-        t, m = refit(model, tokenizer, artifact, n, sequences, call, files)
+        t, m = refit(model, tokenizer, artifact, n, sequences, call, files, key_scale)
         seconds.append(m["longfit_seconds"])
         tokens.append(m["longfit_tokens"])
         if tensors is None:
@@ -125,7 +146,7 @@ DEFAULT_FIT_LENGTHS = (4096, 8192)
 
 def calibrate_mix_long(loaded, base=None, seq_len: int | list[int] | tuple[int, ...] = DEFAULT_FIT_LENGTHS,
                        sequences: int = 2, files=None, log=print,
-                       layers: int | None = None, **mix) -> tuple[dict, dict]:
+                       layers: int | None = None, key_scale: float | None = None, **mix) -> tuple[dict, dict]:
     """(tensors, metadata) of a complete ``oscar-mix-long`` artifact: R_K and the key means refitted on
     ``sequences`` sequences of ``seq_len`` tokens (:func:`refit`) over ``base``'s (an Artifact or a path);
     a list of lengths gives one fit per length (:func:`refit_lengths`, the first the primary).
@@ -155,4 +176,5 @@ def calibrate_mix_long(loaded, base=None, seq_len: int | list[int] | tuple[int, 
         log(f"4-bit keys in {layers} layers by the base's k_gain: {meta['keybits_layers']}")
         art = Artifact(tensors, {k: str(v) for k, v in meta.items()})
     seq_lens = [seq_len] if isinstance(seq_len, int) else list(seq_len)
-    return refit_lengths(loaded.model, loaded.tokenizer, art, seq_lens, sequences, files=files, log=log)
+    return refit_lengths(loaded.model, loaded.tokenizer, art, seq_lens, sequences, files=files, log=log,
+                         key_scale=key_scale)

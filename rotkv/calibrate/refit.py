@@ -61,7 +61,7 @@ def refit_clips(loaded, artifact: Artifact, bits: int, group_size: int | None = 
     clips_k, clips_v = [], []
     for l in tqdm(range(layers), desc="refit clips", disable=not progress):
         r = artifact.layer_rotation(l)
-        rot = LayerRotation(r.R_K, r.R_V, r.k_mean if key_mean else None)
+        rot = LayerRotation(r.R_K, r.R_V, r.k_mean if key_mean else None, R_Q=r.R_Q)
         w_o = attn[l].o_proj.weight.detach().float().cpu()
         scaling = float(getattr(attn[l], "scaling", head_dim**-0.5))
         held = [rec.layers[l].samples[i] for i in sorted(every)]

@@ -55,6 +55,10 @@ def register(sub) -> None:
                           "one key fit per length, the first as the primary, and a cache given its context length "
                           "(rotkv generate/eval/bench do) uses the fit nearest it")
     mix.add_argument("--long-sequences", type=int, default=2, help=f"{MIX_LONG}: refit sequences (default 2)")
+    mix.add_argument("--key-scale", type=float, default=None, metavar="ALPHA",
+                     help=f"{MIX_LONG}: also fit a key scaling in the query eigenbasis (the artifact's k_scale, "
+                          "rotkv.rotations.keyscale) with exponent ALPHA in [0, 1]; 0 is OSCAR's rotation alone "
+                          "(default: none)")
     p.set_defaults(func=run)
 
 
@@ -149,6 +153,9 @@ def check_args(args):
         from rotkv.cli.errors import read_text_file
 
         read_text_file(path, "--data")
+    if args.key_scale is not None and (args.method != MIX_LONG or not 0.0 <= args.key_scale <= 1.0):
+        raise UsageError(f"--key-scale is an exponent in [0, 1] for --method {MIX_LONG} but got "
+                         f"{args.key_scale} with --method {args.method}")
     if args.method in (MIX, MIX_LONG):
         if args.method == MIX_LONG:
             args.long_seq_len = parse_long_seq_len(args.long_seq_len)
@@ -280,7 +287,8 @@ def mix(args) -> int:
     kw = dict(length=args.key_length, new=args.key_new_tokens, windows=args.key_windows, tokens=args.tokens)
     if args.method == MIX_LONG:
         tensors, meta = calibrate_mix_long(loaded, args.base_artifact, args.long_seq_len, args.long_sequences,
-                                           files=args.data, log=log, layers=args.key_layers, **kw)
+                                           files=args.data, log=log, layers=args.key_layers,
+                                           key_scale=args.key_scale, **kw)
     else:
         tensors, meta = calibrate_mix(loaded, args.base_artifact, args.key_layers, files=args.data, log=log, **kw)
     save_artifact(args.out, tensors, meta)

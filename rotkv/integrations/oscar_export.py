@@ -72,6 +72,9 @@ def oscar_states(art: Artifact) -> tuple[dict, dict]:
         "post_rope": True,
         "rotkv_format_version": art.meta.get("format_version", "1"),
     }
+    if any(name.startswith("k_scale") for name in art.tensors):
+        raise ValueError(f"artifact {art.path} has a key scaling (k_scale): OSCAR's runtime reads one orthogonal R_K per "
+                         "layer, so it cannot serve it; export an artifact calibrated without --key-scale")
     k_layers, v_layers = {}, {}
     for l in range(layers):
         rk = _layer_matrix(art, "R_K", l, heads, d)

@@ -7,7 +7,9 @@ Layout (all tensors float32 unless noted; ``l`` is the layer index, ``H`` KV hea
 - ``k_mean.{l}``: ``[H, D]``, the post-RoPE key mean in the unrotated basis;
 - ``clip_k``, ``clip_v``: ``[L]`` per-layer clipping ratios;
 - ``bits``: ``[L]`` int32 final widths (progressive precision), optional;
-- ``R_K@{n}.{l}``, ``k_mean@{n}.{l}``: extra key-side fits, one per length ``n`` of ``key_fit_lengths`` but the
+- ``k_scale.{l}``: ``[H, D, D]`` or ``[1, D, D]``, optional: a key scaling ``S`` before R_K (keys stored
+  ``(k - mu) S R_K``, queries read ``q S^-T R_K``; :mod:`rotkv.rotations.keyscale`), part of the key-side fit;
+- ``R_K@{n}.{l}``, ``k_mean@{n}.{l}`` (and ``k_scale@{n}.{l}``): extra key-side fits, one per length ``n`` of ``key_fit_lengths`` but the
   first (``rotkv calibrate --method oscar-mix-long --long-seq-len 4096,8192``); the plain ``R_K.{l}`` and
   ``k_mean.{l}`` are the first length's fit. A cache picks one by its expected context length
   (:func:`pick_key_fit`, :meth:`Artifact.for_context`);
@@ -53,7 +55,7 @@ FORMAT_VERSION = "1"  # written by this rotkv; a file without one predates versi
 FORMAT_VERSION_INT = int(FORMAT_VERSION)
 REQUIRED_META = ("format_version", "method", "num_layers", "kv_heads", "head_dim", "weights_fingerprint")
 ORTHO_TOL = 1e-3  # max |R^T R - I| of a sound rotation (fp32 calibrations reach ~1e-6)
-KEY_FIT_SIDE = ("R_K", "k_mean")  # the per-layer tensors of one key-side fit (extra fits: ``R_K@8192.{l}``, ...)
+KEY_FIT_SIDE = ("R_K", "k_mean", "k_scale")  # the per-layer tensors of one key-side fit (extra fits: ``R_K@8192.{l}``, ...)
 NAME = re.compile(r"[a-z0-9][a-z0-9+._-]{0,63}")  # a kind or preset name
 ID = re.compile(r"[0-9a-f]{16}")  # an artifact_id
 
@@ -155,12 +157,18 @@ class Artifact:
         mean = self.tensors.get(f"k_mean.{layer}")
         clip_k = self.tensors.get("clip_k")
         clip_v = self.tensors.get("clip_v")
+        r_k, r_q, scale = mat("R_K"), None, mat("k_scale")
+        if scale is not None and r_k is not None:
+            from rotkv.rotations.keyscale import scaled_pair
+
+            r_k, r_q = scaled_pair(r_k, scale)
         return LayerRotation(
-            R_K=mat("R_K"),
+            R_K=r_k,
             R_V=None if self.values_folded else mat("R_V"),
             k_mean=None if mean is None else mean.float(),
             clip_k=None if clip_k is None else float(clip_k[layer]),
             clip_v=None if clip_v is None else float(clip_v[layer]),
+            R_Q=r_q,
         )
 
     def summary(self) -> str:
@@ -281,7 +289,8 @@ def check_structure(tensors: dict[str, torch.Tensor], meta: dict[str, str], wher
     check_kind_fields(meta, where)
     layers, h, d = geo["num_layers"], geo["kv_heads"], geo["head_dim"]
     fits = _extra_fits(tensors, meta, where)
-    per_layer = {"R_K": None, "R_V": None, "k_mean": None} | {f"{p}@{n}": None for n in fits for p in KEY_FIT_SIDE}
+    per_layer = {"R_K": None, "R_V": None, "k_mean": None, "k_scale": None} | {f"{p}@{n}": None for n in fits
+                                                                               for p in KEY_FIT_SIDE}
     for name, t in tensors.items():
         prefix, _, idx = name.partition(".")
         if prefix in per_layer:

@@ -43,6 +43,10 @@ class LayerRotation:
 
     k_mean: ``[kv_heads, D]`` in the unrotated basis, or None. clip_k / clip_v: per-layer
     clipping ratios that override the preset's, or None.
+    R_Q: the queries' matrix where it is not R_K, None otherwise. A key scaling ``S`` (an artifact's
+    ``k_scale``, :mod:`rotkv.rotations.keyscale`) stores keys as ``(k - mu) S R_K`` and reads them with
+    ``q S^-T R_K``: then R_K here is ``S R_K``, not orthogonal, and R_Q is ``S^-T R_K``, so that
+    ``R_K R_Q^T = I`` and ``q'.k' = q.(k - mu)`` still holds.
 
     keys / values / queries / outputs return float32 (``dtype`` None) or ``dtype``; which
     arithmetic computes them: :func:`rotation_math` (the split bf16 matrices it needs are made
@@ -54,11 +58,12 @@ class LayerRotation:
     k_mean: torch.Tensor | None = None
     clip_k: float | None = None
     clip_v: float | None = None
+    R_Q: torch.Tensor | None = None
     _split: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def to(self, device: torch.device) -> "LayerRotation":
         mv = lambda t: None if t is None else t.to(device=device, dtype=torch.float32)  # noqa: E731
-        r = LayerRotation(mv(self.R_K), mv(self.R_V), mv(self.k_mean), self.clip_k, self.clip_v)
+        r = LayerRotation(mv(self.R_K), mv(self.R_V), mv(self.k_mean), self.clip_k, self.clip_v, mv(self.R_Q))
         if torch.device(device).type == "cuda":
             for which in ("keys", "values", "queries", "outputs"):
                 r._bf16x2(which)
@@ -67,7 +72,8 @@ class LayerRotation:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.R_K, self.R_V, self.k_mean) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.R_K, self.R_V, self.k_mean, self.R_Q)
+                   if t is not None)
 
     # --- applying it; tensors are [batch or rows, heads, tokens, D] ---------------------------
     def keys(self, k: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -89,12 +95,19 @@ class LayerRotation:
         return _cast(_per_head(v.float(), self.R_V), dtype)
 
     def queries(self, q: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``[B, q_heads, T, D]`` -> ``q R_K(g)`` with ``g = h // n_rep``, float32 (or ``dtype``)."""
-        if self.R_K is None:
+        """``[B, q_heads, T, D]`` -> ``q R_Q(g)`` (R_Q is R_K unless set) with ``g = h // n_rep``, float32
+        (or ``dtype``)."""
+        mats = self.query_matrix
+        if mats is None:
             return q.float() if dtype is None else q.to(dtype)
         if rotation_math(q, dtype) == "bf16x2":
             return _rotate_bf16x2(q, *self._bf16x2("queries"))
-        return _cast(_per_group(q.float(), self.R_K), dtype)
+        return _cast(_per_group(q.float(), mats), dtype)
+
+    @property
+    def query_matrix(self) -> torch.Tensor | None:
+        """The queries' matrix ``[kv_heads, D, D]``: R_Q where set, else R_K."""
+        return self.R_K if self.R_Q is None else self.R_Q
 
     def outputs(self, o: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Attention output ``[B, q_heads, T, D]`` in the rotated value basis -> ``o R_V(g)^T``.
@@ -138,11 +151,11 @@ class LayerRotation:
 
     def _bf16x2(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(the split matrix ``[H, K, D]`` bf16 of :func:`bf16x2_matrix`, the ones row ``[8]``) for
-        keys (R_K with the mean), queries (R_K), values (R_V) or outputs (R_V^T); made once."""
+        keys (R_K with the mean), queries (R_Q, else R_K), values (R_V) or outputs (R_V^T); made once."""
         got = self._split.get(which)
         if got is not None:
             return got
-        mats = self.R_V if which in ("values", "outputs") else self.R_K
+        mats = {"values": self.R_V, "outputs": self.R_V, "queries": self.query_matrix}.get(which, self.R_K)
         if mats is None:
             return None
         if mats.is_cuda and torch.cuda.is_current_stream_capturing():

@@ -23,7 +23,7 @@ from rotkv.rotations.base import LayerRotation
 def _stored_basis(rot: LayerRotation, k, v, gk, gv):
     """(K', V', G'_K, G'_V) in the basis the cache quantizes; all ``[H, T, D]`` float32."""
     kr, vr = rot.keys(k), rot.values(v)
-    gkr = gk if rot.R_K is None else gk @ rot.R_K  # dL/dK' = dL/dK R (K = K' R^T + mu)
+    gkr = gk if rot.R_K is None else gk @ rot.query_matrix  # dL/dK' = dL/dK R_Q (K = K' R_Q^T + mu; R_Q = R_K unless scaled)
     gvr = gv if rot.R_V is None else gv @ rot.R_V
     return kr, vr, gkr, gvr
 

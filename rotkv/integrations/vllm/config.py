@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import dataclasses
 from dataclasses import dataclass, field
 
 from rotkv.cache.codecs import TokenCodec, fixed_codecs
@@ -171,7 +172,7 @@ def load_rotations(settings: VllmSettings, num_layers: int, kv_heads: int, head_
     art = art.for_context(settings.context_length or context_length)
     rots = [art.layer_rotation(i) for i in range(num_layers)]
     if not spec.key_mean:
-        rots = [LayerRotation(r.R_K, r.R_V, None, r.clip_k, r.clip_v) for r in rots]
+        rots = [dataclasses.replace(r, k_mean=None) for r in rots]
     return rots, art
 
 

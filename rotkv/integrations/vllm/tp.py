@@ -44,4 +44,4 @@ def shard_rotation(rot: LayerRotation, total_kv_heads: int, tp_size: int, tp_ran
     if tp_size == 1:
         return rot
     s = lambda t: shard_heads(t, total_kv_heads, tp_size, tp_rank)  # noqa: E731
-    return LayerRotation(s(rot.R_K), s(rot.R_V), s(rot.k_mean), rot.clip_k, rot.clip_v)
+    return LayerRotation(s(rot.R_K), s(rot.R_V), s(rot.k_mean), rot.clip_k, rot.clip_v, s(rot.R_Q))
