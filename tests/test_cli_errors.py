@@ -382,8 +382,8 @@ def test_demo_code_has_to_be_digits(no_model, capsys):
 def test_demo_makes_a_requested_missing_artifact(no_model, capsys, tmp_path):
     rc, _, err = run_cli(capsys, "demo", "--artifact-dir", str(tmp_path), "--presets", "bf16,oscar-mix,oscar-refine")
     assert f"oscar-mix: no oscar-mix.safetensors in {tmp_path}: it is calibrated" in err
-    assert "demo-sized: key widths measured on 1 window of 512 + 32 tokens (rotkv calibrate: 2 windows of 1024" in err
-    assert "oscar-refine: no oscar-mix-long.safetensors" in err and "refitted only at the length this demo's" in err
+    assert "`rotkv calibrate --method oscar-mix`'s defaults" in err
+    assert "oscar-refine: no oscar-mix-long.safetensors" in err and "but with one long key fit" in err
     assert "skipping" not in err  # only the presets named run
     assert rc == 1 and "ModelLoaded" in err  # then the model loads, and the artifact is made
 
@@ -542,8 +542,7 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tiny, capsys, monkeypatch, tmp_pat
         mix, long = (load_artifact(str(tmp_path / f"{n}.safetensors")) for n in ("oscar-mix", "oscar-mix-long"))
         assert torch.equal(mix.tensors["k_bits"], long.tensors["k_bits"]) and long.meta["longfit_seq_len"] == "4096"
         # demo-sized: only the fit the demo's row uses, and the output says so
-        assert "key_fit_lengths" not in long.meta and "oscar-mix-long.safetensors: for oscar-mix-long" in out
-        assert "demo-sized (`rotkv calibrate --method oscar-mix-long --out" in out
+        assert "key_fit_lengths" not in long.meta and "key fit of 4096-token sequences only" in out
         assert not torch.equal(mix.tensors["R_K.0"], long.tensors["R_K.0"])
         # each records what it is and what it was made from
         assert (long.meta["kind"], long.meta["base_artifact"]) == ("oscar-mix-long", f"oscar-mix {mix.identity}")
@@ -552,8 +551,6 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tiny, capsys, monkeypatch, tmp_pat
         base, mix = (load_artifact(str(tmp_path / f"{n}.safetensors")) for n in ("oscar", "oscar-mix"))
         assert (mix.meta["kind"], mix.meta["base_artifact"]) == ("oscar-mix", f"oscar {base.identity}")
         assert mix.meta["presets"] == "oscar-mix,oscar-int2"
-        # demo-sized key widths, recorded in the artifact
-        assert (mix.meta["keybits_windows"], mix.meta["keybits_length"]) == ("1", "512") and "demo-sized" in out
         assert (base.meta["kind"], base.meta["presets"]) == ("oscar", "oscar-int2") and "base_artifact" not in base.meta
 
 

@@ -333,7 +333,7 @@ def calibrate_mix(loaded, base=None, layers: int | None = None, preset: str = "o
                          f"measured on {_a(need)} {need} artifact: make one with `{make_command(need)}`")
     t1 = time.time()
     n_layers = check_layers(layers, loaded.model.config.num_hidden_layers)
-    log(f"measuring per-layer key widths ({windows} window{'s' if windows != 1 else ''} of {length} + {new} tokens) ...")
+    log(f"measuring per-layer key widths ({windows} windows of {length} + {new} tokens) ...")
     gains, kl = layer_gains(loaded, base, preset, length, new, windows, files=files, progress=progress)
     tensors, meta = with_key_bits(base, gains, n_layers, preset=preset, length=length, new_tokens=new,
                                   windows=windows, base_kl=f"{kl:.5f}", seconds=f"{time.time() - t1:.0f}")

@@ -134,36 +134,14 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
                          "make them with `rotkv calibrate` (docs/calibration.md) and pass --artifact-dir")
     for name, path in to_make.items():
         method = make_method(name)
-        how = f"demo-sized: {sized}" if (sized := demo_sized(method, args.artifact_dir)) else "with the defaults"
+        how = (f"`rotkv calibrate --method {method}`'s defaults, but with one long key fit (the one this demo's "
+               "context uses)" if method == LONG else f"`rotkv calibrate --method {method}`'s defaults")
         note("demo", f"{name}: no {os.path.basename(path)} in {args.artifact_dir}: it is calibrated into {path} first, "
-                     f"{how}")
+                     f"with {how}")
     return presets, artifacts, to_make
 
 
-MIX, LONG = "oscar-mix", "oscar-mix-long"  # the artifact kinds the demo calibrates demo-sized
-# the demo's key-width search (rotkv calibrate --method oscar-mix: --key-windows 2 --key-length 1024 --key-new-tokens 32)
-DEMO_KEY_WIDTHS = dict(windows=1, length=512, new=32)
-
-
-def demo_sized(method: str, folder: str) -> str | None:
-    """How the demo's calibration of ``method``'s artifact in ``folder`` differs from ``rotkv calibrate``'s
-    defaults; None: it does not."""
-    import inspect
-
-    from rotkv.calibrate.keybits import calibrate_mix
-    from rotkv.calibrate.longfit import DEFAULT_FIT_LENGTHS
-
-    full = {k: v.default for k, v in inspect.signature(calibrate_mix).parameters.items() if k in DEMO_KEY_WIDTHS}
-    widths = lambda w: f"{w['windows']} window{'s' if w['windows'] != 1 else ''} of {w['length']} + {w['new']} tokens"  # noqa: E731
-    if method == MIX:
-        return f"key widths measured on {widths(DEMO_KEY_WIDTHS)} (rotkv calibrate: {widths(full)})"
-    if method == LONG:
-        mix = artifact_file(MIX)
-        on = (f"the {mix} there" if os.path.exists(os.path.join(folder, mix))
-              else f"{mix}, made first: {demo_sized(MIX, folder)}")
-        return (f"the key side refitted only at the length this demo's context uses (rotkv calibrate: "
-                f"{' and '.join(str(n) for n in DEFAULT_FIT_LENGTHS)}), on {on}")
-    return None
+LONG = "oscar-mix-long"  # the artifact kind whose long refit the demo sizes to its context
 
 
 def make_method(name: str) -> str:
@@ -174,11 +152,10 @@ def make_method(name: str) -> str:
 
 
 def make_artifacts(loaded, to_make: dict[str, str], context_length: int) -> list[str]:
-    """Calibrate the missing artifacts of the requested presets, as ``rotkv eval`` does, but demo-sized: an
-    oscar-mix artifact's key widths are measured with :data:`DEMO_KEY_WIDTHS`, and an oscar-mix-long
-    artifact gets only the long key fit a row of ``context_length`` tokens uses (of ``rotkv calibrate``'s
-    default lengths; the other fits would not be read by the demo's caches). Returns a line per file written
-    (what it is, how long it took, how it differs from ``rotkv calibrate``'s)."""
+    """Calibrate the missing artifacts of the requested presets, as ``rotkv eval`` does, except that an
+    oscar-mix-long artifact gets only the long key fit a row of ``context_length`` tokens uses (of
+    ``rotkv calibrate``'s default lengths): the demo's caches are the same as with the full artifact.
+    Returns a line per file written (what it is, how long it took)."""
     import sys
     import time
 
@@ -188,25 +165,26 @@ def make_artifacts(loaded, to_make: dict[str, str], context_length: int) -> list
 
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     fit = pick_key_fit(list(DEFAULT_FIT_LENGTHS), context_length)
-    make = calibrator(loaded, log, fit_lengths=[fit], key_widths=DEMO_KEY_WIDTHS)
+    make = calibrator(loaded, log, fit_lengths=[fit])
     made = []
     for name, path in to_make.items():
         if os.path.exists(path):  # made for a preset that shares it (oscar-mix-long, oscar-refine)
             continue
-        method = make_method(name)
-        if method == LONG:
+        if make_method(name) == LONG:
+            others = ", ".join(str(n) for n in DEFAULT_FIT_LENGTHS if n != fit)
             log(f"{name}: the long key refit runs at {fit} tokens only, the fit a {context_length}-token row uses "
-                f"(rotkv calibrate: {' and '.join(str(n) for n in DEFAULT_FIT_LENGTHS)})")
+                f"(`rotkv calibrate --method {LONG}` also fits {others} tokens, for other context lengths)")
         folder = os.path.dirname(os.path.abspath(path))
         before, t0 = set(os.listdir(folder)), time.time()
-        why = make(method, path)
+        why = make(make_method(name), path)
         if why:
             raise RuntimeError(f"cannot make the artifact of {name}: {why}")
-        new = sorted((f for f in set(os.listdir(folder)) - before if f.endswith(".safetensors")), reverse=True)
+        new = sorted(f for f in set(os.listdir(folder)) - before if f.endswith(".safetensors"))
         line = f"{', '.join(os.path.join(os.path.dirname(path), f) for f in new)}: for {name}, {time.time() - t0:.0f} s"
-        if method in (MIX, LONG):
-            line += (f", demo-sized (`rotkv calibrate --method {method} --out {path}` makes the full one"
-                     f"{', every key fit' if method == LONG else ''})")
+        if make_method(name) == LONG:
+            mix = os.path.join(os.path.dirname(path), artifact_file("oscar-mix"))
+            line += (f"; key fit of {fit}-token sequences only (`rotkv calibrate --method {LONG} --base-artifact {mix} "
+                     f"--out {path}` makes it with every default fit)")
         made.append(line)
     return made
 

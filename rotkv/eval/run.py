@@ -192,12 +192,10 @@ def run_niah(model, tokenizer, method, cfg, length, samples, sink: int, window: 
 
 
 # ---- the driver ---------------------------------------------------------------------------------------
-def calibrator(loaded, log, fit_lengths=None, key_widths=None):
+def calibrator(loaded, log, fit_lengths=None):
     """``calibrate(method, path) -> None or why not``: makes a missing artifact with the calibration defaults;
     ``fit_lengths``: the long refit's sequence lengths of an oscar-mix-long artifact (None: the defaults,
-    ``rotkv.calibrate.longfit.DEFAULT_FIT_LENGTHS``); ``key_widths``: arguments of the key-width search of an
-    oscar-mix artifact (:func:`rotkv.calibrate.keybits.calibrate_mix`: ``length``, ``new``, ``windows``; None:
-    its defaults)."""
+    ``rotkv.calibrate.longfit.DEFAULT_FIT_LENGTHS``)."""
     def calibrate(method: str, path: str) -> str | None:
         try:
             from rotkv.calibrate.run import CalibConfig, calibrate as fit
@@ -225,7 +223,7 @@ def calibrator(loaded, log, fit_lengths=None, key_widths=None):
             if not os.path.exists(base) and (why := calibrate(PRESETS[method].method, base)):
                 return why
             log(f"measuring the per-layer key widths of {method} on {base} into {path} ...")
-            tensors, meta = calibrate_mix(loaded, base, log=log, **(key_widths or {}))
+            tensors, meta = calibrate_mix(loaded, base, log=log)
         else:
             log(f"calibrating {method} with the defaults into {path} ...")
             tensors, meta = fit(loaded, CalibConfig(method=method))
