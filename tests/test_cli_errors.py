@@ -244,10 +244,14 @@ def test_inspect_check_reports_missing_contract_fields_and_method(tiny, tmp_path
 
 # ---- demo ------------------------------------------------------------------------------------------------------
 def test_demo_says_which_presets_it_skips(no_model, capsys, tmp_path, tiny):
+    """Without --presets the demo adds the calibrated presets whose artifact is in --artifact-dir and names the
+    others; named presets run as named."""
     write_artifact(tiny, tmp_path / "oscar.safetensors")
-    rc, _, err = run_cli(capsys, "demo", "--artifact-dir", str(tmp_path), "--presets", "bf16")
+    rc, _, err = run_cli(capsys, "demo", "--artifact-dir", str(tmp_path))
     assert "skipping optr-int2: no optr.safetensors in" in err and "skipping oscar-int2" not in err
     assert rc == 1 and "ModelLoaded" in err
+    rc, _, err = run_cli(capsys, "demo", "--artifact-dir", str(tmp_path), "--presets", "bf16")
+    assert "skipping" not in err and rc == 1 and "ModelLoaded" in err
 
 
 def test_demo_without_artifacts_names_the_calibrated_presets(no_model, capsys):
@@ -376,9 +380,11 @@ def test_demo_code_has_to_be_digits(no_model, capsys):
 
 
 def test_demo_makes_a_requested_missing_artifact(no_model, capsys, tmp_path):
-    rc, _, err = run_cli(capsys, "demo", "--artifact-dir", str(tmp_path), "--presets", "bf16,oscar-mix")
+    rc, _, err = run_cli(capsys, "demo", "--artifact-dir", str(tmp_path), "--presets", "bf16,oscar-mix,oscar-refine")
     assert f"oscar-mix: no oscar-mix.safetensors in {tmp_path}: it is calibrated" in err
-    assert "skipping optr-int2" in err and "rotkv calibrate --method optr" in err
+    assert "`rotkv calibrate --method oscar-mix`'s defaults" in err
+    assert "oscar-refine: no oscar-mix-long.safetensors" in err and "but with one long key fit" in err
+    assert "skipping" not in err  # only the presets named run
     assert rc == 1 and "ModelLoaded" in err  # then the model loads, and the artifact is made
 
 
@@ -521,6 +527,10 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tiny, capsys, monkeypatch, tmp_pat
     for name in presets.split(","):
         assert f"  {name}" in out and any(line.startswith(name + " ") for line in out.splitlines()), out
     assert "held MB" in out  # the resident bytes beside the stored bytes
+    assert "recommended preset: oscar-refine" in out
+    if "oscar" in presets:  # where the artifacts are, and that this run made them
+        name = presets.split(",")[1]
+        assert f"artifacts read:\n  {name}: {tmp_path}" in out and "calibrated by this run" in out
     if "oscar" in presets:  # oscar-mix: the OSCAR base beside its own artifact, not in its place
         assert (tmp_path / "oscar.safetensors").exists()
     if "oscar-mix" in presets:
@@ -531,6 +541,8 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tiny, capsys, monkeypatch, tmp_pat
     if "oscar-mix-long" in presets:  # made from the oscar-mix artifact beside it: same widths, refitted keys
         mix, long = (load_artifact(str(tmp_path / f"{n}.safetensors")) for n in ("oscar-mix", "oscar-mix-long"))
         assert torch.equal(mix.tensors["k_bits"], long.tensors["k_bits"]) and long.meta["longfit_seq_len"] == "4096"
+        # demo-sized: only the fit the demo's row uses, and the output says so
+        assert "key_fit_lengths" not in long.meta and "key fit of 4096-token sequences only" in out
         assert not torch.equal(mix.tensors["R_K.0"], long.tensors["R_K.0"])
         # each records what it is and what it was made from
         assert (long.meta["kind"], long.meta["base_artifact"]) == ("oscar-mix-long", f"oscar-mix {mix.identity}")

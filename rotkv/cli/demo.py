@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from rotkv.cli.common import add_model_args, cache_spec, check_artifact_dir, early_artifact
-from rotkv.cli.errors import UsageError, check_device, check_model, warn
-from rotkv.config import PRESETS, artifact_file, calibration_preset
+from rotkv.cli.errors import UsageError, check_device, check_model, note, warn
+from rotkv.config import PRESETS, RECOMMENDED_PRESET, artifact_file, calibration_preset
 
 DEFAULT_PRESETS = ["bf16", "int4", "kivi-2", "naive-int2", "quarot-int2"]
 NEEDLE = "The secret code of the blue vault is {code}."
@@ -18,9 +18,12 @@ ANSWER_TOKENS = 10  # tokens generated for the answer
 def register(sub) -> None:
     p = sub.add_parser("demo", help="needle-in-a-haystack retrieval through bf16 and INT2 caches, side by side")
     add_model_args(p)
-    p.add_argument("--presets", default=",".join(DEFAULT_PRESETS), help="comma-separated presets to compare")
+    p.add_argument("--presets", default=None,
+                   help=f"comma-separated presets to compare, run as named (default: {','.join(DEFAULT_PRESETS)}, "
+                        "plus the calibrated presets whose artifact is in --artifact-dir)")
     p.add_argument("--artifact-dir", default=None,
-                   help="folder with oscar.safetensors / optr.safetensors: adds oscar-int2 / optr-int2")
+                   help="folder of artifacts (oscar-mix.safetensors, ...): a calibrated preset in --presets whose "
+                        "artifact is missing is calibrated into it first")
     p.add_argument("--tokens", type=int, default=2500, help="approximate context length in tokens (default 2500)")
     p.add_argument("--depth", type=float, default=0.4, help="where the fact sits in the context, 0-1 (default 0.4)")
     p.add_argument("--code", default="4718293", help="the 7-digit fact to retrieve (default 4718293)")
@@ -74,7 +77,8 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
     if ctx and args.tokens + ANSWER_TOKENS > ctx:
         raise UsageError(f"--tokens {args.tokens} plus the {ANSWER_TOKENS}-token answer is longer than the model's context "
                          f"of {ctx} tokens; pass --tokens {ctx - ANSWER_TOKENS} or less")
-    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    named = args.presets is not None  # named presets run as named; the default list gains what the folder holds
+    presets = [p.strip() for p in (args.presets if named else ",".join(DEFAULT_PRESETS)).split(",") if p.strip()]
     if not presets:
         raise UsageError("--presets is empty")
     unknown = [p for p in presets if p not in PRESETS]
@@ -88,9 +92,12 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
             raise UsageError(f"--artifact-dir {args.artifact_dir} is not a folder")
         from rotkv.rotations import registry
 
-        # every calibrated preset of fixed width (oscar-int2, optr-int2, ...) whose artifact is in the folder
+        # the presets named that need an artifact; without --presets also every calibrated preset of fixed
+        # width (oscar-int2, optr-int2, ...) whose artifact is in the folder
         for preset, spec in PRESETS.items():
             if not spec.needs_artifact or spec.start_bits is not None or spec.method not in registry.METHODS:
+                continue
+            if named and preset not in presets:
                 continue
             method = spec.method
             path = os.path.join(args.artifact_dir, artifact_file(preset))
@@ -126,25 +133,60 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
             warn("demo", f"not running the calibrated presets {', '.join(calibrated)}: they need artifacts; "
                          "make them with `rotkv calibrate` (docs/calibration.md) and pass --artifact-dir")
     for name, path in to_make.items():
-        warn("demo", f"{name}: no {os.path.basename(path)} in {args.artifact_dir}: it is calibrated with the defaults "
-                     f"into {path} first (a few minutes on a CPU)")
+        method = make_method(name)
+        how = (f"`rotkv calibrate --method {method}`'s defaults, but with one long key fit (the one this demo's "
+               "context uses)" if method == LONG else f"`rotkv calibrate --method {method}`'s defaults")
+        note("demo", f"{name}: no {os.path.basename(path)} in {args.artifact_dir}: it is calibrated into {path} first, "
+                     f"with {how}")
     return presets, artifacts, to_make
 
 
-def make_artifacts(loaded, to_make: dict[str, str]) -> None:
-    """Calibrate the missing artifacts of the requested presets, as ``rotkv eval`` does."""
-    import sys
+LONG = "oscar-mix-long"  # the artifact kind whose long refit the demo sizes to its context
 
+
+def make_method(name: str) -> str:
+    """The ``rotkv calibrate --method`` that makes preset ``name``'s artifact."""
     from rotkv.config import calibration_method
-    from rotkv.eval.run import calibrator
 
-    make = calibrator(loaded, lambda m: print(m, file=sys.stderr, flush=True))
+    return calibration_preset(name) if PRESETS[name].k_bits == "artifact" else calibration_method(name)
+
+
+def make_artifacts(loaded, to_make: dict[str, str], context_length: int) -> list[str]:
+    """Calibrate the missing artifacts of the requested presets, as ``rotkv eval`` does, except that an
+    oscar-mix-long artifact gets only the long key fit a row of ``context_length`` tokens uses (of
+    ``rotkv calibrate``'s default lengths): the demo's caches are the same as with the full artifact.
+    Returns a line per file written (what it is, how long it took)."""
+    import sys
+    import time
+
+    from rotkv.calibrate.longfit import DEFAULT_FIT_LENGTHS
+    from rotkv.eval.run import calibrator
+    from rotkv.rotations.artifact import pick_key_fit
+
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    fit = pick_key_fit(list(DEFAULT_FIT_LENGTHS), context_length)
+    make = calibrator(loaded, log, fit_lengths=[fit])
+    made = []
     for name, path in to_make.items():
         if os.path.exists(path):  # made for a preset that shares it (oscar-mix-long, oscar-refine)
             continue
-        why = make(calibration_preset(name) if PRESETS[name].k_bits == "artifact" else calibration_method(name), path)
+        if make_method(name) == LONG:
+            others = ", ".join(str(n) for n in DEFAULT_FIT_LENGTHS if n != fit)
+            log(f"{name}: the long key refit runs at {fit} tokens only, the fit a {context_length}-token row uses "
+                f"(`rotkv calibrate --method {LONG}` also fits {others} tokens, for other context lengths)")
+        folder = os.path.dirname(os.path.abspath(path))
+        before, t0 = set(os.listdir(folder)), time.time()
+        why = make(make_method(name), path)
         if why:
             raise RuntimeError(f"cannot make the artifact of {name}: {why}")
+        new = sorted(f for f in set(os.listdir(folder)) - before if f.endswith(".safetensors"))
+        line = f"{', '.join(os.path.join(os.path.dirname(path), f) for f in new)}: for {name}, {time.time() - t0:.0f} s"
+        if make_method(name) == LONG:
+            mix = os.path.join(os.path.dirname(path), artifact_file("oscar-mix"))
+            line += (f"; key fit of {fit}-token sequences only (`rotkv calibrate --method {LONG} --base-artifact {mix} "
+                     f"--out {path}` makes it with every default fit)")
+        made.append(line)
+    return made
 
 
 def run(args) -> int:
@@ -155,15 +197,17 @@ def run(args) -> int:
 
     print(f"loading {args.model or 'SmolLM2-135M-Instruct'} ...", flush=True)
     loaded = load_model(args.model, device=args.device)
-    make_artifacts(loaded, to_make)
     ctx, ids = build_prompt(loaded.tokenizer, args.tokens, args.depth, args.code)
+    length = ids.shape[1] + ANSWER_TOKENS  # the row's whole length: an artifact with several key fits serves the nearest
+    made = make_artifacts(loaded, to_make, length)
     print(f"context: {ctx.shape[1]} tokens with the fact at depth {args.depth:.0%}; "
           f"question: {ids.shape[1] - ctx.shape[1]} tokens, prefilled after the context so it reads the stored cache\n")
-    rows, reference = [], None
+    rows, reference, used = [], None, []
     for name in presets:
         overrides = {k: v for k, v in (("sink", args.sink), ("window", args.window)) if v is not None}
-        # the row's whole length: an artifact with several key fits serves the one nearest it
-        cache = RotkvCache(loaded.model, name, artifacts.get(name), context_length=ids.shape[1] + ANSWER_TOKENS, **overrides)
+        cache = RotkvCache(loaded.model, name, artifacts.get(name), context_length=length, **overrides)
+        if name in artifacts:
+            used.append(f"{name}: {artifacts[name]}{key_fit_note(cache)}")
         g = generate(loaded.model, loaded.tokenizer, ids, cache, max_new_tokens=ANSWER_TOKENS, context=ctx)
         st = cache.stats()
         answer = g.text.strip().splitlines()[0] if g.text.strip() else ""
@@ -180,4 +224,17 @@ def run(args) -> int:
               f"{kv16 / kv:>7.1f}x {bpe:>9.2f} {held / 1e6:>8.2f}")
     print("\nKV MB counts codes, metadata and the bf16 sink/window as resident; bits/elem is measured over all tiers; "
           "held MB is what the process holds for the cache (its pools, free pages included).")
+    if used:
+        print("\nartifacts read:\n" + "\n".join(f"  {line}" for line in used))
+    if made:
+        print("calibrated by this run (later runs reuse them):\n" + "\n".join(f"  {line}" for line in made))
+    print(f"\nrecommended preset: {RECOMMENDED_PRESET} (README, 'Choosing a preset'; its artifact: "
+          f"`rotkv calibrate --method {calibration_preset(RECOMMENDED_PRESET)}`)")
     return 0
+
+
+def key_fit_note(cache) -> str:
+    """`` (key fit N tokens)`` for a cache whose artifact's key side was refitted on long sequences, else ``""``."""
+    meta = cache.artifact.meta if cache.artifact is not None else {}
+    fit = cache.key_fit_length or meta.get("longfit_seq_len")
+    return f" (key fit of {fit}-token sequences)" if fit else ""

@@ -192,8 +192,10 @@ def run_niah(model, tokenizer, method, cfg, length, samples, sink: int, window: 
 
 
 # ---- the driver ---------------------------------------------------------------------------------------
-def calibrator(loaded, log):
-    """``calibrate(method, path) -> None or why not``: makes a missing artifact with the calibration defaults."""
+def calibrator(loaded, log, fit_lengths=None):
+    """``calibrate(method, path) -> None or why not``: makes a missing artifact with the calibration defaults;
+    ``fit_lengths``: the long refit's sequence lengths of an oscar-mix-long artifact (None: the defaults,
+    ``rotkv.calibrate.longfit.DEFAULT_FIT_LENGTHS``)."""
     def calibrate(method: str, path: str) -> str | None:
         try:
             from rotkv.calibrate.run import CalibConfig, calibrate as fit
@@ -204,14 +206,15 @@ def calibrator(loaded, log):
         from rotkv.config import PRESETS
 
         if method == "oscar-mix-long":  # oscar-mix's artifact (made or reused beside), key side refitted
-            from rotkv.calibrate.longfit import calibrate_mix_long
+            from rotkv.calibrate.longfit import DEFAULT_FIT_LENGTHS, calibrate_mix_long
             from rotkv.eval.methods import artifact_file
 
             mix = os.path.join(os.path.dirname(os.path.abspath(path)), artifact_file("oscar-mix"))
             if not os.path.exists(mix) and (why := calibrate("oscar-mix", mix)):
                 return why
             log(f"refitting the key side of {mix} on long sequences into {path} ...")
-            tensors, meta = calibrate_mix_long(loaded, mix, log=log)
+            lengths = DEFAULT_FIT_LENGTHS if fit_lengths is None else list(fit_lengths)
+            tensors, meta = calibrate_mix_long(loaded, mix, seq_len=lengths, log=log)
         elif method in PRESETS and PRESETS[method].k_bits == "artifact":  # oscar-mix: base + key widths
             from rotkv.calibrate.keybits import calibrate_mix
             from rotkv.eval.methods import artifact_file
