@@ -9,18 +9,49 @@ freedom. Measured bits (all tiers counted) are the mean of the domains' ``bpe_me
         base=/tmp/dev-base:oscar-refine trade=/tmp/dev-kl13w16:oscar-refine [--out compare.md]
 
 Each argument is LABEL=DIR:METHOD; every one is compared with the first. The folders have to hold the same
-suite split at the same windows (checked).
+suite split at the same windows (checked); a run stopped early counts the domains it finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import sys
 
 from scipy import stats
 
-from suite_compare import load
+DOMAINS = ("prose", "code", "docs", "dialogue")
+
+
+def load(spec: str, length: int):
+    """(label, split, {domain: nll record}, {domain: (text file, windows, new tokens, chunk)}) of LABEL=DIR:METHOD.
+    A run stopped before it wrote suite.json counts the domains it finished (in the suite's order); the split is
+    read from each domain's text file name (<domain>_<split>.txt)."""
+    label, _, rest = spec.partition("=")
+    folder, _, method = rest.rpartition(":")
+    if os.path.exists(os.path.join(folder, "suite.json")):
+        with open(os.path.join(folder, "suite.json")) as f:
+            domains = json.load(f)["domains"]
+    else:
+        domains = [d for d in DOMAINS if os.path.exists(os.path.join(folder, d, "results.json"))]
+    recs, texts = {}, {}
+    for d in domains:
+        with open(os.path.join(folder, d, "results.json")) as f:
+            rs = [r for r in json.load(f)["records"] if r["method"] == method and r["task"] == "nll"
+                  and r["length"] == length]
+        if not rs:
+            raise SystemExit(f"{folder}/{d}: no nll record of {method} at {length}")
+        recs[d] = rs[0]
+        with open(os.path.join(folder, d, "config.json")) as f:
+            cfg = json.load(f)["config"]
+        texts[d] = (os.path.basename(cfg["texts"][0]), cfg["nll_windows"], cfg["new_tokens"], cfg["chunk"])
+    if not recs:
+        raise SystemExit(f"{folder}: no finished domain")
+    splits = sorted({os.path.splitext(t[0])[0].rpartition("_")[2] for t in texts.values()})
+    split = "/".join(splits) + ("" if len(domains) == len(DOMAINS) else f" ({len(domains)} of {len(DOMAINS)} domains)")
+    return label, split, recs, texts
 
 
 def t_interval(xs: list[float]) -> tuple[float, float]:
