@@ -190,3 +190,25 @@ def test_suite_compare_pairs_two_folders_on_the_same_windows(tmp_path, capsys):
               open(tmp_path / "new" / "b" / "config.json", "w"))
     with pytest.raises(SystemExit, match="other windows"):
         compare.main([f"old={tmp_path / 'old'}:oscar-mix", f"new={tmp_path / 'new'}:oscar-mix"])
+
+
+def test_suite_compare_domains_interval_over_domains_with_one_window_each(tmp_path, capsys):
+    from rotkv_testing import load_benchmark
+
+    compare = load_benchmark("suite_compare_domains", "studies")
+    domains = ("prose", "code", "docs", "dialogue")
+    for run, kls, bpe in (("old", [0.02, 0.03, 0.04, 0.05], 3.0), ("new", [0.01, 0.02, 0.03, 0.05], 2.9)):
+        for d, k in zip(domains, kls):  # no suite.json: a run stopped early counts the domains it finished
+            os.makedirs(tmp_path / run / d)
+            json.dump({"records": [_rec("oscar-refine", 8192, [k], bpe)]}, open(tmp_path / run / d / "results.json", "w"))
+            json.dump({"config": {"texts": [f"/x/{d}_dev.txt"], "nll_windows": 1, "new_tokens": 64, "chunk": 512}},
+                      open(tmp_path / run / d / "config.json", "w"))
+    args = [f"old={tmp_path / 'old'}:oscar-refine", f"new={tmp_path / 'new'}:oscar-refine"]
+    assert compare.main(args) == 0
+    out = capsys.readouterr().out
+    # differences -0.01, -0.01, -0.01, 0: mean -0.0075, sd 0.005, t(0.975, 3) = 3.182 -> 3.182 * 0.005 / 2 = 0.0080
+    assert "| new | 2.900 | 0.0100 | 0.0200 | 0.0300 | 0.0500 | 0.0275 | -0.0075 ± 0.0080 | 3/4 | 0.79x |" in out
+    assert "Suite split dev, 8192 tokens" in out
+    os.remove(tmp_path / "new" / "dialogue" / "results.json")
+    with pytest.raises(SystemExit, match="other windows"):
+        compare.main(args)

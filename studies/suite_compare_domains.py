@@ -1,0 +1,108 @@
+"""Paired comparison of suite folders when each domain has one window: the interval is taken over the domains.
+
+``studies/suite_compare.py`` pairs over windows within each domain (stratified), which needs at least two windows
+per domain; with one window it has no spread to report. Here each domain's KL difference (run - baseline, same
+window) is one paired observation, and the 95% interval of their mean is Student's t with (domains - 1) degrees of
+freedom. Measured bits (all tiers counted) are the mean of the domains' ``bpe_measured``.
+
+    python studies/suite_compare_domains.py --length 8192 \\
+        base=/tmp/dev-base:oscar-refine trade=/tmp/dev-kl13w16:oscar-refine [--out compare.md]
+
+Each argument is LABEL=DIR:METHOD; every one is compared with the first. The folders have to hold the same
+suite split at the same windows (checked); a run stopped early counts the domains it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+from scipy import stats
+
+DOMAINS = ("prose", "code", "docs", "dialogue")
+
+
+def load(spec: str, length: int):
+    """(label, split, {domain: nll record}, {domain: (text file, windows, new tokens, chunk)}) of LABEL=DIR:METHOD.
+    A run stopped before it wrote suite.json counts the domains it finished (in the suite's order); the split is
+    read from each domain's text file name (<domain>_<split>.txt)."""
+    label, _, rest = spec.partition("=")
+    folder, _, method = rest.rpartition(":")
+    if os.path.exists(os.path.join(folder, "suite.json")):
+        with open(os.path.join(folder, "suite.json")) as f:
+            domains = json.load(f)["domains"]
+    else:
+        domains = [d for d in DOMAINS if os.path.exists(os.path.join(folder, d, "results.json"))]
+    recs, texts = {}, {}
+    for d in domains:
+        with open(os.path.join(folder, d, "results.json")) as f:
+            rs = [r for r in json.load(f)["records"] if r["method"] == method and r["task"] == "nll"
+                  and r["length"] == length]
+        if not rs:
+            raise SystemExit(f"{folder}/{d}: no nll record of {method} at {length}")
+        recs[d] = rs[0]
+        with open(os.path.join(folder, d, "config.json")) as f:
+            cfg = json.load(f)["config"]
+        texts[d] = (os.path.basename(cfg["texts"][0]), cfg["nll_windows"], cfg["new_tokens"], cfg["chunk"])
+    if not recs:
+        raise SystemExit(f"{folder}: no finished domain")
+    splits = sorted({os.path.splitext(t[0])[0].rpartition("_")[2] for t in texts.values()})
+    split = "/".join(splits) + ("" if len(domains) == len(DOMAINS) else f" ({len(domains)} of {len(DOMAINS)} domains)")
+    return label, split, recs, texts
+
+
+def t_interval(xs: list[float]) -> tuple[float, float]:
+    """(mean, half-width of its 95% Student-t interval) of paired differences."""
+    n = len(xs)
+    m = sum(xs) / n
+    if n < 2:
+        return m, float("nan")
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    return m, stats.t.ppf(0.975, n - 1) * sd / math.sqrt(n)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="LABEL=DIR:METHOD; the first is the baseline")
+    ap.add_argument("--length", type=int, default=8192)
+    ap.add_argument("--out", default=None, help="write the markdown table here too")
+    args = ap.parse_args(argv)
+    runs = [load(s, args.length) for s in args.runs]
+    base_label, split, base, base_texts = runs[0]
+    domains = list(base)
+    for label, sp, recs, texts in runs[1:]:
+        if sp != split or texts != base_texts:
+            raise SystemExit(f"{label} ran another split or other windows than {base_label}: {texts} / {base_texts}")
+    w, nt = base_texts[domains[0]][1], base_texts[domains[0]][2]
+    lines = [f"Suite split {split}, {args.length} tokens, {w} window(s) x {nt} tokens per domain; difference against "
+             f"{base_label}, paired per domain, 95% Student-t interval over the {len(domains)} domains "
+             f"({len(domains) - 1} degrees of freedom).", "",
+             "| run | measured bits | " + " | ".join(f"KL {d}" for d in domains)
+             + " | KL mean over domains | difference ± paired 95% CI | domains lower | ratio |",
+             "|" + "---|" * (len(domains) + 6)]
+    base_mean = sum(base[d]["kl"] for d in domains) / len(domains)
+    for label, _, recs, _ in runs:
+        mean = sum(recs[d]["kl"] for d in domains) / len(domains)
+        bits = sum(recs[d]["bpe_measured"] for d in domains) / len(domains)
+        if label == base_label:
+            diff, lower = "-", "-"
+        else:
+            diffs = [recs[d]["kl"] - base[d]["kl"] for d in domains]
+            m, ci = t_interval(diffs)
+            diff = f"{m:+.4f} ± {ci:.4f}"
+            lower = f"{sum(x < 0 for x in diffs)}/{len(diffs)}"
+        cells = " | ".join(f"{recs[d]['kl']:.4f}" for d in domains)
+        lines.append(f"| {label} | {bits:.3f} | {cells} | {mean:.4f} | {diff} | {lower} | {mean / base_mean:.2f}x |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
