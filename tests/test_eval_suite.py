@@ -184,8 +184,8 @@ def test_suite_compare_pairs_two_folders_on_the_same_windows(tmp_path, capsys):
                       open(tmp_path / run / d / "config.json", "w"))
     assert compare.main([f"old={tmp_path / 'old'}:oscar-mix", f"new={tmp_path / 'new'}:oscar-mix"]) == 0
     out = capsys.readouterr().out
-    # differences per window: a -0.01, -0.01; b 0, -0.1 -> mean over domains (-0.01 - 0.05) / 2
-    assert "| new | 0.0200 | 0.1000 | 0.0600 | -0.0300 ± " in out
+    # differences per window: a -0.01, -0.01; b 0, -0.1 -> mean over domains (-0.01 - 0.05) / 2; measured bits first
+    assert "| new | 3.000 | 0.0200 | 0.1000 | 0.0600 | -0.0300 ± " in out and "domains lower" not in out
     json.dump({"config": {"texts": ["/x/b_test.txt"], "nll_windows": 3, "new_tokens": 64, "chunk": 512}},
               open(tmp_path / "new" / "b" / "config.json", "w"))
     with pytest.raises(SystemExit, match="other windows"):
@@ -195,7 +195,7 @@ def test_suite_compare_pairs_two_folders_on_the_same_windows(tmp_path, capsys):
 def test_suite_compare_domains_interval_over_domains_with_one_window_each(tmp_path, capsys):
     from rotkv_testing import load_benchmark
 
-    compare = load_benchmark("suite_compare_domains", "studies")
+    compare = load_benchmark("suite_compare", "studies")
     domains = ("prose", "code", "docs", "dialogue")
     for run, kls, bpe in (("old", [0.02, 0.03, 0.04, 0.05], 3.0), ("new", [0.01, 0.02, 0.03, 0.05], 2.9)):
         for d, k in zip(domains, kls):  # no suite.json: a run stopped early counts the domains it finished
@@ -203,12 +203,16 @@ def test_suite_compare_domains_interval_over_domains_with_one_window_each(tmp_pa
             json.dump({"records": [_rec("oscar-refine", 8192, [k], bpe)]}, open(tmp_path / run / d / "results.json", "w"))
             json.dump({"config": {"texts": [f"/x/{d}_dev.txt"], "nll_windows": 1, "new_tokens": 64, "chunk": 512}},
                       open(tmp_path / run / d / "config.json", "w"))
-    args = [f"old={tmp_path / 'old'}:oscar-refine", f"new={tmp_path / 'new'}:oscar-refine"]
+    args = ["--length", "8192", "--interval", "domains",
+            f"old={tmp_path / 'old'}:oscar-refine", f"new={tmp_path / 'new'}:oscar-refine"]
     assert compare.main(args) == 0
     out = capsys.readouterr().out
     # differences -0.01, -0.01, -0.01, 0: mean -0.0075, sd 0.005, t(0.975, 3) = 3.182 -> 3.182 * 0.005 / 2 = 0.0080
     assert "| new | 2.900 | 0.0100 | 0.0200 | 0.0300 | 0.0500 | 0.0275 | -0.0075 ± 0.0080 | 3/4 | 0.79x |" in out
     assert "Suite split dev, 8192 tokens" in out
+    # the default interval pairs over windows: with one window per domain it has no spread
+    assert compare.main(["--length", "8192"] + args[4:]) == 0
+    assert "| new | 2.900 | 0.0100 | 0.0200 | 0.0300 | 0.0500 | 0.0275 | -0.0075 ± 0.0000 | 0.79x |" in capsys.readouterr().out
     os.remove(tmp_path / "new" / "dialogue" / "results.json")
     with pytest.raises(SystemExit, match="other windows"):
         compare.main(args)
