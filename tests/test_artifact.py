@@ -112,3 +112,16 @@ def test_cache_reads_artifact_and_folded_values_match(tiny, tmp_path):
     torch.testing.assert_close(got, plain, atol=2e-3, rtol=0)  # folding moves R_V, not the stored values
     with pytest.raises(ValueError, match="already"):
         fold_artifact_values(folded_model, art)
+
+
+def test_artifact_loads_under_another_default_device(tiny, tmp_path):
+    """vLLM builds its model under ``with torch.device("cuda")``; loading and checking an artifact there must not
+    mix the default device into the artifact's CPU tensors (the meta device stands in for CUDA here)."""
+    tensors, meta = _cal(tiny, "oscar", bits=8)
+    path = str(tmp_path / "o.safetensors")
+    save_artifact(path, tensors, meta)
+    ref = load_artifact(path)
+    with torch.device("meta"):
+        art = load_artifact(path)
+    assert set(art.tensors) == set(ref.tensors)
+    assert all(t.device.type == "cpu" and torch.equal(t, ref.tensors[k]) for k, t in art.tensors.items())

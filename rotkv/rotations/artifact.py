@@ -380,7 +380,7 @@ def orthogonality_error(artifact: "Artifact") -> dict[str, float]:
     for name, t in artifact.tensors.items():
         if name.startswith(("R_K.", "R_V.", "R_K@")):
             m = t.double()
-            eye = torch.eye(m.shape[-1], dtype=torch.float64)
+            eye = torch.eye(m.shape[-1], dtype=torch.float64, device=m.device)
             out[name] = (m.transpose(-1, -2) @ m - eye).abs().max().item()
     return out
 

@@ -102,8 +102,11 @@ def _model_plan(vllm_config: VllmConfig) -> ModelPlan:
     except AssertionError:  # no process group (a test building the classes alone): a single rank
         tp, rank = 1, 0
     local_h = mc.get_num_kv_heads(vllm_config.parallel_config)
-    rots, art = load_rotations(settings, layers, total_h, d, mc.max_model_len)
-    codecs = tuple(layer_codecs(settings.spec, i, d, rots[i], art, layers) for i in range(layers))
+    # vLLM builds the model under a CUDA default device; the plan is built on the CPU (each layer moves its
+    # own part to its device on its first forward)
+    with torch.device("cpu"):
+        rots, art = load_rotations(settings, layers, total_h, d, mc.max_model_len)
+        codecs = tuple(layer_codecs(settings.spec, i, d, rots[i], art, layers) for i in range(layers))
     layouts = tuple(BlockLayout.of(local_h, d, PAGE_SIZE, *c) for c in codecs)
     slot = group_page_bytes(layouts) // (PAGE_SIZE * local_h)
     spec = settings.spec
@@ -261,6 +264,8 @@ class RotkvAttentionImpl(AttentionImpl[RotkvMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.mp = model_plan()
+        # vLLM's config is current while the model is built, not during its forwards: read it here
+        self.max_num_seqs = get_current_vllm_config().scheduler_config.max_num_seqs
         self._layer: dict = {}  # this layer's index, rotation, codecs, layout, side pool: on first forward
         self._body = None
 
@@ -276,7 +281,7 @@ class RotkvAttentionImpl(AttentionImpl[RotkvMetadata]):
                              f"rank, "
                              f"the plan {layout.kv_heads} of {layout.head_dim}")
         geo = mp.geometry
-        slots = get_current_vllm_config().scheduler_config.max_num_seqs + mp.settings.spare_slots
+        slots = self.max_num_seqs + mp.settings.spare_slots
         sdt = _tier_dtype(mp.settings.spec.tier_dtype, dtype)
         shape = ((slots + 1) * geo.slot_pages, self.num_kv_heads, geo.page, self.head_size)
         # the side pool: allocated in vLLM's profiling run (the first forward), so its memory is not KV budget
