@@ -13,7 +13,7 @@ import torch
 
 from rotkv.cache.codecs import make_codecs
 from rotkv.config import CacheSpec, get_preset
-from rotkv.integrations.vllm.attention import layer_step
+from rotkv.integrations.vllm.attention import layer_step, slot_rings
 from rotkv.integrations.vllm.config import check_spec, layer_codecs, parse_settings
 from rotkv.integrations.vllm.layout import BlockLayout, blocks_in, group_page_bytes
 from rotkv.integrations.vllm.state import Geometry, SlotTable, plan_step
@@ -80,8 +80,8 @@ def test_settings_from_additional_config(tmp_path):
 
 
 def test_without_a_preset_the_artifact_names_it(tmp_path):
-    """No preset: the first preset the artifact serves that the backend serves (oscar-mix-long's artifact:
-    oscar-mix-long, not the refine preset the backend refuses)."""
+    """No preset: the preset rotkv picks (rotkv.contract.default_preset): the recommended oscar-refine for
+    oscar-mix-long's artifact, else the first preset the artifact serves."""
     from rotkv.contract import kind_meta
     from rotkv_testing import make_tiny_llama, write_artifact
 
@@ -90,8 +90,12 @@ def test_without_a_preset_the_artifact_names_it(tmp_path):
     for kind, extra in (("oscar", {}), ("oscar-mix", {}), ("oscar-mix-long", {"longfit_seq_len": "4096"})):
         path = write_artifact(model, tmp_path / f"{kind}.safetensors", tensors=widths if "mix" in kind else None,
                               **extra, **kind_meta(kind))
-        want = "oscar-int2" if kind == "oscar" else kind
+        want = {"oscar": "oscar-int2", "oscar-mix-long": "oscar-refine"}.get(kind, kind)
         assert parse_settings({"rotkv": {"artifact": path}}).spec.name == want
+        from rotkv.contract import default_preset
+        from rotkv.rotations.artifact import load_artifact
+
+        assert want == default_preset(load_artifact(path))
 
 
 @pytest.mark.parametrize("raw,match", [
@@ -99,7 +103,7 @@ def test_without_a_preset_the_artifact_names_it(tmp_path):
     ({"preset": "nope"}, "unknown preset"),
     ({"preset": "bf16"}, "unquantized"),
     ({"preset": "kivi-2"}, "codec 'kivi'"),
-    ({"preset": "oscar-refine", "artifact": __file__}, "refine tier"),
+    ({"preset": "quarot-int2", "refine_values": True}, "`refine_values` refines the refine tier's values"),
     ({"preset": "pmkvq"}, "progressive"),
     ({"preset": "quarot-int2", "page_size": 32}, "page_size=32"),
     ({"preset": "oscar-mix"}, r'needs a calibration artifact: set additional_config\["rotkv"\]\["artifact"\]'),
@@ -199,10 +203,11 @@ def _rotation(h, d, seed):
 
 class VllmSim:
     """A tiny stand-in for vLLM's scheduler side: blocks per request from a shuffled free list (block 0 is the
-    null block), the block table, the slot table, and one layer's INT2 body + side pool."""
+    null block), the block table, the slot table, and one layer's INT2 body + side pool (+ refine rings)."""
 
     def __init__(self, spec, rot, h, hq, d, nblocks=64, slots=4, side_dtype=torch.float32):
-        self.geo = Geometry(spec.sink, spec.window, spec.window_share, P, 1024)
+        self.geo = Geometry(spec.sink, spec.window, spec.window_share, P, 1024, -(-spec.refine_tokens // P),
+                            spec.refine_every)
         self.codecs = make_codecs("token", spec.bits, spec.resolved_group(d), spec.clip_k, spec.clip_v)
         self.layout = BlockLayout.of(h, d, P, *self.codecs)
         self.buf = torch.zeros(nblocks * self.layout.page_bytes(), dtype=torch.uint8)
@@ -213,6 +218,7 @@ class VllmSim:
         self.free = list(np.random.default_rng(1).permutation(np.arange(1, nblocks)))
         self.blocks: dict[str, list[int]] = {}
         self.slots = SlotTable(slots)
+        self.refine = slot_rings(spec, self.codecs, self.geo, h, d, slots + 1, "cpu")
         self.rot, self.hq, self.d = rot, hq, d
 
     def step(self, reqs, lengths, q, k, v):
@@ -234,20 +240,47 @@ class VllmSim:
         qq, kk, vv = (torch.cat(x) for x in (q, k, v))
         out = torch.zeros_like(qq)
         layer_step(plan, self.geo, qq, kk, vv, self.body, self.side_k, self.side_v, table, self.rot, self.codecs,
-                   self.d ** -0.5, out)
+                   self.d ** -0.5, out, self.refine)
         return [out[qs[i]:qs[i + 1]] for i in range(len(reqs))], plan
 
 
-@pytest.mark.parametrize("sink,window,share", [(4, 16, 0.0), (16, 32, 0.0), (0, 20, 1 / 16)])
-def test_layer_step_matches_rotkv_cache_on_mixed_batches(sink, window, share):
-    """Requests arriving at different steps, chunked prefills next to decodes, window flushes: every output of
-    the vLLM-style step equals rotkv's own paged cache (one HybridLayer per request), and the INT2 bytes in the
-    vLLM blocks equal the bytes of rotkv's body pages."""
+# refine tiers (refine_tokens, refine_values, refine_every) as oscar-refine's: keys; keys and values with a size
+# rule; rings of 2 and 3 pages, which the requests' bodies (up to 7 pages) wrap
+REFINES = [(32, False, 0), (48, True, 2), (32, True, 0)]
+
+
+def _check_rings(sim, refs, lens):
+    """The refine bits of every request's refined pages equal rotkv's (its ring slot ``i % K`` there and here)."""
+    from rotkv.cache.refine import newest_pages
+
+    checked = 0
+    for r, layer in refs.items():
+        (theirs,) = layer.pools.tiers
+        nb = sim.geo.body_pages(lens[r])
+        _, idx = newest_pages(np.array([nb]), sim.geo.refine_pages, sim.geo.refine_every)
+        slot = sim.slots._of[sim.blocks[r][0]]
+        assert len(theirs.rings) == len(sim.refine.rings)
+        checked += len(idx) > 0
+        for mine, ring in zip(sim.refine.rings, theirs.rings):
+            assert torch.equal(mine.data[slot, idx % mine.pages], ring.data[0, idx % ring.pages]), r
+            assert not len(idx) or mine.data[slot, idx % mine.pages].any()
+    assert checked >= 2
+
+
+@pytest.mark.parametrize("sink,window,share,refine", [(4, 16, 0.0, None), (16, 32, 0.0, None), (0, 20, 1 / 16, None),
+                                                      (4, 16, 0.0, REFINES[0]), (0, 20, 1 / 16, REFINES[1]),
+                                                      (16, 32, 0.0, REFINES[2])])
+def test_layer_step_matches_rotkv_cache_on_mixed_batches(sink, window, share, refine):
+    """Requests arriving at different steps, chunked prefills next to decodes, window flushes, a long prompt
+    flushed at once: every output of the vLLM-style step equals rotkv's own paged cache (one HybridLayer per
+    request), and the INT2 bytes in the vLLM blocks (and the refine bits in the slots' rings) equal rotkv's."""
     from rotkv.cache.layer import HybridLayer
 
     h, hq, d = 2, 4, 32
+    rt, rv, re = refine or (0, False, 0)
     spec = CacheSpec(bits=2, group_size=32, sink=sink, window=window, window_share=share, page_size=P,
-                     tier_dtype="float32", rotation="identity", clip_k=0.96, clip_v=0.92)
+                     tier_dtype="float32", rotation="identity", clip_k=0.96, clip_v=0.92, refine_tokens=rt,
+                     refine_values=rv, refine_every=re)
     rot = _rotation(h, d, 0)
     sim = VllmSim(spec, rot, h, hq, d)
     refs = {}
@@ -255,6 +288,8 @@ def test_layer_step_matches_rotkv_cache_on_mixed_batches(sink, window, share):
     # (request, new tokens) per step: A prefills in two chunks, B joins, C is a one-token prompt, all decode
     steps = [[("A", 40)], [("A", 37), ("B", 1)], [("A", 1), ("B", 50)], [("C", 1), ("A", 1), ("B", 1)]]
     steps += [[("A", 1), ("B", 1), ("C", 1)]] * 20 + [[("B", 1), ("C", 30)], [("C", 1), ("B", 1)]]
+    # D's prompt flushes 5 to 7 pages at once (more than a refine ring holds); A's chunk reads a wrapped ring
+    steps += [[("D", 120), ("A", 1)], [("A", 25), ("D", 1)]] + [[("D", 1), ("A", 1)]] * 3
     lens: dict[str, int] = {}
     for step in steps:
         names = [r for r, _ in step]
@@ -280,14 +315,20 @@ def test_layer_step_matches_rotkv_cache_on_mixed_batches(sink, window, share):
         for side, part in enumerate(sim.body.parts):
             for name, t in zip(("codes", "scale", "lo"), part.tensors):
                 assert torch.equal(t[mine], layer.pools.body[side][name][theirs]), (r, side, name)
+    if refine:
+        assert max(sim.geo.body_pages(n) for n in lens.values()) > sim.geo.refine_pages  # the rings wrapped
+        _check_rings(sim, refs, lens)
+    else:
+        assert sim.refine is None
 
 
-def test_merged_prefill_path_matches_rotkv_cache(monkeypatch):
+@pytest.mark.parametrize("refine", [None, REFINES[1]])
+def test_merged_prefill_path_matches_rotkv_cache(monkeypatch, refine):
     """The CUDA prefill's arithmetic (history and own tokens apart, merged by log-sum-exp), run on the CPU."""
     from rotkv.integrations.vllm import attention
 
     monkeypatch.setattr(attention, "MERGED_PREFILL", True)
-    test_layer_step_matches_rotkv_cache_on_mixed_batches(4, 16, 0.0)
+    test_layer_step_matches_rotkv_cache_on_mixed_batches(4, 16, 0.0, refine)
 
 
 def test_layer_step_bf16_side_pool_matches_rotkv_bf16_tier():
