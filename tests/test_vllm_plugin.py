@@ -249,7 +249,7 @@ class VllmSim:
 REFINES = [(32, False, 0), (48, True, 2), (32, True, 0)]
 
 
-def _check_rings(sim, refs, lens):
+def _check_rings(sim, refs, lens, at_least=2):
     """The refine bits of every request's refined pages equal rotkv's (its ring slot ``i % K`` there and here)."""
     from rotkv.cache.refine import newest_pages
 
@@ -264,7 +264,7 @@ def _check_rings(sim, refs, lens):
         for mine, ring in zip(sim.refine.rings, theirs.rings):
             assert torch.equal(mine.data[slot, idx % mine.pages], ring.data[0, idx % ring.pages]), r
             assert not len(idx) or mine.data[slot, idx % mine.pages].any()
-    assert checked >= 2
+    assert checked >= at_least
 
 
 @pytest.mark.parametrize("sink,window,share,refine", [(4, 16, 0.0, None), (16, 32, 0.0, None), (0, 20, 1 / 16, None),
@@ -331,12 +331,14 @@ def test_merged_prefill_path_matches_rotkv_cache(monkeypatch, refine):
     test_layer_step_matches_rotkv_cache_on_mixed_batches(4, 16, 0.0, refine)
 
 
-def test_layer_step_bf16_side_pool_matches_rotkv_bf16_tier():
-    """With rotkv's default bf16 tier (the side pool in bf16): the same outputs as rotkv's cache."""
+@pytest.mark.parametrize("refine", [{}, {"refine_tokens": 32, "refine_values": True, "refine_every": 2}])
+def test_layer_step_bf16_side_pool_matches_rotkv_bf16_tier(refine):
+    """With rotkv's default bf16 tier (the side pool in bf16): the same outputs as rotkv's cache (with a
+    refine tier too, whose bits are chosen from the bf16 tokens)."""
     from rotkv.cache.layer import HybridLayer
 
     h, hq, d = 2, 2, 64
-    spec = get_preset("quarot-int2", sink=8, window=16)
+    spec = get_preset("quarot-int2", sink=8, window=16, **refine)
     from rotkv.rotations.registry import build_rotations
 
     rot = build_rotations("hadamard", 1, h, d)[0]
@@ -344,13 +346,16 @@ def test_layer_step_bf16_side_pool_matches_rotkv_bf16_tier():
     ref = HybridLayer(spec, rot, d, h, 0, sim.codecs)
     gen = torch.Generator().manual_seed(1)
     total = 0
-    for n in [50, 1, 1, 1, 20] + [1] * 20:
+    for n in [50, 1, 1, 1, 20] + [1] * 20 + [40, 1, 1]:
         q, k, v = (torch.randn(n, m, d, generator=gen) for m in (hq, h, h))
         total += n
         (out,), _ = sim.step(["A"], [total], [q], [k], [v])
         ref.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None])
         want = ref.attend(q.transpose(0, 1)[None], None, d ** -0.5)[0]
         torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-3)
+    assert sim.geo.body_pages(total) > 2
+    if refine:
+        _check_rings(sim, {"A": ref}, {"A": total}, at_least=1)
 
 
 def test_plan_flush_sources_and_block_positions():
@@ -365,6 +370,23 @@ def test_plan_flush_sources_and_block_positions():
     assert plan.body_after.tolist() == [2] and len(plan.flush_from_side) == 0
     assert plan.flush_call_tok.tolist() == list(range(4, 36))
     assert plan.pwrite_tok.tolist() == [0, 1, 2, 3] + list(range(36, 60))
+
+
+def test_plan_refine_ring_writes():
+    """The flush's refine-ring writes: a prompt that flushes more pages than the ring holds writes its K newest
+    (rotkv's ring_writes), a decode row its one page, each at its request's slot; decode rows read their slots'
+    rings. Without a refine tier every flushed page is listed (and none is written)."""
+    from dataclasses import replace
+
+    geo = Geometry(sink=4, window=16, window_share=0.0, page=P, max_len=512, refine_pages=2)
+    # row 0: a 120-token prompt (body pages 0..5), row 1: a decode step at 36 tokens (body page 0)
+    plan = plan_step(geo, np.array([0, 120, 121]), np.array([120, 36]), np.array([3, 1]), 10)
+    assert plan.body_after.tolist() == [6, 1]
+    assert plan.rwrite_sel.tolist() == [4, 5, 6]  # the flush: row 0's pages 0..5, then row 1's page 0
+    assert plan.rwrite_slot.tolist() == [3, 3, 1] and plan.rwrite_index.tolist() == [4, 5, 0]
+    assert plan.dslots.tolist() == [1]
+    plan = plan_step(replace(geo, refine_pages=0), np.array([0, 120, 121]), np.array([120, 36]), np.array([3, 1]), 10)
+    assert plan.rwrite_sel is None and plan.rwrite_index.tolist() == [0, 1, 2, 3, 4, 5, 0]
 
 
 # ---- imports and registration --------------------------------------------------------------------------------
@@ -466,9 +488,11 @@ def test_vllm_spec_reports_int2_pages_and_shapes_the_kv_tensor():
     assert body.num_pages == n and body.k.codes.data_ptr() == raw.data_ptr()
 
 
-def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch):
+@pytest.mark.parametrize("refine", [{}, {"refine_tokens": 16, "refine_values": True, "refine_every": 2}])
+def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch, refine):
     """vLLM's metadata (CommonAttentionMetadata) through rotkv's builder and impl: a profiling call, then mixed
-    steps of three requests (one starting after another finished); every output equals rotkv's own cache."""
+    steps of three requests (one starting after another finished, a second prefill chunk); every output equals
+    rotkv's own cache (with a refine tier of keys and values: a one-page ring per slot, which A's body wraps)."""
     pytest.importorskip("vllm.v1.attention.backend")
     from types import SimpleNamespace as NS
 
@@ -479,7 +503,7 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch):
     from rotkv.rotations.registry import build_rotations
 
     h, hq, d, nblocks = 2, 4, 64, 40
-    cfg = _fake_vllm_config({"preset": "quarot-int2", "sink": 4, "window": 16, "spare_slots": 1})
+    cfg = _fake_vllm_config({"preset": "quarot-int2", "sink": 4, "window": 16, "spare_slots": 1, **refine})
     monkeypatch.setattr(be, "get_current_vllm_config", lambda: cfg)
     mp = be.model_plan(cfg)
     spec = be.RotkvAttentionSpec(block_size=P, num_kv_heads=h, head_size=d, dtype=torch.uint8,
@@ -491,6 +515,12 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch):
     impl.forward(layer, torch.randn(3, hq, d), torch.randn(3, h, d), torch.randn(3, h, d), torch.empty(0), None, out)
     assert not out.any()  # the profiling run: zeros, and the side pool exists from now on
     assert impl._layer["side"][0].shape == ((4 + 1 + 1) * mp.geometry.slot_pages, h, P, d)
+    rings = impl._layer["refine"]
+    if refine:  # beside the side pool: one ring row per slot, K = ceil(refine_tokens / P) pages
+        assert mp.geometry.refine_pages == 1 and len(rings.rings) == 2
+        assert all(r.data.shape == (4 + 1 + 1, 1, h, P, d // 4) for r in rings.rings)
+    else:
+        assert rings is None
     kv = torch.zeros(nblocks, spec.page_size_bytes, dtype=torch.uint8)
     rot = build_rotations("hadamard", 1, h, d)[0]
     settings = parse_settings(cfg.additional_config)
@@ -498,6 +528,7 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch):
     blocks, lens, refs = {}, {}, {}
     gen = torch.Generator().manual_seed(2)
     steps = [[("A", 30)], [("A", 1), ("B", 25)]] + [[("B", 1), ("A", 1)]] * 20 + [[("A", 1)], [("C", 20), ("A", 1)]]
+    steps += [[("A", 20), ("C", 1)], [("A", 1), ("C", 1)]]
     for step in steps:
         if step[0][0] == "C":  # B finished: its blocks go back (C may get B's first block, then B's slot)
             free.extend(blocks.pop("B"))
@@ -531,12 +562,15 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch):
             refs[r].update(k[a:a + n].transpose(0, 1)[None], v[a:a + n].transpose(0, 1)[None])
             want = refs[r].attend(q[a:a + n].transpose(0, 1)[None], None, d ** -0.5)[0]
             torch.testing.assert_close(out[a:a + n], want, atol=1e-4, rtol=1e-3)
-    assert mp.geometry.body_pages(lens["A"]) >= 2
+    assert mp.geometry.body_pages(lens["A"]) >= 3
+    if refine:
+        assert rings.keys.data.any() and rings.values.data.any()
 
 
-def _kernel_paths_check():
+def _kernel_paths_check(refine=False):
     """The mixed-batch check with rotkv's Triton kernels (decode over the side pool's tier table, the fused write
-    into the part views) in place of their references: run under TRITON_INTERPRET=1 by the test below."""
+    into the part views; ``refine``: a refine tier of keys and values, read by the v1 decode kernel from the
+    decode rows' rings) in place of their references: run under TRITON_INTERPRET=1 by the test below."""
     from types import SimpleNamespace
 
     from rotkv.cache.layer import HybridLayer
@@ -546,13 +580,17 @@ def _kernel_paths_check():
     attention.kernels = SimpleNamespace(enabled=lambda t: True, decode_config=attention.kernels.decode_config)
 
     h, hq, d = 2, 4, 64
+    extra = {"refine_tokens": 32, "refine_values": True, "refine_every": 2} if refine else {}
     spec = CacheSpec(bits=2, group_size=64, sink=4, window=16, page_size=P, tier_dtype="float32",
-                     rotation="identity", clip_k=0.96, clip_v=0.92)
+                     rotation="identity", clip_k=0.96, clip_v=0.92, **extra)
     rot = _rotation(h, d, 3)
     sim = VllmSim(spec, rot, h, hq, d)
     gen = torch.Generator().manual_seed(3)
     refs, lens = {}, {}
-    for step in [[("A", 40)], [("A", 1), ("B", 30)]] + [[("B", 1), ("A", 1)]] * 8:
+    steps = [[("A", 40)], [("A", 1), ("B", 30)]] + [[("B", 1), ("A", 1)]] * 8
+    if refine:  # A's body grows past the ring (2 pages), B's prompt chunk reads its refined pages
+        steps += [[("A", 50), ("B", 1)], [("B", 40), ("A", 1)], [("A", 1), ("B", 1)]]
+    for step in steps:
         names = [r for r, _ in step]
         q, k, v = ([torch.randn(n, m, d, generator=gen) for _, n in step] for m in (hq, h, h))
         for r, n in step:
@@ -564,16 +602,20 @@ def _kernel_paths_check():
             want = layer.attend(q[i].transpose(0, 1)[None], None, d ** -0.5)[0]
             torch.testing.assert_close(outs[i], want, atol=3e-2, rtol=3e-2)  # the interpreter's fp16 dots
     assert sim.geo.body_pages(lens["A"]) >= 1 and sim.geo.body_pages(lens["B"]) >= 1  # both flushed
+    if refine:
+        assert sim.geo.body_pages(lens["A"]) > sim.geo.refine_pages
+        _check_rings(sim, refs, lens)
     print("kernel paths ok")
 
 
-def test_kernel_paths_under_the_triton_interpreter():
+@pytest.mark.parametrize("refine", [False, True])
+def test_kernel_paths_under_the_triton_interpreter(refine):
     pytest.importorskip("triton")
     import os
     from pathlib import Path
 
     env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import test_vllm_plugin as t; t._kernel_paths_check()"
+    code = f"import test_vllm_plugin as t; t._kernel_paths_check({refine})"
     r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0 and "kernel paths ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
