@@ -567,6 +567,80 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch, refine):
         assert rings.keys.data.any() and rings.values.data.any()
 
 
+def test_vllm_impl_serves_oscar_refine_like_rotkv_cache(monkeypatch, tmp_path):
+    """The recommended preset itself, oscar-refine with an oscar-mix-long artifact (layer 0 keeps 4-bit keys: a
+    value ring only; layer 1 rings of keys and values; 14 pages, one per 19 body pages), through vLLM's builder
+    and impl of both layers, against rotkv's RotkvCache built from the same preset and artifact: a 300-token
+    prompt (16 body pages: the rings wrap) chunked, next to decodes of another request."""
+    pytest.importorskip("vllm.v1.attention.backend")
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from rotkv.cache.cache import RotkvCache
+    from rotkv.contract import kind_meta
+    from rotkv.integrations.vllm import backend as be
+    from rotkv_testing import make_tiny_llama, write_artifact
+
+    model = make_tiny_llama()
+    widths = {"k_bits": torch.tensor([4, 2], dtype=torch.int32), "k_gain": torch.tensor([0.1, 0.0])}
+    path = write_artifact(model, tmp_path / "long.safetensors", tensors=widths, longfit_seq_len="4096",
+                          **kind_meta("oscar-mix-long"))
+    layers, h, hq, d, nblocks = 2, 2, 4, 16, 48
+    cfg = _fake_vllm_config({"artifact": path, "spare_slots": 1}, layers=layers, kv_heads=h, head_dim=d)
+    monkeypatch.setattr(be, "get_current_vllm_config", lambda: cfg)
+    mp = be.model_plan(cfg)
+    assert mp.settings.spec.name == "oscar-refine" and mp.geometry.refine_pages == 14
+    spec = be.RotkvAttentionSpec(block_size=P, num_kv_heads=h, head_size=d, dtype=torch.uint8,
+                                 rotkv_slot_bytes=mp.slot_bytes)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    builder = be.RotkvMetadataBuilder(spec, names, cfg, torch.device("cpu"))
+    impls = [be.RotkvAttentionImpl(hq, d, d ** -0.5, h) for _ in range(layers)]
+    mods = [NS(layer_name=n) for n in names]
+    for impl, mod in zip(impls, mods):  # the profiling run
+        impl.forward(mod, torch.randn(3, hq, d), torch.randn(3, h, d), torch.randn(3, h, d), torch.empty(0), None,
+                     torch.zeros(3, hq, d))
+    rings = [impl._layer["refine"] for impl in impls]
+    assert (rings[0].keys, rings[1].keys is not None, rings[0].values is not None) == (None, True, True)
+    kvs = [torch.zeros(nblocks, spec.page_size_bytes, dtype=torch.uint8) for _ in range(layers)]
+    free = list(range(nblocks - 1, 0, -1))
+    blocks, lens, refs = {}, {}, {}
+    gen = torch.Generator().manual_seed(4)
+    steps = [[("A", 200)], [("A", 100), ("B", 20)]] + [[("B", 1), ("A", 1)]] * 3 + [[("A", 1), ("B", 40)]]
+    for step in steps:
+        names_ = [r for r, _ in step]
+        for r, n in step:
+            lens[r] = lens.get(r, 0) + n
+            have = blocks.setdefault(r, [])
+            while len(have) * P < lens[r]:
+                have.append(free.pop())
+        table = torch.zeros(len(names_), 24, dtype=torch.int32)
+        for i, r in enumerate(names_):
+            table[i, :len(blocks[r])] = torch.tensor(blocks[r])
+        counts = [n for _, n in step]
+        qs = torch.tensor([0] + list(np.cumsum(counts)), dtype=torch.int32)
+        seq = torch.tensor([lens[r] for r in names_], dtype=torch.int32)
+        t = int(qs[-1])
+        cm = CommonAttentionMetadata(query_start_loc=qs, query_start_loc_cpu=qs, seq_lens=seq, num_reqs=len(names_),
+                                     num_actual_tokens=t, max_query_len=max(counts), max_seq_len=int(seq.max()),
+                                     block_table_tensor=table, slot_mapping=torch.zeros(t, dtype=torch.int64),
+                                     seq_lens_cpu_upper_bound=seq)
+        md = builder.build(0, cm)
+        for li, (impl, mod, kv) in enumerate(zip(impls, mods, kvs)):
+            q, k, v = (torch.randn(t, m, d, generator=gen) for m in (hq, h, h))
+            out = torch.zeros(t, hq, d)
+            impl.forward(mod, q, k, v, kv, md, out)
+            for i, (r, n) in enumerate(step):
+                a = int(qs[i])
+                if r not in refs:
+                    refs[r] = RotkvCache(model, "oscar-refine", path, context_length=cfg.model_config.max_model_len)
+                refs[r].update(k[a:a + n].transpose(0, 1)[None], v[a:a + n].transpose(0, 1)[None], li)
+                want = refs[r].layers[li].attend(q[a:a + n].transpose(0, 1)[None], None, d ** -0.5)[0]
+                torch.testing.assert_close(out[a:a + n], want, atol=1e-4, rtol=1e-3)
+    assert mp.geometry.body_pages(lens["A"]) > 14  # A's ring wrapped
+    assert rings[1].keys.data.any() and rings[0].values.data.any()
+
+
 def _kernel_paths_check(refine=False):
     """The mixed-batch check with rotkv's Triton kernels (decode over the side pool's tier table, the fused write
     into the part views; ``refine``: a refine tier of keys and values, read by the v1 decode kernel from the
