@@ -682,13 +682,15 @@ def _kernel_paths_check(refine=False):
     print("kernel paths ok")
 
 
-@pytest.mark.parametrize("refine", [False, True])
-def test_kernel_paths_under_the_triton_interpreter(refine):
+@pytest.mark.parametrize("refine,tuning", [(False, ""), (True, ""), (True, "refine_kernel=0")])
+def test_kernel_paths_under_the_triton_interpreter(refine, tuning):
+    """``refine_kernel=0``: no kernel reads the refine tier, so its decode calls take the PyTorch path (as in
+    rotkv's cache), and the write kernel still runs."""
     pytest.importorskip("triton")
     import os
     from pathlib import Path
 
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", ROTKV_TUNING=tuning)
     code = f"import test_vllm_plugin as t; t._kernel_paths_check({refine})"
     r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
                        text=True, timeout=900)
