@@ -653,6 +653,14 @@ def _kernel_paths_check(refine=False):
 
     # the kernels for the backend only: rotkv's cache (the reference) keeps its PyTorch path on the CPU
     attention.kernels = SimpleNamespace(enabled=lambda t: True, decode_config=attention.kernels.decode_config)
+    import rotkv.kernels.decode as kd
+
+    kernel, refine_calls = kd.decode_attention, []
+
+    def counted(*a, **kw):  # the decode calls that give the kernel the refine rings
+        refine_calls.append(kw.get("refine") is not None or kw.get("refine_values") is not None)
+        return kernel(*a, **kw)
+    kd.decode_attention = counted
 
     h, hq, d = 2, 4, 64
     extra = {"refine_tokens": 32, "refine_values": True, "refine_every": 2} if refine else {}
@@ -680,7 +688,7 @@ def _kernel_paths_check(refine=False):
     if refine:
         assert sim.geo.body_pages(lens["A"]) > sim.geo.refine_pages
         _check_rings(sim, refs, lens)
-    print("kernel paths ok")
+    print(f"kernel paths ok, {sum(refine_calls)} refine kernel calls")
 
 
 @pytest.mark.parametrize("refine,tuning", [(False, ""), (True, ""), (True, "refine_kernel=0")])
@@ -696,3 +704,5 @@ def test_kernel_paths_under_the_triton_interpreter(refine, tuning):
     r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0 and "kernel paths ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    calls = int(r.stdout.split("kernel paths ok, ")[1].split()[0])
+    assert (calls > 0) == (refine and not tuning), r.stdout[-3000:]

@@ -104,12 +104,12 @@ def _decode(plan, qr: torch.Tensor, body: PagedBody, side_k, side_v, block_table
         tier = plan.dev[("dtier", str(dev))] = tuple(torch.from_numpy(a).to(dev, non_blocking=True) for a in plan.dtier)
     if kernels.enabled(qr):
         from rotkv.kernels.decode import decode_attention
-        from rotkv.kernels.plan import plan_step
+        from rotkv.kernels.plan import plan_decode
 
         cfg, kplan = kernels.decode_config(), None
-        if tiers:  # as rotkv's cache: no kernel reads the refine tier now (refine_kernel=0): the PyTorch path
-            kplan = plan_step(qr, body, cfg, True, ("refine" in tiers, "refine_values" in tiers))
-        if not tiers or kplan is not None:
+        if tiers:  # as rotkv's cache: where no kernel reads the refine tier (refine_kernel=0), the PyTorch path
+            kplan = plan_decode(qr, body, cfg, ("refine" in tiers, "refine_values" in tiers))
+        if kplan is None or kplan.covered:
             return decode_attention(qr, body if has_body else None, table, plan.dbody_max, (side_k, side_v), tier,
                                     plan.dtier_max, sm_scale=scale, cfg=cfg, tier_start=plan.pad, plan=kplan,
                                     **tiers)
