@@ -13,7 +13,7 @@ import torch
 
 from rotkv.cache.codecs import make_codecs
 from rotkv.config import CacheSpec, get_preset
-from rotkv.integrations.vllm.attention import layer_step
+from rotkv.integrations.vllm.attention import layer_step, slot_rings
 from rotkv.integrations.vllm.config import check_spec, layer_codecs, parse_settings
 from rotkv.integrations.vllm.layout import BlockLayout, blocks_in, group_page_bytes
 from rotkv.integrations.vllm.state import Geometry, SlotTable, plan_step
@@ -80,8 +80,8 @@ def test_settings_from_additional_config(tmp_path):
 
 
 def test_without_a_preset_the_artifact_names_it(tmp_path):
-    """No preset: the first preset the artifact serves that the backend serves (oscar-mix-long's artifact:
-    oscar-mix-long, not the refine preset the backend refuses)."""
+    """No preset: the preset rotkv picks (rotkv.contract.default_preset): the recommended oscar-refine for
+    oscar-mix-long's artifact, else the first preset the artifact serves."""
     from rotkv.contract import kind_meta
     from rotkv_testing import make_tiny_llama, write_artifact
 
@@ -90,8 +90,12 @@ def test_without_a_preset_the_artifact_names_it(tmp_path):
     for kind, extra in (("oscar", {}), ("oscar-mix", {}), ("oscar-mix-long", {"longfit_seq_len": "4096"})):
         path = write_artifact(model, tmp_path / f"{kind}.safetensors", tensors=widths if "mix" in kind else None,
                               **extra, **kind_meta(kind))
-        want = "oscar-int2" if kind == "oscar" else kind
+        want = {"oscar": "oscar-int2", "oscar-mix-long": "oscar-refine"}.get(kind, kind)
         assert parse_settings({"rotkv": {"artifact": path}}).spec.name == want
+        from rotkv.contract import default_preset
+        from rotkv.rotations.artifact import load_artifact
+
+        assert want == default_preset(load_artifact(path))
 
 
 @pytest.mark.parametrize("raw,match", [
@@ -99,7 +103,7 @@ def test_without_a_preset_the_artifact_names_it(tmp_path):
     ({"preset": "nope"}, "unknown preset"),
     ({"preset": "bf16"}, "unquantized"),
     ({"preset": "kivi-2"}, "codec 'kivi'"),
-    ({"preset": "oscar-refine", "artifact": __file__}, "refine tier"),
+    ({"preset": "quarot-int2", "refine_values": True}, "`refine_values` refines the refine tier's values"),
     ({"preset": "pmkvq"}, "progressive"),
     ({"preset": "quarot-int2", "page_size": 32}, "page_size=32"),
     ({"preset": "oscar-mix"}, r'needs a calibration artifact: set additional_config\["rotkv"\]\["artifact"\]'),
@@ -199,10 +203,11 @@ def _rotation(h, d, seed):
 
 class VllmSim:
     """A tiny stand-in for vLLM's scheduler side: blocks per request from a shuffled free list (block 0 is the
-    null block), the block table, the slot table, and one layer's INT2 body + side pool."""
+    null block), the block table, the slot table, and one layer's INT2 body + side pool (+ refine rings)."""
 
     def __init__(self, spec, rot, h, hq, d, nblocks=64, slots=4, side_dtype=torch.float32):
-        self.geo = Geometry(spec.sink, spec.window, spec.window_share, P, 1024)
+        self.geo = Geometry(spec.sink, spec.window, spec.window_share, P, 1024, -(-spec.refine_tokens // P),
+                            spec.refine_every)
         self.codecs = make_codecs("token", spec.bits, spec.resolved_group(d), spec.clip_k, spec.clip_v)
         self.layout = BlockLayout.of(h, d, P, *self.codecs)
         self.buf = torch.zeros(nblocks * self.layout.page_bytes(), dtype=torch.uint8)
@@ -213,6 +218,7 @@ class VllmSim:
         self.free = list(np.random.default_rng(1).permutation(np.arange(1, nblocks)))
         self.blocks: dict[str, list[int]] = {}
         self.slots = SlotTable(slots)
+        self.refine = slot_rings(spec, self.codecs, self.geo, h, d, slots + 1, "cpu")
         self.rot, self.hq, self.d = rot, hq, d
 
     def step(self, reqs, lengths, q, k, v):
@@ -234,20 +240,47 @@ class VllmSim:
         qq, kk, vv = (torch.cat(x) for x in (q, k, v))
         out = torch.zeros_like(qq)
         layer_step(plan, self.geo, qq, kk, vv, self.body, self.side_k, self.side_v, table, self.rot, self.codecs,
-                   self.d ** -0.5, out)
+                   self.d ** -0.5, out, self.refine)
         return [out[qs[i]:qs[i + 1]] for i in range(len(reqs))], plan
 
 
-@pytest.mark.parametrize("sink,window,share", [(4, 16, 0.0), (16, 32, 0.0), (0, 20, 1 / 16)])
-def test_layer_step_matches_rotkv_cache_on_mixed_batches(sink, window, share):
-    """Requests arriving at different steps, chunked prefills next to decodes, window flushes: every output of
-    the vLLM-style step equals rotkv's own paged cache (one HybridLayer per request), and the INT2 bytes in the
-    vLLM blocks equal the bytes of rotkv's body pages."""
+# refine tiers (refine_tokens, refine_values, refine_every) as oscar-refine's: keys; keys and values with a size
+# rule; rings of 2 and 3 pages, which the requests' bodies (up to 7 pages) wrap
+REFINES = [(32, False, 0), (48, True, 2), (32, True, 0)]
+
+
+def _check_rings(sim, refs, lens, at_least=2):
+    """The refine bits of every request's refined pages equal rotkv's (its ring slot ``i % K`` there and here)."""
+    from rotkv.cache.refine import newest_pages
+
+    checked = 0
+    for r, layer in refs.items():
+        (theirs,) = layer.pools.tiers
+        nb = sim.geo.body_pages(lens[r])
+        _, idx = newest_pages(np.array([nb]), sim.geo.refine_pages, sim.geo.refine_every)
+        slot = sim.slots._of[sim.blocks[r][0]]
+        assert len(theirs.rings) == len(sim.refine.rings)
+        checked += len(idx) > 0
+        for mine, ring in zip(sim.refine.rings, theirs.rings):
+            assert torch.equal(mine.data[slot, idx % mine.pages], ring.data[0, idx % ring.pages]), r
+            assert not len(idx) or mine.data[slot, idx % mine.pages].any()
+    assert checked >= at_least
+
+
+@pytest.mark.parametrize("sink,window,share,refine", [(4, 16, 0.0, None), (16, 32, 0.0, None), (0, 20, 1 / 16, None),
+                                                      (4, 16, 0.0, REFINES[0]), (0, 20, 1 / 16, REFINES[1]),
+                                                      (16, 32, 0.0, REFINES[2])])
+def test_layer_step_matches_rotkv_cache_on_mixed_batches(sink, window, share, refine):
+    """Requests arriving at different steps, chunked prefills next to decodes, window flushes, a long prompt
+    flushed at once: every output of the vLLM-style step equals rotkv's own paged cache (one HybridLayer per
+    request), and the INT2 bytes in the vLLM blocks (and the refine bits in the slots' rings) equal rotkv's."""
     from rotkv.cache.layer import HybridLayer
 
     h, hq, d = 2, 4, 32
+    rt, rv, re = refine or (0, False, 0)
     spec = CacheSpec(bits=2, group_size=32, sink=sink, window=window, window_share=share, page_size=P,
-                     tier_dtype="float32", rotation="identity", clip_k=0.96, clip_v=0.92)
+                     tier_dtype="float32", rotation="identity", clip_k=0.96, clip_v=0.92, refine_tokens=rt,
+                     refine_values=rv, refine_every=re)
     rot = _rotation(h, d, 0)
     sim = VllmSim(spec, rot, h, hq, d)
     refs = {}
@@ -255,6 +288,8 @@ def test_layer_step_matches_rotkv_cache_on_mixed_batches(sink, window, share):
     # (request, new tokens) per step: A prefills in two chunks, B joins, C is a one-token prompt, all decode
     steps = [[("A", 40)], [("A", 37), ("B", 1)], [("A", 1), ("B", 50)], [("C", 1), ("A", 1), ("B", 1)]]
     steps += [[("A", 1), ("B", 1), ("C", 1)]] * 20 + [[("B", 1), ("C", 30)], [("C", 1), ("B", 1)]]
+    # D's prompt flushes 5 to 7 pages at once (more than a refine ring holds); A's chunk reads a wrapped ring
+    steps += [[("D", 120), ("A", 1)], [("A", 25), ("D", 1)]] + [[("D", 1), ("A", 1)]] * 3
     lens: dict[str, int] = {}
     for step in steps:
         names = [r for r, _ in step]
@@ -280,22 +315,30 @@ def test_layer_step_matches_rotkv_cache_on_mixed_batches(sink, window, share):
         for side, part in enumerate(sim.body.parts):
             for name, t in zip(("codes", "scale", "lo"), part.tensors):
                 assert torch.equal(t[mine], layer.pools.body[side][name][theirs]), (r, side, name)
+    if refine:
+        assert max(sim.geo.body_pages(n) for n in lens.values()) > sim.geo.refine_pages  # the rings wrapped
+        _check_rings(sim, refs, lens)
+    else:
+        assert sim.refine is None
 
 
-def test_merged_prefill_path_matches_rotkv_cache(monkeypatch):
+@pytest.mark.parametrize("refine", [None, REFINES[1]])
+def test_merged_prefill_path_matches_rotkv_cache(monkeypatch, refine):
     """The CUDA prefill's arithmetic (history and own tokens apart, merged by log-sum-exp), run on the CPU."""
     from rotkv.integrations.vllm import attention
 
     monkeypatch.setattr(attention, "MERGED_PREFILL", True)
-    test_layer_step_matches_rotkv_cache_on_mixed_batches(4, 16, 0.0)
+    test_layer_step_matches_rotkv_cache_on_mixed_batches(4, 16, 0.0, refine)
 
 
-def test_layer_step_bf16_side_pool_matches_rotkv_bf16_tier():
-    """With rotkv's default bf16 tier (the side pool in bf16): the same outputs as rotkv's cache."""
+@pytest.mark.parametrize("refine", [{}, {"refine_tokens": 32, "refine_values": True, "refine_every": 2}])
+def test_layer_step_bf16_side_pool_matches_rotkv_bf16_tier(refine):
+    """With rotkv's default bf16 tier (the side pool in bf16): the same outputs as rotkv's cache (with a
+    refine tier too, whose bits are chosen from the bf16 tokens)."""
     from rotkv.cache.layer import HybridLayer
 
     h, hq, d = 2, 2, 64
-    spec = get_preset("quarot-int2", sink=8, window=16)
+    spec = get_preset("quarot-int2", sink=8, window=16, **refine)
     from rotkv.rotations.registry import build_rotations
 
     rot = build_rotations("hadamard", 1, h, d)[0]
@@ -303,13 +346,16 @@ def test_layer_step_bf16_side_pool_matches_rotkv_bf16_tier():
     ref = HybridLayer(spec, rot, d, h, 0, sim.codecs)
     gen = torch.Generator().manual_seed(1)
     total = 0
-    for n in [50, 1, 1, 1, 20] + [1] * 20:
+    for n in [50, 1, 1, 1, 20] + [1] * 20 + [40, 1, 1]:
         q, k, v = (torch.randn(n, m, d, generator=gen) for m in (hq, h, h))
         total += n
         (out,), _ = sim.step(["A"], [total], [q], [k], [v])
         ref.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None])
         want = ref.attend(q.transpose(0, 1)[None], None, d ** -0.5)[0]
         torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-3)
+    assert sim.geo.body_pages(total) > 2
+    if refine:
+        _check_rings(sim, {"A": ref}, {"A": total}, at_least=1)
 
 
 def test_plan_flush_sources_and_block_positions():
@@ -324,6 +370,23 @@ def test_plan_flush_sources_and_block_positions():
     assert plan.body_after.tolist() == [2] and len(plan.flush_from_side) == 0
     assert plan.flush_call_tok.tolist() == list(range(4, 36))
     assert plan.pwrite_tok.tolist() == [0, 1, 2, 3] + list(range(36, 60))
+
+
+def test_plan_refine_ring_writes():
+    """The flush's refine-ring writes: a prompt that flushes more pages than the ring holds writes its K newest
+    (rotkv's ring_writes), a decode row its one page, each at its request's slot; decode rows read their slots'
+    rings. Without a refine tier every flushed page is listed (and none is written)."""
+    from dataclasses import replace
+
+    geo = Geometry(sink=4, window=16, window_share=0.0, page=P, max_len=512, refine_pages=2)
+    # row 0: a 120-token prompt (body pages 0..5), row 1: a decode step at 36 tokens (body page 0)
+    plan = plan_step(geo, np.array([0, 120, 121]), np.array([120, 36]), np.array([3, 1]), 10)
+    assert plan.body_after.tolist() == [6, 1]
+    assert plan.rwrite_sel.tolist() == [4, 5, 6]  # the flush: row 0's pages 0..5, then row 1's page 0
+    assert plan.rwrite_slot.tolist() == [3, 3, 1] and plan.rwrite_index.tolist() == [4, 5, 0]
+    assert plan.dslots.tolist() == [1]
+    plan = plan_step(replace(geo, refine_pages=0), np.array([0, 120, 121]), np.array([120, 36]), np.array([3, 1]), 10)
+    assert plan.rwrite_sel is None and plan.rwrite_index.tolist() == [0, 1, 2, 3, 4, 5, 0]
 
 
 # ---- imports and registration --------------------------------------------------------------------------------
@@ -376,6 +439,7 @@ def test_entry_point_is_declared():
 
 def test_register_sets_the_custom_backend():
     pytest.importorskip("vllm.v1.attention.backends.registry")
+    pytest.importorskip("vllm.config")  # register() imports the backend, which imports vLLM's config
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from rotkv.integrations.vllm import register
@@ -425,9 +489,11 @@ def test_vllm_spec_reports_int2_pages_and_shapes_the_kv_tensor():
     assert body.num_pages == n and body.k.codes.data_ptr() == raw.data_ptr()
 
 
-def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch):
+@pytest.mark.parametrize("refine", [{}, {"refine_tokens": 16, "refine_values": True, "refine_every": 2}])
+def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch, refine):
     """vLLM's metadata (CommonAttentionMetadata) through rotkv's builder and impl: a profiling call, then mixed
-    steps of three requests (one starting after another finished); every output equals rotkv's own cache."""
+    steps of three requests (one starting after another finished, a second prefill chunk); every output equals
+    rotkv's own cache (with a refine tier of keys and values: a one-page ring per slot, which A's body wraps)."""
     pytest.importorskip("vllm.v1.attention.backend")
     from types import SimpleNamespace as NS
 
@@ -438,7 +504,7 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch):
     from rotkv.rotations.registry import build_rotations
 
     h, hq, d, nblocks = 2, 4, 64, 40
-    cfg = _fake_vllm_config({"preset": "quarot-int2", "sink": 4, "window": 16, "spare_slots": 1})
+    cfg = _fake_vllm_config({"preset": "quarot-int2", "sink": 4, "window": 16, "spare_slots": 1, **refine})
     monkeypatch.setattr(be, "get_current_vllm_config", lambda: cfg)
     mp = be.model_plan(cfg)
     spec = be.RotkvAttentionSpec(block_size=P, num_kv_heads=h, head_size=d, dtype=torch.uint8,
@@ -450,6 +516,12 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch):
     impl.forward(layer, torch.randn(3, hq, d), torch.randn(3, h, d), torch.randn(3, h, d), torch.empty(0), None, out)
     assert not out.any()  # the profiling run: zeros, and the side pool exists from now on
     assert impl._layer["side"][0].shape == ((4 + 1 + 1) * mp.geometry.slot_pages, h, P, d)
+    rings = impl._layer["refine"]
+    if refine:  # beside the side pool: one ring row per slot, K = ceil(refine_tokens / P) pages
+        assert mp.geometry.refine_pages == 1 and len(rings.rings) == 2
+        assert all(r.data.shape == (4 + 1 + 1, 1, h, P, d // 4) for r in rings.rings)
+    else:
+        assert rings is None
     kv = torch.zeros(nblocks, spec.page_size_bytes, dtype=torch.uint8)
     rot = build_rotations("hadamard", 1, h, d)[0]
     settings = parse_settings(cfg.additional_config)
@@ -457,6 +529,7 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch):
     blocks, lens, refs = {}, {}, {}
     gen = torch.Generator().manual_seed(2)
     steps = [[("A", 30)], [("A", 1), ("B", 25)]] + [[("B", 1), ("A", 1)]] * 20 + [[("A", 1)], [("C", 20), ("A", 1)]]
+    steps += [[("A", 20), ("C", 1)], [("A", 1), ("C", 1)]]
     for step in steps:
         if step[0][0] == "C":  # B finished: its blocks go back (C may get B's first block, then B's slot)
             free.extend(blocks.pop("B"))
@@ -490,12 +563,89 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch):
             refs[r].update(k[a:a + n].transpose(0, 1)[None], v[a:a + n].transpose(0, 1)[None])
             want = refs[r].attend(q[a:a + n].transpose(0, 1)[None], None, d ** -0.5)[0]
             torch.testing.assert_close(out[a:a + n], want, atol=1e-4, rtol=1e-3)
-    assert mp.geometry.body_pages(lens["A"]) >= 2
+    assert mp.geometry.body_pages(lens["A"]) >= 3
+    if refine:
+        assert rings.keys.data.any() and rings.values.data.any()
 
 
-def _kernel_paths_check():
+def test_vllm_impl_serves_oscar_refine_like_rotkv_cache(monkeypatch, tmp_path):
+    """The recommended preset itself, oscar-refine with an oscar-mix-long artifact (layer 0 keeps 4-bit keys: a
+    value ring only; layer 1 rings of keys and values; 14 pages, one per 19 body pages), through vLLM's builder
+    and impl of both layers, against rotkv's RotkvCache built from the same preset and artifact: a 300-token
+    prompt (16 body pages: the rings wrap) chunked, next to decodes of another request."""
+    pytest.importorskip("vllm.v1.attention.backend")
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from rotkv.cache.cache import RotkvCache
+    from rotkv.contract import kind_meta
+    from rotkv.integrations.vllm import backend as be
+    from rotkv_testing import make_tiny_llama, write_artifact
+
+    model = make_tiny_llama()
+    widths = {"k_bits": torch.tensor([4, 2], dtype=torch.int32), "k_gain": torch.tensor([0.1, 0.0])}
+    path = write_artifact(model, tmp_path / "long.safetensors", tensors=widths, longfit_seq_len="4096",
+                          **kind_meta("oscar-mix-long"))
+    layers, h, hq, d, nblocks = 2, 2, 4, 16, 48
+    cfg = _fake_vllm_config({"artifact": path, "spare_slots": 1}, layers=layers, kv_heads=h, head_dim=d)
+    monkeypatch.setattr(be, "get_current_vllm_config", lambda: cfg)
+    mp = be.model_plan(cfg)
+    assert mp.settings.spec.name == "oscar-refine" and mp.geometry.refine_pages == 14
+    spec = be.RotkvAttentionSpec(block_size=P, num_kv_heads=h, head_size=d, dtype=torch.uint8,
+                                 rotkv_slot_bytes=mp.slot_bytes)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    builder = be.RotkvMetadataBuilder(spec, names, cfg, torch.device("cpu"))
+    impls = [be.RotkvAttentionImpl(hq, d, d ** -0.5, h) for _ in range(layers)]
+    mods = [NS(layer_name=n) for n in names]
+    for impl, mod in zip(impls, mods):  # the profiling run
+        impl.forward(mod, torch.randn(3, hq, d), torch.randn(3, h, d), torch.randn(3, h, d), torch.empty(0), None,
+                     torch.zeros(3, hq, d))
+    rings = [impl._layer["refine"] for impl in impls]
+    assert (rings[0].keys, rings[1].keys is not None, rings[0].values is not None) == (None, True, True)
+    kvs = [torch.zeros(nblocks, spec.page_size_bytes, dtype=torch.uint8) for _ in range(layers)]
+    free = list(range(nblocks - 1, 0, -1))
+    blocks, lens, refs = {}, {}, {}
+    gen = torch.Generator().manual_seed(4)
+    steps = [[("A", 200)], [("A", 100), ("B", 20)]] + [[("B", 1), ("A", 1)]] * 3 + [[("A", 1), ("B", 40)]]
+    for step in steps:
+        names_ = [r for r, _ in step]
+        for r, n in step:
+            lens[r] = lens.get(r, 0) + n
+            have = blocks.setdefault(r, [])
+            while len(have) * P < lens[r]:
+                have.append(free.pop())
+        table = torch.zeros(len(names_), 24, dtype=torch.int32)
+        for i, r in enumerate(names_):
+            table[i, :len(blocks[r])] = torch.tensor(blocks[r])
+        counts = [n for _, n in step]
+        qs = torch.tensor([0] + list(np.cumsum(counts)), dtype=torch.int32)
+        seq = torch.tensor([lens[r] for r in names_], dtype=torch.int32)
+        t = int(qs[-1])
+        cm = CommonAttentionMetadata(query_start_loc=qs, query_start_loc_cpu=qs, seq_lens=seq, num_reqs=len(names_),
+                                     num_actual_tokens=t, max_query_len=max(counts), max_seq_len=int(seq.max()),
+                                     block_table_tensor=table, slot_mapping=torch.zeros(t, dtype=torch.int64),
+                                     seq_lens_cpu_upper_bound=seq)
+        md = builder.build(0, cm)
+        for li, (impl, mod, kv) in enumerate(zip(impls, mods, kvs)):
+            q, k, v = (torch.randn(t, m, d, generator=gen) for m in (hq, h, h))
+            out = torch.zeros(t, hq, d)
+            impl.forward(mod, q, k, v, kv, md, out)
+            for i, (r, n) in enumerate(step):
+                a = int(qs[i])
+                if r not in refs:
+                    refs[r] = RotkvCache(model, "oscar-refine", path, context_length=cfg.model_config.max_model_len)
+                refs[r].update(k[a:a + n].transpose(0, 1)[None], v[a:a + n].transpose(0, 1)[None], li)
+                want = refs[r].layers[li].attend(q[a:a + n].transpose(0, 1)[None], None, d ** -0.5)[0]
+                torch.testing.assert_close(out[a:a + n], want, atol=1e-4, rtol=1e-3)
+    assert mp.geometry.body_pages(lens["A"]) > 14  # A's ring wrapped
+    assert rings[1].keys.data.any() and rings[0].values.data.any()
+
+
+def _kernel_paths_check(refine=False):
     """The mixed-batch check with rotkv's Triton kernels (decode over the side pool's tier table, the fused write
-    into the part views) in place of their references: run under TRITON_INTERPRET=1 by the test below."""
+    into the part views; ``refine``: a refine tier of keys and values, read by the v1 decode kernel from the
+    decode rows' rings) in place of their references: run under TRITON_INTERPRET=1 by the test below."""
     from types import SimpleNamespace
 
     from rotkv.cache.layer import HybridLayer
@@ -503,15 +653,27 @@ def _kernel_paths_check():
 
     # the kernels for the backend only: rotkv's cache (the reference) keeps its PyTorch path on the CPU
     attention.kernels = SimpleNamespace(enabled=lambda t: True, decode_config=attention.kernels.decode_config)
+    import rotkv.kernels.decode as kd
+
+    kernel, refine_calls = kd.decode_attention, []
+
+    def counted(*a, **kw):  # the decode calls that give the kernel the refine rings
+        refine_calls.append(kw.get("refine") is not None or kw.get("refine_values") is not None)
+        return kernel(*a, **kw)
+    kd.decode_attention = counted
 
     h, hq, d = 2, 4, 64
+    extra = {"refine_tokens": 32, "refine_values": True, "refine_every": 2} if refine else {}
     spec = CacheSpec(bits=2, group_size=64, sink=4, window=16, page_size=P, tier_dtype="float32",
-                     rotation="identity", clip_k=0.96, clip_v=0.92)
+                     rotation="identity", clip_k=0.96, clip_v=0.92, **extra)
     rot = _rotation(h, d, 3)
     sim = VllmSim(spec, rot, h, hq, d)
     gen = torch.Generator().manual_seed(3)
     refs, lens = {}, {}
-    for step in [[("A", 40)], [("A", 1), ("B", 30)]] + [[("B", 1), ("A", 1)]] * 8:
+    steps = [[("A", 40)], [("A", 1), ("B", 30)]] + [[("B", 1), ("A", 1)]] * 8
+    if refine:  # A's body grows past the ring (2 pages), B's prompt chunk reads its refined pages
+        steps += [[("A", 50), ("B", 1)], [("B", 40), ("A", 1)], [("A", 1), ("B", 1)]]
+    for step in steps:
         names = [r for r, _ in step]
         q, k, v = ([torch.randn(n, m, d, generator=gen) for _, n in step] for m in (hq, h, h))
         for r, n in step:
@@ -523,16 +685,24 @@ def _kernel_paths_check():
             want = layer.attend(q[i].transpose(0, 1)[None], None, d ** -0.5)[0]
             torch.testing.assert_close(outs[i], want, atol=3e-2, rtol=3e-2)  # the interpreter's fp16 dots
     assert sim.geo.body_pages(lens["A"]) >= 1 and sim.geo.body_pages(lens["B"]) >= 1  # both flushed
-    print("kernel paths ok")
+    if refine:
+        assert sim.geo.body_pages(lens["A"]) > sim.geo.refine_pages
+        _check_rings(sim, refs, lens)
+    print(f"kernel paths ok, {sum(refine_calls)} refine kernel calls")
 
 
-def test_kernel_paths_under_the_triton_interpreter():
+@pytest.mark.parametrize("refine,tuning", [(False, ""), (True, ""), (True, "refine_kernel=0")])
+def test_kernel_paths_under_the_triton_interpreter(refine, tuning):
+    """``refine_kernel=0``: no kernel reads the refine tier, so its decode calls take the PyTorch path (as in
+    rotkv's cache), and the write kernel still runs."""
     pytest.importorskip("triton")
     import os
     from pathlib import Path
 
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import test_vllm_plugin as t; t._kernel_paths_check()"
+    env = dict(os.environ, TRITON_INTERPRET="1", ROTKV_TUNING=tuning)
+    code = f"import test_vllm_plugin as t; t._kernel_paths_check({refine})"
     r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0 and "kernel paths ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    calls = int(r.stdout.split("kernel paths ok, ")[1].split()[0])
+    assert (calls > 0) == (refine and not tuning), r.stdout[-3000:]

@@ -11,14 +11,22 @@ which the CPU tests compare against rotkv's own cache.
 
 Keys are stored as ``(k - mu) R_K`` and values as ``v R_V`` (rotkv's semantics); queries are rotated by
 their KV group's ``R_K`` and outputs turned back by ``R_V^T``.
+
+A preset with a refine tier gives the layer its :class:`~rotkv.cache.refine.RefineRings`, one ring row per
+side-pool slot (the module docstring of :mod:`rotkv.integrations.vllm.state`): the flush writes the flushed
+pages' refine bits (``RefineRings.write``, rotkv's), the decode kernel and its reference read the decode rows'
+rings (gathered by slot into the ``[B, K, H, P, D/4]`` rings they take), and a prefill row's history adds its
+refined pages (``RefineRing.add``) to the dequantized body.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from rotkv.cache.refine import RefineRings, newest_pages
 from rotkv.kernels import backend as kernels
-from rotkv.kernels.body import PagedBody
+from rotkv.kernels.body import PagedBody, RefineTier
 from rotkv.kernels.reference import decode_reference, dequant_rows, quant_write_reference
 from rotkv.rotations.base import LayerRotation
 
@@ -48,6 +56,21 @@ def _unrotate_o(rot: LayerRotation, o: torch.Tensor, dtype) -> torch.Tensor:
     return rot.outputs(o.transpose(0, 1)[None], dtype)[0].transpose(0, 1)
 
 
+def slot_rings(spec, codecs, geo, kv_heads: int, head_dim: int, rows: int, device) -> RefineRings | None:
+    """One layer's refine rings for ``rows`` side-pool slots (rotkv's :class:`~rotkv.cache.refine.RefineRings`
+    of ``spec`` and the layer's (key, value) ``codecs``), or None (no refine tier, or no 2-bit side): ``geo
+    .refine_pages`` slots per row from the start, ``uint8 [rows, K, H, P, D / 4]`` per refined side."""
+    rings = RefineRings.build(spec, codecs, kv_heads, geo.page, head_dim, device)
+    if rings is None:
+        return None
+    rings.fit(rows)
+    rings.grow(np.zeros(rows, dtype=np.int64), geo.refine_pages * max(geo.refine_every, 1))  # K slots, all empty
+    if rings.pages != geo.refine_pages or rings.every != geo.refine_every:
+        raise ValueError(f"the refine rings hold {rings.pages} pages (every {rings.every}), the step plan reads "
+                         f"{geo.refine_pages} (every {geo.refine_every})")
+    return rings
+
+
 def write_body(x: torch.Tensor, blocks: torch.Tensor, part, clip: float) -> None:
     """Quantize ``x [n * P, H, D]`` (rotated tokens, page ``i`` = tokens ``i*P .. i*P+P-1``) into body pages
     ``blocks [n]`` of ``part``: rotkv's fused write kernel on CUDA, its reference elsewhere."""
@@ -61,30 +84,60 @@ def write_body(x: torch.Tensor, blocks: torch.Tensor, part, clip: float) -> None
         quant_write_reference(x, slots, part, clip=clip)
 
 
-def _decode(plan, qr: torch.Tensor, body: PagedBody, side_k, side_v, block_table, scale: float) -> torch.Tensor:
-    """The decode rows' attention ``[Bd, Hq, D]`` (rotated basis) over their body pages and side-pool tier."""
+def _decode(plan, qr: torch.Tensor, body: PagedBody, side_k, side_v, block_table, scale: float,
+            refine=None) -> torch.Tensor:
+    """The decode rows' attention ``[Bd, Hq, D]`` (rotated basis) over their body pages (the newest refined,
+    ``refine``: the layer's RefineRings or None) and side-pool tier."""
     dev = qr.device
     has_body = plan.dbody_max > 0
-    table = None
+    table, tiers = None, {}
     if has_body:
         last = torch.where(torch.from_numpy(plan.body_before[plan.decode_rows]) > 0, body.page_size, 0)
         table = (plan.device("dbody_indptr", dev), plan.device("dbody_pos", dev, block_table),
                  last.to(device=dev, dtype=torch.int32))
+        if refine is not None:  # the decode rows' rings, in row order (the kernels index rings by request)
+            rows = plan.device("dslots", dev)
+            tiers = {name: RefineTier(ring.data[rows], ring.pages, ring.every)
+                     for name, ring in (("refine", refine.keys), ("refine_values", refine.values)) if ring is not None}
     tier = plan.dev.get(("dtier", str(dev)))
     if tier is None:  # once per step, shared by the layers
         tier = plan.dev[("dtier", str(dev))] = tuple(torch.from_numpy(a).to(dev, non_blocking=True) for a in plan.dtier)
     if kernels.enabled(qr):
         from rotkv.kernels.decode import decode_attention
+        from rotkv.kernels.plan import plan_decode
 
-        return decode_attention(qr, body if has_body else None, table, plan.dbody_max, (side_k, side_v), tier,
-                                plan.dtier_max, sm_scale=scale, cfg=kernels.decode_config(), tier_start=plan.pad)
+        cfg, kplan = kernels.decode_config(), None
+        if tiers:  # as rotkv's cache: where no kernel reads the refine tier (refine_kernel=0), the PyTorch path
+            kplan = plan_decode(qr, body, cfg, ("refine" in tiers, "refine_values" in tiers))
+        if kplan is None or kplan.covered:
+            return decode_attention(qr, body if has_body else None, table, plan.dbody_max, (side_k, side_v), tier,
+                                    plan.dtier_max, sm_scale=scale, cfg=cfg, tier_start=plan.pad, plan=kplan,
+                                    **tiers)
     return decode_reference(qr, body if has_body else None, table, side_k, side_v, tier, sm_scale=scale,
-                            tier_start=plan.pad)
+                            tier_start=plan.pad, **tiers)
 
 
-def _history(plan, r: int, body: PagedBody, side_k, side_v, block_table, geo, dtype):
-    """Prefill row ``r``'s stored keys and values ``[H, n, D]`` in ``dtype``: its body pages (dequantized) and
-    its tier (sink, then window) as they were before the step."""
+def _add_refined(plan, r: int, nb: int, blocks: torch.Tensor, ks, vs, body: PagedBody, refine) -> None:
+    """Add prefill row ``r``'s refined pages (its newest ``refined_pages(nb, K, every)`` of ``nb`` body pages in
+    ``blocks``) to its dequantized body keys and values ``ks[0], vs[0] [H, nb * P, D]``, in place."""
+    key = ("refined", r, str(blocks.device))
+    if key not in plan.dev:  # once per step, shared by the layers
+        _, idx = newest_pages(np.array([nb]), refine.pages, refine.every)
+        idx = torch.from_numpy(idx).to(blocks.device)
+        plan.dev[key] = (idx, torch.full_like(idx, int(plan.slots[r])), torch.zeros_like(idx))
+    idx, slot, local = plan.dev[key]
+    if not len(idx):
+        return
+    ids = blocks[idx]
+    for x, ring, part in zip((ks[0], vs[0]), (refine.keys, refine.values), body.parts):
+        if ring is not None:
+            ring.add(x[None], nb, slot, local, idx, part.scale[ids])
+
+
+def _history(plan, r: int, body: PagedBody, side_k, side_v, block_table, geo, dtype, refine=None):
+    """Prefill row ``r``'s stored keys and values ``[H, n, D]`` in ``dtype``: its body pages (dequantized, the
+    newest refined where ``refine``, the layer's RefineRings) and its tier (sink, then window) as they were
+    before the step."""
     c, nb, p = int(plan.computed[r]), int(plan.body_before[r]), geo.page
     ks, vs = [], []
     if nb:
@@ -93,6 +146,8 @@ def _history(plan, r: int, body: PagedBody, side_k, side_v, block_table, geo, dt
             parts = [t[blocks] for t in part.tensors]  # [nb, H, P, W]
             parts = [t.permute(1, 0, 2, 3).reshape(t.shape[1], nb * p, t.shape[3]) for t in parts]
             out.append(dequant_rows(*parts, part.bits, part.group_size).to(dtype))
+        if refine is not None:
+            _add_refined(plan, r, nb, blocks, ks, vs, body, refine)
     base = int(plan.slots[r]) * geo.slot_pages
     t = torch.arange(c)
     t = t[(t < geo.sink) | (t >= geo.sink + nb * p)]
@@ -107,7 +162,8 @@ def _history(plan, r: int, body: PagedBody, side_k, side_v, block_table, geo, dt
     return ks, vs
 
 
-def _prefill(plan, r: int, q: torch.Tensor, kr, vr, body, side_k, side_v, block_table, geo, rot, scale):
+def _prefill(plan, r: int, q: torch.Tensor, kr, vr, body, side_k, side_v, block_table, geo, rot, scale,
+             refine=None):
     """Prefill row ``r``'s output ``[n, Hq, D]`` (model basis): its rotated queries over its history and its
     own rotated keys and values (causal). On CUDA in the model dtype, the history and the own tokens apart
     (PyTorch's fused kernels, no mask) merged by their log-sum-exp, as rotkv's own prefill does
@@ -115,7 +171,7 @@ def _prefill(plan, r: int, q: torch.Tensor, kr, vr, body, side_k, side_v, block_
     cdt = q.dtype if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)) else torch.float32
     a, b = int(plan.query_start[r]), int(plan.query_start[r + 1])
     n = b - a
-    ks, vs = _history(plan, r, body, side_k, side_v, block_table, geo, cdt)
+    ks, vs = _history(plan, r, body, side_k, side_v, block_table, geo, cdt, refine)
     hist = sum(x.shape[1] for x in ks)
     if cdt != torch.float32 or MERGED_PREFILL:
         from rotkv.cache.layer import attention_lse, merge_lse
@@ -139,10 +195,11 @@ def _prefill(plan, r: int, q: torch.Tensor, kr, vr, body, side_k, side_v, block_
 
 def layer_step(plan, geo, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, body: PagedBody,
                side_k: torch.Tensor, side_v: torch.Tensor, block_table: torch.Tensor, rot: LayerRotation,
-               codecs, scale: float, out: torch.Tensor) -> torch.Tensor:
+               codecs, scale: float, out: torch.Tensor, refine=None) -> torch.Tensor:
     """One layer of one step (see the module docstring). ``q [T, Hq, D]``, ``k, v [T, H, D]`` (the step's new
     tokens, T >= ``plan.num_tokens``: vLLM may pad), ``side_k, side_v [pages, H, P, D]``, ``block_table [B, M]``
-    (vLLM's), ``rot`` this rank's heads, ``codecs`` (key, value) TokenCodecs; writes ``out [T, Hq, D]``."""
+    (vLLM's), ``rot`` this rank's heads, ``codecs`` (key, value) TokenCodecs; ``refine``: the layer's
+    :class:`~rotkv.cache.refine.RefineRings` (one ring row per side-pool slot) or None; writes ``out [T, Hq, D]``."""
     dev, sdt = q.device, side_k.dtype
     t = plan.num_tokens
     kr, vr = rotate_kv(rot, k[:t], v[:t], sdt)
@@ -153,15 +210,20 @@ def layer_step(plan, geo, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bod
         # (2) decode attention
         tok = plan.device("dwrite_tok", dev)
         qr = _rotate_q(rot, q[tok], q.dtype)
-        o = _decode(plan, qr, body, side_k, side_v, block_table, scale)
+        o = _decode(plan, qr, body, side_k, side_v, block_table, scale, refine)
         out[tok] = _unrotate_o(rot, o, out.dtype)
     for r in plan.prefill_rows.tolist():  # (2) prefill attention
         a, b = int(plan.query_start[r]), int(plan.query_start[r + 1])
-        out[a:b] = _prefill(plan, r, q[:t], kr, vr, body, side_k, side_v, block_table, geo, rot, scale).to(out.dtype)
+        out[a:b] = _prefill(plan, r, q[:t], kr, vr, body, side_k, side_v, block_table, geo, rot, scale,
+                            refine).to(out.dtype)
     if len(plan.flush_pos):  # (3) the flush
         n = len(plan.flush_pos) * geo.page
         blocks = plan.device("flush_pos", dev, block_table)
-        for x_new, side, part, codec in ((kr, side_k, body.k, codecs[0]), (vr, side_v, body.v, codecs[1])):
+        if refine is not None:  # the pages the rings keep: their slots and body indices, positions in the flush
+            target = (plan.device("rwrite_slot", dev), plan.device("rwrite_index", dev),
+                      None if plan.rwrite_sel is None else plan.device("rwrite_sel", dev))
+        for i, (x_new, side, part, codec) in enumerate(((kr, side_k, body.k, codecs[0]),
+                                                        (vr, side_v, body.v, codecs[1]))):
             x = torch.empty(n, x_new.shape[1], x_new.shape[2], dtype=sdt, device=dev)
             if len(plan.flush_from_side):
                 x[plan.device("flush_from_side", dev)] = side[plan.device("flush_side_page", dev), :,
@@ -169,6 +231,10 @@ def layer_step(plan, geo, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bod
             if len(plan.flush_from_call):
                 x[plan.device("flush_from_call", dev)] = x_new[plan.device("flush_call_tok", dev)]
             write_body(x, blocks, part, codec.clip)
+            if refine is not None:  # the refine bits from the exact pages and their 2-bit reading (rotkv's write)
+                pages = x.view(len(plan.flush_pos), geo.page, *x.shape[1:]).transpose(1, 2)  # [n, H, P, D]
+                refine.write(i, pages, blocks.long(), None, dict(zip(("codes", "scale", "lo"), part.tensors)), codec,
+                             target)
     if len(plan.pwrite_page):  # (4) prefill tokens that stay
         pg, off, tok = (plan.device(n, dev) for n in ("pwrite_page", "pwrite_off", "pwrite_tok"))
         side_k[pg, :, off] = kr[tok]

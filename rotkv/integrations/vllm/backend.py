@@ -10,7 +10,8 @@
 - :class:`RotkvMetadataBuilder`: once per step, the host plan every layer follows
   (:func:`rotkv.integrations.vllm.state.plan_step`) and the side-pool slots of the step's requests.
 - :class:`RotkvAttentionImpl`: per layer, the rotation and codecs of its artifact/preset (this rank's KV heads),
-  the bf16 side pool, and :func:`rotkv.integrations.vllm.attention.layer_step`.
+  the bf16 side pool, the refine rings of a preset with a refine tier (per side-pool slot), and
+  :func:`rotkv.integrations.vllm.attention.layer_step`.
 
 Refused with a clear error: prefix caching, speculative decoding, sliding-window / ALiBi / soft-cap / encoder
 attention, KV-sharing layers, quantized ``kv_cache_dtype``, block sizes other than 16, output quantization.
@@ -38,7 +39,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from rotkv.integrations.vllm.attention import layer_step
+from rotkv.integrations.vllm.attention import layer_step, slot_rings
 from rotkv.integrations.vllm.config import PAGE_SIZE, WHERE, layer_codecs, load_rotations, parse_settings
 from rotkv.integrations.vllm.layout import BlockLayout, blocks_in, group_page_bytes
 from rotkv.integrations.vllm.state import Geometry, SlotTable, StepPlan, plan_step
@@ -110,7 +111,8 @@ def _model_plan(vllm_config: VllmConfig) -> ModelPlan:
     layouts = tuple(BlockLayout.of(local_h, d, PAGE_SIZE, *c) for c in codecs)
     slot = group_page_bytes(layouts) // (PAGE_SIZE * local_h)
     spec = settings.spec
-    geo = Geometry(spec.sink, spec.window, spec.window_share, PAGE_SIZE, mc.max_model_len)
+    geo = Geometry(spec.sink, spec.window, spec.window_share, PAGE_SIZE, mc.max_model_len,
+                   -(-spec.refine_tokens // PAGE_SIZE), spec.refine_every)
     return ModelPlan(settings, tuple(rots), codecs, layouts, slot, geo, total_h, tp, rank)
 
 
@@ -286,7 +288,9 @@ class RotkvAttentionImpl(AttentionImpl[RotkvMetadata]):
         shape = ((slots + 1) * geo.slot_pages, self.num_kv_heads, geo.page, self.head_size)
         # the side pool: allocated in vLLM's profiling run (the first forward), so its memory is not KV budget
         side = (torch.zeros(shape, dtype=sdt, device=device), torch.zeros(shape, dtype=sdt, device=device))
-        self._layer = dict(index=i, rot=rot, codecs=mp.codecs[i], layout=layout, side=side,
+        # the refine rings (a preset with refine_tokens): K slots for every side-pool slot, allocated with it
+        refine = slot_rings(mp.settings.spec, mp.codecs[i], geo, self.num_kv_heads, self.head_size, slots + 1, device)
+        self._layer = dict(index=i, rot=rot, codecs=mp.codecs[i], layout=layout, side=side, refine=refine,
                            page_bytes=mp.slot_bytes * geo.page * self.num_kv_heads)
         return self._layer
 
@@ -304,7 +308,7 @@ class RotkvAttentionImpl(AttentionImpl[RotkvMetadata]):
         plan = attn_metadata.plan
         t = plan.num_tokens
         layer_step(plan, self.mp.geometry, query, key, value, self._body[1], *st["side"], attn_metadata.block_table,
-                   st["rot"], st["codecs"], self.scale, output)
+                   st["rot"], st["codecs"], self.scale, output, st["refine"])
         if output.shape[0] > t:
             output[t:].zero_()
         return output

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from rotkv.cache.codecs import TokenCodec, fixed_codecs
 from rotkv.cache.widths import resolve_widths
-from rotkv.config import CacheSpec, get_preset
+from rotkv.config import RECOMMENDED_PRESET, CacheSpec, get_preset
 from rotkv.quant.quantizer import check_group
 from rotkv.rotations.base import LayerRotation
 
@@ -31,7 +31,7 @@ WHERE = 'additional_config["rotkv"]'
 DEFAULT_PRESET = "int4"  # without a preset and an artifact: 4 bits, no calibration, keeps the answer
 # the CacheSpec fields a user may override from vLLM (the others are format choices this backend fixes)
 SPEC_KEYS = ("sink", "window", "window_share", "group_size", "clip_k", "clip_v", "k_bits", "meta_k", "meta_v",
-             "key_mean", "rotate_values", "seed", "page_size")
+             "key_mean", "rotate_values", "seed", "page_size", "refine_tokens", "refine_values", "refine_every")
 OWN_KEYS = ("preset", "artifact", "context_length", "spare_slots")
 PAGE_SIZE = 16  # the vLLM block size the backend accepts (one block = one body page)
 
@@ -66,15 +66,16 @@ def _raw(additional_config) -> dict:
 
 
 def default_preset(artifact: str | None) -> str:
-    """The preset served without a ``preset`` key: the first preset the artifact was made for that this backend
-    serves (``rotkv.contract.presets_served``), or without an artifact :data:`DEFAULT_PRESET`."""
+    """The preset served without a ``preset`` key, as rotkv picks it (``rotkv.contract.default_preset``): the
+    recommended preset where the artifact serves it, else the first preset the artifact was made for
+    (``rotkv.contract.presets_served``), of those this backend serves; without an artifact :data:`DEFAULT_PRESET`."""
     if artifact is None or not os.path.isfile(artifact):
         return DEFAULT_PRESET
     from rotkv.contract import presets_served
     from rotkv.rotations.artifact import load_artifact
 
     art = load_artifact(artifact)
-    for name in presets_served(art.kind):
+    for name in sorted(presets_served(art.kind), key=lambda n: n != RECOMMENDED_PRESET):
         try:
             check_spec(get_preset(name))
         except ValueError:
@@ -125,8 +126,6 @@ def check_spec(spec: CacheSpec) -> None:
         why.append(f"codec {spec.codec!r} (only the per-token codec, 'token')")
     if spec.bits not in (2, 4, None):
         why.append(f"bits={spec.bits} (the kernels read 2 or 4)")
-    if spec.refine_tokens:
-        why.append("a refine tier (refine_tokens > 0)")
     if spec.start_bits is not None or spec.budget_tokens is not None:
         why.append("progressive precision or a token budget (start_bits / budget_tokens)")
     if spec.k_table is not None:

@@ -23,11 +23,21 @@ free slot (or the least recently seen one); a request with computed tokens must 
 step fails (never a silent wrong answer). Block 0 is vLLM's null block, never a request's: rows whose first
 block is 0 (vLLM's dummy and profiling runs) use a scratch slot.
 
+Refine rings (a preset with ``refine_tokens``, ``rotkv.cache.refine``): per layer and side (keys; values with
+``refine_values``) a ring ``uint8 [slots + 1, K, H, P, D / 4]`` beside the side pool, row ``s`` the request in
+slot ``s``, ``K = ceil(refine_tokens / P)``: body page ``i`` of a request keeps its 2 refine bits in slot
+``i % K``, written when the page is flushed (from the exact keys and values, as rotkv's flush does: of a flush
+of many pages of one request, its ``K`` newest). A request of ``n`` body pages reads its
+``refined_pages(n, K, every)`` newest pages refined (``rotkv.quant.refine``). rotkv's cache grows its rings up
+to ``K`` with its longest row; a ring of ``K`` slots from the start gives every row the same pages in the same
+reading (``refined_pages`` of a row never exceeds the slots either way).
+
 Every step of a request: (1) a decode row (one new token) writes its token into the side pool; (2) the
-queries attend to the body pages ``0 .. body_pages(c) - 1`` and the stored tier (sink and window of the
-``c`` computed tokens), and a prefill row also to its own new tokens, causally; (3) body pages
-``body_pages(c) .. body_pages(L) - 1`` are quantized from the side pool or the row's new tokens; (4) a
-prefill row's new tokens that stay (sink or window after the flush) are written to the side pool.
+queries attend to the body pages ``0 .. body_pages(c) - 1`` (the newest of them refined) and the stored tier
+(sink and window of the ``c`` computed tokens), and a prefill row also to its own new tokens, causally; (3)
+body pages ``body_pages(c) .. body_pages(L) - 1`` are quantized from the side pool or the row's new tokens, and
+their refine bits written to the rings; (4) a prefill row's new tokens that stay (sink or window after the
+flush) are written to the side pool.
 """
 
 from __future__ import annotations
@@ -38,18 +48,22 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rotkv.cache.refine import ring_writes
 from rotkv.config import window_at
 
 
 @dataclass(frozen=True)
 class Geometry:
-    """Sink ``S``, window ``W`` with its share, page ``P`` and ring pages of the side pool."""
+    """Sink ``S``, window ``W`` with its share, page ``P`` and ring pages of the side pool; ``refine_pages``
+    (``K``, 0: no refine tier) and ``refine_every``: the refine rings' slots and size rule."""
 
     sink: int
     window: int
     window_share: float
     page: int
     max_len: int
+    refine_pages: int = 0
+    refine_every: int = 0
 
     @property
     def pad(self) -> int:
@@ -144,6 +158,7 @@ class StepPlan:
     dwrite_page: np.ndarray
     dwrite_off: np.ndarray
     dwrite_tok: np.ndarray
+    dslots: np.ndarray  # the decode rows' slots (their refine rings)
     # the decode kernel's tables (decode rows in order): body (block positions in the flat block table) and tier
     dbody_indptr: np.ndarray
     dbody_pos: np.ndarray
@@ -157,6 +172,11 @@ class StepPlan:
     flush_side_off: np.ndarray
     flush_from_call: np.ndarray  # token index in the flush read from the call's new tokens
     flush_call_tok: np.ndarray
+    # the flush's refine-ring writes (refine tier only): positions in the flush (None: every page), the
+    # pages' slots and body indices
+    rwrite_sel: np.ndarray | None
+    rwrite_slot: np.ndarray
+    rwrite_index: np.ndarray
     # prefill rows' new tokens that stay: side page, offset, call token index
     pwrite_page: np.ndarray
     pwrite_off: np.ndarray
@@ -237,6 +257,8 @@ def plan_step(geo: Geometry, query_start: np.ndarray, lengths: np.ndarray, slots
     # the flush: pages nb0 .. nb1 - 1 of every row, tokens S + i P + j
     k = nb1 - nb0
     frow, fi = _ranges(nb0, k)
+    rsel = ring_writes(frow, fi, geo.refine_pages) if geo.refine_pages else None
+    rrow, ri = (frow, fi) if rsel is None else (frow[rsel], fi[rsel])
     flush_pos = frow * block_cols + geo.block_offset + fi
     trow_f, tj_f = _ranges(np.zeros(len(frow), dtype=np.int64), np.full(len(frow), p, dtype=np.int64))
     rows_t = frow[trow_f]
@@ -255,8 +277,9 @@ def plan_step(geo: Geometry, query_start: np.ndarray, lengths: np.ndarray, slots
     return StepPlan(
         num_tokens=int(qs[-1]), decode_rows=decode, prefill_rows=prefill, query_start=qs, computed=c, lengths=lengths,
         slots=slots, body_before=nb0, body_after=nb1, dwrite_page=dpage, dwrite_off=doff, dwrite_tok=qs[decode],
-        dbody_indptr=dbody_indptr.astype(np.int32), dbody_pos=dbody_pos, dtier=dtier,
+        dslots=slots[decode], dbody_indptr=dbody_indptr.astype(np.int32), dbody_pos=dbody_pos, dtier=dtier,
         dtier_max=int(tpos.max(initial=0)), dbody_max=int(nb0[decode].max(initial=0)) * p,
         flush_pos=flush_pos, flush_from_side=at[stored], flush_side_page=spage, flush_side_off=soff,
-        flush_from_call=at[~stored], flush_call_tok=call_tok, pwrite_page=ppage, pwrite_off=poff,
+        flush_from_call=at[~stored], flush_call_tok=call_tok, rwrite_sel=rsel, rwrite_slot=slots[rrow],
+        rwrite_index=ri, pwrite_page=ppage, pwrite_off=poff,
         pwrite_tok=qs[prow] + pt - c[prow], pad=pad)
