@@ -511,6 +511,11 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch, refine):
                                  rotkv_slot_bytes=mp.slot_bytes)
     builder = be.RotkvMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], cfg, torch.device("cpu"))
     impl = be.RotkvAttentionImpl(hq, d, d ** -0.5, h)
+
+    def no_config():  # as vLLM outside set_current_vllm_config: its forwards, the profiling one included
+        raise AssertionError("Current vLLM config is not set")
+
+    monkeypatch.setattr(be, "get_current_vllm_config", no_config)
     layer = NS(layer_name="model.layers.0.self_attn.attn")
     out = torch.ones(3, hq, d)
     impl.forward(layer, torch.randn(3, hq, d), torch.randn(3, h, d), torch.randn(3, h, d), torch.empty(0), None, out)
