@@ -82,6 +82,25 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def recorded_vllm_side(folder: Path, methods: list[str]) -> tuple[dict, dict]:
+    """(the spec, {method: result}) of an earlier run's vLLM side in ``folder``; every method must be there, and
+    every spec must hold the same prompt ids."""
+    spec, results = None, {}
+    for sp in sorted(folder.glob("greedy-spec_vllm-*.json")):
+        res = sp.with_name(sp.name.replace("spec", "result"))
+        if not res.exists():
+            continue
+        s = json.loads(sp.read_text())
+        if spec is not None and s["ids"] != spec["ids"]:
+            raise ValueError(f"{sp} has other prompt ids than the folder's first spec")
+        spec = spec or s
+        results.update(json.loads(res.read_text()))
+    missing = [m for m in methods if m not in results]
+    if spec is None or missing:
+        raise FileNotFoundError(f"{folder}: no recorded vLLM result for {missing or methods}")
+    return spec, {m: results[m] for m in methods}
+
+
 def side_vllm(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -114,7 +133,7 @@ def side_rotkv(spec: dict) -> dict:
     from rotkv.hf.compat import cache_kwarg
     from rotkv.hf.models import load_model
 
-    loaded = load_model(spec["gguf"], device="cuda")
+    loaded = load_model(spec["gguf"], device=spec.get("rotkv_device", "cuda"), dtype=torch.bfloat16)
     model, tok = loaded.model, loaded.tokenizer
     ids = torch.tensor([spec["ids"]], device=model.device)
     out = {}
@@ -179,21 +198,34 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--vllm-from", default=None, help="a folder of an earlier run's greedy-spec_vllm-*.json and "
+                    "greedy-result_vllm-*.json: compare those vLLM tokens (same prompt ids) instead of starting engines")
+    ap.add_argument("--rotkv-device", default="cuda", help="device of the transformers side (bf16 weights on any)")
     args = ap.parse_args(argv)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    spec = dict(model_dir=str(Path(args.model_dir).resolve()), gguf=args.gguf or os.environ.get("ROTKV_GGUF"),
-                methods=methods, ids=prompt_ids(tok, args.context), context=args.context, new=args.new,
-                gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-                configs={m: rotkv_config(m, args) for m in methods if m != "bf16"})
+    sides = {"_vllm": {}, "_rotkv": {}}
+    if args.vllm_from:
+        spec, sides["_vllm"] = recorded_vllm_side(Path(args.vllm_from), methods)
+        spec = dict(spec, methods=methods, gguf=args.gguf or os.environ.get("ROTKV_GGUF"),
+                    configs={m: dict(spec["configs"][m], **({"artifact": artifact_for(m, args.artifact_dir)}
+                                                             if artifact_for(m, args.artifact_dir) else {}))
+                             for m in methods if m != "bf16"})
+        args.context, args.new = spec["context"], spec["new"]
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
+        spec = dict(model_dir=str(Path(args.model_dir).resolve()), gguf=args.gguf or os.environ.get("ROTKV_GGUF"),
+                    methods=methods, ids=prompt_ids(tok, args.context), context=args.context, new=args.new,
+                    gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+                    configs={m: rotkv_config(m, args) for m in methods if m != "bf16"})
+    spec["rotkv_device"] = args.rotkv_device
     work = Path(args.out or "greedy.json").resolve().parent
     work.mkdir(parents=True, exist_ok=True)
-    sides = {"_vllm": {}, "_rotkv": {}}
     # one process per vLLM engine (an engine's GPU memory is only surely free once its process ends),
     # one for the transformers side
-    jobs = [("_vllm", [m]) for m in methods] + [("_rotkv", methods)]
+    jobs = [] if args.vllm_from else [("_vllm", [m]) for m in methods]
+    jobs += [("_rotkv", methods)]
     for side, ms in jobs:
         sp = work / f"greedy-spec{side}-{len(sides[side])}.json"
         sp.write_text(json.dumps({**spec, "methods": ms}))
@@ -205,6 +237,7 @@ def main(argv=None) -> int:
     from results_io import write_results
 
     data = dict(schema="rotkv-vllm-greedy/1", context=args.context, new=args.new, text=str(TEXT.name),
+                rotkv_device=args.rotkv_device, vllm_from=args.vllm_from,
                 settings={m: spec["configs"].get(m, {"preset": "bf16"}) for m in methods},
                 methods=compare(sides["_vllm"], sides["_rotkv"]))
     for m, row in data["methods"].items():

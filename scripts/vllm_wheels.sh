@@ -8,8 +8,8 @@
 #    x86_64, --no-deps) and checks its size and sha256 against the lock;
 # 2. SLIM=1 (default): makes the slim vllm wheel (`zip -d` of the members listed in SLIM_DROP below) and
 #    checks it against the lock's `slim` line; SLIM=0 sends the registry's 304 MB wheel instead;
-# 3. splits every file over PIECE_BYTES (default 45000000) with `split -b` into FILE.part-00, -01, ...;
-# 4. packs the files and pieces into batches of at most BATCH_BYTES (default 48 MiB, so that a batch plus
+# 3. splits every file over PIECE_BYTES (default 36000000) with `split -b` into FILE.part-00, -01, ...;
+# 4. packs the files and pieces into batches of at most BATCH_BYTES (default 44 MiB, so that a batch plus
 #    the working tree stays under the 64 MiB per call) as .whl/vllm/b1, b2, ..., each with the manifest SET
 #    (file, sha256, size, pieces of the whole set), and prints the folder to name in `carry` for each.
 #
@@ -24,8 +24,8 @@ LOCK=${LOCK:-scripts/vllm_wheels.lock}
 DL=${DL_DIR:-.whl/vllm-dl}
 OUT=${OUT_DIR:-.whl/vllm}
 SLIM=${SLIM:-1}
-PIECE=${PIECE_BYTES:-45000000}
-BATCH=${BATCH_BYTES:-50331648}
+PIECE=${PIECE_BYTES:-36000000}
+BATCH=${BATCH_BYTES:-46137344}
 PY=${PYTHON:-python3}
 # Members of the vllm wheel left out by SLIM=1, none of which the one-GPU runs of this project load:
 # the FlashAttention-2 library (on Hopper vLLM picks FA3, _vllm_fa3_C, which stays), the MoE kernels (dense

@@ -279,3 +279,23 @@ def test_serve_answer_checks_catch_each_fault():
 def test_serve_backend_lines_pick_the_backend_choice():
     log = "INFO loading\nINFO Using AttentionBackendEnum.CUSTOM backend.\nrotkv: preset oscar-mix, 30 layers\nINFO ready\n"
     assert vs.backend_lines(log) == ["INFO Using AttentionBackendEnum.CUSTOM backend.", "rotkv: preset oscar-mix, 30 layers"]
+
+
+def test_greedy_compare_reads_a_recorded_vllm_side(tmp_path):
+    """--vllm-from: an earlier run's vLLM tokens, one spec/result pair per engine; a missing method or other prompt
+    ids are refused."""
+    import vllm_greedy_compare as g
+
+    spec = {"ids": [1, 2, 3], "context": 3, "new": 2, "configs": {"quarot-int2": {"preset": "quarot-int2"}}}
+    (tmp_path / "greedy-spec_vllm-0.json").write_text(json.dumps({**spec, "methods": ["bf16"]}))
+    (tmp_path / "greedy-result_vllm-0.json").write_text(json.dumps({"bf16": {"tokens": [5, 6]}}))
+    (tmp_path / "greedy-spec_vllm-1.json").write_text(json.dumps({**spec, "methods": ["quarot-int2"]}))
+    (tmp_path / "greedy-result_vllm-1.json").write_text(json.dumps({"quarot-int2": {"tokens": [5, 7]}}))
+    (tmp_path / "greedy-spec_vllm-2.json").write_text(json.dumps({**spec, "methods": ["oscar-mix"]}))  # no result
+    got_spec, got = g.recorded_vllm_side(tmp_path, ["bf16", "quarot-int2"])
+    assert got_spec["ids"] == [1, 2, 3] and got == {"bf16": {"tokens": [5, 6]}, "quarot-int2": {"tokens": [5, 7]}}
+    with pytest.raises(FileNotFoundError, match="oscar-mix"):
+        g.recorded_vllm_side(tmp_path, ["bf16", "oscar-mix"])
+    (tmp_path / "greedy-spec_vllm-1.json").write_text(json.dumps({**spec, "ids": [9, 9, 9], "methods": ["quarot-int2"]}))
+    with pytest.raises(ValueError, match="other prompt ids"):
+        g.recorded_vllm_side(tmp_path, ["bf16", "quarot-int2"])

@@ -2,13 +2,14 @@
 # vLLM + rotkv on the GPU machine: transfer, install, GPU tests, benchmarks (docs/vllm-device.md).
 #
 # Here, first (no device time), in the root of the checkout the device calls send:
-#   bash scripts/vllm_wheels.sh                 # -> .whl/vllm/b1 b2 b3 (about 49 + 49 + 34 MiB)
+#   bash scripts/vllm_wheels.sh                 # -> .whl/vllm/b1 .. b4 (about 43 + 43 + 33 + 13 MiB)
 #   bash studies/device/device_vllm.sh split-gguf   # -> .gguf/smollm2.gguf.part-aa, -ab (50 MB + 48 MB) + .sha256
 # Then one device call each (every call carries at most one batch: a batch plus the ~10 MB working tree
 # stays under 64 MiB), back to back so that the machine stays warm (30 s):
 #   1. carry [".whl/vllm/b1"]        bash studies/device/device_vllm.sh wheels .whl/vllm/b1
 #   2. carry [".whl/vllm/b2"]        bash studies/device/device_vllm.sh wheels .whl/vllm/b2
-#   3. carry [".whl/vllm/b3"]        bash studies/device/device_vllm.sh wheels .whl/vllm/b3   (installs, import check,
+#   3. carry [".whl/vllm/b3"]        bash studies/device/device_vllm.sh wheels .whl/vllm/b3
+#   3b. carry [".whl/vllm/b4", "artifacts"]  bash studies/device/device_vllm.sh wheels .whl/vllm/b4   (installs, import check,
 #                                    the plugin's entry point, the Qwen3-8B dummy dir, the plugin's tests,
 #                                    then starts the Qwen3 queue in the background)
 #   4. carry [".gguf/smollm2.gguf.part-aa", ".gguf/smollm2.gguf.sha256"]   bash studies/device/device_vllm.sh gguf
@@ -37,6 +38,8 @@ cd "${REPO:-$(dirname "$0")/../..}"; export REPO=$PWD
 export OUT=${OUT:-/tmp/out}
 export VLLM_SITE=${VLLM_SITE:-$HOME/site}
 export PYTHONPATH=$VLLM_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
+# FlashInfer's sampler JIT-compiles with nvcc on a fresh machine (minutes with the GPU idle): vLLM's own sampler
+export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export ROTKV_COMMIT=${ROTKV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 RUN=${VLLM_RUN_DIR:-$HOME/vllmrun}
@@ -209,7 +212,7 @@ case "${1:-}" in
   poll)  # waits up to $2 seconds (or until the queue is done), then collects
     end=$((SECONDS + ${2:-500}))
     while [ $SECONDS -lt $end ]; do
-      q=$(wc -l < "$RUN/queue" 2>/dev/null || echo 0); d=$(wc -l < "$RUN/done" 2>/dev/null || echo 0)
+      q=$(cat "$RUN/queue" 2>/dev/null | wc -l); d=$(cat "$RUN/done" 2>/dev/null | wc -l)
       [ "$q" -gt 0 ] && [ "$d" -ge "$q" ] && break
       sleep 10
     done
