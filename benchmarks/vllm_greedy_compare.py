@@ -175,6 +175,10 @@ def compare(v: dict, r: dict) -> dict:
             row["vllm_top2_gap_at_divergence"] = v[method]["top2_logprob_gap"][i] if i < len(v[method]["top2_logprob_gap"]) else None
             row["rotkv_top2_gap_at_divergence"] = r[method]["top2_logprob_gap"][i] if i < len(r[method]["top2_logprob_gap"]) else None
         row["rotkv_scores_run_equal"] = r[method].get("scores_run_tokens", b) == b
+        # a top-2 gap of exactly 0 at most steps means equal logits: a model vLLM did not load (not a comparison)
+        gaps = [x for x in v[method].get("top2_logprob_gap", []) if x is not None]
+        row["vllm_zero_gap_steps"] = sum(x == 0 for x in gaps)
+        row["vllm_degenerate"] = bool(gaps) and row["vllm_zero_gap_steps"] > len(gaps) // 2
         rows[method] = row
     return rows
 
@@ -242,6 +246,9 @@ def main(argv=None) -> int:
                 methods=compare(sides["_vllm"], sides["_rotkv"]))
     for m, row in data["methods"].items():
         print(f"{m}: {'equal' if row['equal'] else 'first divergence at step ' + str(row['first_divergence'])}")
+        if row["vllm_degenerate"]:
+            print(f"WARNING {m}: vLLM's top-2 log-probs are equal at {row['vllm_zero_gap_steps']} of {args.new} steps: "
+                  "its logits are flat, so the model did not load as rotkv's path reads it")
     write_results("vllm-greedy", data, out=args.out)
     return 0
 
