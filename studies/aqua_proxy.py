@@ -16,6 +16,11 @@ position; ``--space post`` fits one map on post-RoPE keys instead, for compariso
 the exact previous keys (an upper bound; not storable). ``mean-pre`` is the control that reads no other layer:
 ``p_l = RoPE(b_l)``, the pre-RoPE key mean turned to each token's position, in place of the post-RoPE mean mu
 (which averages the rotating part of the keys away). Layer 0 keeps the plain format in every variant.
+``--ranks 16,48`` adds ``pred-pre-r16``, ``pred-pre-r48``: maps of rank r (192 x r and r x 192 plus the bias, in
+place of 193 x 192), fitted the same way (``--only-ranks``: base and those only):
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python studies/aqua_proxy.py rotkv/data/suite/{prose,code,docs,dialogue}_dev.txt \
+        --ranks 16,48 --only-ranks --out docs/results/levers-aqua/proxy_rank.json
 
 A_l is [192 + 1, 192] (all 3 KV heads of layer l-1 to all of layer l's), ridge least squares. Fitted on
 ``--calib-tokens`` of rotkv's default calibration corpus (calib_*.txt, chunks of ``--chunk``), never suite text;
@@ -49,6 +54,9 @@ p.add_argument("--calib-tokens", type=int, default=16384)
 p.add_argument("--chunk", type=int, default=2048)
 p.add_argument("--ridge", type=float, default=1e-3, help="ridge, relative to the mean input variance")
 p.add_argument("--out", default=None)
+p.add_argument("--ranks", default="", help="comma-separated ranks r: also pred-pre with rank-r maps (reduced-rank "
+               "regression: the full map projected on the top r right singular vectors of its fitted values)")
+p.add_argument("--only-ranks", action="store_true", help="run base and the rank-r variants only")
 args = p.parse_args()
 
 L = load_model(None)
@@ -120,7 +128,7 @@ def predict(A, prev, cs, space):
     return rope(out, cs) if space == "pre" else out
 
 
-def fit(src_list, dst_list, bias_only=False):
+def fit(src_list, dst_list, bias_only=False, rank=0):
     x = torch.cat([torch.cat([s, torch.ones(s.shape[0], 1, dtype=s.dtype)], -1) for s in src_list])
     if bias_only:
         return torch.cat(dst_list).mean(0, keepdim=True)
@@ -129,14 +137,20 @@ def fit(src_list, dst_list, bias_only=False):
     lam = args.ridge * torch.diagonal(g)[:-1].mean()
     reg = torch.eye(g.shape[0], dtype=g.dtype) * lam
     reg[-1, -1] = 0
-    return torch.linalg.solve(g + reg, x.T @ y)
+    A = torch.linalg.solve(g + reg, x.T @ y)
+    if rank:  # weights projected on the top-r directions of the centred fitted values; the bias refitted
+        xc = x[:, :-1] - x[:, :-1].mean(0)
+        v = torch.linalg.svd(xc @ A[:-1], full_matrices=False).Vh[:rank]
+        w = A[:-1] @ v.T @ v
+        A = torch.cat([w, (y.mean(0) - x[:, :-1].mean(0) @ w)[None]])
+    return A
 
 
 def variants_reconstruct(keys, cs, maps):
     """Reconstructions per variant of a window's post-RoPE keys (list over layers of [H, T, D])."""
     out = {}
     out["base"] = [store(k - MU[l][:, None], l) + MU[l][:, None] for l, k in enumerate(keys)]
-    for name, (space, oracle, _) in VARIANTS.items():
+    for name, (space, oracle, *_) in VARIANTS.items():
         rec = [out["base"][0]]
         for l in range(1, NL):
             prev = keys[l - 1] if oracle else rec[l - 1]
@@ -153,6 +167,10 @@ def variants_reconstruct(keys, cs, maps):
 # name: (space of the map, predict from exact previous keys, bias only)
 VARIANTS = {"mean-pre": ("pre", False, True), "pred-pre": ("pre", False, False), "pred-post": ("post", False, False),
             "oracle-pre": ("pre", True, False)}
+if args.only_ranks:
+    VARIANTS = {}
+for r in filter(None, args.ranks.split(",")):
+    VARIANTS[f"pred-pre-r{r}"] = ("pre", False, False, int(r))
 
 # ---- calibration: sequential fit on the reconstructions
 chunks = token_chunks(tok, None, args.calib_tokens, args.chunk)
@@ -164,13 +182,13 @@ for ids in chunks:
     calib.append([g[l][1] for l in range(NL)])
 maps = {name: [None] * NL for name in VARIANTS}
 expl = {name: [None] * NL for name in VARIANTS}
-for name, (space, oracle, bias_only) in VARIANTS.items():
+for name, (space, oracle, bias_only, *rank) in VARIANTS.items():
     rec = [store(c[0] - MU[0][:, None], 0) + MU[0][:, None] for c in calib]
     for l in range(1, NL):
         srcs = [(c[l - 1] if oracle else r) for c, r in zip(calib, rec)]
         sx = [flat(unrope(s, cs) if space == "pre" else s)[16:] for s in srcs]
         dy = [flat(unrope(c[l], cs) if space == "pre" else c[l])[16:] for c in calib]
-        A = fit(sx, dy, bias_only)
+        A = fit(sx, dy, bias_only, *rank)
         maps[name][l] = A
         new = []
         num = den = 0.0
