@@ -71,6 +71,9 @@ def dense_logprobs(token_ids: list[int], logprobs: list[float], vocab: int):
     total = float(np.logaddexp.reduce(row.astype(np.float64)))
     if abs(total) > 1e-3:
         raise AssertionError(f"a decode step's log-probs sum to exp({total:.4g}), not 1: not raw_logprobs?")
+    if float(row.max() - row.min()) < 1e-4:
+        raise AssertionError("a decode step's log-probs are all equal (flat logits): the engine did not load the "
+                             "model's weights as the transformers side reads them (tied embeddings?)")
     return row
 
 

@@ -5,6 +5,7 @@ writes (both GPU sides replaced by fakes). The vLLM logits processor class is ch
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -76,6 +77,8 @@ def test_dense_logprobs_needs_the_full_normalized_vocabulary():
         kc.dense_logprobs(ids[:-1], lp[:-1].tolist(), 12)
     with pytest.raises(AssertionError, match="raw_logprobs"):
         kc.dense_logprobs(ids, (lp + 0.5).tolist(), 12)
+    with pytest.raises(AssertionError, match="flat logits"):  # what an engine without the embeddings returns
+        kc.dense_logprobs(ids, [-math.log(12)] * 12, 12)
 
 
 def test_kl_rows_is_the_forward_kl():
