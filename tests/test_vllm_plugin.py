@@ -489,6 +489,31 @@ def test_vllm_spec_reports_int2_pages_and_shapes_the_kv_tensor():
     assert body.num_pages == n and body.k.codes.data_ptr() == raw.data_ptr()
 
 
+def _vllm_step(step, lens, blocks, free, cols):
+    """vLLM's CommonAttentionMetadata of one step of ``(request, new tokens)`` pairs: grows each request's length
+    in ``lens`` and its blocks in ``blocks`` (taken from ``free``); returns (query start offsets, tokens, metadata)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    names = [r for r, _ in step]
+    for r, n in step:
+        lens[r] = lens.get(r, 0) + n
+        have = blocks.setdefault(r, [])
+        while len(have) * P < lens[r]:
+            have.append(free.pop())
+    table = torch.zeros(len(names), cols, dtype=torch.int32)
+    for i, r in enumerate(names):
+        table[i, :len(blocks[r])] = torch.tensor(blocks[r])
+    counts = [n for _, n in step]
+    qs = torch.tensor([0] + list(np.cumsum(counts)), dtype=torch.int32)
+    seq = torch.tensor([lens[r] for r in names], dtype=torch.int32)
+    t = int(qs[-1])
+    cm = CommonAttentionMetadata(query_start_loc=qs, query_start_loc_cpu=qs, seq_lens=seq, num_reqs=len(names),
+                                 num_actual_tokens=t, max_query_len=max(counts), max_seq_len=int(seq.max()),
+                                 block_table_tensor=table, slot_mapping=torch.zeros(t, dtype=torch.int64),
+                                 seq_lens_cpu_upper_bound=seq)
+    return qs, t, cm
+
+
 @pytest.mark.parametrize("refine", [{}, {"refine_tokens": 16, "refine_values": True, "refine_every": 2}])
 def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch, refine):
     """vLLM's metadata (CommonAttentionMetadata) through rotkv's builder and impl: a profiling call, then mixed
@@ -496,8 +521,6 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch, refine):
     rotkv's own cache (with a refine tier of keys and values: a one-page ring per slot, which A's body wraps)."""
     pytest.importorskip("vllm.v1.attention.backend")
     from types import SimpleNamespace as NS
-
-    from vllm.v1.attention.backend import CommonAttentionMetadata
 
     from rotkv.cache.layer import HybridLayer
     from rotkv.integrations.vllm import backend as be
@@ -538,24 +561,7 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch, refine):
     for step in steps:
         if step[0][0] == "C":  # B finished: its blocks go back (C may get B's first block, then B's slot)
             free.extend(blocks.pop("B"))
-        names = [r for r, _ in step]
-        for r, n in step:
-            lens[r] = lens.get(r, 0) + n
-            have = blocks.setdefault(r, [])
-            while len(have) * P < lens[r]:
-                have.append(free.pop())
-        cols = 8
-        table = torch.zeros(len(names), cols, dtype=torch.int32)
-        for i, r in enumerate(names):
-            table[i, :len(blocks[r])] = torch.tensor(blocks[r])
-        counts = [n for _, n in step]
-        qs = torch.tensor([0] + list(np.cumsum(counts)), dtype=torch.int32)
-        seq = torch.tensor([lens[r] for r in names], dtype=torch.int32)
-        t = int(qs[-1])
-        cm = CommonAttentionMetadata(query_start_loc=qs, query_start_loc_cpu=qs, seq_lens=seq, num_reqs=len(names),
-                                     num_actual_tokens=t, max_query_len=max(counts), max_seq_len=int(seq.max()),
-                                     block_table_tensor=table, slot_mapping=torch.zeros(t, dtype=torch.int64),
-                                     seq_lens_cpu_upper_bound=seq)
+        qs, t, cm = _vllm_step(step, lens, blocks, free, cols=8)
         md = builder.build(0, cm)
         q, k, v = (torch.randn(t + 2, m, d, generator=gen) for m in (hq, h, h))
         out = torch.full((t + 2, hq, d), 7.0)
@@ -580,8 +586,6 @@ def test_vllm_impl_serves_oscar_refine_like_rotkv_cache(monkeypatch, tmp_path):
     prompt (16 body pages: the rings wrap) chunked, next to decodes of another request."""
     pytest.importorskip("vllm.v1.attention.backend")
     from types import SimpleNamespace as NS
-
-    from vllm.v1.attention.backend import CommonAttentionMetadata
 
     from rotkv.cache.cache import RotkvCache
     from rotkv.contract import kind_meta
@@ -614,23 +618,7 @@ def test_vllm_impl_serves_oscar_refine_like_rotkv_cache(monkeypatch, tmp_path):
     gen = torch.Generator().manual_seed(4)
     steps = [[("A", 200)], [("A", 100), ("B", 20)]] + [[("B", 1), ("A", 1)]] * 3 + [[("A", 1), ("B", 40)]]
     for step in steps:
-        names_ = [r for r, _ in step]
-        for r, n in step:
-            lens[r] = lens.get(r, 0) + n
-            have = blocks.setdefault(r, [])
-            while len(have) * P < lens[r]:
-                have.append(free.pop())
-        table = torch.zeros(len(names_), 24, dtype=torch.int32)
-        for i, r in enumerate(names_):
-            table[i, :len(blocks[r])] = torch.tensor(blocks[r])
-        counts = [n for _, n in step]
-        qs = torch.tensor([0] + list(np.cumsum(counts)), dtype=torch.int32)
-        seq = torch.tensor([lens[r] for r in names_], dtype=torch.int32)
-        t = int(qs[-1])
-        cm = CommonAttentionMetadata(query_start_loc=qs, query_start_loc_cpu=qs, seq_lens=seq, num_reqs=len(names_),
-                                     num_actual_tokens=t, max_query_len=max(counts), max_seq_len=int(seq.max()),
-                                     block_table_tensor=table, slot_mapping=torch.zeros(t, dtype=torch.int64),
-                                     seq_lens_cpu_upper_bound=seq)
+        qs, t, cm = _vllm_step(step, lens, blocks, free, cols=24)
         md = builder.build(0, cm)
         for li, (impl, mod, kv) in enumerate(zip(impls, mods, kvs)):
             q, k, v = (torch.randn(t, m, d, generator=gen) for m in (hq, h, h))
