@@ -26,6 +26,17 @@ def setenv(monkeypatch):
 
 
 @pytest.fixture
+def no_model(monkeypatch):
+    """Loading a model fails the test: the command's checks have to come first (geometry as SmolLM2's)."""
+    def load_model(*a, **k):
+        raise AssertionError("the model was loaded before the check")
+
+    monkeypatch.setattr("rotkv.hf.models.load_model", load_model)
+    monkeypatch.setattr("rotkv.hf.models.peek_geometry", lambda model=None: (30, 3, 64))
+    monkeypatch.delenv("ROTKV_DEBUG", raising=False)
+
+
+@pytest.fixture
 def kernels_on_cpu(monkeypatch, device):
     """On a CPU machine the cache runs the kernels for CPU tensors (under the Triton interpreter) while
     the ``ROTKV_KERNELS`` switch is on; on a GPU machine nothing changes."""

@@ -200,16 +200,6 @@ def test_the_lm_eval_adapter_builds_each_cache_for_its_request_length(tiny, tmp_
 
 
 # ---- the command line -----------------------------------------------------------------------------------------------
-@pytest.fixture
-def no_model(monkeypatch):
-    def load_model(*a, **k):
-        raise AssertionError("the model was loaded before the check")
-
-    monkeypatch.setattr("rotkv.hf.models.load_model", load_model)
-    monkeypatch.setattr("rotkv.hf.models.peek_geometry", lambda model=None: (30, 3, 64))
-    monkeypatch.delenv("ROTKV_DEBUG", raising=False)
-
-
 @pytest.mark.parametrize("value,needle", [
     ("0", "--long-seq-len has to be a comma list of positive integers (e.g. 4096,8192) but got '0'"),
     ("abc", "--long-seq-len has to be a comma list of positive integers (e.g. 4096,8192) but got 'abc'"),

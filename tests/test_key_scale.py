@@ -197,16 +197,6 @@ def test_the_refit_writes_the_scaling_of_its_own_statistics(tmp_path):
     assert not any(k.startswith("k_scale") for k in again) and "key_scale" not in meta2
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    def load_model(*a, **k):
-        raise AssertionError("the model was loaded before the check")
-
-    monkeypatch.setattr("rotkv.hf.models.load_model", load_model)
-    monkeypatch.setattr("rotkv.hf.models.peek_geometry", lambda model=None: (30, 3, 64))
-    monkeypatch.delenv("ROTKV_DEBUG", raising=False)
-
-
 @pytest.mark.parametrize("argv, needle", [
     (["--method", "oscar-mix-long", "--key-scale", "1.5"], "--key-scale is an exponent in [0, 1] for --method oscar-mix-long but got 1.5"),
     (["--method", "oscar-mix", "--key-scale", "0.5"], "--key-scale is an exponent in [0, 1] for --method oscar-mix-long but got 0.5 with --method oscar-mix"),
