@@ -210,10 +210,12 @@ def main(argv=None) -> int:
     sides = {"_vllm": {}, "_rotkv": {}}
     if args.vllm_from:
         spec, sides["_vllm"] = recorded_vllm_side(Path(args.vllm_from), methods)
-        spec = dict(spec, methods=methods, gguf=args.gguf or os.environ.get("ROTKV_GGUF"),
-                    configs={m: dict(spec["configs"][m], **({"artifact": artifact_for(m, args.artifact_dir)}
-                                                             if artifact_for(m, args.artifact_dir) else {}))
-                             for m in methods if m != "bf16"})
+        configs = {}
+        for m in methods:  # the recorded settings, with this machine's artifact where the preset reads one
+            if m != "bf16":
+                art = artifact_for(m, args.artifact_dir)
+                configs[m] = dict(spec["configs"][m], **({"artifact": art} if art else {}))
+        spec = dict(spec, methods=methods, gguf=args.gguf or os.environ.get("ROTKV_GGUF"), configs=configs)
         args.context, args.new = spec["context"], spec["new"]
     else:
         from transformers import AutoTokenizer
