@@ -140,7 +140,7 @@ def write_smollm2_dir(out: str | os.PathLike, gguf: str | None = None) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     from safetensors import safe_open
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     with safe_open(str(src / "model.safetensors"), "pt") as f:
         names = set(f.keys())
@@ -151,14 +151,11 @@ def write_smollm2_dir(out: str | os.PathLike, gguf: str | None = None) -> Path:
             if link.is_symlink() or link.exists():
                 link.unlink()
             link.symlink_to(f.resolve())
-    if own:
-        from safetensors.torch import load_file
-
-        tensors = load_file(str(src / "model.safetensors"))
+    target = out / "model.safetensors"
+    if own and (target.is_symlink() or not target.exists() or EMBED not in safe_open(str(target), "pt").keys()):
+        tensors = load_file(str(src / "model.safetensors"))  # written once: a later prepare keeps it
         tensors[EMBED] = tensors["lm_head.weight"].clone()
-        target = out / "model.safetensors"
-        if target.is_symlink() or target.exists():
-            target.unlink()
+        target.unlink(missing_ok=True)
         save_file(tensors, str(target), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     (out / "SOURCE").write_text(f"{src}\n")
