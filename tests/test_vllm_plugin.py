@@ -389,6 +389,31 @@ def test_plan_refine_ring_writes():
     assert plan.rwrite_sel is None and plan.rwrite_index.tolist() == [0, 1, 2, 3, 4, 5, 0]
 
 
+def test_plan_device_arrays_are_one_upload_of_the_host_arrays():
+    """Every array the layers read on the device equals its host array, dtype included (the step's one packed
+    upload); ``dbody_last`` is a page for a decode row with a body and 0 without; ``*_pos`` arrays turn into the
+    block ids they point at."""
+    from rotkv.integrations.vllm.state import DEVICE_ARRAYS
+
+    geo = Geometry(sink=4, window=16, window_share=0.0, page=P, max_len=512, refine_pages=2)
+    # row 0: a 120-token prompt, row 1: a decode step at 36 tokens (a body), row 2: a decode step at 10 (none)
+    plan = plan_step(geo, np.array([0, 120, 121, 122]), np.array([120, 37, 10]), np.array([3, 1, 0]), 10)
+    assert plan.dbody_last.tolist() == [P, 0] and plan.dbody_last.dtype == np.int32
+    table = torch.arange(30, dtype=torch.int32).reshape(3, 10) + 100
+    names = [n for n in DEVICE_ARRAYS if not n.startswith("dtier") and getattr(plan, n) is not None]
+    for n in names:
+        t = plan.device(n, "cpu", table)
+        a = getattr(plan, n)
+        if n.endswith("_pos"):
+            assert t.tolist() == (table.reshape(-1)[torch.from_numpy(a)].tolist() if len(a) else [0])
+        else:
+            assert t.dtype == torch.from_numpy(a).dtype and t.tolist() == a.tolist(), n
+    assert [x.tolist() for x in plan.device("dtier", "cpu")] == [a.tolist() for a in plan.dtier]
+    assert [x.dtype for x in plan.device("dtier", "cpu")] == [torch.int32] * 3
+    uploads = [k for k in plan.dev if k[0] == "uploaded"]
+    assert uploads == [("uploaded", "cpu")]
+
+
 # ---- imports and registration --------------------------------------------------------------------------------
 def test_backend_modules_do_not_import_rotkv_hf():
     code = ("import sys; import rotkv.integrations.vllm as m; import rotkv.integrations.vllm.attention, "

@@ -92,16 +92,13 @@ def _decode(plan, qr: torch.Tensor, body: PagedBody, side_k, side_v, block_table
     has_body = plan.dbody_max > 0
     table, tiers = None, {}
     if has_body:
-        last = torch.where(torch.from_numpy(plan.body_before[plan.decode_rows]) > 0, body.page_size, 0)
         table = (plan.device("dbody_indptr", dev), plan.device("dbody_pos", dev, block_table),
-                 last.to(device=dev, dtype=torch.int32))
+                 plan.device("dbody_last", dev))
         if refine is not None:  # the decode rows' rings, in row order (the kernels index rings by request)
             rows = plan.device("dslots", dev)
             tiers = {name: RefineTier(ring.data[rows], ring.pages, ring.every)
                      for name, ring in (("refine", refine.keys), ("refine_values", refine.values)) if ring is not None}
-    tier = plan.dev.get(("dtier", str(dev)))
-    if tier is None:  # once per step, shared by the layers
-        tier = plan.dev[("dtier", str(dev))] = tuple(torch.from_numpy(a).to(dev, non_blocking=True) for a in plan.dtier)
+    tier = plan.device("dtier", dev)
     if kernels.enabled(qr):
         from rotkv.kernels.decode import decode_attention
         from rotkv.kernels.plan import plan_decode

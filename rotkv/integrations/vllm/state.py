@@ -162,6 +162,7 @@ class StepPlan:
     # the decode kernel's tables (decode rows in order): body (block positions in the flat block table) and tier
     dbody_indptr: np.ndarray
     dbody_pos: np.ndarray
+    dbody_last: np.ndarray  # int32: tokens in each decode row's last body page (P, or 0 without a body)
     dtier: tuple
     dtier_max: int
     dbody_max: int
@@ -185,16 +186,58 @@ class StepPlan:
     dev: dict = field(default_factory=dict)
 
     def device(self, name: str, device, block_table: torch.Tensor | None = None) -> torch.Tensor:
-        """A host array on ``device`` (``*_pos`` arrays: the block ids they point at in ``block_table``)."""
+        """A host array on ``device`` (``*_pos`` arrays: the block ids they point at in ``block_table``;
+        ``dtier``: the tier table's three arrays). The first call of a step uploads every array at once
+        (:meth:`_upload`); the layers then look them up."""
         key = (name, str(device))
         if key not in self.dev:
-            a = getattr(self, name)
-            t = torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+            arrays = self.dev.get(("uploaded", str(device)))
+            if arrays is None:
+                arrays = self.dev[("uploaded", str(device))] = self._upload(torch.device(device))
+            t = arrays[name]
             if name.endswith("_pos"):
-                t = block_table.reshape(-1)[t].to(torch.int32) if len(a) else torch.zeros(1, dtype=torch.int32,
-                                                                                           device=device)
+                t = block_table.reshape(-1)[t].to(torch.int32) if len(getattr(self, name)) else \
+                    torch.zeros(1, dtype=torch.int32, device=device)
             self.dev[key] = t
         return self.dev[key]
+
+    def _upload(self, device: torch.device) -> dict:
+        """Every array of :data:`DEVICE_ARRAYS` and the tier table on ``device`` by one copy: packed into one
+        int64 buffer, pinned on CUDA (a copy from pageable memory waits for the stream: one such copy per
+        array and layer would stall the host at every layer), then unpacked into views of their own dtypes."""
+        items = [(n, getattr(self, n)) for n in DEVICE_ARRAYS if getattr(self, n) is not None]
+        flat = np.concatenate([np.asarray(a, dtype=np.int64).ravel() for _, a in items] + [np.zeros(0, np.int64)])
+        host = torch.from_numpy(flat)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        flat_dev = host.to(device, non_blocking=True)
+        out, o = {}, 0
+        for n, a in items:
+            t = flat_dev[o:o + len(a)]
+            o += len(a)
+            want = torch.from_numpy(np.zeros(0, dtype=np.asarray(a).dtype)).dtype
+            out[n] = t if want == torch.int64 else t.to(want)
+        out["dtier"] = tuple(out.pop(f"dtier{i}") for i in range(3))
+        return out
+
+    @property
+    def dtier0(self):
+        return self.dtier[0]
+
+    @property
+    def dtier1(self):
+        return self.dtier[1]
+
+    @property
+    def dtier2(self):
+        return self.dtier[2]
+
+
+# the plan's host arrays that layers read on the device (uploaded together once per step)
+DEVICE_ARRAYS = ("dwrite_page", "dwrite_off", "dwrite_tok", "dslots", "dbody_indptr", "dbody_pos", "dbody_last",
+                 "dtier0", "dtier1", "dtier2", "flush_pos", "flush_from_side", "flush_side_page", "flush_side_off",
+                 "flush_from_call", "flush_call_tok", "rwrite_sel", "rwrite_slot", "rwrite_index", "pwrite_page",
+                 "pwrite_off", "pwrite_tok")
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -277,7 +320,8 @@ def plan_step(geo: Geometry, query_start: np.ndarray, lengths: np.ndarray, slots
     return StepPlan(
         num_tokens=int(qs[-1]), decode_rows=decode, prefill_rows=prefill, query_start=qs, computed=c, lengths=lengths,
         slots=slots, body_before=nb0, body_after=nb1, dwrite_page=dpage, dwrite_off=doff, dwrite_tok=qs[decode],
-        dslots=slots[decode], dbody_indptr=dbody_indptr.astype(np.int32), dbody_pos=dbody_pos, dtier=dtier,
+        dslots=slots[decode], dbody_indptr=dbody_indptr.astype(np.int32), dbody_pos=dbody_pos,
+        dbody_last=np.where(nb0[decode] > 0, p, 0).astype(np.int32), dtier=dtier,
         dtier_max=int(tpos.max(initial=0)), dbody_max=int(nb0[decode].max(initial=0)) * p,
         flush_pos=flush_pos, flush_from_side=at[stored], flush_side_page=spage, flush_side_off=soff,
         flush_from_call=at[~stored], flush_call_tok=call_tok, rwrite_sel=rsel, rwrite_slot=slots[rrow],
