@@ -59,6 +59,9 @@ SCHEMA = "rotkv-bench-vllm/1"
 BASE_METHODS = ("bf16", "fp8")
 TURBOQUANT = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 WORKLOADS = ("capacity", "throughput", "longgen", "latency")
+# on request only (not in the default list): vLLM's torch profiler over one batch-1 request of lat_prompt tokens
+# and --prof-new new tokens, its op table (CUDA and CPU time per op) kept in the row
+EXTRA_WORKLOADS = ("profile",)
 
 # Qwen3-8B's architecture (its published config.json) with 36 layers; weights come from load_format="dummy".
 QWEN3_8B = {
@@ -79,6 +82,7 @@ SIZES = {
                     lat_prompt=7168, lat_new=256),
 }
 DEFAULT_SIZES = SIZES["qwen3-8b-dummy"]
+PROF_NEW = 32  # the profile workload's new tokens
 KV_LOG = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 CONC_LOG = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 
@@ -196,9 +200,9 @@ def parse_methods(text: str, turboquant_available: bool | None = None) -> list[s
 
 def parse_workloads(text: str) -> list[str]:
     out = [w.strip() for w in text.split(",") if w.strip()]
-    bad = [w for w in out if w not in WORKLOADS]
+    bad = [w for w in out if w not in WORKLOADS + EXTRA_WORKLOADS]
     if bad or not out:
-        raise ValueError(f"--workloads: {bad or text!r} not in {WORKLOADS}")
+        raise ValueError(f"--workloads: {bad or text!r} not in {WORKLOADS + EXTRA_WORKLOADS}")
     return out
 
 
@@ -211,6 +215,8 @@ def max_model_len(workloads: list[str], sizes: dict) -> int:
         need.append(sizes["lg_prompt"] + sizes["lg_new"])
     if "latency" in workloads:
         need.append(sizes["lat_prompt"] + sizes["lat_new"])
+    if "profile" in workloads:
+        need.append(sizes["lat_prompt"] + sizes.get("prof_new", PROF_NEW))
     return int(math.ceil(max(need) / 16) * 16)
 
 
@@ -233,8 +239,17 @@ def engine_kwargs(method: str, model_path: str, dummy: bool, max_len: int, args)
         kw.update(attention_backend="CUSTOM", block_size=16, additional_config={"rotkv": cfg})
         if not args.enforce_eager and args.rotkv_cudagraph_mode:
             kw["compilation_config"] = {"cudagraph_mode": args.rotkv_cudagraph_mode}
+    if "profile" in parse_workloads(args.workloads):
+        kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": profile_dir(args, method),
+                                 "torch_profiler_with_stack": False}
     kw.update(json.loads(args.engine_kwargs or "{}"))
     return kw
+
+
+def profile_dir(args, method: str) -> str:
+    """Where vLLM's profiler writes a method's traces and op table (absolute, as vLLM requires)."""
+    base = args.out_dir or os.path.join("benchmarks", "results")
+    return os.path.abspath(os.path.join(base, "profile-" + method.replace(":", "_")))
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -252,7 +267,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 def plan(args) -> dict:
     """Everything a run will do, without vLLM: the methods, the workloads, each engine's kwargs."""
     sizes = {**SIZES.get(args.model, DEFAULT_SIZES),
-             **{k: v for k, v in vars(args).items() if k in DEFAULT_SIZES and v is not None}}
+             **{k: v for k, v in vars(args).items() if (k in DEFAULT_SIZES or k == "prof_new") and v is not None}}
     workloads = parse_workloads(args.workloads)
     methods = parse_methods(args.methods)
     dummy = args.model == "qwen3-8b-dummy" or args.dummy
@@ -322,9 +337,33 @@ def run_child(spec: dict) -> dict:
             row.update(batch=1, prompt_tokens=plen, new_tokens=new, repeats=reps, ttft_s=round(ttft, 4),
                        ttft_all_s=[round(x, 4) for x in ttfts], gen_s=[round(x, 4) for x in full],
                        tpot_ms=round((statistics.median(full) - ttft) / (new - 1) * 1e3, 4))
+        elif w == "profile":
+            plen, new = sizes["lat_prompt"], sizes.get("prof_new", PROF_NEW)
+            prompt = random_prompts(1, plen, vocab, 3)
+            run_batch(warm, 4)
+            run_batch(prompt, 2)  # every shape of the profiled request once outside the profile
+            llm.start_profile()
+            wall, _ = run_batch(prompt, new)
+            llm.stop_profile()
+            row.update(batch=1, prompt_tokens=plen, new_tokens=new, wall_s=round(wall, 4),
+                       profile_dir=kw["profiler_config"]["torch_profiler_dir"],
+                       profile_table=read_profile_table(kw["profiler_config"]["torch_profiler_dir"]))
         rows.append(row)
         print(f"bench_vllm: {method} {w}: {json.dumps(row)}", flush=True)
     return dict(engine=engine, rows=rows)
+
+
+def read_profile_table(folder: str, wait_s: float = 60.0, lines: int = 45) -> list[str]:
+    """The head of the op table vLLM's worker writes at ``stop_profile`` (``profiler_out_<rank>.txt``, sorted by
+    CUDA time), waiting up to ``wait_s`` for it; [] when none came."""
+    end = time.time() + wait_s
+    while time.time() < end:
+        found = sorted(Path(folder).glob("profiler_out_*.txt"))
+        if found and found[0].stat().st_size > 0:
+            time.sleep(1.0)  # the worker may still be writing
+            return found[0].read_text().splitlines()[:lines]
+        time.sleep(1.0)
+    return []
 
 
 def child_main(spec_path: str, result_path: str) -> int:
@@ -475,6 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-model-len", type=int, default=None, help="default: the longest workload request")
     r.add_argument("--enforce-eager", action="store_true")
     r.add_argument("--prompt-vocab", type=int, default=None, help="draw prompt ids below this (default: the model's vocab)")
+    r.add_argument("--prof-new", type=int, default=None, dest="prof_new",
+                   help=f"new tokens of the profile workload (default {PROF_NEW})")
     for k in DEFAULT_SIZES:
         r.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, dest=k,
                        help=f"default {DEFAULT_SIZES[k]} (qwen3-8b-dummy), {SIZES['smollm2'][k]} (smollm2)")

@@ -216,6 +216,16 @@ class LLM:
         cc = SimpleNamespace(num_gpu_blocks=blocks, block_size=16, cache_dtype=kw.get("kv_cache_dtype", "auto"))
         self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cc))
         self.max_len = kw["max_model_len"]
+        self.prof = kw.get("profiler_config")
+
+    def start_profile(self):
+        assert self.prof["profiler"] == "torch"
+
+    def stop_profile(self):  # vLLM's worker writes its op table at stop
+        import os
+        os.makedirs(self.prof["torch_profiler_dir"], exist_ok=True)
+        with open(os.path.join(self.prof["torch_profiler_dir"], "profiler_out_0.txt"), "w") as f:
+            f.write("Name  Self CUDA\\n_split_kernel  1.0ms\\n")
 
     def generate(self, prompts, sp, use_tqdm=True):
         assert sp.kw["ignore_eos"] and sp.kw["temperature"] == 0.0 and not sp.kw["detokenize"]
@@ -313,3 +323,30 @@ def test_greedy_compare_reads_a_recorded_vllm_side(tmp_path):
     (tmp_path / "greedy-spec_vllm-1.json").write_text(json.dumps({**spec, "ids": [9, 9, 9], "methods": ["quarot-int2"]}))
     with pytest.raises(ValueError, match="other prompt ids"):
         g.recorded_vllm_side(tmp_path, ["bf16", "quarot-int2"])
+
+
+def test_profile_workload_keeps_vllms_op_table(tmp_path):
+    """``--workloads profile`` (never in the default list) gives the engine vLLM's torch profiler under the
+    out-dir and keeps the head of the op table its worker writes in the row."""
+    assert "profile" not in bv.build_parser().parse_args(["run"]).workloads
+    p = bv.plan(_args("--workloads", "profile", "--methods", "rotkv:quarot-int2", "--out-dir", str(tmp_path),
+                      "--prof-new", "8"))
+    kw = p["engines"]["rotkv:quarot-int2"]
+    assert kw["profiler_config"]["torch_profiler_dir"] == str(tmp_path / "profile-rotkv_quarot-int2")
+    assert p["sizes"]["prof_new"] == 8 and p["max_model_len"] == 32768 + 16  # 32776 rounded up to 16
+    fake = tmp_path / "fake"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 500}))
+    out = tmp_path / "res.json"
+    env = {**__import__("os").environ, "PYTHONPATH": f"{fake}:{ROOT}"}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "run", "--model", str(model),
+                        "--methods", "bf16", "--workloads", "profile", "--lat-prompt", "30", "--prof-new", "4",
+                        "--out", str(out), "--out-dir", str(tmp_path / "logs")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["workload"] == "profile" and row["new_tokens"] == 4
+    assert row["profile_table"] == ["Name  Self CUDA", "_split_kernel  1.0ms"]

@@ -27,6 +27,7 @@
 #   qwen-lg       64 x 1K prompts x 16K new tokens                      LG_METHODS (default bf16,rotkv)
 #   smol-greedy   vllm_greedy_compare.py, 64 tokens at 4K               GREEDY_METHODS (default bf16,quarot-int2,
 #                 oscar-mix; oscar-mix needs artifacts/oscar-mix.safetensors: name "artifacts" in a call's carry)
+#   qwen-prof     vLLM's torch profiler, 1 x PROF_PROMPT (32K) + PROF_NEW (32) tokens; op tables   PROF_METHODS
 #   smol-kl       vllm_kl_compare.py, KL to the fp32 model over teacher-forced decode steps   GREEDY_METHODS
 #   smol-cap-lat  capacity and latency on the real SmolLM2              every method
 #   serve         `vllm serve` on SmolLM2 with rotkv's backend (SERVE_CONFIG, default oscar-mix) and with bf16:
@@ -54,7 +55,7 @@ mkdir -p "$OUT" "$RUN"
 t() { echo "[$(date -u +%T)] $*"; }
 
 collect() {  # what is done so far -> $OUT (a tarball under 16 MiB, the summary and the runner's log tail)
-  tar -czf "$OUT/vllmrun.tgz" -C "$RUN" --exclude='*.spec.json' . 2>/dev/null
+  tar -czf "$OUT/vllmrun.tgz" -C "$RUN" --exclude='*.spec.json' --exclude='*.pt.trace.json*' . 2>/dev/null
   [ -f "$RUN/runner.log" ] && tail -n 40 "$RUN/runner.log" > "$OUT/runner-tail.log"
   python3 - "$RUN" > "$OUT/summary.md" <<'EOF'
 import glob, json, os, sys
@@ -110,6 +111,9 @@ job() {  # one queued job
     qwen-main) timeout 1500 "${B[@]}" --model qwen3-8b-dummy --methods "${MAIN_METHODS:-bf16,fp8,rotkv:quarot-int2}" \
                 --workloads capacity,latency,throughput --max-model-len 33792 --tp-requests ${TP_REQUESTS:-96} \
                 --tp-prompt ${TP_PROMPT:-8192} --tp-new ${TP_NEW:-1024} --method-timeout 600 --out "$RUN/vllm-qwen3-main.json" ;;
+    qwen-prof) timeout 900 "${B[@]}" --model qwen3-8b-dummy --methods "${PROF_METHODS:-rotkv:quarot-int2,bf16}" \
+                --workloads profile --max-model-len 33792 --lat-prompt ${PROF_PROMPT:-32768} --prof-new ${PROF_NEW:-32} \
+                --method-timeout 400 --out "$RUN/vllm-qwen3-profile.json" ;;
     qwen-tq)  timeout 900 "${B[@]}" --model qwen3-8b-dummy --methods turboquant_k3v4_nc,turboquant_3bit_nc --workloads capacity \
                 --max-model-len 33792 --method-timeout 300 --out "$RUN/vllm-qwen3-turboquant-capacity.json" ;;
     rotkv-split) STAGES="${SPLIT_STAGES:-tests split}" RES="$RUN/jobs" ROTKV_GGUF=$GG/smollm2.gguf timeout 900 \
