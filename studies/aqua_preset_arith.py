@@ -2,7 +2,8 @@
 
 rotkv's preset (rotkv.cache.predict) applies the inter-layer key maps in float32 on the previous layer's
 un-RoPE'd keys. The simulation applied them in float64 on the previous layer's post-RoPE float32 keys
-(unRoPE, map, RoPE in float64, then rounded to float32). Both are the same prediction up to float rounding, but
+(unRoPE, map, RoPE in float64, then rounded to float32), and placed the exact keys, not the residual, in the
+refine tier's buckets of prediction plus decoded residual. Both are the same prediction up to float rounding, but
 the prediction chain amplifies a rounding difference: one element that rounds to the next 2-bit code in layer
 ``l - 1`` moves the prediction of every element of that token in layer ``l``, whose codes then move too, and so
 on up the layers. This script patches, in its own process, :class:`rotkv.cache.predict.KeyPredictor` to the
@@ -21,6 +22,7 @@ import sys
 import torch
 
 from rotkv.cache import predict as P
+from rotkv.cache.refine import RefineRings
 
 p = argparse.ArgumentParser()
 p.add_argument("--arith", choices=("study", "split"), required=True)
@@ -49,6 +51,30 @@ def study_leave(self, ids, pred, decoded, trig, capacity):
     self.chain.leave(self.layer, ids, k, capacity)
 
 
+_STASH: dict = {}  # the exact keys and the rotated prediction of the flush in progress (``--arith study``)
+_residual, _ring_write = P.KeyPredictor.residual, RefineRings.write
+
+
+def study_residual(self, x, ids, index):
+    """The residual as rotkv makes it; the exact keys and the prediction kept for :func:`study_ring_write`."""
+    res, state = _residual(self, x, ids, index)
+    _STASH["exact"], _STASH["pred"] = x, (None if state[0] is None else self._rotate(state[0]))
+    return res, state
+
+
+def study_ring_write(self, side, x, dst, stored, parts, codec, target):
+    """The simulation's refine codes: the exact keys placed in the bucket of ``prediction + decoded residual``
+    (rotkv places the residual in the bucket of the decoded residual: the same codes up to rounding)."""
+    if side != 0 or self.keys is None or "exact" not in _STASH:
+        return _ring_write(self, side, x, dst, stored, parts, codec, target)
+    exact, pred = _STASH.pop("exact"), _STASH.pop("pred")
+    rows, index, sel = target
+    pick = (lambda t: t) if sel is None else (lambda t: t[sel])  # noqa: E731
+    st = {name: pick(t) for name, t in stored.items()}
+    base = codec.decode(st) + (0 if pred is None else pick(pred))
+    self.keys.write(pick(exact), base, st["scale"], rows, index)
+
+
 def split_predict(self, ids, trig):
     """float32, the map's input in two halves summed apart: another rounding of the same prediction."""
     if self.A is None:
@@ -64,6 +90,7 @@ def split_predict(self, ids, trig):
 def main():
     if args.arith == "study":
         P.KeyPredictor.predict, P.KeyPredictor._leave = study_predict, study_leave
+        P.KeyPredictor.residual, RefineRings.write = study_residual, study_ring_write
     else:
         P.KeyPredictor.predict = split_predict
     from rotkv.cli import main as cli_main
