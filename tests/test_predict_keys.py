@@ -253,3 +253,27 @@ def test_calibrate_refuses_a_wrong_base(tiny, tmp_path, capsys):
     oscar = _artifact(tiny, tmp_path / "o1.safetensors", maps=False, kind="oscar")
     assert main(["calibrate", "--method", "aqua", "--base-artifact", oscar, "--out", str(tmp_path / "o2.safetensors")]) != 0
     assert "oscar-mix-long" in capsys.readouterr().err
+
+
+def test_calibrate_writes_maps_the_preset_reads(tmp_path, capsys):
+    from rotkv.cli import main
+    from rotkv.rotations.artifact import load_artifact
+    from rotkv.hf.models import load_model
+    from rotkv_testing import save_tiny_llama_dir
+
+    folder = save_tiny_llama_dir(tmp_path / "m", seed=3, layers=L, kv_heads=H, q_heads=4, head_dim=D)
+    model = load_model(folder).model
+    base = _artifact(model, tmp_path / "base.safetensors", maps=False, kind="oscar-mix-long")
+    out = tmp_path / "aqua.safetensors"
+    assert main(["calibrate", "--method", "aqua", "--model", folder, "--base-artifact", base, "--tokens", "4096",
+                 "--out", str(out)]) == 0
+    art = load_artifact(str(out))
+    assert art.kind == "oscar-mix-long+aqua" and "oscar-aqua" in art.presets
+    assert [tuple(art.tensors[map_name(i)].shape) for i in range(1, L)] == [(H * D + 1, H * D)] * (L - 1)
+    assert all(art.tensors[map_name(i)].dtype == torch.float16 for i in range(1, L))
+    assert map_name(0) not in art.tensors
+    for name, t in load_artifact(base).tensors.items():  # the base's tensors, unchanged
+        assert torch.equal(art.tensors[name], t)
+    cache = RotkvCache(model, "oscar-aqua", str(out))
+    _run(model, cache, _ids(200), new=4)
+    assert cache.stats()["key_map_bytes"] == (L - 1) * (H * D + 1) * H * D * 2
