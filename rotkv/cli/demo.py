@@ -7,7 +7,6 @@ import os
 from rotkv.cli.common import add_model_args, cache_spec, check_artifact_dir, early_artifact
 from rotkv.cli.errors import UsageError, check_device, check_model, note, warn
 from rotkv.config import PRESETS, RECOMMENDED_PRESET, artifact_file, artifact_kind, calibration_preset
-from rotkv.contract import base_kind
 
 DEFAULT_PRESETS = ["bf16", "int4", "kivi-2", "naive-int2", "quarot-int2"]
 NEEDLE = "The secret code of the blue vault is {code}."
@@ -108,6 +107,8 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
                     presets.append(preset)
                 artifacts[preset] = path
             elif "+aqua" in kind:  # made from an oscar-mix-long artifact by its own command, not by the demo
+                from rotkv.contract import base_kind
+
                 base = os.path.join(args.artifact_dir, f"{base_kind(kind)}.safetensors")
                 how = f"rotkv calibrate --method {kind.split('+')[1]} --base-artifact {base} --out {path}"
                 if preset in presets:
