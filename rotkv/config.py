@@ -94,6 +94,11 @@ class CacheSpec:
         bytes per token as the uniform codec) or ``pq`` (product-quantized keys: ``pq_book`` codebooks of
         4-dim sub-vectors and ``pq_sigma``; 2.25 bits per key element at head_dim 64). PyTorch path only.
         None: the uniform quantizer.
+    predict_keys: inter-layer key prediction (``rotkv.cache.predict``): layer ``l >= 1`` stores the residual
+        of its body keys against a prediction from layer ``l - 1``'s stored keys of the same tokens, through
+        the artifact's per-layer maps (``aqua_map.{l}``: ``rotkv calibrate --method aqua``). Every layer of
+        the cache reads the one before it within each forward, so it runs the eager PyTorch path only (no
+        decode or write kernels, no CUDA graph, no vLLM backend).
     meta_k, meta_v: dtype of each key / value group's scale and lo: ``float16``, ``float8`` (e4m3,
         rounded towards covering the group) or ``float32``; None: fp16 for 2 and 4 bits, fp32 for 8.
     method: the calibration method an artifact must come from (``oscar``, ``optr``, ...; an artifact
@@ -135,6 +140,7 @@ class CacheSpec:
     meta_v: str | None = None
     k_table: str | None = None
     artifact_kind: str | None = None
+    predict_keys: bool = False
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -197,6 +203,12 @@ class CacheSpec:
                                    or self.budget_tokens is not None or self.k_table is not None):
             raise ValueError("`refine_tokens` refines 2-bit token-codec keys of a paged cache: needs `bits`=2, "
                              "`codec`='token', no `start_bits`, `budget_tokens` or `k_table`")
+        if self.predict_keys and (self.rotation != "artifact" or self.codec != "token" or self.bits is None
+                                  or self.start_bits is not None or self.budget_tokens is not None
+                                  or self.k_table is not None):
+            raise ValueError("`predict_keys` reads per-layer maps from an artifact and predicts token-codec keys of a "
+                             "paged cache: needs `rotation`='artifact', `codec`='token', `bits` set, no `start_bits`, "
+                             "`budget_tokens` or `k_table`")
         if self.refine_values and not self.refine_tokens:
             raise ValueError("`refine_values` refines the refine tier's values: needs `refine_tokens` > 0")
         if self.refine_every and not self.refine_tokens:
@@ -332,6 +344,14 @@ PRESETS: dict[str, CacheSpec] = {
         name="oscar-refine", bits=2, sink=4, window=32, window_share=1 / 64, refine_tokens=224, refine_values=True,
         refine_every=19, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="oscar",
         k_bits="artifact", meta_v="float8", artifact_kind="oscar-mix-long",
+    ),
+    # oscar-refine with inter-layer key prediction (CacheSpec.predict_keys; rotkv.cache.predict): the same
+    # bytes per token, the maps in the artifact (rotkv calibrate --method aqua --base-artifact
+    # oscar-mix-long.safetensors); the eager PyTorch path only
+    "oscar-aqua": CacheSpec(
+        name="oscar-aqua", bits=2, sink=4, window=32, window_share=1 / 64, refine_tokens=224, refine_values=True,
+        refine_every=19, rotation="artifact", clip_k=0.96, clip_v=0.92, key_mean=True, method="oscar",
+        k_bits="artifact", meta_v="float8", artifact_kind="oscar-mix-long+aqua", predict_keys=True,
     ),
     # progressive precision: final widths from the artifact's `bits` (rotkv calibrate --method pmkvq),
     # else `bits` for every layer; each layer reaches its final width at budget_tokens

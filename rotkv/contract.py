@@ -19,9 +19,10 @@ CONTRACT_META = ("kind", "method", "bits", "group_size")  # what a preset checks
 def kind_serves(have: str, need: str) -> bool:
     """Whether an artifact of kind ``have`` serves a spec that reads kind ``need``: the same kind, or one made
     from it that keeps its rotations, key means and clip ratios and adds a table the spec does not read
-    (``oscar-mix``: per-layer key widths; ``oscar+pmkvq``: final widths) serves ``oscar``. A refitted key side
+    (``oscar-mix``: per-layer key widths; ``oscar+pmkvq``: final widths) serves ``oscar``, and one with
+    inter-layer key maps (``oscar-mix-long+aqua``) serves its base's kind. A refitted key side
     (``oscar-mix-long``) serves only its own kind."""
-    return have == need or have in (f"{need}-mix", f"{need}+pmkvq")
+    return have == need or have in (f"{need}-mix", f"{need}+pmkvq", f"{need}+aqua")
 
 
 def presets_served(kind: str) -> list[str]:
@@ -42,9 +43,11 @@ def kind_meta(kind: str, base: Artifact | None = None) -> dict[str, str]:
 
 def base_kind(kind: str) -> str | None:
     """The kind an artifact of ``kind`` is made from (``--base-artifact``); None for a fit from scratch."""
+    if "+" in kind:
+        return kind.split("+")[0]
     if kind.endswith("-long"):
         return kind[: -len("-long")]
-    for sep in ("-mix", "+"):
+    for sep in ("-mix",):
         if sep in kind:
             return kind.split(sep)[0]
     return None
@@ -56,7 +59,9 @@ def make_command(kind: str, have: Artifact | None = None) -> str:
     base = base_kind(kind)
     method = kind.split("+")[1] if "+" in kind else kind
     cmd = f"rotkv calibrate --method {method}"
-    if base is not None and have is not None and have.path and kind_serves(have.kind, base_kind(base) or base):
+    if "+" in kind and have is not None and have.path and have.kind == base:
+        cmd += f" --base-artifact {have.path}"
+    elif base is not None and have is not None and have.path and kind_serves(have.kind, base_kind(base) or base):
         cmd += f" --base-artifact {have.path}"
     elif "+" in kind:
         cmd += f" --base-artifact {base}.safetensors"

@@ -56,8 +56,9 @@ READS = {
     "oscar-int2": {"oscar", "oscar-mix", "oscar+pmkvq"},  # the same OSCAR rotations; the added widths unread
     "optr-int2": {"optr"},
     "oscar-mix": {"oscar-mix"},
-    "oscar-mix-long": {"oscar-mix-long"},
-    "oscar-refine": {"oscar-mix-long"},
+    "oscar-mix-long": {"oscar-mix-long", "oscar-mix-long+aqua"},  # the maps unread
+    "oscar-refine": {"oscar-mix-long", "oscar-mix-long+aqua"},
+    "oscar-aqua": {"oscar-mix-long+aqua"},
     "pmkvq": {"pmkvq"},
     "oscar-pmkvq": {"oscar+pmkvq"},
 }
@@ -67,6 +68,8 @@ KINDS = {  # kind -> what write_artifact needs to make one (the old-file inferen
     "oscar-mix": {"tensors": WIDTHS},
     "oscar-mix-long": {"tensors": WIDTHS, "longfit_seq_len": "4096"},
     "oscar-long": {"longfit_seq_len": "4096"},
+    "oscar-mix-long+aqua": {"tensors": WIDTHS | {"aqua_map.1": torch.zeros(33, 32, dtype=torch.float16)},
+                            "longfit_seq_len": "4096"},
     "pmkvq": {"method": "pmkvq", "tensors": {"bits": torch.tensor([4, 2], dtype=torch.int32)}},
     "oscar+pmkvq": {"method": "oscar+pmkvq", "tensors": {"bits": torch.tensor([4, 2], dtype=torch.int32)}},
 }

@@ -25,10 +25,11 @@ def _choices(command: str, flag: str) -> list[str]:
 
 
 def test_cli_choices_are_the_registry():
-    # the oscar-mix preset's artifact (OSCAR plus per-layer key widths), and oscar-mix-long's (keys refitted)
-    from rotkv.cli.calibrate import MIX, MIX_LONG
+    # the oscar-mix preset's artifact (OSCAR plus per-layer key widths), oscar-mix-long's (keys refitted), and
+    # oscar-aqua's (oscar-mix-long's plus inter-layer key maps)
+    from rotkv.cli.calibrate import AQUA, MIX, MIX_LONG
 
-    assert _choices("calibrate", "--method") == [*registry.calibrated(), MIX, MIX_LONG]
+    assert _choices("calibrate", "--method") == [*registry.calibrated(), MIX, MIX_LONG, AQUA]
     assert _choices("calibrate", "--base") == registry.bases()
     assert set(registry.rotation_fits()) <= set(registry.calibrated())
 

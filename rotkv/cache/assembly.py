@@ -79,6 +79,7 @@ class CachePlan:
     head_dim: int
     artifact: Artifact | None
     layers: tuple[LayerPlan, ...]
+    key_maps: tuple | None = None  # `predict_keys`: [None, A_1, ...] (rotkv.cache.predict), else None
 
     @property
     def rotation_bytes(self) -> int:
@@ -178,7 +179,15 @@ def plan_cache(model, spec: CacheSpec, artifact: Artifact | str | None = None, l
             layers.append(LayerPlan(i, "evicting", r, codecs, budget=budget))
         else:
             layers.append(LayerPlan(i, "paged", r, codecs))
-    return CachePlan(spec, kv_heads, head_dim, art, tuple(layers))
+    key_maps = None
+    if spec.predict_keys:
+        from rotkv.cache.predict import load_key_maps
+
+        if any(lp.kind != "paged" for lp in layers):
+            raise ValueError(f"preset {spec.name!r} (`predict_keys`) needs every layer in rotkv's paged pools; this "
+                             "model has sliding-window layers")
+        key_maps = tuple(load_key_maps(art, spec.name, num_layers, kv_heads, head_dim))
+    return CachePlan(spec, kv_heads, head_dim, art, tuple(layers), key_maps)
 
 
 def build_layer(lp: LayerPlan, plan: CachePlan, model_dtype: torch.dtype, state: PageState,

@@ -94,6 +94,12 @@ class RotkvCache(Cache):
         super().__init__(layers=[build_layer(lp, self.plan, model.dtype, self.state, check_finite, decode_score)
                                  for lp in self.plan.layers])
         self.rotation_bytes = self.plan.rotation_bytes
+        self.key_map_bytes = 0  # `predict_keys`: the inter-layer key maps (fp16), per model like the rotations
+        if self.plan.key_maps is not None:
+            from rotkv.cache.predict import attach, map_bytes
+
+            attach(self, model, self.plan.key_maps)
+            self.key_map_bytes = map_bytes(self.plan.key_maps)
         if getattr(model.config, "rotkv_values_folded", False):
             self.fold_values(model)  # the weights hold R_V already: these very matrices leave the cache, others raise
         install(model)
@@ -250,7 +256,8 @@ class RotkvCache(Cache):
         the artifact's key fit in use, None without named fits).
 
         kv_bytes counts codes, metadata and the bf16 tiers of the stored tokens (and bf16 sliding
-        layers); rotation matrices and means are reported apart as rotation_bytes, the pools'
+        layers); rotation matrices and means are reported apart as rotation_bytes (and the inter-layer key
+        maps of a ``predict_keys`` spec as key_map_bytes, fp16 as the artifact stores them), the pools'
         allocated capacity (free pages included) as pool_bytes, what a budgeted (per-row) layer's
         reference reader keeps beside its tiers (a float32 view of its tokens) as scratch_bytes,
         and resident_bytes is what the process holds for the stored tokens: the pools, the
@@ -274,6 +281,7 @@ class RotkvCache(Cache):
             "body_bytes": tot["body_bytes"],
             "tier_bytes": tot["tier_bytes"],
             "rotation_bytes": self.rotation_bytes,
+            "key_map_bytes": self.key_map_bytes,
             "scratch_bytes": tot["scratch_bytes"],
             "pool_bytes": tot["pool_bytes"],
             "resident_bytes": tot["resident_bytes"],

@@ -50,6 +50,9 @@ class StaticDecode:
         if len(self.layers) != len(cache.layers):
             raise ValueError("CUDA-graph decode needs every layer in rotkv's paged pools (no sliding-window "
                              "or budgeted layers); run without cuda_graph")
+        if cache.spec.predict_keys:
+            raise ValueError(f"preset {cache.spec.name!r} predicts each layer's keys from the previous layer's "
+                             "(`predict_keys`), which the decode kernels do not read; run without cuda_graph")
         check_graph(**graph_flags(cache.spec))
         dev = self.layers[0].device
         p = st.page

@@ -56,6 +56,7 @@ class HybridLayer(RotkvLayer):
         self.pools: LayerPools | None = None
         self.static = None  # a rotkv.cache.graph.StaticDecode while a CUDA-graph decode step runs
         self.decode_score = decode_score
+        self.predict = None  # inter-layer key prediction (rotkv.cache.predict.KeyPredictor; set by the cache)
 
     def __repr__(self) -> str:
         return f"HybridLayer({self.layer_idx}, {self.spec.name}, rows={self.state.rows}, seen={self.state.seen})"
@@ -67,7 +68,9 @@ class HybridLayer(RotkvLayer):
         codecs = (self.key_codec, self.value_codec)
         self.pools = LayerPools(self.kv_heads, self.head_dim, self.spec.page_size, self.tier_dtype, self.device,
                                 *codecs, tiers=build_tiers(self.spec, codecs, self.kv_heads, self.spec.page_size,
-                                                           self.head_dim, self.device))
+                                                           self.head_dim, self.device), predict=self.predict)
+        if self.predict is not None:
+            self.predict.bind(self.rotation, self.device)
         if self.state.rows == 0 and self.state.seen == 0:
             self.state.reset(key_states.shape[0])
         self.is_initialized = True
@@ -94,6 +97,8 @@ class HybridLayer(RotkvLayer):
         st = self.state
         n_body = int(st.body_count[row])
         pages = torch.as_tensor(st.body_pages[row, :n_body], device=self.device)
+        if self.predict is not None:  # the layers before this one leave the keys it predicts from
+            self.predict.chain.replay(self.layer_idx, row)
         bk, bv = self.pools.body_dense(pages[None], torch.float32)
         self.pools.read_tiers(bk, bv, n_body, st.body_count[row:row + 1], st.body_pages[row:row + 1], r0=row)
         tt = int(st.tier_tokens[row])
@@ -129,6 +134,8 @@ class HybridLayer(RotkvLayer):
         b, hq, q, d = query.shape
         counts = self._counts(real, b, q)
         steps = self.state.steps_for(self.layer_idx, q, counts)
+        if self.predict is not None:
+            self.predict.chain.begin(self.state.plan_steps)
         self.pools.fit(self.state.tier_free.capacity, self.state.body_free.capacity, self.state.rows)
         rot = self.rotation
         # rotated straight into the tier dtype (on CUDA from bf16 on tensor cores: LayerRotation)
@@ -406,7 +413,7 @@ class HybridLayer(RotkvLayer):
             bc = step.body_count[r0:r1]
             table = step.cached(("body_table", dev, r0, r1), lambda: page_table(
                 step.body_pages[r0:r1], bc, np.where(bc > 0, self.spec.page_size, 0), dev))
-        k, v = self.pools.body_dense(pages, cdt, table=table, out=out)
+        k, v = self.pools.body_dense(pages, cdt, table=table, out=out, counts=step.body_count[r0:r1])
         self.pools.read_tiers(k, v, nb, step.body_count[r0:r1], step.body_pages[r0:r1], r0, memo=step.cached)
         return k, v
 
@@ -416,7 +423,7 @@ class HybridLayer(RotkvLayer):
         dev, b, nb = self.device, len(step.body_count), int(step.body_count.max(initial=0))
         pages = step.cached(("body_pages", dev, 0, b),
                             lambda: torch.from_numpy(np.ascontiguousarray(step.body_pages[:, :nb])).to(dev))
-        x = self.pools.decode_pages(pages[:, c0:c1], side, cdt)
+        x = self.pools.decode_pages(pages[:, c0:c1], side, cdt, start=c0, counts=step.body_count)
         self.pools.read_tiers(*((x, None) if side == 0 else (None, x)), c1 - c0, step.body_count, step.body_pages,
                               start=c0, memo=step.cached)
         return x

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import torch
 
 from rotkv.cache.codecs import TokenCodec
@@ -52,8 +53,11 @@ READ_PAGES = 64  # body pages the PyTorch reader decodes at a time (its float32 
 
 class LayerPools:
     def __init__(self, kv_heads: int, head_dim: int, page: int, tier_dtype: torch.dtype, device, key_codec,
-                 value_codec, tiers: tuple = ()):
+                 value_codec, tiers: tuple = (), predict=None):
         self.kv_heads, self.head_dim, self.page, self.device = kv_heads, head_dim, page, device
+        # the layer's inter-layer key prediction (rotkv.cache.predict.KeyPredictor) or None: its body keys are
+        # residuals against a prediction from the previous layer, read and written by the PyTorch code only
+        self.predict = predict
         self.codecs = (key_codec, value_codec)
         self.tiers = tuple(tiers)  # rotkv.cache.tiers.build_tiers: what rides on the body pages
         shape = (0, kv_heads, page, head_dim)
@@ -79,6 +83,8 @@ class LayerPools:
         # decode runs is asked per step: decode_plan)
         kernels = plan.plan_pools(self.tier_k, self.paged)
         self.part_kernels, self.dequant_kernel = kernels.write, kernels.dequant
+        if predict is not None:  # the kernels read and write one layer's pages: predicted keys take the codec's code
+            self.part_kernels, self.dequant_kernel = (False, self.part_kernels[1]), False
         # per side, a device flag set where a kernel write stored e4m3 metadata out of range (None: no
         # such write yet); the reference encoder raises at once instead
         self.range_flags: list[torch.Tensor | None] = [None, None]
@@ -90,7 +96,10 @@ class LayerPools:
     def decode_plan(self, q: torch.Tensor, cfg) -> plan.DecodePlan | None:
         """The decode plan of a step with rotated queries ``q [B, Hq, D]`` (``rotkv.kernels.plan``),
         or None where no kernel runs it (``rotkv.kernels.plan.plan_step``: kernels off, a body the kernels
-        do not read, or a tier whose kernel is off); the plan is made for the tiers (their ``plan_args``)."""
+        do not read, or a tier whose kernel is off, or predicted keys); the plan is made for the tiers (their
+        ``plan_args``)."""
+        if self.predict is not None:
+            return None
         return plan.plan_step(q, self.paged, cfg, readable=self.codecs[0] is None or self.paged is not None,
                               **self.tier_args("plan_args"))
 
@@ -146,13 +155,13 @@ class LayerPools:
 
     # ---- body ------------------------------------------------------------------------------------
     def body_dense(self, pages: torch.Tensor, dtype, table: tuple | None = None,
-                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None, counts=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized ``[B, H, N * P, D]`` keys and values of the body pages ``pages [B, N]``
         (trailing entries of short rows are read but masked by the caller): by the Triton
         dequantizer over ``table`` (which leaves a short row's trailing entries untouched), or by
         the codec's decoder, :data:`READ_PAGES` pages at a time (:meth:`decode_pages`). ``out``:
         ``(k, v)`` contiguous ``[B, H, >= N * P, D]`` buffers of ``dtype`` whose first ``N * P``
-        positions are written; returned as they are."""
+        positions are written; returned as they are. ``counts``: as :meth:`decode_pages`."""
         b, n = pages.shape
         h, p, d = self.kv_heads, self.page, self.head_dim
         if n == 0 or self.codecs[0] is None:
@@ -169,15 +178,26 @@ class LayerPools:
         for side, o in enumerate(out):
             for c0 in range(0, n, READ_PAGES):
                 c1 = min(c0 + READ_PAGES, n)
-                o[:, :, c0 * p:c1 * p].view(b, h, c1 - c0, p, d).copy_(self.decode_pages(pages[:, c0:c1], side, None))
+                o[:, :, c0 * p:c1 * p].view(b, h, c1 - c0, p, d).copy_(
+                    self.decode_pages(pages[:, c0:c1], side, None, start=c0, counts=counts))
         return out
 
-    def decode_pages(self, pages: torch.Tensor, side: int, dtype) -> torch.Tensor:
+    def decode_pages(self, pages: torch.Tensor, side: int, dtype, start: int = 0, counts=None) -> torch.Tensor:
         """The codec's float32 decoding of body pages ``pages [B, n]`` of one side (0 keys, 1 values):
-        ``[B, H, n, P, D]`` (a permuted view; ``dtype`` given: ``[B, H, n * P, D]`` of that dtype)."""
+        ``[B, H, n, P, D]`` (a permuted view; ``dtype`` given: ``[B, H, n * P, D]`` of that dtype). ``pages[:, c]``
+        is every row's body page ``start + c``; ``counts [B]`` (host), the body pages of each row (the entries past
+        them are read but masked by the caller; None: every entry is a page of its row). Predicted keys
+        (``predict``) need them: their positions, and which pages' keys the next layer reads."""
         b, n = pages.shape
         parts, codec = self.body[side], self.codecs[side]
         x = codec.decode({k: t[pages.reshape(-1)] for k, t in parts.items()})  # [B * n, H, P, D]
+        if side == 0 and self.predict is not None:
+            index = torch.arange(start, start + n, device=x.device).repeat(b)
+            valid = None
+            if counts is not None and (np.asarray(counts) < start + n).any():
+                valid = torch.from_numpy((np.arange(start, start + n)[None, :] < np.asarray(counts)[:, None])
+                                         .reshape(-1)).to(x.device)
+            x = self.predict.read(x, pages.reshape(-1), index, valid, self.body_capacity)
         x = x.view(b, n, *x.shape[1:]).permute(0, 2, 1, 3, 4)
         return x if dtype is None else x.reshape(b, self.kv_heads, n * self.page, self.head_dim).to(dtype)
 
@@ -199,6 +219,9 @@ class LayerPools:
         for x, parts, codec, i in zip((xk, xv), self.body, self.codecs, (0, 1)):
             x_pages = x.reshape(n, p, h, d).transpose(1, 2)  # [n, H, P, D]
             stored = None  # the pages' parts, where this flush encoded them here
+            predicted = None
+            if i == 0 and self.predict is not None:  # the residual against the prediction is what is stored
+                x_pages, predicted = self.predict.residual(x_pages, dst, self._flush_index(pages, dst.device))
             if self.part_kernels[i]:
                 from rotkv.kernels.write import quant_write
 
@@ -214,8 +237,25 @@ class LayerPools:
                 stored = codec.encode(x_pages.float())
                 for name, t in stored.items():
                     parts[name][dst] = t
+                if predicted is not None:  # the next layer predicts from what these pages read (no refine bits)
+                    self.predict.wrote(dst, codec.decode(stored), predicted, self.body_capacity)
             for tier, target in zip(self.tiers, targets):
                 tier.write(i, x_pages, dst, stored, parts, codec, target)
+
+    @property
+    def body_capacity(self) -> int:
+        """Body pages the pools hold (free ones included)."""
+        first = next(iter(self.body[0].values()), None)
+        return 0 if first is None else first.shape[0]
+
+    @staticmethod
+    def _flush_index(pages, device) -> torch.Tensor:
+        """The body index (in its row) of each page a flush writes: ``pages`` as :meth:`flush_tokens`."""
+        if pages is None:
+            raise ValueError("a flush of predicted keys needs the pages' rows and body indices")
+        if isinstance(pages, tuple):
+            return pages[1].to(device)
+        return torch.from_numpy(np.ascontiguousarray(pages.flush.index)).to(device)
 
     # ---- tiers: every hook over every tier (rotkv.cache.tiers) -------------------------------------
     def tier_bytes(self, counts) -> int:

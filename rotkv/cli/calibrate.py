@@ -13,11 +13,12 @@ def register(sub) -> None:
     p = sub.add_parser("calibrate", help=f"calibrate rotations ({', '.join(registry.rotation_fits())}) "
                                          "into a safetensors artifact")
     p.add_argument("--model", default=None, help="smollm2 (default), a .gguf file or a local HF model directory")
-    p.add_argument("--method", default=None, choices=registry.calibrated() + [MIX, MIX_LONG],
+    p.add_argument("--method", default=None, choices=registry.calibrated() + [MIX, MIX_LONG, AQUA],
                    help=f"{'/'.join(widths)}: per-layer final widths for progressive precision (see --base-artifact); "
                         f"{MIX}: the recommended preset's complete artifact, OSCAR plus per-layer key widths "
                         f"(--key-layers); {MIX_LONG}: that artifact with its key side refitted on long sequences "
-                        "(--long-seq-len); required unless --refit-clip")
+                        f"(--long-seq-len); {AQUA}: an {MIX_LONG} artifact (--base-artifact) plus the inter-layer key "
+                        "maps of preset oscar-aqua (--tokens, default 16384); required unless --refit-clip")
     p.add_argument("--refit-clip", default=None, metavar="ARTIFACT",
                    help="keep this artifact's rotations and key means, re-fit only its clip ratios for --bits and "
                         "--group-size (the deliberate override of the preset/artifact contract)")
@@ -64,6 +65,8 @@ def register(sub) -> None:
 
 MIX = "oscar-mix"  # not a rotation method: the oscar-mix preset's artifact (rotkv.calibrate.keybits)
 MIX_LONG = "oscar-mix-long"  # oscar-mix's artifact, key side refitted on long sequences (rotkv.calibrate.longfit)
+AQUA = "aqua"  # an oscar-mix-long artifact plus inter-layer key maps (rotkv.calibrate.aqua; preset oscar-aqua)
+AQUA_CHUNK = 2048  # tokens per calibration chunk of the key maps
 LONG_CALL = 512  # tokens per model call of the long refit (rotkv.calibrate.longfit.refit's `call`)
 
 
@@ -156,6 +159,8 @@ def check_args(args):
     if args.key_scale is not None and (args.method != MIX_LONG or not 0.0 <= args.key_scale <= 1.0):
         raise UsageError(f"--key-scale is an exponent in [0, 1] for --method {MIX_LONG} but got "
                          f"{args.key_scale} with --method {args.method}")
+    if args.method == AQUA:
+        return check_aqua_args(args)
     if args.method in (MIX, MIX_LONG):
         if args.method == MIX_LONG:
             args.long_seq_len = parse_long_seq_len(args.long_seq_len)
@@ -197,6 +202,34 @@ def check_args(args):
     return cfg
 
 
+def check_aqua_args(args):
+    """--method aqua: the base artifact (an oscar-mix-long one) and the calibration text; returns the base."""
+    from rotkv.calibrate.aqua import BASE_KIND
+    from rotkv.contract import make_command
+    from rotkv.rotations.artifact import load_artifact
+
+    if not args.base_artifact:
+        raise UsageError(f"--method {AQUA} adds key maps to an {BASE_KIND} artifact: pass --base-artifact "
+                         f"{BASE_KIND}.safetensors (make one with `{make_command(BASE_KIND)}`)")
+    art = load_artifact(args.base_artifact)
+    if art.kind != BASE_KIND:
+        raise UsageError(f"--base-artifact {args.base_artifact} is {art.describe()}; --method {AQUA} is made from an "
+                         f"{BASE_KIND} artifact: make one with `{make_command(BASE_KIND, art)}`")
+    if any(name.partition(".")[0] == "k_scale" for name in art.tensors):
+        raise UsageError(f"--base-artifact {args.base_artifact} scales its keys (k_scale); --method {AQUA} needs "
+                         "orthogonal key rotations")
+    if args.group_size is not None and args.group_size != int(art.meta.get("group_size", args.group_size)):
+        raise UsageError(f"--group-size {args.group_size} differs from the base artifact's "
+                         f"{art.meta['group_size']}; --method {AQUA} keeps the base's")
+    from rotkv.hf.models import peek_context
+
+    ctx = peek_context(args.model)
+    if ctx and ctx < AQUA_CHUNK:
+        raise UsageError(f"--method {AQUA} fits on chunks of {AQUA_CHUNK} tokens, longer than the model's context "
+                         f"of {ctx}")
+    return art
+
+
 def _check_context(args) -> None:
     """oscar-mix / oscar-mix-long: the windows and refit sequences fit the model's context (its config)."""
     from rotkv.hf.models import peek_context
@@ -224,6 +257,8 @@ def run(args) -> int:
     checked = check_args(args)
     if args.refit_clip:
         return refit(args, checked)
+    if args.method == AQUA:
+        return aqua(args, checked)
     if args.method in (MIX, MIX_LONG):
         return mix(args)
     if registry.get(args.method).widths:
@@ -305,5 +340,28 @@ def mix(args) -> int:
         long = f"; key side refitted on {fits}-token sequences in {secs} s"
     print(f"wrote {args.out}: {args.method} ({base}; {widths}{long}; total {time.time() - t0:.0f} s, "
           f"{torch.get_num_threads()} threads)")
+    print(load_artifact(args.out).summary())
+    return 0
+
+
+def aqua(args, base) -> int:
+    """``--method aqua``: the base oscar-mix-long artifact plus the inter-layer key maps (rotkv.calibrate.aqua)."""
+    import time
+
+    from rotkv.calibrate.aqua import calibrate_aqua
+    from rotkv.contract import validate_artifact
+    from rotkv.hf.models import load_model
+    from rotkv.rotations.artifact import ArtifactMismatch, load_artifact, save_artifact
+
+    t0 = time.time()
+    loaded = load_model(args.model, device=args.device)
+    try:
+        validate_artifact(base, loaded.model)
+    except ArtifactMismatch as e:
+        raise UsageError(f"--base-artifact: {e}") from None
+    tensors, meta = calibrate_aqua(loaded, base, tokens=args.tokens or 16384, chunk=AQUA_CHUNK, files=args.data)
+    save_artifact(args.out, tensors, meta)
+    print(f"wrote {args.out}: {AQUA} (base {args.base_artifact}; key maps of {meta['aqua_map_bytes']} bytes fitted on "
+          f"{meta['aqua_tokens']} tokens in {time.time() - t0:.0f} s)")
     print(load_artifact(args.out).summary())
     return 0

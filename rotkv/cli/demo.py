@@ -6,7 +6,7 @@ import os
 
 from rotkv.cli.common import add_model_args, cache_spec, check_artifact_dir, early_artifact
 from rotkv.cli.errors import UsageError, check_device, check_model, note, warn
-from rotkv.config import PRESETS, RECOMMENDED_PRESET, artifact_file, calibration_preset
+from rotkv.config import PRESETS, RECOMMENDED_PRESET, artifact_file, artifact_kind, calibration_preset
 
 DEFAULT_PRESETS = ["bf16", "int4", "kivi-2", "naive-int2", "quarot-int2"]
 NEEDLE = "The secret code of the blue vault is {code}."
@@ -101,10 +101,20 @@ def check_args(args) -> tuple[list[str], dict[str, str]]:
                 continue
             method = spec.method
             path = os.path.join(args.artifact_dir, artifact_file(preset))
+            kind = artifact_kind(preset)
             if os.path.exists(path):
                 if preset not in presets:
                     presets.append(preset)
                 artifacts[preset] = path
+            elif "+aqua" in kind:  # made from an oscar-mix-long artifact by its own command, not by the demo
+                from rotkv.contract import base_kind
+
+                base = os.path.join(args.artifact_dir, f"{base_kind(kind)}.safetensors")
+                how = f"rotkv calibrate --method {kind.split('+')[1]} --base-artifact {base} --out {path}"
+                if preset in presets:
+                    raise UsageError(f"--presets {preset} needs {path}; make it with `{how}`")
+                skipped.append(f"skipping {preset}: no {os.path.basename(path)} in {args.artifact_dir} (make one with "
+                               f"`{how}`)")
             elif preset not in presets:
                 how = f"rotkv calibrate --method {calibration_preset(preset) if spec.k_bits == 'artifact' else method} --out {path}"
                 skipped.append(f"skipping {preset}: no {os.path.basename(path)} in {args.artifact_dir} (make one with "

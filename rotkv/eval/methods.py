@@ -47,6 +47,7 @@ class Method:
             # scratch: what a per-row (budgeted) layer's reference reader keeps beside its tiers (paged layers: 0)
             return {"kv_bytes": int(st["kv_bytes"]), "kv_bytes_at_bf16": int(st["kv_bytes"]),
                     "elements": int(st["elements"]), "rotation_bytes": int(st["rotation_bytes"]),
+                    "key_map_bytes": int(st.get("key_map_bytes", 0)),
                     "scratch_bytes": int(st.get("scratch_bytes", 0))}
         out = peers.resident_bytes(cache.layers)
         layers, kv_heads, head_dim = model_geometry(model.config)
@@ -91,6 +92,8 @@ def resolve(name: str, sink: int | None, window: int | None, artifact_dir: str |
         path = os.path.join(artifact_dir, artifact_file(name))
         if PRESETS[name].k_bits == "artifact":  # its own artifact: the base rotation plus per-layer key widths
             if not os.path.exists(path):
+                if "+" in artifact_kind(name):  # made from another artifact (--base-artifact): not here
+                    return None, f"artifact {path} is missing: make it with `{make_command(artifact_kind(name))}`"
                 if calibrate is None:
                     return None, (f"artifact {path} is missing: make it with `rotkv calibrate --method "
                                   f"{calibration_preset(name)} --out {path}`")

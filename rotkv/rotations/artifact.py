@@ -234,14 +234,16 @@ def infer_kind(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
     """The kind of a file without a ``kind`` field, from what it holds; the rule each calibration follows:
 
     - per-layer key widths (``k_bits``): ``<method>-mix``, ``-long`` added when its key side was refitted on
-      long sequences (``longfit_seq_len`` or ``key_fit_lengths``): ``oscar-mix``, ``oscar-mix-long``;
+      long sequences (``longfit_seq_len`` or ``key_fit_lengths``): ``oscar-mix``, ``oscar-mix-long``; ``+aqua``
+      added when it holds inter-layer key maps (``aqua_map.{l}``);
     - a long key-side refit without key widths: ``<method>-long``;
     - else its ``method`` (``oscar``, ``optr``, ``pmkvq``, ``oscar+pmkvq``, ...).
     """
     method = meta.get("method", "")
     long = "longfit_seq_len" in meta or "key_fit_lengths" in meta
     if "k_bits" in tensors:
-        return f"{method.split('+')[0]}-mix" + ("-long" if long else "")
+        maps = any(name.partition(".")[0] == "aqua_map" for name in tensors)  # rotkv calibrate --method aqua
+        return f"{method.split('+')[0]}-mix" + ("-long" if long else "") + ("+aqua" if maps else "")
     return f"{method}-long" if long else method
 
 

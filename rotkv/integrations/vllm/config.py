@@ -130,6 +130,8 @@ def check_spec(spec: CacheSpec) -> None:
         why.append("progressive precision or a token budget (start_bits / budget_tokens)")
     if spec.k_table is not None:
         why.append(f"k_table={spec.k_table!r} (a calibrated key format the kernels do not read)")
+    if spec.predict_keys:
+        why.append("predict_keys=True (each layer's keys are predicted from the previous layer's; eager PyTorch only)")
     if spec.page_size != PAGE_SIZE:
         why.append(f"page_size={spec.page_size} (vLLM's block size must be {PAGE_SIZE}: one block is one page)")
     if why:

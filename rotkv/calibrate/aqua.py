@@ -1,0 +1,117 @@
+"""``rotkv calibrate --method aqua``: the inter-layer key maps of ``CacheSpec.predict_keys`` (rotkv.cache.predict).
+
+On top of an ``oscar-mix-long`` artifact (its key rotations ``R_K``, key means, clip ratios and key widths), each
+layer ``l >= 1`` gets a map ``[H D + 1, H D]`` (fp16; the last row is the bias) from layer ``l - 1``'s pre-RoPE keys
+to layer ``l``'s, fitted by ridge least squares on the calibration corpus (rotkv's default ``calib_*.txt`` unless
+``--data``). The fit is sequential: layer ``l``'s map is fitted on layer ``l - 1``'s keys as the cache holds them
+(the body format: rotated, quantized at the layer's width and clip ratio, turned back), made with the maps of the
+layers before it, so it learns to predict from what a cache reads. The first ``SKIP`` tokens of each chunk (the
+sink) are left out of the fit. The result is the base artifact plus ``aqua_map.{l}``, of kind
+``oscar-mix-long+aqua``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rotkv.cache.predict import map_name, rope, unrope
+from rotkv.quant.quantizer import fake_quantize
+
+SKIP = 16  # tokens at the start of each calibration chunk left out of the fit
+KIND = "oscar-mix-long+aqua"
+BASE_KIND = "oscar-mix-long"
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:  # [H, T, D] -> [T, H * D]
+    return x.permute(1, 0, 2).reshape(x.shape[1], -1)
+
+
+def _unflat(x: torch.Tensor, h: int) -> torch.Tensor:  # [T, H * D] -> [H, T, D]
+    return x.reshape(x.shape[0], h, -1).permute(1, 0, 2)
+
+
+def apply_map(A: torch.Tensor, prev: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The post-RoPE prediction ``[H, T, D]`` from the previous layer's post-RoPE keys ``prev [H, T, D]`` through
+    ``A [H D + 1, H D]`` (the last row the bias); ``cos, sin [T, D]``."""
+    src = _flat(unrope(prev, cos, sin))
+    x = torch.cat([src, torch.ones(src.shape[0], 1, dtype=src.dtype)], -1)
+    return rope(_unflat(x @ A, prev.shape[0]), cos, sin)
+
+
+def fit_maps(model, tokenizer, artifact, tokens: int = 16384, chunk: int = 2048, ridge: float = 1e-3,
+             files: list[str] | None = None, progress: bool = True) -> list[torch.Tensor | None]:
+    """``[None, A_1, ..., A_{L-1}]`` (fp16) for ``model`` on top of ``artifact`` (see the module docstring)."""
+    from tqdm.auto import tqdm
+
+    from rotkv.calibrate.capture import capturing
+    from rotkv.calibrate.corpus import token_chunks
+
+    cfg = model.config
+    nl, h = cfg.num_hidden_layers, cfg.num_key_value_heads
+    d = int(artifact.meta["head_dim"])
+    g = int(artifact.meta.get("group_size", 64))
+    kb = artifact.tensors["k_bits"].tolist()
+    clip = [float(x) for x in artifact.meta["clip_k"].split(",")]
+    rk = [artifact.tensors[f"R_K.{i}"].double().expand(h, d, d) for i in range(nl)]
+    mu = [artifact.tensors[f"k_mean.{i}"].double() for i in range(nl)]
+
+    def store(x, i):  # what layer i's body holds of x [H, T, D] (a centred key or a residual), turned back
+        xr = torch.einsum("htd,hde->hte", x, rk[i])
+        xq = fake_quantize(xr.float(), kb[i], g, clip[i] if kb[i] == 2 else 1.0).double()
+        return torch.einsum("hte,hde->htd", xq, rk[i])
+
+    chunks = token_chunks(tokenizer, files, tokens, chunk)
+    if any(c.shape[1] != chunk for c in chunks) or chunk <= SKIP:
+        raise ValueError(f"the calibration chunks have to hold {chunk} > {SKIP} tokens")
+    calib = []
+    dev = next(model.parameters()).device
+    for ids in tqdm(chunks, desc="aqua: keys", unit="chunk", disable=not progress):
+        got = {}
+        with torch.no_grad(), capturing(model, lambda i, q, k, v, o, pr: got.__setitem__(i, k[0].float().cpu())):
+            model(input_ids=ids.to(dev))
+        calib.append([got[i] for i in range(nl)])
+    rot = next(m for name, m in model.named_modules() if name.endswith("rotary_emb"))
+    inv = getattr(rot, "inv_freq", None)
+    rdev = inv.device if inv is not None else dev
+    with torch.no_grad():
+        cos, sin = rot(torch.zeros(1, chunk, d, device=rdev), torch.arange(chunk, device=rdev)[None])
+    cos, sin = cos[0].double().cpu(), sin[0].double().cpu()
+    rec = [store(c[0].double() - mu[0][:, None], 0) + mu[0][:, None] for c in calib]
+    maps: list[torch.Tensor | None] = [None]
+    ones = torch.ones(chunk - SKIP, 1, dtype=torch.float64)
+    for i in tqdm(range(1, nl), desc="aqua: maps", unit="layer", disable=not progress):
+        x = torch.cat([torch.cat([_flat(unrope(r, cos, sin))[SKIP:], ones], -1) for r in rec])
+        y = torch.cat([_flat(unrope(c[i].double(), cos, sin))[SKIP:] for c in calib])
+        gram = x.T @ x
+        reg = torch.eye(gram.shape[0], dtype=gram.dtype) * ridge * torch.diagonal(gram)[:-1].mean()
+        reg[-1, -1] = 0
+        A = torch.linalg.solve(gram + reg, x.T @ y).half()
+        maps.append(A)
+        Ad = A.double()
+        new = []
+        for c, r in zip(calib, rec):
+            pr = apply_map(Ad, r, cos, sin)
+            new.append(pr + store(c[i].double() - pr, i))
+        rec = new
+    return maps
+
+
+def calibrate_aqua(loaded, base, tokens: int = 16384, chunk: int = 2048, ridge: float = 1e-3,
+                   files: list[str] | None = None, progress: bool = True) -> tuple[dict, dict]:
+    """(tensors, meta) of an ``oscar-mix-long+aqua`` artifact: ``base`` (an oscar-mix-long Artifact) plus the maps."""
+    from rotkv.contract import kind_meta
+
+    t0 = time.time()
+    maps = fit_maps(loaded.model, loaded.tokenizer, base, tokens, chunk, ridge, files, progress)
+    tensors = dict(base.tensors)
+    for i, m in enumerate(maps):
+        if m is not None:
+            tensors[map_name(i)] = m
+    meta = dict(base.meta) | kind_meta(KIND, base) | {
+        "aqua_tokens": str(tokens), "aqua_chunk": str(chunk), "aqua_ridge": str(ridge),
+        "aqua_files": ",".join(files) if files else "default", "aqua_seconds": str(round(time.time() - t0)),
+        "aqua_map_bytes": str(sum(m.numel() * 2 for m in maps if m is not None)),
+    }
+    return tensors, meta
