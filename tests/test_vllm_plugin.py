@@ -400,7 +400,7 @@ def test_plan_device_arrays_are_one_upload_of_the_host_arrays():
     plan = plan_step(geo, np.array([0, 120, 121, 122]), np.array([120, 37, 10]), np.array([3, 1, 0]), 10)
     assert plan.dbody_last.tolist() == [P, 0] and plan.dbody_last.dtype == np.int32
     table = torch.arange(30, dtype=torch.int32).reshape(3, 10) + 100
-    names = [n for n in DEVICE_ARRAYS if not n.startswith("dtier") and getattr(plan, n) is not None]
+    names = [n for n in DEVICE_ARRAYS if getattr(plan, n) is not None]
     for n in names:
         t = plan.device(n, "cpu", table)
         a = getattr(plan, n)

@@ -202,10 +202,11 @@ class StepPlan:
         return self.dev[key]
 
     def _upload(self, device: torch.device) -> dict:
-        """Every array of :data:`DEVICE_ARRAYS` and the tier table on ``device`` by one copy: packed into one
+        """Every array of :data:`DEVICE_ARRAYS` and the tier table (``dtier``) on ``device`` by one copy: packed into one
         int64 buffer, pinned on CUDA (a copy from pageable memory waits for the stream: one such copy per
         array and layer would stall the host at every layer), then unpacked into views of their own dtypes."""
         items = [(n, getattr(self, n)) for n in DEVICE_ARRAYS if getattr(self, n) is not None]
+        items += [(f"dtier{i}", a) for i, a in enumerate(self.dtier)]
         flat = np.concatenate([np.asarray(a, dtype=np.int64).ravel() for _, a in items] + [np.zeros(0, np.int64)])
         host = torch.from_numpy(flat)
         if device.type == "cuda":
@@ -220,22 +221,10 @@ class StepPlan:
         out["dtier"] = tuple(out.pop(f"dtier{i}") for i in range(3))
         return out
 
-    @property
-    def dtier0(self):
-        return self.dtier[0]
-
-    @property
-    def dtier1(self):
-        return self.dtier[1]
-
-    @property
-    def dtier2(self):
-        return self.dtier[2]
-
 
 # the plan's host arrays that layers read on the device (uploaded together once per step)
 DEVICE_ARRAYS = ("dwrite_page", "dwrite_off", "dwrite_tok", "dslots", "dbody_indptr", "dbody_pos", "dbody_last",
-                 "dtier0", "dtier1", "dtier2", "flush_pos", "flush_from_side", "flush_side_page", "flush_side_off",
+                 "flush_pos", "flush_from_side", "flush_side_page", "flush_side_off",
                  "flush_from_call", "flush_call_tok", "rwrite_sel", "rwrite_slot", "rwrite_index", "pwrite_page",
                  "pwrite_off", "pwrite_tok")
 
