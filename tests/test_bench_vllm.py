@@ -237,9 +237,9 @@ class LLM:
 '''
 
 
-def test_run_end_to_end_with_a_fake_vllm(tmp_path):
-    """The parent and its per-method children on a stand-in `vllm` package: rows, the error row of a method
-    whose engine fails, TurboQuant skipped where vLLM lists none, the written JSON and its summary."""
+def _run_with_fake_vllm(tmp_path, *argv):
+    """``bench_vllm.py run`` on a stand-in `vllm` package (FAKE_VLLM) and a model dir of a 500-token vocabulary;
+    ``argv`` after ``--model``. Returns (the finished process, the result JSON's path)."""
     fake = tmp_path / "fake"
     (fake / "vllm").mkdir(parents=True)
     (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
@@ -249,10 +249,17 @@ def test_run_end_to_end_with_a_fake_vllm(tmp_path):
     out = tmp_path / "res.json"
     env = {**__import__("os").environ, "PYTHONPATH": f"{fake}:{ROOT}"}
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "run", "--model", str(model),
-                        "--methods", "bf16,fp8,turboquant_3bit_nc", "--workloads", "capacity,throughput,latency",
-                        "--tp-requests", "3", "--tp-prompt", "20", "--tp-new", "5", "--lat-prompt", "30",
-                        "--lat-new", "4", "--lat-repeats", "2", "--out", str(out), "--out-dir", str(tmp_path / "logs")],
+                        *argv, "--out", str(out), "--out-dir", str(tmp_path / "logs")],
                        env=env, capture_output=True, text=True, timeout=300)
+    return r, out
+
+
+def test_run_end_to_end_with_a_fake_vllm(tmp_path):
+    """The parent and its per-method children on a stand-in `vllm` package: rows, the error row of a method
+    whose engine fails, TurboQuant skipped where vLLM lists none, the written JSON and its summary."""
+    r, out = _run_with_fake_vllm(tmp_path, "--methods", "bf16,fp8,turboquant_3bit_nc", "--workloads",
+                                 "capacity,throughput,latency", "--tp-requests", "3", "--tp-prompt", "20", "--tp-new",
+                                 "5", "--lat-prompt", "30", "--lat-new", "4", "--lat-repeats", "2")
     assert r.returncode == 0, r.stdout + r.stderr
     d = json.loads(out.read_text())
     assert d["schema"] == bv.SCHEMA and d["complete"] and d["settings"]["max_model_len"] == 48
@@ -334,18 +341,8 @@ def test_profile_workload_keeps_vllms_op_table(tmp_path):
     kw = p["engines"]["rotkv:quarot-int2"]
     assert kw["profiler_config"]["torch_profiler_dir"] == str(tmp_path / "profile-rotkv_quarot-int2")
     assert p["sizes"]["prof_new"] == 8 and p["max_model_len"] == 32768 + 16  # 32776 rounded up to 16
-    fake = tmp_path / "fake"
-    (fake / "vllm").mkdir(parents=True)
-    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"vocab_size": 500}))
-    out = tmp_path / "res.json"
-    env = {**__import__("os").environ, "PYTHONPATH": f"{fake}:{ROOT}"}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "run", "--model", str(model),
-                        "--methods", "bf16", "--workloads", "profile", "--lat-prompt", "30", "--prof-new", "4",
-                        "--out", str(out), "--out-dir", str(tmp_path / "logs")],
-                       env=env, capture_output=True, text=True, timeout=300)
+    r, out = _run_with_fake_vllm(tmp_path, "--methods", "bf16", "--workloads", "profile", "--lat-prompt", "30",
+                                 "--prof-new", "4")
     assert r.returncode == 0, r.stdout + r.stderr
     row = json.loads(out.read_text())["rows"][0]
     assert row["workload"] == "profile" and row["new_tokens"] == 4

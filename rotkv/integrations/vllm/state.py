@@ -216,7 +216,7 @@ class StepPlan:
         for n, a in items:
             t = flat_dev[o:o + len(a)]
             o += len(a)
-            want = torch.from_numpy(np.zeros(0, dtype=np.asarray(a).dtype)).dtype
+            want = torch.from_numpy(np.asarray(a)[:0]).dtype
             out[n] = t if want == torch.int64 else t.to(want)
         out["dtier"] = tuple(out.pop(f"dtier{i}") for i in range(3))
         return out
