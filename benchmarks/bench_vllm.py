@@ -9,7 +9,9 @@ an out-of-memory loses that method only). Methods:
   TurboQuant caches (``kv_cache_dtype=<name>``), where the installed vLLM lists them;
 - ``rotkv:PRESET`` (e.g. ``rotkv:quarot-int2``): ``attention_backend="CUSTOM"`` with
   ``additional_config={"rotkv": {"preset": PRESET, ...}}`` (``--rotkv-config`` adds keys: artifact,
-  sink, window), ``block_size=16``, prefix caching off.
+  sink, window), ``block_size=16``, prefix caching off, vLLM's CUDA-graph mode (decode batches in full
+  graphs); ``rotkv:PRESET@piecewise``: the same with ``cuda_graphs`` false and ``cudagraph_mode=PIECEWISE``
+  (attention eager between piecewise graphs), to measure what the full graphs give.
 
 Prefix caching is off for every method (the same prompt is sent twice in the latency workload, and
 rotkv's backend refuses it). Workloads (``--workloads``, sizes overridable):
@@ -187,10 +189,10 @@ def parse_methods(text: str, turboquant_available: bool | None = None) -> list[s
             out.extend(TURBOQUANT)
         elif m in BASE_METHODS or m in TURBOQUANT:
             out.append(m)
-        elif m.startswith("rotkv:") and len(m) > len("rotkv:"):
+        elif m.startswith("rotkv:") and len(m) > len("rotkv:") and m.split("@")[1:] in ([], ["piecewise"]):
             out.append(m)
         else:
-            raise ValueError(f"--methods: unknown method {m!r}; use bf16, fp8, turboquant[_<preset>] or rotkv:<preset>")
+            raise ValueError(f"--methods: unknown method {m!r}; use bf16, fp8, turboquant[_<preset>] or rotkv:<preset>[@piecewise]")
     if turboquant_available is False:
         out = [m for m in out if m not in TURBOQUANT]
     if len(set(out)) != len(out):
@@ -235,10 +237,14 @@ def engine_kwargs(method: str, model_path: str, dummy: bool, max_len: int, args)
     elif method in TURBOQUANT:
         kw["kv_cache_dtype"] = method
     elif method.startswith("rotkv:"):
-        cfg = {"preset": method.split(":", 1)[1], **json.loads(args.rotkv_config or "{}")}
+        preset, _, variant = method.split(":", 1)[1].partition("@")
+        cfg = {"preset": preset, **json.loads(args.rotkv_config or "{}")}
+        mode = args.rotkv_cudagraph_mode
+        if variant == "piecewise":
+            cfg["cuda_graphs"], mode = False, "PIECEWISE"
         kw.update(attention_backend="CUSTOM", block_size=16, additional_config={"rotkv": cfg})
-        if not args.enforce_eager and args.rotkv_cudagraph_mode:
-            kw["compilation_config"] = {"cudagraph_mode": args.rotkv_cudagraph_mode}
+        if not args.enforce_eager and mode:
+            kw["compilation_config"] = {"cudagraph_mode": mode}
     if "profile" in parse_workloads(args.workloads):
         kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": profile_dir(args, method),
                                  "torch_profiler_with_stack": False}
@@ -505,8 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--methods", default="bf16,fp8,turboquant_k3v4_nc,turboquant_3bit_nc,rotkv:quarot-int2")
     r.add_argument("--workloads", default=",".join(WORKLOADS))
     r.add_argument("--rotkv-config", default=None, help='JSON merged into additional_config["rotkv"] (artifact, sink, window)')
-    r.add_argument("--rotkv-cudagraph-mode", default="PIECEWISE",
-                   help="compilation_config cudagraph_mode for rotkv methods ('' for vLLM's default)")
+    r.add_argument("--rotkv-cudagraph-mode", default="",
+                   help="compilation_config cudagraph_mode for rotkv methods (default '': vLLM's own)")
     r.add_argument("--engine-kwargs", default=None, help="JSON of extra LLM(...) kwargs for every method")
     r.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     r.add_argument("--max-num-seqs", type=int, default=256)

@@ -33,7 +33,8 @@ def test_methods_and_workloads_parse():
 
 
 def test_plan_sizes_and_engine_kwargs():
-    p = bv.plan(_args("--methods", "bf16,fp8,turboquant_k3v4_nc,rotkv:quarot-int2", "--model-root", "/m",
+    p = bv.plan(_args("--methods", "bf16,fp8,turboquant_k3v4_nc,rotkv:quarot-int2,rotkv:quarot-int2@piecewise",
+                      "--model-root", "/m",
                       "--rotkv-config", '{"sink": 16, "window": 32}', "--tp-requests", "8"))
     assert p["dummy"] and p["model_path"] == "/m/qwen3-8b-dummy"
     assert p["sizes"]["tp_requests"] == 8 and p["sizes"]["tp_prompt"] == 32768 and p["sizes"]["lg_new"] == 16384
@@ -46,7 +47,13 @@ def test_plan_sizes_and_engine_kwargs():
     r = e["rotkv:quarot-int2"]
     assert r["attention_backend"] == "CUSTOM" and r["block_size"] == 16
     assert r["additional_config"] == {"rotkv": {"preset": "quarot-int2", "sink": 16, "window": 32}}
+    assert "compilation_config" not in r  # vLLM's own graph mode: decode batches in full graphs
+    r = e["rotkv:quarot-int2@piecewise"]
+    assert r["additional_config"] == {"rotkv": {"preset": "quarot-int2", "sink": 16, "window": 32,
+                                                "cuda_graphs": False}}
     assert r["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+    with pytest.raises(ValueError, match="unknown method"):
+        bv.parse_methods("rotkv:quarot-int2@full")
     json.dumps(p)  # the plan goes into the JSON as it is
 
     s = bv.plan(_args("--model", "smollm2", "--workloads", "longgen", "--methods", "bf16", "--enforce-eager",

@@ -205,37 +205,46 @@ class VllmSim:
     """A tiny stand-in for vLLM's scheduler side: blocks per request from a shuffled free list (block 0 is the
     null block), the block table, the slot table, and one layer's INT2 body + side pool (+ refine rings)."""
 
-    def __init__(self, spec, rot, h, hq, d, nblocks=64, slots=4, side_dtype=torch.float32):
+    def __init__(self, spec, rot, h, hq, d, nblocks=64, slots=4, side_dtype=torch.float32, device="cpu"):
         self.geo = Geometry(spec.sink, spec.window, spec.window_share, P, 1024, -(-spec.refine_tokens // P),
                             spec.refine_every)
         self.codecs = make_codecs("token", spec.bits, spec.resolved_group(d), spec.clip_k, spec.clip_v)
         self.layout = BlockLayout.of(h, d, P, *self.codecs)
-        self.buf = torch.zeros(nblocks * self.layout.page_bytes(), dtype=torch.uint8)
+        self.buf = torch.zeros(nblocks * self.layout.page_bytes(), dtype=torch.uint8, device=device)
         self.body = self.layout.body(self.buf, nblocks)
         pages = (slots + 1) * self.geo.slot_pages
-        self.side_k = torch.zeros(pages, h, P, d, dtype=side_dtype)
+        self.side_k = torch.zeros(pages, h, P, d, dtype=side_dtype, device=device)
         self.side_v = torch.zeros_like(self.side_k)
         self.free = list(np.random.default_rng(1).permutation(np.arange(1, nblocks)))
         self.blocks: dict[str, list[int]] = {}
         self.slots = SlotTable(slots)
-        self.refine = slot_rings(spec, self.codecs, self.geo, h, d, slots + 1, "cpu")
+        self.refine = slot_rings(spec, self.codecs, self.geo, h, d, slots + 1, device)
         self.rot, self.hq, self.d = rot, hq, d
 
-    def step(self, reqs, lengths, q, k, v):
-        """``reqs``: names in batch order; ``lengths``: tokens after the step; q/k/v: the step's new tokens."""
+    def grow(self, reqs, lengths):
+        """Blocks for ``lengths`` tokens of every request (from the free list, in batch order)."""
         for r, L in zip(reqs, lengths):
             have = self.blocks.setdefault(r, [])
             while len(have) * P < L:
                 have.append(int(self.free.pop()))
-        cols = max(len(self.blocks[r]) for r in reqs) + 2
-        table = torch.zeros(len(reqs), cols, dtype=torch.int32)
+
+    def table(self, reqs, rows=None):
+        """vLLM's block table of ``reqs`` (rows beyond them: 0, as vLLM pads a graphed batch), fixed width."""
+        table = torch.zeros(rows or len(reqs), 24, dtype=torch.int32)
         for i, r in enumerate(reqs):
             table[i, :len(self.blocks[r])] = torch.tensor(self.blocks[r])
+        return table.to(self.buf.device)
+
+    def step(self, reqs, lengths, q, k, v):
+        """``reqs``: names in batch order; ``lengths``: tokens after the step; q/k/v: the step's new tokens."""
+        self.grow(reqs, lengths)
+        table = self.table(reqs)
+        cols = table.shape[1]
         qs = np.zeros(len(reqs) + 1, dtype=np.int64)
         np.cumsum([x.shape[0] for x in q], out=qs[1:])
         lengths = np.array(lengths)
         computed = lengths - (qs[1:] - qs[:-1])
-        slots = self.slots.assign(table[:, 0].numpy().astype(np.int64), computed)
+        slots = self.slots.assign(table[:, 0].cpu().numpy().astype(np.int64), computed)
         plan = plan_step(self.geo, qs, lengths, slots, cols)
         qq, kk, vv = (torch.cat(x) for x in (q, k, v))
         out = torch.zeros_like(qq)
@@ -356,6 +365,128 @@ def test_layer_step_bf16_side_pool_matches_rotkv_bf16_tier(refine):
     assert sim.geo.body_pages(total) > 2
     if refine:
         _check_rings(sim, {"A": ref}, {"A": total}, at_least=1)
+
+
+@pytest.mark.parametrize("sink,window,share", [(4, 16, 0.0), (0, 20, 1 / 16), (16, 32, 0.0)])
+def test_graphed_decode_step_equals_the_general_step(sink, window, share):
+    """The fixed-buffer decode step (vLLM's full CUDA graphs), with vLLM's padding rows (no token, block table
+    0, seq_len 0) after the real rows: the same outputs, side pools and body bytes as the general step, over
+    decode steps that flush pages (one buffer set loaded again every step, as a graph replays it)."""
+    from rotkv.integrations.vllm.graph import StaticDecode, is_static_batch, static_plan, static_step
+
+    h, hq, d = 2, 4, 32
+    spec = CacheSpec(bits=2, group_size=32, sink=sink, window=window, window_share=share, page_size=P,
+                     tier_dtype="float32", rotation="identity", clip_k=0.96, clip_v=0.92)
+    rot = _rotation(h, d, 3)
+    eager, graphed = VllmSim(spec, rot, h, hq, d), VllmSim(spec, rot, h, hq, d)
+    st = StaticDecode(graphed.geo, rows=6, device="cpu")
+    gen = torch.Generator().manual_seed(2)
+    lens = {"A": 40, "B": 23, "C": 1}
+    for r, n in lens.items():  # the prompts: the general step in both
+        q, k, v = (torch.randn(n, m, d, generator=gen) for m in (hq, h, h))
+        for sim in (eager, graphed):
+            sim.step([r], [n], [q], [k], [v])
+    flushed = 0
+    for i in range(72):
+        names = ["A", "B", "C"] if i % 7 else ["B", "A"]  # 3 or 2 real rows, then padding to 5 rows
+        for r in names:
+            lens[r] += 1
+        q, k, v = ([torch.randn(1, m, d, generator=gen) for _ in names] for m in (hq, h, h))
+        want, plan = eager.step(names, [lens[r] for r in names], q, k, v)
+        flushed += len(plan.flush_pos)
+        b = 5
+        qq, kk, vv = (torch.cat(x + [torch.randn(b - len(names), x[0].shape[1], d, generator=gen)]) for x in (q, k, v))
+        graphed.grow(names, [lens[r] for r in names])
+        table = graphed.table(names, b)
+        n_tok = np.array([1] * len(names) + [0] * (b - len(names)))
+        lengths = np.array([lens[r] for r in names] + [0] * (b - len(names)))
+        assert is_static_batch(n_tok, qq.shape[0])
+        slots = graphed.slots.assign(table[:, 0].cpu().numpy().astype(np.int64), lengths - n_tok)
+        st.load(static_plan(graphed.geo, lengths, slots, n_tok, graphed.slots.scratch, table.shape[1]), table)
+        out = torch.zeros_like(qq)
+        static_step(st, b, qq, kk, vv, graphed.body, graphed.side_k, graphed.side_v, rot, graphed.codecs,
+                    d ** -0.5, out)
+        torch.testing.assert_close(out[:len(names)], torch.cat(want), atol=1e-6, rtol=1e-5)
+    assert flushed >= 4
+    for r in lens:  # the requests' body blocks and their side-pool slots hold the same bytes
+        blocks = torch.tensor(eager.blocks[r], dtype=torch.long)
+        for mine, theirs in zip(graphed.body.parts, eager.body.parts):
+            for a, b_ in zip(mine.tensors, theirs.tensors):
+                assert torch.equal(a[blocks], b_[blocks]), r
+        s = eager.slots._of[eager.blocks[r][0]] * eager.geo.slot_pages
+        pages = slice(s, s + eager.geo.slot_pages)
+        # (the rotation's GEMM over 5 rows instead of 3 may round the last bit differently)
+        torch.testing.assert_close(graphed.side_k[pages], eager.side_k[pages], atol=1e-5, rtol=0)
+        torch.testing.assert_close(graphed.side_v[pages], eager.side_v[pages], atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graphed_decode_step_replays_in_a_cuda_graph():
+    """On the GPU, with rotkv's kernels and a bf16 side pool at head_dim 128: the graphed decode step captured
+    once in a CUDA graph and replayed over decode steps that flush pages, against the general step run eagerly."""
+    from rotkv.integrations.vllm.graph import StaticDecode, static_plan, static_step
+    from rotkv.rotations.registry import build_rotations
+
+    dev, h, hq, d, b = torch.device("cuda"), 8, 32, 128, 4
+    spec = get_preset("quarot-int2", sink=16, window=32)
+    rot = build_rotations("hadamard", 1, h, d)[0].to(dev)
+    eager, graphed = (VllmSim(spec, rot, h, hq, d, nblocks=128, side_dtype=torch.bfloat16, device=dev)
+                      for _ in range(2))
+    st = StaticDecode(graphed.geo, rows=b, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(5)
+    rnd = lambda n, m: torch.randn(n, m, d, generator=gen, device=dev, dtype=torch.bfloat16)  # noqa: E731
+    lens = {"A": 300, "B": 170, "C": 45}
+    for r, n in lens.items():
+        q, k, v = rnd(n, hq), rnd(n, h), rnd(n, h)
+        for sim in (eager, graphed):
+            sim.step([r], [n], [q], [k], [v])
+    names = list(lens)
+    qin, kin, vin = rnd(b, hq), rnd(b, h), rnd(b, h)  # the graph's input and output buffers (3 rows + padding)
+    out = torch.zeros(b, hq, d, device=dev, dtype=torch.bfloat16)
+    graph, flushed = None, 0
+    for i in range(40):
+        for r in names:
+            lens[r] += 1
+        q, k, v = ([x[j:j + 1].clone() for j in range(3)] for x in (rnd(b, hq), rnd(b, h), rnd(b, h)))
+        want, plan = eager.step(names, [lens[r] for r in names], q, k, v)
+        flushed += len(plan.flush_pos)
+        graphed.grow(names, [lens[r] for r in names])
+        table = graphed.table(names, b)
+        n_tok = np.array([1, 1, 1, 0])
+        lengths = np.array([lens[r] for r in names] + [0])
+        slots = graphed.slots.assign(table[:, 0].cpu().numpy().astype(np.int64), lengths - n_tok)
+        st.load(static_plan(graphed.geo, lengths, slots, n_tok, graphed.slots.scratch, table.shape[1]), table)
+        for buf, x in zip((qin, kin, vin), (q, k, v)):
+            buf[:3].copy_(torch.cat(x))
+        run = lambda: static_step(st, b, qin, kin, vin, graphed.body, graphed.side_k, graphed.side_v, rot,  # noqa
+                                  graphed.codecs, d ** -0.5, out)
+        if graph is None:  # the first step eagerly (it compiles the kernels), then the capture
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                run()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+        else:
+            graph.replay()
+        torch.testing.assert_close(out[:3].float(), torch.cat(want).float(), atol=3e-2, rtol=3e-2)
+    torch.cuda.synchronize()
+    assert flushed >= 3
+    for r in names:  # the flushed pages: (nearly) the same codes (bf16 rounding may tip a code)
+        blocks = torch.tensor(eager.blocks[r][graphed.geo.block_offset:][:graphed.geo.body_pages(lens[r])], device=dev)
+        same = (graphed.body.k.codes[blocks] == eager.body.k.codes[blocks]).float().mean().item()
+        assert same > 0.99, (r, same)
+
+
+def test_static_batch_rule():
+    from rotkv.integrations.vllm.graph import is_static_batch
+
+    assert is_static_batch(np.array([1, 1, 0]), 3) and is_static_batch(np.array([1]), 4)
+    assert not is_static_batch(np.array([1, 2]), 3)  # a prefill row
+    assert not is_static_batch(np.array([1, 0, 1]), 3)  # padding before a real row
+    assert not is_static_batch(np.array([1, 1, 0]), 2)  # no call token for the padding row
 
 
 def test_plan_flush_sources_and_block_positions():
@@ -484,7 +615,7 @@ def _fake_vllm_config(rotkv: dict, layers=1, kv_heads=2, head_dim=64, max_len=51
             get_head_size=lambda: head_dim, get_num_kv_heads=lambda pc: kv_heads, max_model_len=max_len, model="tiny")
     return NS(cache_config=NS(enable_prefix_caching=False), speculative_config=None,
               scheduler_config=NS(max_num_seqs=max_num_seqs), additional_config={"rotkv": rotkv}, model_config=mc,
-              parallel_config=NS())
+              parallel_config=NS(), compilation_config=NS(max_cudagraph_capture_size=max_num_seqs))
 
 
 def test_vllm_spec_reports_int2_pages_and_shapes_the_kv_tensor():
@@ -545,6 +676,7 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch, refine):
     steps of three requests (one starting after another finished, a second prefill chunk); every output equals
     rotkv's own cache (with a refine tier of keys and values: a one-page ring per slot, which A's body wraps)."""
     pytest.importorskip("vllm.v1.attention.backend")
+    from dataclasses import replace
     from types import SimpleNamespace as NS
 
     from rotkv.cache.layer import HybridLayer
@@ -583,23 +715,34 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch, refine):
     gen = torch.Generator().manual_seed(2)
     steps = [[("A", 30)], [("A", 1), ("B", 25)]] + [[("B", 1), ("A", 1)]] * 20 + [[("A", 1)], [("C", 20), ("A", 1)]]
     steps += [[("A", 20), ("C", 1)], [("A", 1), ("C", 1)]]
+    graphed = []
+    steps += [[("A", 1), ("C", 1), ("pad", 0)]]  # vLLM's padding row of a full graph: no token, block table 0
     for step in steps:
         if step[0][0] == "C":  # B finished: its blocks go back (C may get B's first block, then B's slot)
             free.extend(blocks.pop("B"))
         qs, t, cm = _vllm_step(step, lens, blocks, free, cols=8)
+        if step[-1][0] == "pad":
+            cm.block_table_tensor[-1] = 0
+            cm = replace(cm, num_actual_tokens=len(step))
         md = builder.build(0, cm)
+        graphed.append(md.static is not None)
         q, k, v = (torch.randn(t + 2, m, d, generator=gen) for m in (hq, h, h))
         out = torch.full((t + 2, hq, d), 7.0)
         impl.forward(layer, q, k, v, kv, md, out)
-        assert not out[t:].any()  # vLLM's padded tokens
+        assert not out[cm.num_actual_tokens:].any()  # vLLM's padded tokens
         for i, (r, n) in enumerate(step):
             a = int(qs[i])
+            if r == "pad":
+                continue
             if r not in refs:
                 refs[r] = HybridLayer(settings.spec, rot, d, h, 0, mp.codecs[0])
             refs[r].update(k[a:a + n].transpose(0, 1)[None], v[a:a + n].transpose(0, 1)[None])
             want = refs[r].attend(q[a:a + n].transpose(0, 1)[None], None, d ** -0.5)[0]
             torch.testing.assert_close(out[a:a + n], want, atol=1e-4, rtol=1e-3)
     assert mp.geometry.body_pages(lens["A"]) >= 3
+    # decode batches ran on the graphed step's fixed buffers (a preset with a refine tier: never)
+    decode = [all(n <= 1 for _, n in step) for step in steps]
+    assert graphed == ([False] * len(steps) if refine else decode) and sum(decode) >= 20
     if refine:
         assert rings.keys.data.any() and rings.values.data.any()
 

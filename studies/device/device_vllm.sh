@@ -20,13 +20,15 @@
 # vllmrun.tgz to benchmarks/results/ to commit them.
 #
 # The queue (one runner, started with setsid nohup so it outlives the call; jobs run one after another):
-# QWEN_JOBS (default "qwen-cap qwen-lat qwen-tp qwen-lg") and SMOL_JOBS (default "smol-greedy smol-cap-lat"):
+# TEST_K: pytest -k of the plugin's tests in the wheels call. QWEN_JOBS (default "qwen-cap qwen-lat qwen-tp qwen-lg") and SMOL_JOBS (default "smol-greedy smol-cap-lat"):
 #   qwen-cap      capacity of every method (start-up only)              Qwen3-8B dummy, 36 layers
 #   qwen-lat      TTFT / TPOT at batch 1 x 32K                          every method
 #   qwen-tp       64 x 32K prompts x 1024 new tokens                    TP_METHODS (default bf16,fp8,rotkv)
 #   qwen-lg       64 x 1K prompts x 16K new tokens                      LG_METHODS (default bf16,rotkv)
 #   smol-greedy   vllm_greedy_compare.py, 64 tokens at 4K               GREEDY_METHODS (default bf16,quarot-int2,
 #                 oscar-mix; oscar-mix needs artifacts/oscar-mix.safetensors: name "artifacts" in a call's carry)
+#   qwen-graph    capacity, TTFT / TPOT at batch 1 x 32K: rotkv with vLLM's full decode graphs, bf16, and rotkv
+#                 with attention eager between piecewise graphs (GRAPH_METHODS)
 #   qwen-prof     vLLM's torch profiler, 1 x PROF_PROMPT (32K) + PROF_NEW (32) tokens; op tables   PROF_METHODS
 #   smol-kl       vllm_kl_compare.py, KL to the fp32 model over teacher-forced decode steps   GREEDY_METHODS
 #   smol-cap-lat  capacity and latency on the real SmolLM2              every method
@@ -111,6 +113,8 @@ job() {  # one queued job
     qwen-main) timeout 1500 "${B[@]}" --model qwen3-8b-dummy --methods "${MAIN_METHODS:-bf16,fp8,rotkv:quarot-int2}" \
                 --workloads capacity,latency,throughput --max-model-len 33792 --tp-requests ${TP_REQUESTS:-96} \
                 --tp-prompt ${TP_PROMPT:-8192} --tp-new ${TP_NEW:-1024} --method-timeout 600 --out "$RUN/vllm-qwen3-main.json" ;;
+    qwen-graph) timeout 1200 "${B[@]}" --model qwen3-8b-dummy --methods "${GRAPH_METHODS:-rotkv:quarot-int2,bf16,rotkv:quarot-int2@piecewise}" \
+                --workloads capacity,latency --max-model-len 33792 --method-timeout 420 --out "$RUN/vllm-qwen3-graph.json" ;;
     qwen-prof) timeout 900 "${B[@]}" --model qwen3-8b-dummy --methods "${PROF_METHODS:-rotkv:quarot-int2,bf16}" \
                 --workloads profile --max-model-len 33792 --lat-prompt ${PROF_PROMPT:-32768} --prof-new ${PROF_NEW:-32} \
                 --method-timeout 400 --out "$RUN/vllm-qwen3-profile.json" ;;
@@ -188,7 +192,8 @@ case "${1:-}" in
       [ -f "$MODELS/qwen3-8b-dummy/config.json" ] || python3 benchmarks/bench_vllm.py prepare --root "$MODELS" --models qwen3-8b-dummy
       if [ "${TESTS:-1}" = 1 ] && [ -f tests/test_vllm_plugin.py ]; then
         t "plugin tests"
-        timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_vllm_plugin.py > "$OUT/tests-vllm.log" 2>&1
+        timeout ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_vllm_plugin.py ${TEST_K:+-k "$TEST_K"} \
+          > "$OUT/tests-vllm.log" 2>&1
         echo "tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/tests-vllm.log" | tail -12
       elif [ "${TESTS:-1}" = 1 ]; then
         echo "no tests/test_vllm_plugin.py in this checkout (the backend's branch not merged?): rotkv methods will fail"

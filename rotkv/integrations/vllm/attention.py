@@ -89,16 +89,27 @@ def _decode(plan, qr: torch.Tensor, body: PagedBody, side_k, side_v, block_table
     """The decode rows' attention ``[Bd, Hq, D]`` (rotated basis) over their body pages (the newest refined,
     ``refine``: the layer's RefineRings or None) and side-pool tier."""
     dev = qr.device
-    has_body = plan.dbody_max > 0
     table, tiers = None, {}
-    if has_body:
+    if plan.dbody_max > 0:
         table = (plan.device("dbody_indptr", dev), plan.device("dbody_pos", dev, block_table),
                  plan.device("dbody_last", dev))
         if refine is not None:  # the decode rows' rings, in row order (the kernels index rings by request)
             rows = plan.device("dslots", dev)
             tiers = {name: RefineTier(ring.data[rows], ring.pages, ring.every)
                      for name, ring in (("refine", refine.keys), ("refine_values", refine.values)) if ring is not None}
-    tier = plan.device("dtier", dev)
+    return decode_rows(qr, body, table, plan.dbody_max, side_k, side_v, plan.device("dtier", dev), plan.dtier_max,
+                       plan.pad, scale, tiers)
+
+
+def decode_rows(qr: torch.Tensor, body: PagedBody, table: tuple | None, body_max: int, side_k, side_v, tier: tuple,
+                tier_max: int, pad: int, scale: float, tiers: dict | None = None) -> torch.Tensor:
+    """Attention of decode rows ``qr [B, Hq, D]`` over their body pages (``table``: the kernels' ``(indptr,
+    block ids, last-page lengths)``, ``body_max`` the grid's body length; no body: ``body_max`` 0) and their
+    side-pool tier (``tier`` likewise, ``tier_max``, positions below ``pad`` empty); ``tiers``: the refine
+    tiers' kernel arguments. rotkv's decode kernel on CUDA (where a kernel reads the tiers), else the
+    PyTorch reference."""
+    tiers = tiers or {}
+    has_body = body_max > 0
     if kernels.enabled(qr):
         from rotkv.kernels.decode import decode_attention
         from rotkv.kernels.plan import plan_decode
@@ -107,11 +118,10 @@ def _decode(plan, qr: torch.Tensor, body: PagedBody, side_k, side_v, block_table
         if tiers:  # as rotkv's cache: where no kernel reads the refine tier (refine_kernel=0), the PyTorch path
             kplan = plan_decode(qr, body, cfg, ("refine" in tiers, "refine_values" in tiers))
         if kplan is None or kplan.covered:
-            return decode_attention(qr, body if has_body else None, table, plan.dbody_max, (side_k, side_v), tier,
-                                    plan.dtier_max, sm_scale=scale, cfg=cfg, tier_start=plan.pad, plan=kplan,
-                                    **tiers)
-    return decode_reference(qr, body if has_body else None, table, side_k, side_v, tier, sm_scale=scale,
-                            tier_start=plan.pad, **tiers)
+            return decode_attention(qr, body if has_body else None, table, body_max, (side_k, side_v), tier,
+                                    tier_max, sm_scale=scale, cfg=cfg, tier_start=pad, plan=kplan, **tiers)
+    return decode_reference(qr, body if has_body else None, table if has_body else None, side_k, side_v, tier,
+                            sm_scale=scale, tier_start=pad, **tiers)
 
 
 def _add_refined(plan, r: int, nb: int, blocks: torch.Tensor, ks, vs, body: PagedBody, refine) -> None:

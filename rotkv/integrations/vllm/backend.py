@@ -16,7 +16,10 @@
 Refused with a clear error: prefix caching, speculative decoding, sliding-window / ALiBi / soft-cap / encoder
 attention, KV-sharing layers, quantized ``kv_cache_dtype``, block sizes other than 16, output quantization.
 The metadata builder reads the first block id of every request to the host (one small device-to-host copy
-per step), and attention runs eagerly between vLLM's piecewise CUDA graphs (AttentionCGSupport.NEVER).
+per step). Batches of decode rows run on fixed buffers inside vLLM's full CUDA graphs
+(:mod:`rotkv.integrations.vllm.graph`, AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE); other batches, and
+every batch of a preset with a refine tier or with ``cuda_graphs`` false, run attention eagerly between vLLM's
+piecewise graphs.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from rotkv.integrations.vllm.attention import layer_step, slot_rings
 from rotkv.integrations.vllm.config import PAGE_SIZE, WHERE, layer_codecs, load_rotations, parse_settings
+from rotkv.integrations.vllm.graph import StaticDecode, is_static_batch, static_plan, static_step
 from rotkv.integrations.vllm.layout import BlockLayout, blocks_in, group_page_bytes
 from rotkv.integrations.vllm.state import Geometry, SlotTable, StepPlan, plan_step
 from rotkv.integrations.vllm.tp import shard_rotation
@@ -203,14 +207,22 @@ class RotkvAttentionBackend(AttentionBackend):
 
 @dataclass
 class RotkvMetadata(AttentionMetadata):
-    plan: StepPlan
+    plan: StepPlan | None  # the general step's plan; None for a batch on the fixed buffers
     block_table: torch.Tensor
     num_actual_tokens: int
+    static: StaticDecode | None = None  # a decode batch on the fixed buffers (graphed): its rows in ``rows``
+    rows: int = 0
 
 
 class RotkvMetadataBuilder(AttentionMetadataBuilder[RotkvMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     reorder_batch_threshold: int | None = None
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
+        """Full graphs for decode batches, unless the settings say otherwise (``VllmSettings.graphed``)."""
+        graphed = parse_settings(vllm_config.additional_config).graphed
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if graphed else AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -226,6 +238,10 @@ class RotkvMetadataBuilder(AttentionMetadataBuilder[RotkvMetadata]):
         self.mp = model_plan(vllm_config)
         slots = vllm_config.scheduler_config.max_num_seqs + self.mp.settings.spare_slots
         self.slots = _SLOT_TABLES.setdefault((slots, self.mp.geometry), SlotTable(slots))
+        # the graphed decode step's buffers, for the largest batch vLLM runs (captured or not)
+        comp = vllm_config.compilation_config
+        rows = max(vllm_config.scheduler_config.max_num_seqs, getattr(comp, "max_cudagraph_capture_size", 0) or 0)
+        self.static = StaticDecode(self.mp.geometry, rows, device) if self.mp.settings.graphed else None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> RotkvMetadata:
@@ -238,7 +254,13 @@ class RotkvMetadataBuilder(AttentionMetadataBuilder[RotkvMetadata]):
         lens = (lens if lens is not None else cm.seq_lens.cpu())[:b].numpy().astype(np.int64)
         table = cm.block_table_tensor[:b]
         keys = table[:, 0].cpu().numpy().astype(np.int64)  # the requests' first blocks: their side-pool keys
-        slots = self.slots.assign(keys, lens - (qs[1:] - qs[:-1]))
+        n = qs[1:] - qs[:-1]
+        keys[n == 0] = 0  # vLLM's padding rows of a full graph (no token): the scratch slot, whatever their table
+        slots = self.slots.assign(keys, lens - n)
+        if self.static is not None and b <= self.static.rows and is_static_batch(n, cm.num_actual_tokens):
+            plan = static_plan(self.mp.geometry, lens, slots, n, self.slots.scratch, table.shape[1])
+            self.static.load(plan, table)
+            return RotkvMetadata(None, table, cm.num_actual_tokens, self.static, b)
         plan = plan_step(self.mp.geometry, qs, lens, slots, table.shape[1])
         return RotkvMetadata(plan, table, cm.num_actual_tokens)
 
@@ -305,6 +327,13 @@ class RotkvAttentionImpl(AttentionImpl[RotkvMetadata]):
         if self._body is None or self._body[0] != key_:
             n = blocks_in(kv_cache, st["page_bytes"])
             self._body = (key_, st["layout"].body(kv_cache, n))
+        if attn_metadata.static is not None:  # a decode batch on the fixed buffers (captured in a full graph)
+            b = attn_metadata.rows
+            static_step(attn_metadata.static, b, query, key, value, self._body[1], *st["side"], st["rot"],
+                        st["codecs"], self.scale, output)
+            if output.shape[0] > b:
+                output[b:].zero_()
+            return output
         plan = attn_metadata.plan
         t = plan.num_tokens
         layer_step(plan, self.mp.geometry, query, key, value, self._body[1], *st["side"], attn_metadata.block_table,

@@ -6,7 +6,7 @@ A user picks the preset, the artifact and any cache field through ``additional_c
         "artifact": "oscar-mix.safetensors"}})
     vllm serve MODEL --attention-backend CUSTOM --additional-config '{"rotkv": {"preset": "quarot-int2"}}'
 
-Keys: ``preset``, ``artifact``, ``context_length``, ``spare_slots`` and the :class:`~rotkv.config.CacheSpec`
+Keys: ``preset``, ``artifact``, ``context_length``, ``spare_slots``, ``cuda_graphs`` and the :class:`~rotkv.config.CacheSpec`
 fields listed in :data:`SPEC_KEYS`. Every bad value raises a ValueError naming the key.
 
 :func:`layer_settings` resolves what one layer stores: its rotation (artifact or data-free), its key and
@@ -32,20 +32,28 @@ DEFAULT_PRESET = "int4"  # without a preset and an artifact: 4 bits, no calibrat
 # the CacheSpec fields a user may override from vLLM (the others are format choices this backend fixes)
 SPEC_KEYS = ("sink", "window", "window_share", "group_size", "clip_k", "clip_v", "k_bits", "meta_k", "meta_v",
              "key_mean", "rotate_values", "seed", "page_size", "refine_tokens", "refine_values", "refine_every")
-OWN_KEYS = ("preset", "artifact", "context_length", "spare_slots")
+OWN_KEYS = ("preset", "artifact", "context_length", "spare_slots", "cuda_graphs")
 PAGE_SIZE = 16  # the vLLM block size the backend accepts (one block = one body page)
 
 
 @dataclass(frozen=True)
 class VllmSettings:
     """The resolved settings: the spec, the artifact path, the context length that picks an artifact's key
-    fit (None: vLLM's max_model_len), and the side pool's request slots beyond ``max_num_seqs``."""
+    fit (None: vLLM's max_model_len), the side pool's request slots beyond ``max_num_seqs``, and whether
+    decode batches may run in vLLM's full CUDA graphs (``cuda_graphs``; a preset with a refine tier never
+    does: :attr:`graphed`)."""
 
     spec: CacheSpec
     artifact: str | None = None
     context_length: int | None = None
     spare_slots: int = 8
     raw: dict = field(default_factory=dict, compare=False)
+    cuda_graphs: bool = True
+
+    @property
+    def graphed(self) -> bool:
+        """Decode batches run in vLLM's full CUDA graphs (``rotkv.integrations.vllm.graph``)."""
+        return self.cuda_graphs and not self.spec.refine_tokens
 
 
 def _raw(additional_config) -> dict:
@@ -114,7 +122,10 @@ def parse_settings(additional_config=None) -> VllmSettings:
     spare = raw.get("spare_slots", 8)
     if isinstance(spare, bool) or not isinstance(spare, int) or spare < 0:
         raise ValueError(f'{WHERE}["spare_slots"] must be an int >= 0, got {spare!r}')
-    return VllmSettings(spec, artifact, ctx, spare, raw)
+    graphs = raw.get("cuda_graphs", True)
+    if not isinstance(graphs, bool):
+        raise ValueError(f'{WHERE}["cuda_graphs"] must be true or false, got {graphs!r}')
+    return VllmSettings(spec, artifact, ctx, spare, raw, graphs)
 
 
 def check_spec(spec: CacheSpec) -> None:

@@ -1,0 +1,149 @@
+"""The decode step on fixed buffers, which vLLM captures in its full CUDA graphs.
+
+vLLM captures the whole model for batches of decode rows (one new token each), padded to a captured size,
+and replays the capture: the kernels run again with the pointers and shapes they had, and no Python runs.
+So the step may read only tensors that stay at one address, in shapes set by the batch size alone, and
+nothing it does may depend on the step's host values. :class:`StaticDecode` holds those tensors (one set per
+metadata builder, sized for ``rows`` rows); :meth:`StaticDecode.load` fills them before each step (outside
+the graph) from the step's host plan (:func:`~rotkv.integrations.vllm.state.plan_step`); :func:`static_step`
+is the layer's step on them. Against the general step (:func:`~rotkv.integrations.vllm.attention.layer_step`):
+
+- vLLM's padding rows (no token, block table 0) are one-token requests in the scratch slot of the side pool
+  (:func:`static_rows`); their outputs are discarded;
+- the decode kernel's grid is sized for the longest body and tier ``max_len`` allows (its splits past a row's
+  pages do nothing);
+- the flush writes one page per row: a decode row flushes at most one page a step (the window moves by one
+  token), and a row that flushes none writes its page to vLLM's null block 0, which no request's body holds.
+
+The refine tier (rings written by the flush) is not served here: a preset with one runs without full graphs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rotkv.integrations.vllm.attention import _rotate_q, _unrotate_o, decode_rows, rotate_kv, write_body
+from rotkv.integrations.vllm.state import Geometry, StepPlan, plan_step
+
+
+def static_rows(lengths: np.ndarray, slots: np.ndarray, num_tokens: np.ndarray, scratch: int):
+    """A decode batch as :func:`plan_step` plans it here: every row one token (row ``r``: call token ``r``),
+    the padding rows (no token) one-token requests in the ``scratch`` slot. Returns ``(query_start, lengths,
+    slots)``."""
+    pad = num_tokens == 0
+    b = len(lengths)
+    return (np.arange(b + 1, dtype=np.int64), np.where(pad, 1, lengths).astype(np.int64),
+            np.where(pad, scratch, slots).astype(np.int64))
+
+
+def is_static_batch(num_tokens: np.ndarray, call_tokens: int) -> bool:
+    """Whether a step's rows (new tokens per row) run as :func:`static_step`: one token each, the padding rows
+    (none) after them, and a call token for every row (vLLM pads a full graph's call to one per row)."""
+    n = np.asarray(num_tokens)
+    real = int((n == 1).sum())
+    return len(n) > 0 and bool(np.all(n[:real] == 1)) and bool(np.all(n[real:] == 0)) and call_tokens >= len(n)
+
+
+class StaticDecode:
+    """The fixed buffers of the graphed decode step, for up to ``rows`` rows of a model of ``geo`` (its
+    ``max_len``), on ``device``. Views of the first ``b`` rows (:meth:`tables`) keep their addresses across
+    steps, so a graph captured for ``b`` rows reads each step's values."""
+
+    def __init__(self, geo: Geometry, rows: int, device):
+        self.geo, self.rows = geo, rows
+        p = geo.page
+        self.body_pages = int(geo.body_pages(geo.max_len))
+        self.body_max = self.body_pages * p
+        self.tier_max = geo.slot_pages * p
+        i32 = dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.wpage, self.woff = torch.zeros(rows, **i64), torch.zeros(rows, **i64)
+        self.body_indptr, self.body_last = torch.zeros(rows + 1, **i32), torch.zeros(rows, **i32)
+        self.body_ids = torch.zeros(max(rows * self.body_pages, 1), **i32)
+        self.tier_indptr, self.tier_last = torch.zeros(rows + 1, **i32), torch.zeros(rows, **i32)
+        self.tier_idx = torch.zeros(rows * geo.slot_pages, **i32)
+        self.flush_dst = torch.zeros(rows, **i64)
+        self.flush_page, self.flush_off = torch.zeros(rows * p, **i64), torch.zeros(rows * p, **i64)
+        self.b = 0
+
+    def load(self, plan: StepPlan, block_table: torch.Tensor) -> None:
+        """Write a step's plan (every row a decode row, :func:`static_rows`) into the buffers: one host-to-device
+        copy of the packed host arrays, then device copies (the body's block ids and the flush's destinations
+        gathered from vLLM's ``block_table``)."""
+        b, p = len(plan.decode_rows), self.geo.page
+        if b > self.rows:
+            raise ValueError(f"rotkv: a decode batch of {b} rows, the graphed step holds {self.rows}")
+        if len(plan.decode_rows) != len(plan.lengths) or len(plan.flush_from_call) or len(plan.pwrite_page):
+            raise ValueError("rotkv: the graphed decode step takes a batch of decode rows only")
+        frow = plan.flush_pos // block_table.shape[1]
+        if len(np.unique(frow)) != len(frow):
+            raise ValueError("rotkv: a decode row flushes more than one page in a step")
+        # per row: the flat block-table position of its flushed page (-1: none) and its page's side-pool tokens
+        fpos = np.full(b, -1, dtype=np.int64)
+        fpos[frow] = plan.flush_pos
+        fpage = np.zeros((b, p), dtype=np.int64)  # rows that flush none read page 0 (written to block 0)
+        foff = np.zeros((b, p), dtype=np.int64)
+        fpage[frow] = plan.flush_side_page.reshape(-1, p)
+        foff[frow] = plan.flush_side_off.reshape(-1, p)
+        tier_indptr, tier_idx, tier_last = plan.dtier
+        parts = [plan.dwrite_page, plan.dwrite_off, plan.dbody_indptr, plan.dbody_last, tier_indptr,
+                 tier_idx[:tier_indptr[-1]], tier_last, fpos, fpage.ravel(), foff.ravel(), plan.dbody_pos]
+        flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in parts]))
+        dev = self.wpage.device
+        if dev.type == "cuda":
+            flat = flat.pin_memory()
+        flat = flat.to(dev, non_blocking=True)
+        views, o = [], 0
+        for a in parts:
+            views.append(flat[o:o + len(a)])
+            o += len(a)
+        wpage, woff, bindptr, blast, tindptr, tidx, tlast, fpos_d, fpage_d, foff_d, bpos = views
+        table = block_table.reshape(-1)
+        self.wpage[:b].copy_(wpage)
+        self.woff[:b].copy_(woff)
+        self.body_indptr[:b + 1].copy_(bindptr)
+        self.body_last[:b].copy_(blast)
+        if len(bpos):
+            self.body_ids[:len(bpos)].copy_(table[bpos])
+        self.tier_indptr[:b + 1].copy_(tindptr)
+        self.tier_idx[:len(tidx)].copy_(tidx)
+        self.tier_last[:b].copy_(tlast)
+        self.flush_dst[:b].copy_(torch.where(fpos_d >= 0, table[fpos_d.clamp(min=0)].long(), 0))
+        self.flush_page[:b * p].copy_(fpage_d)
+        self.flush_off[:b * p].copy_(foff_d)
+        self.b = b
+
+    def tables(self, b: int) -> dict:
+        """The first ``b`` rows' views (fixed addresses): the decode kernel's body and tier tables, the decode
+        writes and the flush."""
+        p = self.geo.page
+        return dict(wpage=self.wpage[:b], woff=self.woff[:b],
+                    body=(self.body_indptr[:b + 1], self.body_ids, self.body_last[:b]),
+                    tier=(self.tier_indptr[:b + 1], self.tier_idx, self.tier_last[:b]),
+                    flush_dst=self.flush_dst[:b], flush_page=self.flush_page[:b * p], flush_off=self.flush_off[:b * p])
+
+
+def static_plan(geo: Geometry, lengths: np.ndarray, slots: np.ndarray, num_tokens: np.ndarray, scratch: int,
+                block_cols: int) -> StepPlan:
+    """The host plan of a decode batch for :meth:`StaticDecode.load` (:func:`static_rows`)."""
+    qs, lens, sl = static_rows(lengths, slots, num_tokens, scratch)
+    return plan_step(geo, qs, lens, sl, block_cols)
+
+
+def static_step(st: StaticDecode, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, body,
+                side_k: torch.Tensor, side_v: torch.Tensor, rot, codecs, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """One layer of a decode batch of ``b`` rows on the fixed buffers (the module docstring): the rows' tokens
+    into the side pool, the decode kernel over the body and the side pool, one page per row flushed.
+    ``q [>= b, Hq, D]``, ``k, v [>= b, H, D]`` (row ``r``'s token at ``r``); writes ``out[:b]``."""
+    t = st.tables(b)
+    kr, vr = rotate_kv(rot, k[:b], v[:b], side_k.dtype)
+    side_k[t["wpage"], :, t["woff"]] = kr
+    side_v[t["wpage"], :, t["woff"]] = vr
+    qr = _rotate_q(rot, q[:b], q.dtype)
+    o = decode_rows(qr, body, t["body"], st.body_max, side_k, side_v, t["tier"], st.tier_max, st.geo.pad, scale)
+    out[:b] = _unrotate_o(rot, o, out.dtype)
+    for side, part, codec in ((side_k, body.k, codecs[0]), (side_v, body.v, codecs[1])):
+        x = side[t["flush_page"], :, t["flush_off"]]  # [b * P, H, D]: row r's page at r * P
+        write_body(x, t["flush_dst"], part, codec.clip)
+    return out
