@@ -71,11 +71,17 @@ def slot_rings(spec, codecs, geo, kv_heads: int, head_dim: int, rows: int, devic
     return rings
 
 
-def write_body(x: torch.Tensor, blocks: torch.Tensor, part, clip: float) -> None:
+def page_slots(blocks: torch.Tensor, page: int) -> torch.Tensor:
+    """The token slots ``[n * P]`` (int64) of body pages ``blocks [n]``: page ``i``'s tokens at ``i*P .. i*P+P-1``."""
+    return (blocks.long()[:, None] * page + torch.arange(page, device=blocks.device)[None]).reshape(-1)
+
+
+def write_body(x: torch.Tensor, blocks: torch.Tensor | None, part, clip: float, slots: torch.Tensor | None = None) -> None:
     """Quantize ``x [n * P, H, D]`` (rotated tokens, page ``i`` = tokens ``i*P .. i*P+P-1``) into body pages
-    ``blocks [n]`` of ``part``: rotkv's fused write kernel on CUDA, its reference elsewhere."""
-    p = part.codes.shape[2]
-    slots = (blocks.long()[:, None] * p + torch.arange(p, device=blocks.device)[None]).reshape(-1)
+    ``blocks [n]`` of ``part`` (or at token ``slots``, :func:`page_slots`): rotkv's fused write kernel on CUDA,
+    its reference elsewhere."""
+    if slots is None:
+        slots = page_slots(blocks, part.codes.shape[2])
     if kernels.enabled(x):
         from rotkv.kernels.write import quant_write
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rotkv.integrations.vllm.attention import _rotate_q, _unrotate_o, decode_rows, rotate_kv, write_body
+from rotkv.integrations.vllm.attention import _rotate_q, _unrotate_o, decode_rows, page_slots, rotate_kv, write_body
 from rotkv.integrations.vllm.state import Geometry, StepPlan, plan_step
 
 
@@ -63,7 +63,7 @@ class StaticDecode:
         self.body_ids = torch.zeros(max(rows * self.body_pages, 1), **i32)
         self.tier_indptr, self.tier_last = torch.zeros(rows + 1, **i32), torch.zeros(rows, **i32)
         self.tier_idx = torch.zeros(rows * geo.slot_pages, **i32)
-        self.flush_dst = torch.zeros(rows, **i64)
+        self.flush_slots = torch.zeros(rows * p, **i64)  # the flushed pages' token slots (null block 0: 0 .. P-1)
         self.flush_page, self.flush_off = torch.zeros(rows * p, **i64), torch.zeros(rows * p, **i64)
         self.b = 0
 
@@ -109,7 +109,7 @@ class StaticDecode:
         self.tier_indptr[:b + 1].copy_(tindptr)
         self.tier_idx[:len(tidx)].copy_(tidx)
         self.tier_last[:b].copy_(tlast)
-        self.flush_dst[:b].copy_(torch.where(fpos_d >= 0, table[fpos_d.clamp(min=0)].long(), 0))
+        self.flush_slots[:b * p].copy_(page_slots(torch.where(fpos_d >= 0, table[fpos_d.clamp(min=0)].long(), 0), p))
         self.flush_page[:b * p].copy_(fpage_d)
         self.flush_off[:b * p].copy_(foff_d)
         self.b = b
@@ -121,7 +121,8 @@ class StaticDecode:
         return dict(wpage=self.wpage[:b], woff=self.woff[:b],
                     body=(self.body_indptr[:b + 1], self.body_ids, self.body_last[:b]),
                     tier=(self.tier_indptr[:b + 1], self.tier_idx, self.tier_last[:b]),
-                    flush_dst=self.flush_dst[:b], flush_page=self.flush_page[:b * p], flush_off=self.flush_off[:b * p])
+                    flush_slots=self.flush_slots[:b * p], flush_page=self.flush_page[:b * p],
+                    flush_off=self.flush_off[:b * p])
 
 
 def static_plan(geo: Geometry, lengths: np.ndarray, slots: np.ndarray, num_tokens: np.ndarray, scratch: int,
@@ -145,5 +146,5 @@ def static_step(st: StaticDecode, b: int, q: torch.Tensor, k: torch.Tensor, v: t
     out[:b] = _unrotate_o(rot, o, out.dtype)
     for side, part, codec in ((side_k, body.k, codecs[0]), (side_v, body.v, codecs[1])):
         x = side[t["flush_page"], :, t["flush_off"]]  # [b * P, H, D]: row r's page at r * P
-        write_body(x, t["flush_dst"], part, codec.clip)
+        write_body(x, None, part, codec.clip, t["flush_slots"])
     return out
