@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from rotkv.cache.refine import RefineRings, newest_pages
+from rotkv.integrations.vllm.config import WHERE
 from rotkv.kernels import backend as kernels
 from rotkv.kernels.body import PagedBody, RefineTier
 from rotkv.kernels.reference import decode_reference, dequant_rows, quant_write_reference
@@ -108,12 +109,12 @@ def _decode(plan, qr: torch.Tensor, body: PagedBody, side_k, side_v, block_table
 
 
 def decode_rows(qr: torch.Tensor, body: PagedBody, table: tuple | None, body_max: int, side_k, side_v, tier: tuple,
-                tier_max: int, pad: int, scale: float, tiers: dict | None = None) -> torch.Tensor:
+                tier_max: int, pad: int, scale: float, tiers: dict | None = None, graphed: bool = False) -> torch.Tensor:
     """Attention of decode rows ``qr [B, Hq, D]`` over their body pages (``table``: the kernels' ``(indptr,
     block ids, last-page lengths)``, ``body_max`` the grid's body length; no body: ``body_max`` 0) and their
     side-pool tier (``tier`` likewise, ``tier_max``, positions below ``pad`` empty); ``tiers``: the refine
     tiers' kernel arguments. rotkv's decode kernel on CUDA (where a kernel reads the tiers), else the
-    PyTorch reference."""
+    PyTorch reference; ``graphed`` (a step inside a CUDA graph): on CUDA the kernel or an error."""
     tiers = tiers or {}
     has_body = body_max > 0
     if kernels.enabled(qr):
@@ -126,6 +127,9 @@ def decode_rows(qr: torch.Tensor, body: PagedBody, table: tuple | None, body_max
         if kplan is None or kplan.covered:
             return decode_attention(qr, body if has_body else None, table, body_max, (side_k, side_v), tier,
                                     tier_max, sm_scale=scale, cfg=cfg, tier_start=pad, plan=kplan, **tiers)
+        if graphed:
+            raise ValueError(f"rotkv: no decode kernel reads the refine tier here ({kplan.why}), and the PyTorch "
+                             f"path cannot run in a CUDA graph: set {WHERE}[\"cuda_graphs\"] to false")
     return decode_reference(qr, body if has_body else None, table if has_body else None, side_k, side_v, tier,
                             sm_scale=scale, tier_start=pad, **tiers)
 

@@ -18,8 +18,7 @@ attention, KV-sharing layers, quantized ``kv_cache_dtype``, block sizes other th
 The metadata builder reads the first block id of every request to the host (one small device-to-host copy
 per step). Batches of decode rows run on fixed buffers inside vLLM's full CUDA graphs
 (:mod:`rotkv.integrations.vllm.graph`, AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE); other batches, and
-every batch of a preset with a refine tier or with ``cuda_graphs`` false, run attention eagerly between vLLM's
-piecewise graphs.
+every batch with ``cuda_graphs`` false, run attention eagerly between vLLM's piecewise graphs.
 """
 
 from __future__ import annotations
@@ -220,8 +219,8 @@ class RotkvMetadataBuilder(AttentionMetadataBuilder[RotkvMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
-        """Full graphs for decode batches, unless the settings say otherwise (``VllmSettings.graphed``)."""
-        graphed = parse_settings(vllm_config.additional_config).graphed
+        """Full graphs for decode batches, unless the settings say otherwise (``cuda_graphs``)."""
+        graphed = parse_settings(vllm_config.additional_config).cuda_graphs
         return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if graphed else AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device: torch.device):
@@ -241,7 +240,8 @@ class RotkvMetadataBuilder(AttentionMetadataBuilder[RotkvMetadata]):
         # the graphed decode step's buffers, for the largest batch vLLM runs (captured or not)
         comp = vllm_config.compilation_config
         rows = max(vllm_config.scheduler_config.max_num_seqs, getattr(comp, "max_cudagraph_capture_size", 0) or 0)
-        self.static = StaticDecode(self.mp.geometry, rows, device) if self.mp.settings.graphed else None
+        self.static = StaticDecode(self.mp.geometry, rows, self.slots.scratch, device) \
+            if self.mp.settings.cuda_graphs else None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> RotkvMetadata:
@@ -330,7 +330,7 @@ class RotkvAttentionImpl(AttentionImpl[RotkvMetadata]):
         if attn_metadata.static is not None:  # a decode batch on the fixed buffers (captured in a full graph)
             b = attn_metadata.rows
             static_step(attn_metadata.static, b, query, key, value, self._body[1], *st["side"], st["rot"],
-                        st["codecs"], self.scale, output)
+                        st["codecs"], self.scale, output, st["refine"])
             if output.shape[0] > b:
                 output[b:].zero_()
             return output

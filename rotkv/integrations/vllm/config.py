@@ -40,8 +40,7 @@ PAGE_SIZE = 16  # the vLLM block size the backend accepts (one block = one body 
 class VllmSettings:
     """The resolved settings: the spec, the artifact path, the context length that picks an artifact's key
     fit (None: vLLM's max_model_len), the side pool's request slots beyond ``max_num_seqs``, and whether
-    decode batches may run in vLLM's full CUDA graphs (``cuda_graphs``; a preset with a refine tier never
-    does: :attr:`graphed`)."""
+    decode batches run in vLLM's full CUDA graphs (``cuda_graphs``)."""
 
     spec: CacheSpec
     artifact: str | None = None
@@ -50,10 +49,6 @@ class VllmSettings:
     raw: dict = field(default_factory=dict, compare=False)
     cuda_graphs: bool = True
 
-    @property
-    def graphed(self) -> bool:
-        """Decode batches run in vLLM's full CUDA graphs (``rotkv.integrations.vllm.graph``)."""
-        return self.cuda_graphs and not self.spec.refine_tokens
 
 
 def _raw(additional_config) -> dict:

@@ -15,7 +15,9 @@ is the layer's step on them. Against the general step (:func:`~rotkv.integration
 - the flush writes one page per row: a decode row flushes at most one page a step (the window moves by one
   token), and a row that flushes none writes its page to vLLM's null block 0, which no request's body holds.
 
-The refine tier (rings written by the flush) is not served here: a preset with one runs without full graphs.
+A preset with a refine tier gathers the rows' ring rows by slot for the decode kernel (padding rows: the scratch
+slot's), and every row's flushed page writes its refine bits: a row that flushes none into the scratch slot's
+ring row, whose pages no row reads (the scratch rows have no body).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from rotkv.integrations.vllm.attention import _rotate_q, _unrotate_o, decode_rows, page_slots, rotate_kv, write_body
 from rotkv.integrations.vllm.state import Geometry, StepPlan, plan_step
+from rotkv.kernels.body import RefineTier
 
 
 def static_rows(lengths: np.ndarray, slots: np.ndarray, num_tokens: np.ndarray, scratch: int):
@@ -50,8 +53,8 @@ class StaticDecode:
     ``max_len``), on ``device``. Views of the first ``b`` rows (:meth:`tables`) keep their addresses across
     steps, so a graph captured for ``b`` rows reads each step's values."""
 
-    def __init__(self, geo: Geometry, rows: int, device):
-        self.geo, self.rows = geo, rows
+    def __init__(self, geo: Geometry, rows: int, scratch: int, device):
+        self.geo, self.rows, self.scratch = geo, rows, scratch
         p = geo.page
         self.body_pages = int(geo.body_pages(geo.max_len))
         self.body_max = self.body_pages * p
@@ -63,7 +66,11 @@ class StaticDecode:
         self.body_ids = torch.zeros(max(rows * self.body_pages, 1), **i32)
         self.tier_indptr, self.tier_last = torch.zeros(rows + 1, **i32), torch.zeros(rows, **i32)
         self.tier_idx = torch.zeros(rows * geo.slot_pages, **i32)
-        self.flush_slots = torch.zeros(rows * p, **i64)  # the flushed pages' token slots (null block 0: 0 .. P-1)
+        self.flush_blocks = torch.zeros(rows, **i64)  # the flushed pages' blocks (none: vLLM's null block 0)
+        self.flush_slots = torch.zeros(rows * p, **i64)  # their token slots
+        # the refine tier: the rows' side-pool slots (their ring rows), and each flushed page's ring row and body index
+        self.dslots = torch.zeros(rows, **i64)
+        self.ring_row, self.ring_index = torch.zeros(rows, **i64), torch.zeros(rows, **i64)
         self.flush_page, self.flush_off = torch.zeros(rows * p, **i64), torch.zeros(rows * p, **i64)
         self.b = 0
 
@@ -82,13 +89,19 @@ class StaticDecode:
         # per row: the flat block-table position of its flushed page (-1: none) and its page's side-pool tokens
         fpos = np.full(b, -1, dtype=np.int64)
         fpos[frow] = plan.flush_pos
+        if plan.rwrite_sel is not None:
+            raise ValueError("rotkv: a decode row's flush keeps no refine bits")
+        ring_row = np.full(b, self.scratch, dtype=np.int64)  # rows that flush none: the scratch ring row
+        ring_index = np.zeros(b, dtype=np.int64)
+        ring_row[frow], ring_index[frow] = plan.rwrite_slot, plan.rwrite_index
         fpage = np.zeros((b, p), dtype=np.int64)  # rows that flush none read page 0 (written to block 0)
         foff = np.zeros((b, p), dtype=np.int64)
         fpage[frow] = plan.flush_side_page.reshape(-1, p)
         foff[frow] = plan.flush_side_off.reshape(-1, p)
         tier_indptr, tier_idx, tier_last = plan.dtier
         parts = [plan.dwrite_page, plan.dwrite_off, plan.dbody_indptr, plan.dbody_last, tier_indptr,
-                 tier_idx[:tier_indptr[-1]], tier_last, fpos, fpage.ravel(), foff.ravel(), plan.dbody_pos]
+                 tier_idx[:tier_indptr[-1]], tier_last, fpos, fpage.ravel(), foff.ravel(), plan.dslots, ring_row,
+                 ring_index, plan.dbody_pos]
         flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in parts]))
         dev = self.wpage.device
         if dev.type == "cuda":
@@ -98,7 +111,7 @@ class StaticDecode:
         for a in parts:
             views.append(flat[o:o + len(a)])
             o += len(a)
-        wpage, woff, bindptr, blast, tindptr, tidx, tlast, fpos_d, fpage_d, foff_d, bpos = views
+        wpage, woff, bindptr, blast, tindptr, tidx, tlast, fpos_d, fpage_d, foff_d, dslots, rrow, rindex, bpos = views
         table = block_table.reshape(-1)
         self.wpage[:b].copy_(wpage)
         self.woff[:b].copy_(woff)
@@ -109,7 +122,11 @@ class StaticDecode:
         self.tier_indptr[:b + 1].copy_(tindptr)
         self.tier_idx[:len(tidx)].copy_(tidx)
         self.tier_last[:b].copy_(tlast)
-        self.flush_slots[:b * p].copy_(page_slots(torch.where(fpos_d >= 0, table[fpos_d.clamp(min=0)].long(), 0), p))
+        self.flush_blocks[:b].copy_(torch.where(fpos_d >= 0, table[fpos_d.clamp(min=0)].long(), 0))
+        self.flush_slots[:b * p].copy_(page_slots(self.flush_blocks[:b], p))
+        self.dslots[:b].copy_(dslots)
+        self.ring_row[:b].copy_(rrow)
+        self.ring_index[:b].copy_(rindex)
         self.flush_page[:b * p].copy_(fpage_d)
         self.flush_off[:b * p].copy_(foff_d)
         self.b = b
@@ -121,8 +138,9 @@ class StaticDecode:
         return dict(wpage=self.wpage[:b], woff=self.woff[:b],
                     body=(self.body_indptr[:b + 1], self.body_ids, self.body_last[:b]),
                     tier=(self.tier_indptr[:b + 1], self.tier_idx, self.tier_last[:b]),
-                    flush_slots=self.flush_slots[:b * p], flush_page=self.flush_page[:b * p],
-                    flush_off=self.flush_off[:b * p])
+                    flush_blocks=self.flush_blocks[:b], flush_slots=self.flush_slots[:b * p],
+                    flush_page=self.flush_page[:b * p], flush_off=self.flush_off[:b * p], dslots=self.dslots[:b],
+                    ring_target=(self.ring_row[:b], self.ring_index[:b], None))
 
 
 def static_plan(geo: Geometry, lengths: np.ndarray, slots: np.ndarray, num_tokens: np.ndarray, scratch: int,
@@ -133,18 +151,29 @@ def static_plan(geo: Geometry, lengths: np.ndarray, slots: np.ndarray, num_token
 
 
 def static_step(st: StaticDecode, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, body,
-                side_k: torch.Tensor, side_v: torch.Tensor, rot, codecs, scale: float, out: torch.Tensor) -> torch.Tensor:
+                side_k: torch.Tensor, side_v: torch.Tensor, rot, codecs, scale: float, out: torch.Tensor,
+                refine=None) -> torch.Tensor:
     """One layer of a decode batch of ``b`` rows on the fixed buffers (the module docstring): the rows' tokens
     into the side pool, the decode kernel over the body and the side pool, one page per row flushed.
-    ``q [>= b, Hq, D]``, ``k, v [>= b, H, D]`` (row ``r``'s token at ``r``); writes ``out[:b]``."""
+    ``q [>= b, Hq, D]``, ``k, v [>= b, H, D]`` (row ``r``'s token at ``r``); ``refine``: the layer's
+    :class:`~rotkv.cache.refine.RefineRings` (one ring row per side-pool slot) or None; writes ``out[:b]``."""
     t = st.tables(b)
+    tiers = {}
+    if refine is not None:  # the rows' rings in row order (the kernels index rings by request)
+        tiers = {name: RefineTier(ring.data[t["dslots"]], ring.pages, ring.every)
+                 for name, ring in (("refine", refine.keys), ("refine_values", refine.values)) if ring is not None}
     kr, vr = rotate_kv(rot, k[:b], v[:b], side_k.dtype)
     side_k[t["wpage"], :, t["woff"]] = kr
     side_v[t["wpage"], :, t["woff"]] = vr
     qr = _rotate_q(rot, q[:b], q.dtype)
-    o = decode_rows(qr, body, t["body"], st.body_max, side_k, side_v, t["tier"], st.tier_max, st.geo.pad, scale)
+    o = decode_rows(qr, body, t["body"], st.body_max, side_k, side_v, t["tier"], st.tier_max, st.geo.pad, scale,
+                    tiers, graphed=True)
     out[:b] = _unrotate_o(rot, o, out.dtype)
-    for side, part, codec in ((side_k, body.k, codecs[0]), (side_v, body.v, codecs[1])):
+    for i, (side, part, codec) in enumerate(((side_k, body.k, codecs[0]), (side_v, body.v, codecs[1]))):
         x = side[t["flush_page"], :, t["flush_off"]]  # [b * P, H, D]: row r's page at r * P
         write_body(x, None, part, codec.clip, t["flush_slots"])
+        if refine is not None:  # the refine bits from the exact pages and their 2-bit reading (rotkv's write)
+            pages = x.view(b, st.geo.page, *x.shape[1:]).transpose(1, 2)  # [b, H, P, D]
+            refine.write(i, pages, t["flush_blocks"], None, dict(zip(("codes", "scale", "lo"), part.tensors)), codec,
+                         t["ring_target"])
     return out
