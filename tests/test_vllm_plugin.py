@@ -285,9 +285,9 @@ def test_layer_step_matches_rotkv_cache_on_mixed_batches(sink, window, share, re
     request), and the INT2 bytes in the vLLM blocks (and the refine bits in the slots' rings) equal rotkv's."""
     from rotkv.cache.layer import HybridLayer
 
-    h, hq = 2, 4
+    h, hq, d = 2, 4, 32
     rt, rv, re = refine or (0, False, 0)
-    spec = CacheSpec(bits=2, group_size=d, sink=sink, window=window, window_share=share, page_size=P,
+    spec = CacheSpec(bits=2, group_size=32, sink=sink, window=window, window_share=share, page_size=P,
                      tier_dtype="float32", rotation="identity", clip_k=0.96, clip_v=0.92, refine_tokens=rt,
                      refine_values=rv, refine_every=re)
     rot = _rotation(h, d, 0)
@@ -388,7 +388,7 @@ def _graphed_check(sink, window, share, refine, d=32, tol=1e-6, steps=72, prompt
                      refine_values=rv, refine_every=re)
     rot = _rotation(h, d, 3)
     eager, graphed = (VllmSim(spec, rot, h, hq, d, max_len=max_len) for _ in range(2))
-    st = StaticDecode(graphed.geo, rows=6, scratch=graphed.slots.scratch, device="cpu")
+    st = StaticDecode(graphed.geo, rows=6, scratch=graphed.slots.scratch, device="cpu", kv_heads=h, head_dim=d)
     gen = torch.Generator().manual_seed(2)
     lens = dict(zip("ABC", prompts))
     for r, n in lens.items():  # the prompts: the general step in both
@@ -416,6 +416,8 @@ def _graphed_check(sink, window, share, refine, d=32, tol=1e-6, steps=72, prompt
         static_step(st, b, qq, kk, vv, graphed.body, graphed.side_k, graphed.side_v, rot, graphed.codecs,
                     d ** -0.5, out, graphed.refine)
         torch.testing.assert_close(out[:len(names)], torch.cat(want), atol=tol, rtol=10 * tol)
+        t = st.tables(b)  # the rotation kernel's element offsets of the rows' slots (on the GPU)
+        assert t["wrow"].tolist() == (t["wpage"] * graphed.side_k.stride(0) + t["woff"] * graphed.side_k.stride(2)).tolist()
     assert flushed >= min(4, steps // 8)
     if refine:  # the requests' ring rows (the scratch row aside) hold the same bits
         assert max(eager.geo.body_pages(n) for n in lens.values()) > eager.geo.refine_pages  # the rings wrapped
@@ -445,7 +447,7 @@ def test_graphed_decode_step_replays_in_a_cuda_graph():
     rot = build_rotations("hadamard", 1, h, d)[0].to(dev)
     eager, graphed = (VllmSim(spec, rot, h, hq, d, nblocks=128, side_dtype=torch.bfloat16, device=dev)
                       for _ in range(2))
-    st = StaticDecode(graphed.geo, rows=b, scratch=graphed.slots.scratch, device=dev)
+    st = StaticDecode(graphed.geo, rows=b, scratch=graphed.slots.scratch, device=dev, kv_heads=h, head_dim=d)
     gen = torch.Generator(device=dev).manual_seed(5)
     rnd = lambda n, m: torch.randn(n, m, d, generator=gen, device=dev, dtype=torch.bfloat16)  # noqa: E731
     lens = {"A": 300, "B": 170, "C": 45}

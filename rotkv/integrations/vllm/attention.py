@@ -42,9 +42,10 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotate_kv(rot: LayerRotation, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
-    """``(k - mu) R_K`` and ``v R_V`` of ``[T, H, D]`` tokens, in ``dtype`` (the side pool's)."""
-    kr = rot.keys(_heads_first(k), dtype)
-    vr = rot.values(_heads_first(v), dtype)
+    """``(k - mu) R_K`` and ``v R_V`` of ``[T, H, D]`` tokens, in ``dtype`` (the side pool's), with rotkv's
+    arithmetic for ``[B, H, T, D]`` tensors (bf16x2 for bf16 on CUDA, as rotkv's cache)."""
+    kr = rot.keys(_heads_first(k)[None], dtype)[0]
+    vr = rot.values(_heads_first(v)[None], dtype)[0]
     return _heads_first(kr), _heads_first(vr)
 
 

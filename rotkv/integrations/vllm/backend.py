@@ -240,7 +240,8 @@ class RotkvMetadataBuilder(AttentionMetadataBuilder[RotkvMetadata]):
         # the graphed decode step's buffers, for the largest batch vLLM runs (captured or not)
         comp = vllm_config.compilation_config
         rows = max(vllm_config.scheduler_config.max_num_seqs, getattr(comp, "max_cudagraph_capture_size", 0) or 0)
-        self.static = StaticDecode(self.mp.geometry, rows, self.slots.scratch, device) \
+        lay = self.mp.layouts[0]
+        self.static = StaticDecode(self.mp.geometry, rows, self.slots.scratch, device, lay.kv_heads, lay.head_dim) \
             if self.mp.settings.cuda_graphs else None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,

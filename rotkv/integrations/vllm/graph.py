@@ -53,15 +53,18 @@ class StaticDecode:
     ``max_len``), on ``device``. Views of the first ``b`` rows (:meth:`tables`) keep their addresses across
     steps, so a graph captured for ``b`` rows reads each step's values."""
 
-    def __init__(self, geo: Geometry, rows: int, scratch: int, device):
+    def __init__(self, geo: Geometry, rows: int, scratch: int, device, kv_heads: int, head_dim: int):
         self.geo, self.rows, self.scratch = geo, rows, scratch
+        # the side pools' strides (contiguous [pages, H, P, D]): a decode token's element offset for the rotation
+        # kernel that writes it straight into its slot
+        self.side_strides = (kv_heads * geo.page * head_dim, head_dim)
         p = geo.page
         self.body_pages = int(geo.body_pages(geo.max_len))
         self.body_max = self.body_pages * p
         self.tier_max = geo.slot_pages * p
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
-        self.wpage, self.woff = torch.zeros(rows, **i64), torch.zeros(rows, **i64)
+        self.wpage, self.woff, self.wrow = (torch.zeros(rows, **i64) for _ in range(3))
         self.body_indptr, self.body_last = torch.zeros(rows + 1, **i32), torch.zeros(rows, **i32)
         self.body_ids = torch.zeros(max(rows * self.body_pages, 1), **i32)
         self.tier_indptr, self.tier_last = torch.zeros(rows + 1, **i32), torch.zeros(rows, **i32)
@@ -115,6 +118,7 @@ class StaticDecode:
         table = block_table.reshape(-1)
         self.wpage[:b].copy_(wpage)
         self.woff[:b].copy_(woff)
+        torch.add(wpage * self.side_strides[0], woff, alpha=self.side_strides[1], out=self.wrow[:b])
         self.body_indptr[:b + 1].copy_(bindptr)
         self.body_last[:b].copy_(blast)
         if len(bpos):
@@ -135,7 +139,7 @@ class StaticDecode:
         """The first ``b`` rows' views (fixed addresses): the decode kernel's body and tier tables, the decode
         writes and the flush."""
         p = self.geo.page
-        return dict(wpage=self.wpage[:b], woff=self.woff[:b],
+        return dict(wpage=self.wpage[:b], woff=self.woff[:b], wrow=self.wrow[:b],
                     body=(self.body_indptr[:b + 1], self.body_ids, self.body_last[:b]),
                     tier=(self.tier_indptr[:b + 1], self.tier_idx, self.tier_last[:b]),
                     flush_blocks=self.flush_blocks[:b], flush_slots=self.flush_slots[:b * p],
@@ -162,9 +166,17 @@ def static_step(st: StaticDecode, b: int, q: torch.Tensor, k: torch.Tensor, v: t
     if refine is not None:  # the rows' rings in row order (the kernels index rings by request)
         tiers = {name: RefineTier(ring.data[t["dslots"]], ring.pages, ring.every)
                  for name, ring in (("refine", refine.keys), ("refine_values", refine.values)) if ring is not None}
-    kr, vr = rotate_kv(rot, k[:b], v[:b], side_k.dtype)
-    side_k[t["wpage"], :, t["woff"]] = kr
-    side_v[t["wpage"], :, t["woff"]] = vr
+    # the rows' keys and values rotated straight into their side-pool slots (rotkv's rotation kernel, bf16 on
+    # CUDA), else rotated, then scattered
+    done = side_k.stride()[0:3:2] == st.side_strides and side_v.stride()[0:3:2] == st.side_strides
+    done_k = done and rot.rotate_into("keys", k[:b, :, None], side_k, t["wrow"])
+    done_v = done and rot.rotate_into("values", v[:b, :, None], side_v, t["wrow"])
+    if not (done_k and done_v):
+        kr, vr = rotate_kv(rot, k[:b], v[:b], side_k.dtype)
+        if not done_k:
+            side_k[t["wpage"], :, t["woff"]] = kr
+        if not done_v:
+            side_v[t["wpage"], :, t["woff"]] = vr
     qr = _rotate_q(rot, q[:b], q.dtype)
     o = decode_rows(qr, body, t["body"], st.body_max, side_k, side_v, t["tier"], st.tier_max, st.geo.pad, scale,
                     tiers, graphed=True)
