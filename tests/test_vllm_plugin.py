@@ -436,14 +436,16 @@ def _graphed_check(sink, window, share, refine, d=32, tol=1e-6, steps=72, prompt
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_graphed_decode_step_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("refine", [{}, {"refine_tokens": 48, "refine_values": True, "refine_every": 2}])
+def test_graphed_decode_step_replays_in_a_cuda_graph(refine):
     """On the GPU, with rotkv's kernels and a bf16 side pool at head_dim 128: the graphed decode step captured
-    once in a CUDA graph and replayed over decode steps that flush pages, against the general step run eagerly."""
+    once in a CUDA graph and replayed over decode steps that flush pages, against the general step run eagerly
+    (with a refine tier of keys and values too, whose rings the bodies wrap)."""
     from rotkv.integrations.vllm.graph import StaticDecode, static_plan, static_step
     from rotkv.rotations.registry import build_rotations
 
     dev, h, hq, d, b = torch.device("cuda"), 8, 32, 128, 4
-    spec = get_preset("quarot-int2", sink=16, window=32)
+    spec = get_preset("quarot-int2", sink=16, window=32, **refine)
     rot = build_rotations("hadamard", 1, h, d)[0].to(dev)
     eager, graphed = (VllmSim(spec, rot, h, hq, d, nblocks=128, side_dtype=torch.bfloat16, device=dev)
                       for _ in range(2))
@@ -474,7 +476,7 @@ def test_graphed_decode_step_replays_in_a_cuda_graph():
         for buf, x in zip((qin, kin, vin), (q, k, v)):
             buf[:3].copy_(torch.cat(x))
         run = lambda: static_step(st, b, qin, kin, vin, graphed.body, graphed.side_k, graphed.side_v, rot,  # noqa
-                                  graphed.codecs, d ** -0.5, out)
+                                  graphed.codecs, d ** -0.5, out, graphed.refine)
         if graph is None:  # the first step eagerly (it compiles the kernels), then the capture
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -493,6 +495,11 @@ def test_graphed_decode_step_replays_in_a_cuda_graph():
         blocks = torch.tensor(eager.blocks[r][graphed.geo.block_offset:][:graphed.geo.body_pages(lens[r])], device=dev)
         same = (graphed.body.k.codes[blocks] == eager.body.k.codes[blocks]).float().mean().item()
         assert same > 0.99, (r, same)
+    if refine:  # the rings wrapped; the requests' ring rows hold (nearly) the same bits
+        assert graphed.geo.body_pages(lens["A"]) > graphed.geo.refine_pages
+        for mine, theirs in zip(graphed.refine.rings, eager.refine.rings):
+            same = (mine.data[:-1] == theirs.data[:-1]).float().mean().item()
+            assert theirs.data[:-1].any() and same > 0.99, same
 
 
 def test_static_batch_rule():
