@@ -109,6 +109,21 @@ def _decode(plan, qr: torch.Tensor, body: PagedBody, side_k, side_v, block_table
                        plan.pad, scale, tiers)
 
 
+_LOGGED: set = set()
+
+
+def _log_kernel(kplan, work: int) -> None:
+    """Say once per process and kernel which decode kernel the graphed step captures (and why not the CUDA one)."""
+    launch = kplan.launch(work) if kplan.covered else None
+    key = (launch.kernel if launch else None, kplan.cuda_why)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        import logging
+
+        logging.getLogger("vllm.rotkv").info("rotkv decode kernel in the graphed step: %s (the CUDA kernel: %s)",
+                                             key[0] or "none", kplan.cuda_why or "covers it")
+
+
 def decode_rows(qr: torch.Tensor, body: PagedBody, table: tuple | None, body_max: int, side_k, side_v, tier: tuple,
                 tier_max: int, pad: int, scale: float, tiers: dict | None = None, graphed: bool = False) -> torch.Tensor:
     """Attention of decode rows ``qr [B, Hq, D]`` over their body pages (``table``: the kernels' ``(indptr,
@@ -125,6 +140,9 @@ def decode_rows(qr: torch.Tensor, body: PagedBody, table: tuple | None, body_max
         cfg, kplan = kernels.decode_config(), None
         if tiers:  # as rotkv's cache: where no kernel reads the refine tier (refine_kernel=0), the PyTorch path
             kplan = plan_decode(qr, body, cfg, ("refine" in tiers, "refine_values" in tiers))
+        if graphed and has_body:
+            _log_kernel(plan_decode(qr, body, cfg, ("refine" in tiers, "refine_values" in tiers)),
+                        qr.shape[0] * body.kv_heads * body_max)
         if kplan is None or kplan.covered:
             return decode_attention(qr, body if has_body else None, table, body_max, (side_k, side_v), tier,
                                     tier_max, sm_scale=scale, cfg=cfg, tier_start=pad, plan=kplan, **tiers)
