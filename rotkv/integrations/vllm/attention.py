@@ -101,12 +101,18 @@ def _decode(plan, qr: torch.Tensor, body: PagedBody, side_k, side_v, block_table
     if plan.dbody_max > 0:
         table = (plan.device("dbody_indptr", dev), plan.device("dbody_pos", dev, block_table),
                  plan.device("dbody_last", dev))
-        if refine is not None:  # the decode rows' rings, in row order (the kernels index rings by request)
-            rows = plan.device("dslots", dev)
-            tiers = {name: RefineTier(ring.data[rows], ring.pages, ring.every)
-                     for name, ring in (("refine", refine.keys), ("refine_values", refine.values)) if ring is not None}
+        tiers = ring_tiers(refine, plan.device("dslots", dev)) if refine is not None else {}
     return decode_rows(qr, body, table, plan.dbody_max, side_k, side_v, plan.device("dtier", dev), plan.dtier_max,
                        plan.pad, scale, tiers)
+
+
+def ring_tiers(refine, rows: torch.Tensor) -> dict:
+    """The decode kernel's refine-tier arguments of decode rows whose side-pool slots are ``rows``: their rows of
+    the layer's rings, in row order (the kernels index rings by request); {} without a refine tier."""
+    if refine is None:
+        return {}
+    return {name: RefineTier(ring.data[rows], ring.pages, ring.every)
+            for name, ring in (("refine", refine.keys), ("refine_values", refine.values)) if ring is not None}
 
 
 _LOGGED: set = set()
@@ -141,8 +147,7 @@ def decode_rows(qr: torch.Tensor, body: PagedBody, table: tuple | None, body_max
         if tiers:  # as rotkv's cache: where no kernel reads the refine tier (refine_kernel=0), the PyTorch path
             kplan = plan_decode(qr, body, cfg, ("refine" in tiers, "refine_values" in tiers))
         if graphed and has_body:
-            _log_kernel(plan_decode(qr, body, cfg, ("refine" in tiers, "refine_values" in tiers)),
-                        qr.shape[0] * body.kv_heads * body_max)
+            _log_kernel(kplan or plan_decode(qr, body, cfg), qr.shape[0] * body.kv_heads * body_max)
         if kplan is None or kplan.covered:
             return decode_attention(qr, body if has_body else None, table, body_max, (side_k, side_v), tier,
                                     tier_max, sm_scale=scale, cfg=cfg, tier_start=pad, plan=kplan, **tiers)

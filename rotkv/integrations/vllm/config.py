@@ -50,7 +50,6 @@ class VllmSettings:
     cuda_graphs: bool = True
 
 
-
 def _raw(additional_config) -> dict:
     """The ``rotkv`` dict from vLLM's additional_config (a dict, or an object holding one), else {}."""
     if additional_config is not None and not isinstance(additional_config, dict):

@@ -25,9 +25,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rotkv.integrations.vllm.attention import _rotate_q, _unrotate_o, decode_rows, page_slots, rotate_kv, write_body
-from rotkv.integrations.vllm.state import Geometry, StepPlan, plan_step
-from rotkv.kernels.body import RefineTier
+from rotkv.integrations.vllm.attention import (_rotate_q, _unrotate_o, decode_rows, page_slots, ring_tiers, rotate_kv,
+                                               write_body)
+from rotkv.integrations.vllm.state import Geometry, StepPlan, plan_step, upload_int64
 
 
 def static_rows(lengths: np.ndarray, slots: np.ndarray, num_tokens: np.ndarray, scratch: int):
@@ -75,7 +75,6 @@ class StaticDecode:
         self.dslots = torch.zeros(rows, **i64)
         self.ring_row, self.ring_index = torch.zeros(rows, **i64), torch.zeros(rows, **i64)
         self.flush_page, self.flush_off = torch.zeros(rows * p, **i64), torch.zeros(rows * p, **i64)
-        self.b = 0
 
     def load(self, plan: StepPlan, block_table: torch.Tensor) -> None:
         """Write a step's plan (every row a decode row, :func:`static_rows`) into the buffers: one host-to-device
@@ -105,15 +104,7 @@ class StaticDecode:
         parts = [plan.dwrite_page, plan.dwrite_off, plan.dbody_indptr, plan.dbody_last, tier_indptr,
                  tier_idx[:tier_indptr[-1]], tier_last, fpos, fpage.ravel(), foff.ravel(), plan.dslots, ring_row,
                  ring_index, plan.dbody_pos]
-        flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in parts]))
-        dev = self.wpage.device
-        if dev.type == "cuda":
-            flat = flat.pin_memory()
-        flat = flat.to(dev, non_blocking=True)
-        views, o = [], 0
-        for a in parts:
-            views.append(flat[o:o + len(a)])
-            o += len(a)
+        views = upload_int64(parts, self.wpage.device)
         wpage, woff, bindptr, blast, tindptr, tidx, tlast, fpos_d, fpage_d, foff_d, dslots, rrow, rindex, bpos = views
         table = block_table.reshape(-1)
         self.wpage[:b].copy_(wpage)
@@ -133,7 +124,6 @@ class StaticDecode:
         self.ring_index[:b].copy_(rindex)
         self.flush_page[:b * p].copy_(fpage_d)
         self.flush_off[:b * p].copy_(foff_d)
-        self.b = b
 
     def tables(self, b: int) -> dict:
         """The first ``b`` rows' views (fixed addresses): the decode kernel's body and tier tables, the decode
@@ -162,10 +152,7 @@ def static_step(st: StaticDecode, b: int, q: torch.Tensor, k: torch.Tensor, v: t
     ``q [>= b, Hq, D]``, ``k, v [>= b, H, D]`` (row ``r``'s token at ``r``); ``refine``: the layer's
     :class:`~rotkv.cache.refine.RefineRings` (one ring row per side-pool slot) or None; writes ``out[:b]``."""
     t = st.tables(b)
-    tiers = {}
-    if refine is not None:  # the rows' rings in row order (the kernels index rings by request)
-        tiers = {name: RefineTier(ring.data[t["dslots"]], ring.pages, ring.every)
-                 for name, ring in (("refine", refine.keys), ("refine_values", refine.values)) if ring is not None}
+    tiers = ring_tiers(refine, t["dslots"])
     # the rows' keys and values rotated straight into their side-pool slots (rotkv's rotation kernel, bf16 on
     # CUDA), else rotated, then scattered
     done = side_k.stride()[0:3:2] == st.side_strides and side_v.stride()[0:3:2] == st.side_strides

@@ -207,19 +207,25 @@ class StepPlan:
         array and layer would stall the host at every layer), then unpacked into views of their own dtypes."""
         items = [(n, getattr(self, n)) for n in DEVICE_ARRAYS if getattr(self, n) is not None]
         items += [(f"dtier{i}", a) for i, a in enumerate(self.dtier)]
-        flat = np.concatenate([np.asarray(a, dtype=np.int64).ravel() for _, a in items] + [np.zeros(0, np.int64)])
-        host = torch.from_numpy(flat)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        flat_dev = host.to(device, non_blocking=True)
-        out, o = {}, 0
-        for n, a in items:
-            t = flat_dev[o:o + len(a)]
-            o += len(a)
+        out = {}
+        for (n, a), t in zip(items, upload_int64([a for _, a in items], device)):
             want = torch.from_numpy(np.asarray(a)[:0]).dtype
             out[n] = t if want == torch.int64 else t.to(want)
         out["dtier"] = tuple(out.pop(f"dtier{i}") for i in range(3))
         return out
+
+
+def upload_int64(arrays: list, device: torch.device) -> list[torch.Tensor]:
+    """Host integer ``arrays`` on ``device`` by one copy: packed into one int64 buffer, pinned on CUDA (a copy
+    from pageable memory waits for the stream), copied without waiting, and split into int64 views, one per
+    array (flattened)."""
+    flat = np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays] + [np.zeros(0, np.int64)])
+    host = torch.from_numpy(flat)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    flat_dev = host.to(device, non_blocking=True)
+    sizes = [np.asarray(a).size for a in arrays]
+    return list(flat_dev.split(sizes)) if arrays else []
 
 
 # the plan's host arrays that layers read on the device (uploaded together once per step)
