@@ -164,16 +164,78 @@ def test_tp_sharding_of_per_head_rotations():
 
 
 # ---- slots and the planner ---------------------------------------------------------------------------------
-def test_slot_table_keys_requests_by_first_block():
+def test_slot_table_keys_requests():
     t = SlotTable(2)
-    a = t.assign(np.array([5, 9]), np.array([0, 0]))
+    a = t.assign(["r5", "r9"], np.array([0, 0]))
     assert sorted(a.tolist()) == [0, 1]
-    assert t.assign(np.array([9, 5]), np.array([3, 3])).tolist() == [a[1], a[0]]
-    assert t.assign(np.array([0]), np.array([7])).tolist() == [2]  # vLLM's null block: the scratch slot
-    b = t.assign(np.array([5, 11]), np.array([4, 0]))  # 9 finished: its slot goes to the new request
+    assert t.assign(["r9", "r5"], np.array([3, 3])).tolist() == [a[1], a[0]]  # reordered rows keep their slots
+    assert t.assign([None], np.array([7])).tolist() == [2]  # a row of no request: the scratch slot
+    b = t.assign(["r5", "r11"], np.array([4, 0]))  # r9 unseen longest: its slot goes to the new request
     assert b.tolist() == [a[0], a[1]]
     with pytest.raises(RuntimeError, match="spare_slots"):
-        t.assign(np.array([9]), np.array([5]))  # 9's state is gone: an error, not a wrong answer
+        t.assign(["r9"], np.array([5]))  # r9's state is gone: an error, not a wrong answer
+
+
+def test_slot_table_gives_back_the_slots_of_finished_requests():
+    """A live request left out of a few steps (vLLM's token budget) keeps its slot when another finishes and a new
+    one arrives: the finished request's slot is freed (released), so the new one need not evict the oldest."""
+    t = SlotTable(2)
+    x, y = t.assign(["x", "y"], np.array([0, 0])).tolist()
+    t.assign(["x"], np.array([5]))  # y not scheduled: now the least recently seen
+    t.release(["x", "never-seen"])  # x finished (unknown ids are ignored)
+    assert t.assign(["w"], np.array([0])).tolist() == [x]
+    assert t.assign(["y", "w"], np.array([9, 3])).tolist() == [y, x]
+    u = SlotTable(2)  # the same steps without the release: w evicts y, and y's next step fails
+    u.assign(["x", "y"], np.array([0, 0]))
+    u.assign(["x"], np.array([5]))
+    u.assign(["w"], np.array([0]))
+    with pytest.raises(RuntimeError, match="no side-pool slot"):
+        u.assign(["y", "w"], np.array([9, 3]))
+
+
+class HostReadGuard(torch.Tensor):
+    """A tensor whose host reads (``.cpu()``, ``.numpy()``, ``.tolist()``, ``.item()``, ``int()``, ...) raise
+    while ``armed``: on a GPU each would copy the device tensor to the host and wait for the stream."""
+
+    armed = False
+    HOST = {"cpu", "numpy", "tolist", "item", "__int__", "__index__", "__float__", "__bool__", "__array__"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        to_host = name == "to" and any(str(a) == "cpu" for a in list(args[1:]) + list(kwargs.values()))
+        if cls.armed and (name in cls.HOST or to_host):
+            raise AssertionError(f"a host read of the block table: Tensor.{name}")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_row_keys_from_the_runner_without_reading_the_block_table():
+    pytest.importorskip("vllm.v1.attention.backend")
+    from rotkv.integrations.vllm.backend import row_keys
+    from rotkv.integrations.vllm.runner import STEP
+
+    table = torch.tensor([[7, 8], [3, 4], [0, 0]], dtype=torch.int32).as_subclass(HostReadGuard)
+    n = np.array([1, 5, 0])  # the last row: vLLM's padding row of a full graph
+    HostReadGuard.armed = True
+    try:
+        with STEP.scope("step"):
+            STEP.set_keys(["a", "b"])
+            assert row_keys(table, n) == ["a", "b", None]
+            STEP.set_keys(["a", "b", "c", "d"])  # more requests than metadata rows: vLLM's micro-batches
+            with pytest.raises(RuntimeError, match="enable-dbo"):
+                row_keys(table, n)
+            with STEP.scope("dummy"):  # a dummy run inside a step: no live request
+                assert row_keys(table, n) == [None] * 3
+            assert STEP.keys == ["a", "b", "c", "d"]
+        assert STEP.keys is None and STEP.mode is None
+        with STEP.scope("dummy"):
+            assert row_keys(table, np.array([1, 1, 1])) == [None] * 3
+        with pytest.raises(AssertionError, match="host read"):  # the fallback reads the first blocks
+            row_keys(table, n)
+    finally:
+        HostReadGuard.armed = False
+    assert row_keys(table, n) == [7, 3, None]  # the fallback: first block ids, block 0 none
 
 
 @pytest.mark.parametrize("share", [0.0, 1 / 8])
@@ -244,7 +306,7 @@ class VllmSim:
         np.cumsum([x.shape[0] for x in q], out=qs[1:])
         lengths = np.array(lengths)
         computed = lengths - (qs[1:] - qs[:-1])
-        slots = self.slots.assign(table[:, 0].cpu().numpy().astype(np.int64), computed)
+        slots = self.slots.assign(reqs, computed)  # keyed by request, as the hooked runner names the rows
         plan = plan_step(self.geo, qs, lengths, slots, cols)
         qq, kk, vv = (torch.cat(x) for x in (q, k, v))
         out = torch.zeros_like(qq)
@@ -267,7 +329,7 @@ def _check_rings(sim, refs, lens, at_least=2):
         (theirs,) = layer.pools.tiers
         nb = sim.geo.body_pages(lens[r])
         _, idx = newest_pages(np.array([nb]), sim.geo.refine_pages, sim.geo.refine_every)
-        slot = sim.slots._of[sim.blocks[r][0]]
+        slot = sim.slots._of[r]
         assert len(theirs.rings) == len(sim.refine.rings)
         checked += len(idx) > 0
         for mine, ring in zip(sim.refine.rings, theirs.rings):
@@ -410,7 +472,7 @@ def _graphed_check(sink, window, share, refine, d=32, tol=1e-6, steps=72, prompt
         n_tok = np.array([1] * len(names) + [0] * (b - len(names)))
         lengths = np.array([lens[r] for r in names] + [0] * (b - len(names)))
         assert is_static_batch(n_tok, qq.shape[0])
-        slots = graphed.slots.assign(table[:, 0].cpu().numpy().astype(np.int64), lengths - n_tok)
+        slots = graphed.slots.assign(names + [None] * (b - len(names)), lengths - n_tok)
         st.load(static_plan(graphed.geo, lengths, slots, n_tok, graphed.slots.scratch, table.shape[1]), table)
         out = torch.zeros_like(qq)
         static_step(st, b, qq, kk, vv, graphed.body, graphed.side_k, graphed.side_v, rot, graphed.codecs,
@@ -428,7 +490,7 @@ def _graphed_check(sink, window, share, refine, d=32, tol=1e-6, steps=72, prompt
         for mine, theirs in zip(graphed.body.parts, eager.body.parts):
             for a, b_ in zip(mine.tensors, theirs.tensors):
                 assert torch.equal(a[blocks], b_[blocks]), r
-        s = eager.slots._of[eager.blocks[r][0]] * eager.geo.slot_pages
+        s = eager.slots._of[r] * eager.geo.slot_pages
         pages = slice(s, s + eager.geo.slot_pages)
         # (the rotation's GEMM over 5 rows instead of 3 may round the last bit differently)
         torch.testing.assert_close(graphed.side_k[pages], eager.side_k[pages], atol=1e-5, rtol=0)
@@ -471,7 +533,7 @@ def test_graphed_decode_step_replays_in_a_cuda_graph(refine):
         table = graphed.table(names, b)
         n_tok = np.array([1, 1, 1, 0])
         lengths = np.array([lens[r] for r in names] + [0])
-        slots = graphed.slots.assign(table[:, 0].cpu().numpy().astype(np.int64), lengths - n_tok)
+        slots = graphed.slots.assign(names + [None], lengths - n_tok)
         st.load(static_plan(graphed.geo, lengths, slots, n_tok, graphed.slots.scratch, table.shape[1]), table)
         for buf, x in zip((qin, kin, vin), (q, k, v)):
             buf[:3].copy_(torch.cat(x))
@@ -692,11 +754,120 @@ def _vllm_step(step, lens, blocks, free, cols):
     return qs, t, cm
 
 
+def test_runner_hooks_fit_vllms_runners():
+    """The hooks wrap vLLM's own GPUModelRunner classes (V2 and V1), whose steps name their rows where the hooks
+    read them: the request ids of the batch exist before the attention metadata is built, dummy runs say so, and
+    the scheduler output names finished and preempted requests."""
+    pytest.importorskip("vllm.v1.attention.backend")
+    import dataclasses
+    import inspect
+
+    v2 = pytest.importorskip("vllm.v1.worker.gpu.model_runner")
+    v1 = pytest.importorskip("vllm.v1.worker.gpu_model_runner")
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.gpu.input_batch import InputBatch as InputBatchV2
+    from vllm.v1.worker.gpu_input_batch import InputBatch as InputBatchV1
+
+    from rotkv.integrations.vllm.runner import RUNNERS, install_runner_hooks
+
+    assert sorted(install_runner_hooks()) == sorted(RUNNERS)
+    for mod in (v1, v2):
+        for name, _ in RUNNERS[mod.__name__]:
+            fn = getattr(mod.GPUModelRunner, name)
+            assert fn._rotkv_rows and inspect.unwrap(fn) is not fn, name
+    hooked = {(m, n): getattr(m.GPUModelRunner, n) for m in (v1, v2) for n, _ in RUNNERS[m.__name__]}
+    install_runner_hooks()  # wraps once only
+    assert all(getattr(m.GPUModelRunner, n) is fn for (m, n), fn in hooked.items())
+
+    def src(cls, name):
+        return inspect.getsource(inspect.unwrap(getattr(cls, name)))
+
+    params = inspect.signature(inspect.unwrap(v2.GPUModelRunner.execute_model)).parameters
+    assert "scheduler_output" in params and "dummy_run" in params
+    assert "scheduler_output" in inspect.signature(inspect.unwrap(v1.GPUModelRunner.execute_model)).parameters
+    body = src(v2.GPUModelRunner, "execute_model")
+    assert -1 < body.index("self.prepare_inputs(") < body.index("self.model_state.prepare_attn(")
+    assert "dummy_run=True" in src(v2.GPUModelRunner, "_dummy_run")
+    body = src(v1.GPUModelRunner, "execute_model")
+    assert -1 < body.index("self._prepare_inputs(") < body.index("self._build_attention_metadata(")
+    assert {"req_ids", "num_reqs"} <= {f.name for f in dataclasses.fields(InputBatchV2)}
+    assert isinstance(InputBatchV1.req_ids, property) and isinstance(InputBatchV1.num_reqs, property)
+    assert {"finished_req_ids", "preempted_req_ids"} <= {f.name for f in dataclasses.fields(SchedulerOutput)}
+
+
+class FakeRunnerV2:
+    """vLLM's V2 model runner as far as the hooks see it: ``execute_model`` orders the step's rows
+    (``prepare_inputs``: an InputBatch with the rows' request ids; ids past ``num_reqs`` are stale) and builds the
+    attention metadata; ``_dummy_run`` calls ``execute_model(..., dummy_run=True)``."""
+
+    def __init__(self, build):
+        self.build = build
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False, skip_attn_for_dummy_run=False,
+                      is_profile=False):
+        if not dummy_run:
+            self.prepare_inputs(scheduler_output, None)
+        return self.build(scheduler_output.cm)
+
+    def prepare_inputs(self, scheduler_output, batch_desc):
+        from types import SimpleNamespace as NS
+
+        return NS(req_ids=scheduler_output.rows + ["stale"], num_reqs=len(scheduler_output.rows))
+
+    def _dummy_run(self, cm):
+        from types import SimpleNamespace as NS
+
+        return self.execute_model(NS(cm=cm, finished_req_ids=set(), preempted_req_ids=None), dummy_run=True)
+
+    def capture_model(self):
+        return None
+
+
+class FakeRunnerV1(FakeRunnerV2):
+    """vLLM's V1 model runner as far as the hooks see it: ``execute_model`` updates its persistent batch (rows
+    condensed and ordered, stale ids after them), ``_prepare_inputs``, then the metadata; ``_dummy_run`` builds
+    metadata outside ``execute_model``."""
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        from types import SimpleNamespace as NS
+
+        self.input_batch = NS(req_ids=scheduler_output.rows + ["stale"], num_reqs=len(scheduler_output.rows))
+        self._prepare_inputs(scheduler_output, None)
+        return self.build(scheduler_output.cm)
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        return None, None
+
+    def _dummy_run(self, cm):
+        return self.build(cm)
+
+
+def _fake_runner(kind: str, build):
+    """A runner of ``kind`` ("v1", "v2") with rotkv's hooks, whose steps build metadata with ``build``."""
+    from types import SimpleNamespace as NS
+
+    from rotkv.integrations.vllm.runner import RUNNERS, hook_runner_class
+
+    cls = {"v1": FakeRunnerV1, "v2": FakeRunnerV2}[kind]
+    module = {"v1": "vllm.v1.worker.gpu_model_runner", "v2": "vllm.v1.worker.gpu.model_runner"}[kind]
+    assert hook_runner_class(cls, RUNNERS[module])
+    runner = cls(build)
+
+    def step(rows, finished, cm):
+        return runner.execute_model(NS(rows=rows, cm=cm, finished_req_ids=finished, preempted_req_ids=None))
+    return runner, step
+
+
+@pytest.mark.parametrize("runner", ["v2", "v1", "fallback"])
 @pytest.mark.parametrize("refine", [{}, {"refine_tokens": 16, "refine_values": True, "refine_every": 2}])
-def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch, refine):
+def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch, refine, runner):
     """vLLM's metadata (CommonAttentionMetadata) through rotkv's builder and impl: a profiling call, then mixed
-    steps of three requests (one starting after another finished, a second prefill chunk); every output equals
-    rotkv's own cache (with a refine tier of keys and values: a one-page ring per slot, which A's body wraps)."""
+    steps of three requests in a shuffled row order every step (one starting after another finished, a second
+    prefill chunk); every output equals rotkv's own cache (with a refine tier of keys and values: a one-page ring
+    per slot, which A's body wraps). The slots are keyed by the request ids of a hooked model runner (V2 and V1
+    as the hooks see them), with no host read of the block table (its host reads raise), and a dummy run whose
+    rows carry a live request's blocks leaves the live slots alone; or, with no hooked runner, by the requests'
+    first block ids read from the device (the fallback)."""
     pytest.importorskip("vllm.v1.attention.backend")
     from dataclasses import replace
     from types import SimpleNamespace as NS
@@ -708,6 +879,7 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch, refine):
     h, hq, d, nblocks = 2, 4, 64, 40
     cfg = _fake_vllm_config({"preset": "quarot-int2", "sink": 4, "window": 16, "spare_slots": 1, **refine})
     monkeypatch.setattr(be, "get_current_vllm_config", lambda: cfg)
+    monkeypatch.setattr(be, "_SLOT_TABLES", {})  # the process's slot table, fresh for this engine
     mp = be.model_plan(cfg)
     spec = be.RotkvAttentionSpec(block_size=P, num_kv_heads=h, head_size=d, dtype=torch.uint8,
                                  rotkv_slot_bytes=mp.slot_bytes)
@@ -739,14 +911,41 @@ def test_vllm_builder_and_impl_match_rotkv_cache(monkeypatch, refine):
     steps += [[("A", 20), ("C", 1)], [("A", 1), ("C", 1)]]
     graphed = []
     steps += [[("A", 1), ("C", 1), ("pad", 0)]]  # vLLM's padding row of a full graph: no token, block table 0
-    for step in steps:
-        if step[0][0] == "C":  # B finished: its blocks go back (C may get B's first block, then B's slot)
+    hooked = runner != "fallback"
+    if hooked:
+        fake, run_step = _fake_runner(runner, lambda cm: builder.build(0, cm))
+    rng = np.random.default_rng(5)
+    finished = set()
+    for si, step in enumerate(steps):
+        if step[0][0] == "C":  # B finished: its blocks go back (C may get B's first block), its slot too
             free.extend(blocks.pop("B"))
+            finished, b_slot = {"B"}, builder.slots._of.get("B")
+        if hooked and si == 5:  # a dummy run whose rows hold A's blocks (vLLM's dummy rows may read stale tables)
+            _, _, dm = _vllm_step([("dA", 1), ("dB", 1)], {}, {"dA": blocks["A"][:1], "dB": blocks["A"][:1]}, [],
+                                  cols=8)
+            before = dict(builder.slots._of)
+            dmd = fake._dummy_run(dm)
+            assert dict(builder.slots._of) == before and set(dmd.static.dslots[:2].tolist()) == {builder.slots.scratch}
+            impl.forward(layer, *(torch.randn(2, m, d, generator=gen) for m in (hq, h, h)), kv, dmd,
+                         torch.zeros(2, hq, d))
+        real = [x for x in step if x[0] != "pad"]
+        step = [real[i] for i in rng.permutation(len(real))] + step[len(real):]  # vLLM orders rows as it likes
         qs, t, cm = _vllm_step(step, lens, blocks, free, cols=8)
         if step[-1][0] == "pad":
             cm.block_table_tensor[-1] = 0
             cm = replace(cm, num_actual_tokens=len(step))
-        md = builder.build(0, cm)
+        if not hooked:
+            md = builder.build(0, cm)
+        else:
+            cm = replace(cm, block_table_tensor=cm.block_table_tensor.as_subclass(HostReadGuard))
+            HostReadGuard.armed = True
+            try:
+                md = run_step([r for r, _ in step if r != "pad"], finished, cm)
+            finally:
+                HostReadGuard.armed = False
+            if finished:  # the new request took the finished one's slot
+                assert b_slot is not None and builder.slots._of["C"] == b_slot and "B" not in builder.slots._of
+            finished = set()
         graphed.append(md.static is not None)
         q, k, v = (torch.randn(t + 2, m, d, generator=gen) for m in (hq, h, h))
         out = torch.full((t + 2, hq, d), 7.0)

@@ -8,17 +8,19 @@
   accounting gives the tokens the format saves; :func:`install_spec_hook` makes the attention layers that run
   this backend report it (vLLM's ``Attention.get_kv_cache_spec`` assumes 16-bit elements otherwise).
 - :class:`RotkvMetadataBuilder`: once per step, the host plan every layer follows
-  (:func:`rotkv.integrations.vllm.state.plan_step`) and the side-pool slots of the step's requests.
+  (:func:`rotkv.integrations.vllm.state.plan_step`) and the side-pool slots of the step's requests
+  (:func:`row_keys`).
 - :class:`RotkvAttentionImpl`: per layer, the rotation and codecs of its artifact/preset (this rank's KV heads),
   the bf16 side pool, the refine rings of a preset with a refine tier (per side-pool slot), and
   :func:`rotkv.integrations.vllm.attention.layer_step`.
 
 Refused with a clear error: prefix caching, speculative decoding, sliding-window / ALiBi / soft-cap / encoder
 attention, KV-sharing layers, quantized ``kv_cache_dtype``, block sizes other than 16, output quantization.
-The metadata builder reads the first block id of every request to the host (one small device-to-host copy
-per step). Batches of decode rows run on fixed buffers inside vLLM's full CUDA graphs
-(:mod:`rotkv.integrations.vllm.graph`, AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE); other batches, and
-every batch with ``cuda_graphs`` false, run attention eagerly between vLLM's piecewise graphs.
+The metadata builder keys the side pool's slots by the request ids vLLM's model runner holds on the host
+(:mod:`rotkv.integrations.vllm.runner`), with no read from the device. Batches of decode rows run on fixed
+buffers inside vLLM's full CUDA graphs (:mod:`rotkv.integrations.vllm.graph`,
+AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE); other batches, and every batch with ``cuda_graphs`` false, run
+attention eagerly between vLLM's piecewise graphs.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from rotkv.integrations.vllm.attention import layer_step, slot_rings
 from rotkv.integrations.vllm.config import PAGE_SIZE, WHERE, layer_codecs, load_rotations, parse_settings
 from rotkv.integrations.vllm.graph import StaticDecode, is_static_batch, static_plan, static_step
 from rotkv.integrations.vllm.layout import BlockLayout, blocks_in, group_page_bytes
+from rotkv.integrations.vllm.runner import STEP, install_runner_hooks
 from rotkv.integrations.vllm.state import Geometry, SlotTable, StepPlan, plan_step
 from rotkv.integrations.vllm.tp import shard_rotation
 
@@ -235,6 +238,7 @@ class RotkvMetadataBuilder(AttentionMetadataBuilder[RotkvMetadata]):
             raise ValueError(f"rotkv's vLLM backend needs block_size={PAGE_SIZE} (one block is one INT2 page), got "
                              f"{kv_cache_spec.block_size}")
         self.mp = model_plan(vllm_config)
+        install_runner_hooks()  # the runner's module is loaded by now: it builds this builder
         slots = vllm_config.scheduler_config.max_num_seqs + self.mp.settings.spare_slots
         self.slots = _SLOT_TABLES.setdefault((slots, self.mp.geometry), SlotTable(slots))
         # the graphed decode step's buffers, for the largest batch vLLM runs (captured or not)
@@ -254,16 +258,36 @@ class RotkvMetadataBuilder(AttentionMetadataBuilder[RotkvMetadata]):
         lens = lens if lens is not None else getattr(cm, "_seq_lens_cpu", None)
         lens = (lens if lens is not None else cm.seq_lens.cpu())[:b].numpy().astype(np.int64)
         table = cm.block_table_tensor[:b]
-        keys = table[:, 0].cpu().numpy().astype(np.int64)  # the requests' first blocks: their side-pool keys
         n = qs[1:] - qs[:-1]
-        keys[n == 0] = 0  # vLLM's padding rows of a full graph (no token): the scratch slot, whatever their table
-        slots = self.slots.assign(keys, lens - n)
+        self.slots.release(STEP.take_released())
+        slots = self.slots.assign(row_keys(table, n), lens - n)
         if self.static is not None and b <= self.static.rows and is_static_batch(n, cm.num_actual_tokens):
             plan = static_plan(self.mp.geometry, lens, slots, n, self.slots.scratch, table.shape[1])
             self.static.load(plan, table)
             return RotkvMetadata(None, table, cm.num_actual_tokens, self.static, b)
         plan = plan_step(self.mp.geometry, qs, lens, slots, table.shape[1])
         return RotkvMetadata(plan, table, cm.num_actual_tokens)
+
+
+def row_keys(table: torch.Tensor, num_tokens: np.ndarray) -> list:
+    """The side-pool keys of a step's rows (``table``: vLLM's block table of the rows, ``num_tokens``: their new
+    tokens): the request ids the hooked model runner names (:mod:`rotkv.integrations.vllm.runner`), None for a
+    row of no request (padding rows of a full graph, which have no token; every row of a dummy or capture run)."""
+    b = len(num_tokens)
+    if STEP.mode == "dummy":
+        return [None] * b
+    if STEP.mode == "step" and STEP.keys is not None:
+        keys = STEP.keys
+        if len(keys) > b:
+            raise RuntimeError(f"rotkv: the attention metadata holds {b} of the step's {len(keys)} requests (vLLM "
+                               f"split the step into micro-batches); rotkv's backend does not support dual-batch "
+                               f"overlap: leave --enable-dbo off")
+        keys = keys + [None] * (b - len(keys))
+    else:
+        # Fallback where no hooked runner names the rows (a model runner the hooks do not know): the requests'
+        # first block ids, read from the device. This copy makes the host wait for the GPU's previous step.
+        keys = [k if k != 0 else None for k in table[:, 0].cpu().tolist()]  # block 0: vLLM's null block
+    return [None if m == 0 else k for k, m in zip(keys, np.asarray(num_tokens).tolist())]
 
 
 class RotkvAttentionImpl(AttentionImpl[RotkvMetadata]):

@@ -16,12 +16,15 @@ window starts on a page boundary, as in rotkv), the next ``RP`` pages are a ring
 page ``a`` (the ``a``-th page after the sink, tokens ``S + a P ..``) sits in ring page ``a % RP``. ``RP`` holds
 the longest window plus one page (a decode step writes its token before the flush).
 
-Slots. vLLM's attention metadata has no request ids. A request is known by its first block id
-(``block_table[r, 0]``), which is fixed while the request holds its blocks and unique among live requests
-(prefix caching is off: no block is shared). A request in its first step (no computed tokens) takes a
-free slot (or the least recently seen one); a request with computed tokens must find its slot, else the
-step fails (never a silent wrong answer). Block 0 is vLLM's null block, never a request's: rows whose first
-block is 0 (vLLM's dummy and profiling runs) use a scratch slot.
+Slots. vLLM's attention metadata has no request ids; the model runner has them on the host
+(:mod:`rotkv.integrations.vllm.runner`), and a request is known by its id, fixed while it lives. Where no hooked
+runner names the rows (a runner the hooks do not know), a request is known by its first block id
+(``block_table[r, 0]``, read from the device), which is fixed while the request holds its blocks and unique among
+live requests (prefix caching is off: no block is shared). A request in its first step (no computed tokens)
+takes a free slot (or the least recently seen one); a request with computed tokens must find its slot, else
+the step fails (never a silent wrong answer). Requests the scheduler reports finished or preempted give their
+slots back. Rows of no request (key None: vLLM's padding rows of a full graph, its dummy, profiling and capture
+runs, and rows whose first block is vLLM's null block 0) use a scratch slot.
 
 Refine rings (a preset with ``refine_tokens``, ``rotkv.cache.refine``): per layer and side (keys; values with
 ``refine_values``) a ring ``uint8 [slots + 1, K, H, P, D / 4]`` beside the side pool, row ``s`` the request in
@@ -96,20 +99,23 @@ class Geometry:
 
 
 class SlotTable:
-    """Side-pool slots of live requests, keyed by their first vLLM block id (see the module docstring)."""
+    """Side-pool slots of live requests, keyed by a per-request key (request id, or first vLLM block id; see the
+    module docstring)."""
 
     def __init__(self, slots: int):
         self.slots = slots
-        self.scratch = slots  # the extra slot of dummy rows
-        self._of: OrderedDict[int, int] = OrderedDict()  # key -> slot, least recently seen first
+        self.scratch = slots  # the extra slot of rows of no request
+        self._of: OrderedDict = OrderedDict()  # key -> slot, least recently seen first
         self._free = list(range(slots - 1, -1, -1))
 
-    def assign(self, keys: np.ndarray, computed: np.ndarray) -> np.ndarray:
-        """The slot of every row of a step (``keys``: first block ids, ``computed``: tokens already stored)."""
+    def assign(self, keys, computed: np.ndarray) -> np.ndarray:
+        """The slot of every row of a step (``keys``: the rows' request keys, None for a row of no request;
+        ``computed``: tokens already stored)."""
+        keys = list(keys)
         out = np.empty(len(keys), dtype=np.int64)
-        in_step = set(int(k) for k in keys)
-        for i, (k, c) in enumerate(zip(keys.tolist(), computed.tolist())):
-            if k == 0:
+        in_step = set(keys)
+        for i, (k, c) in enumerate(zip(keys, np.asarray(computed).tolist())):
+            if k is None:
                 out[i] = self.scratch
                 continue
             if c == 0:  # a new request (or one restarted after preemption) under this key
@@ -121,12 +127,19 @@ class SlotTable:
                 slot = self._of.get(k)
                 if slot is None:
                     raise RuntimeError(
-                        f"rotkv: a request (first block {k}) with {c} computed tokens has no side-pool slot: its bf16 "
+                        f"rotkv: a request ({k!r}) with {c} computed tokens has no side-pool slot: its bf16 "
                         f"sink and window were evicted. Raise additional_config['rotkv']['spare_slots'] (now "
                         f"{self.slots} slots) or lower max_num_seqs")
                 self._of.move_to_end(k)
             out[i] = slot
         return out
+
+    def release(self, keys) -> None:
+        """Give back the slots of requests whose state is gone (finished, preempted); unknown keys are ignored."""
+        for k in keys:
+            slot = self._of.pop(k, None)
+            if slot is not None:
+                self._free.append(slot)
 
     def _take(self, in_step: set) -> int:
         if self._free:
