@@ -1055,6 +1055,8 @@ def _kernel_paths_check(refine=False):
     steps = [[("A", 40)], [("A", 1), ("B", 30)]] + [[("B", 1), ("A", 1)]] * 8
     if refine:  # A's body grows past the ring (2 pages), B's prompt chunk reads its refined pages
         steps += [[("A", 50), ("B", 1)], [("B", 40), ("A", 1)], [("A", 1), ("B", 1)]]
+    else:  # later chunks over a body: the prefill history through the dequant kernel
+        steps += [[("A", 30), ("B", 1)], [("B", 20), ("A", 25)], [("A", 1), ("B", 1)]]
     for step in steps:
         names = [r for r, _ in step]
         q, k, v = ([torch.randn(n, m, d, generator=gen) for _, n in step] for m in (hq, h, h))
@@ -1073,6 +1075,45 @@ def _kernel_paths_check(refine=False):
     print(f"kernel paths ok, {sum(refine_calls)} refine kernel calls")
 
 
+def _prefill_dequant_check():
+    """The prefill rows' history with the body dequantized by rotkv's Triton dequantizer (one launch for every
+    prefill row, over vLLM's block table) equals the PyTorch reference's, per row, for 2-bit keys and values and
+    4-bit keys, in float32 and bf16: run under TRITON_INTERPRET=1 by the test below."""
+    from types import SimpleNamespace
+
+    from rotkv.integrations.vllm import attention
+
+    attention.kernels = SimpleNamespace(enabled=lambda t: True, decode_config=attention.kernels.decode_config)
+    h, d, nblocks, cols = 2, 64, 60, 12
+    gen = torch.Generator().manual_seed(6)
+    geo = Geometry(sink=4, window=16, window_share=0.0, page=P, max_len=512)
+    # rows: a second chunk over 100 tokens, a decode row, a first chunk (no history), a chunk over 60 tokens
+    qs, lens = np.array([0, 20, 21, 29, 34]), np.array([120, 50, 8, 65])
+    plan = plan_step(geo, qs, lens, np.array([0, 1, 2, 3]), cols)
+    assert plan.prefill_rows.tolist() == [0, 2, 3] and plan.pbody_max == geo.body_pages(100) * P
+    table = torch.randperm(nblocks - 1, generator=gen)[:4 * cols].add(1).reshape(4, cols).to(torch.int32)
+    pages = 5 * geo.slot_pages
+    side = [torch.randn(pages, h, P, d, generator=gen) for _ in range(2)]
+    for key_bits in (2, 4):
+        layout = BlockLayout.of(h, d, P, *make_codecs("token", 2, 32, 1.0, 1.0, key_bits=key_bits))
+        body = layout.body(torch.randint(0, 256, (nblocks * layout.page_bytes(),), generator=gen, dtype=torch.uint8),
+                           nblocks)
+        for part in body.parts:  # finite metadata
+            part.scale.copy_(torch.rand(part.scale.shape, generator=gen) * 0.5)
+            part.lo.copy_(torch.randn(part.lo.shape, generator=gen))
+        for dtype in (torch.float32, torch.bfloat16):
+            dense = attention.body_dense_kernel(plan, body, table, dtype)
+            assert dense is not None and dense[0].shape == (3, h, plan.pbody_max, d) and dense[0].dtype == dtype
+            for i in range(3):
+                got = attention._history(plan, i, body, *side, table, geo, dtype, None, dense)
+                want = attention._history(plan, i, body, *side, table, geo, dtype, None, None)
+                assert len(got[0]) == len(want[0]) == (0 if i == 1 else 2)  # body, tier; the first chunk: none
+                for x, y in zip(got[0] + got[1], want[0] + want[1]):
+                    tol = 1e-6 if dtype == torch.float32 else 8e-3
+                    torch.testing.assert_close(x, y, atol=tol, rtol=tol)
+    print("prefill dequant ok")
+
+
 def _graphed_kernel_check(refine=False):
     """The graphed decode step against the general one with rotkv's Triton kernels in both (decode over the
     fixed tables with the grid of ``max_len``, the refine kernel reading the gathered rings, the fused write into
@@ -1085,6 +1126,18 @@ def _graphed_kernel_check(refine=False):
     _graphed_check(4, 16, 0.0, REFINES[1] if refine else None, d=64, tol=3e-2, steps=20, prompts=(84, 23, 30),
                    max_len=128)
     print("graphed kernel paths ok")
+
+
+def test_prefill_dequant_kernel_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    import os
+    from pathlib import Path
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = "import test_vllm_plugin as t; t._prefill_dequant_check()"
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and "prefill dequant ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("refine", [False, True])

@@ -175,44 +175,83 @@ def _add_refined(plan, r: int, nb: int, blocks: torch.Tensor, ks, vs, body: Page
             ring.add(x[None], nb, slot, local, idx, part.scale[ids])
 
 
-def _history(plan, r: int, body: PagedBody, side_k, side_v, block_table, geo, dtype, refine=None):
-    """Prefill row ``r``'s stored keys and values ``[H, n, D]`` in ``dtype``: its body pages (dequantized, the
-    newest refined where ``refine``, the layer's RefineRings) and its tier (sink, then window) as they were
-    before the step."""
-    c, nb, p = int(plan.computed[r]), int(plan.body_before[r]), geo.page
+def body_dense_kernel(plan, body: PagedBody, block_table: torch.Tensor, dtype) -> tuple | None:
+    """The prefill rows' body pages dequantized by rotkv's Triton dequantizer (``rotkv.kernels.dequant``, as rotkv's
+    cache reads a prefill's history): keys and values ``[Bp, H, pbody_max, D]`` in ``dtype``, prefill row ``i``'s
+    ``body_before * P`` tokens first in row ``i`` (the rest untouched); one launch per side for every prefill row.
+    None where no prefill row has a body, or the kernels do not read this body on its device (then
+    :func:`_history` dequantizes each row with PyTorch, the reference)."""
+    if plan.pbody_max == 0 or not dequant_kernel_reads(body, body.k.codes):
+        return None
+    from rotkv.kernels.dequant import dequant_dense
+
+    dev = body.k.codes.device
+    table = (plan.device("pbody_indptr", dev), plan.device("pbody_pos", dev, block_table),
+             plan.device("pbody_last", dev))
+    shape = (len(plan.prefill_rows), body.kv_heads, plan.pbody_max, body.k.head_dim)
+    out = tuple(torch.empty(shape, dtype=dtype, device=dev) for _ in range(2))
+    for part, o in zip(body.parts, out):
+        dequant_dense(part, *table, plan.pbody_max, o)
+    return out
+
+
+def dequant_kernel_reads(body: PagedBody, t: torch.Tensor) -> bool:
+    """Whether rotkv's Triton dequantizer reads ``body`` on ``t``'s device (the kernels on there, and both parts
+    of a kernel width and metadata: ``rotkv.kernels.plan.part_reason``, as rotkv's cache decides)."""
+    if not kernels.enabled(t):
+        return False
+    from rotkv.kernels.plan import device_capability, part_reason
+
+    cap = device_capability(t.device)
+    return all(part_reason(p.bits, p.meta, p.format, cap) is None for p in body.parts)
+
+
+def _history(plan, i: int, body: PagedBody, side_k, side_v, block_table, geo, dtype, refine=None, dense=None):
+    """Prefill row ``i`` (of the plan's prefill rows)'s stored keys and values ``[H, n, D]`` in ``dtype``: its body
+    pages (dequantized: row ``i`` of ``dense``, :func:`body_dense_kernel`, else here with PyTorch; the newest
+    refined where ``refine``, the layer's RefineRings) and its tier (sink, then window) as they were before the
+    step."""
+    r = int(plan.prefill_rows[i])
+    nb, p = int(plan.body_before[r]), geo.page
     ks, vs = [], []
     if nb:
         blocks = block_table[r, geo.block_offset:geo.block_offset + nb].long()
-        for part, out in zip(body.parts, (ks, vs)):
-            parts = [t[blocks] for t in part.tensors]  # [nb, H, P, W]
-            parts = [t.permute(1, 0, 2, 3).reshape(t.shape[1], nb * p, t.shape[3]) for t in parts]
-            out.append(dequant_rows(*parts, part.bits, part.group_size).to(dtype))
+        if dense is not None:
+            ks.append(dense[0][i, :, :nb * p])
+            vs.append(dense[1][i, :, :nb * p])
+        else:
+            for part, out in zip(body.parts, (ks, vs)):
+                parts = [t[blocks] for t in part.tensors]  # [nb, H, P, W]
+                parts = [t.permute(1, 0, 2, 3).reshape(t.shape[1], nb * p, t.shape[3]) for t in parts]
+                out.append(dequant_rows(*parts, part.bits, part.group_size).to(dtype))
         if refine is not None:
             _add_refined(plan, r, nb, blocks, ks, vs, body, refine)
-    base = int(plan.slots[r]) * geo.slot_pages
-    t = torch.arange(c)
-    t = t[(t < geo.sink) | (t >= geo.sink + nb * p)]
-    if len(t):
-        sink = t < geo.sink
-        tpos = geo.pad + t
-        a = torch.where(sink, 0, (t - geo.sink) // p)
-        page = torch.where(sink, base + tpos // p, base + geo.sink_pages + a % geo.ring_pages).to(side_k.device)
-        off = torch.where(sink, tpos % p, (t - geo.sink) % p).to(side_k.device)
+    a, b = int(plan.htier_indptr[i]), int(plan.htier_indptr[i + 1])
+    if b > a:
+        page = plan.device("htier_page", side_k.device)[a:b]
+        off = plan.device("htier_off", side_k.device)[a:b]
         ks.append(side_k[page, :, off].transpose(0, 1).to(dtype))
         vs.append(side_v[page, :, off].transpose(0, 1).to(dtype))
     return ks, vs
 
 
-def _prefill(plan, r: int, q: torch.Tensor, kr, vr, body, side_k, side_v, block_table, geo, rot, scale,
-             refine=None):
-    """Prefill row ``r``'s output ``[n, Hq, D]`` (model basis): its rotated queries over its history and its
-    own rotated keys and values (causal). On CUDA in the model dtype, the history and the own tokens apart
-    (PyTorch's fused kernels, no mask) merged by their log-sum-exp, as rotkv's own prefill does
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    """The prefill's arithmetic dtype: the model's half dtype on CUDA, else float32 (the reference)."""
+    return q.dtype if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)) else torch.float32
+
+
+def _prefill(plan, i: int, q: torch.Tensor, kr, vr, body, side_k, side_v, block_table, geo, rot, scale,
+             refine=None, dense=None):
+    """Prefill row ``i`` (of the plan's prefill rows)'s output ``[n, Hq, D]`` (model basis): its rotated queries
+    over its history (``dense``: the prefill rows' body, :func:`body_dense_kernel`, or None) and its own rotated
+    keys and values (causal). On CUDA in the model dtype, the history and the own tokens apart (PyTorch's fused
+    kernels, no mask) merged by their log-sum-exp, as rotkv's own prefill does
     (``rotkv.cache.layer.attention_lse``); elsewhere one float32 softmax with a mask (the reference)."""
-    cdt = q.dtype if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)) else torch.float32
+    cdt = _compute_dtype(q)
+    r = int(plan.prefill_rows[i])
     a, b = int(plan.query_start[r]), int(plan.query_start[r + 1])
     n = b - a
-    ks, vs = _history(plan, r, body, side_k, side_v, block_table, geo, cdt, refine)
+    ks, vs = _history(plan, i, body, side_k, side_v, block_table, geo, cdt, refine, dense)
     hist = sum(x.shape[1] for x in ks)
     if cdt != torch.float32 or MERGED_PREFILL:
         from rotkv.cache.layer import attention_lse, merge_lse
@@ -253,10 +292,12 @@ def layer_step(plan, geo, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bod
         qr = _rotate_q(rot, q[tok], q.dtype)
         o = _decode(plan, qr, body, side_k, side_v, block_table, scale, refine)
         out[tok] = _unrotate_o(rot, o, out.dtype)
-    for r in plan.prefill_rows.tolist():  # (2) prefill attention
+    # (2) prefill attention; the prefill rows' body pages dequantized at once by the kernel where it reads them
+    dense = body_dense_kernel(plan, body, block_table, _compute_dtype(q)) if len(plan.prefill_rows) else None
+    for i, r in enumerate(plan.prefill_rows.tolist()):
         a, b = int(plan.query_start[r]), int(plan.query_start[r + 1])
-        out[a:b] = _prefill(plan, r, q[:t], kr, vr, body, side_k, side_v, block_table, geo, rot, scale,
-                            refine).to(out.dtype)
+        out[a:b] = _prefill(plan, i, q[:t], kr, vr, body, side_k, side_v, block_table, geo, rot, scale,
+                            refine, dense).to(out.dtype)
     if len(plan.flush_pos):  # (3) the flush
         n = len(plan.flush_pos) * geo.page
         blocks = plan.device("flush_pos", dev, block_table)

@@ -195,6 +195,16 @@ class StepPlan:
     pwrite_page: np.ndarray
     pwrite_off: np.ndarray
     pwrite_tok: np.ndarray
+    # the prefill rows' history (prefill rows in order): their body pages as the dequantizer's table (block
+    # positions in the flat block table), and their stored tier tokens (sink, then window) as side page, offset,
+    # each row's run at htier_indptr[i] .. htier_indptr[i + 1] (host)
+    pbody_indptr: np.ndarray
+    pbody_pos: np.ndarray
+    pbody_last: np.ndarray  # int32: tokens in each prefill row's last body page (P, or 0 without a body)
+    pbody_max: int
+    htier_page: np.ndarray
+    htier_off: np.ndarray
+    htier_indptr: np.ndarray
     pad: int = 0
     dev: dict = field(default_factory=dict)
 
@@ -245,7 +255,7 @@ def upload_int64(arrays: list, device: torch.device) -> list[torch.Tensor]:
 DEVICE_ARRAYS = ("dwrite_page", "dwrite_off", "dwrite_tok", "dslots", "dbody_indptr", "dbody_pos", "dbody_last",
                  "flush_pos", "flush_from_side", "flush_side_page", "flush_side_off",
                  "flush_from_call", "flush_call_tok", "rwrite_sel", "rwrite_slot", "rwrite_index", "pwrite_page",
-                 "pwrite_off", "pwrite_tok")
+                 "pwrite_off", "pwrite_tok", "pbody_indptr", "pbody_pos", "pbody_last", "htier_page", "htier_off")
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -325,6 +335,20 @@ def plan_step(geo: Geometry, query_start: np.ndarray, lengths: np.ndarray, slots
     stay = (pt < s) | (pt >= s + nb1[prow] * p)
     prow, pt = prow[stay], pt[stay]
     ppage, poff = side_at(prow, pt)
+    # prefill rows' history: body pages 0 .. nb0 - 1 (as the decode rows'), the stored sink and window tokens
+    hb = nb0[prefill]
+    brow_p, bi_p = _ranges(np.zeros(len(prefill), dtype=np.int64), hb)
+    pbody_indptr = np.zeros(len(prefill) + 1, dtype=np.int64)
+    np.cumsum(hb, out=pbody_indptr[1:])
+    cp = c[prefill]
+    srow, st = _ranges(np.zeros(len(prefill), dtype=np.int64), np.minimum(cp, s))
+    wstart = s + hb * p
+    wrow, wt = _ranges(wstart, np.maximum(cp - wstart, 0))
+    order = np.argsort(np.concatenate([srow * 2, wrow * 2 + 1]), kind="stable")
+    hrow, ht = np.concatenate([srow, wrow])[order], np.concatenate([st, wt])[order]
+    hpage, hoff = side_at(prefill[hrow], ht)
+    htier_indptr = np.zeros(len(prefill) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(hrow, minlength=len(prefill)), out=htier_indptr[1:])
     return StepPlan(
         num_tokens=int(qs[-1]), decode_rows=decode, prefill_rows=prefill, query_start=qs, computed=c, lengths=lengths,
         slots=slots, body_before=nb0, body_after=nb1, dwrite_page=dpage, dwrite_off=doff, dwrite_tok=qs[decode],
@@ -334,4 +358,7 @@ def plan_step(geo: Geometry, query_start: np.ndarray, lengths: np.ndarray, slots
         flush_pos=flush_pos, flush_from_side=at[stored], flush_side_page=spage, flush_side_off=soff,
         flush_from_call=at[~stored], flush_call_tok=call_tok, rwrite_sel=rsel, rwrite_slot=slots[rrow],
         rwrite_index=ri, pwrite_page=ppage, pwrite_off=poff,
-        pwrite_tok=qs[prow] + pt - c[prow], pad=pad)
+        pwrite_tok=qs[prow] + pt - c[prow], pbody_indptr=pbody_indptr.astype(np.int32),
+        pbody_pos=prefill[brow_p] * block_cols + geo.block_offset + bi_p,
+        pbody_last=np.where(hb > 0, p, 0).astype(np.int32), pbody_max=int(hb.max(initial=0)) * p, htier_page=hpage,
+        htier_off=hoff, htier_indptr=htier_indptr, pad=pad)
