@@ -1128,6 +1128,49 @@ def _graphed_kernel_check(refine=False):
     print("graphed kernel paths ok")
 
 
+def _rotate_into_check():
+    """The graphed step's query and output rotations straight into their buffers (``LayerRotation.rotate_into``
+    without rows: the rotation kernel writing a strided view) equal the PyTorch bf16x2 rotation, GQA heads, rows
+    past ``b`` untouched; a view of another shape, or a side without a matrix, writes nothing. Run under
+    TRITON_INTERPRET=1 (the kernel taken as on CUDA) by the test below."""
+    from rotkv import switches
+    from rotkv.kernels.plan import rotate_reason
+    from rotkv.rotations import base
+
+    switches.configure(rotation_math="bf16x2")
+    base.plan_rotate = lambda x, a: rotate_reason(x, a) is None  # the kernels "on" for the CPU tensors
+    h, hq, d, b, t = 2, 4, 32, 3, 5
+    rot = _rotation(h, d, 7)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(t, hq, d, generator=gen).to(torch.bfloat16)  # vLLM's [tokens, heads, D]; rows b.. padding
+    qr = torch.empty(b, hq, d, dtype=torch.bfloat16)
+    assert rot.rotate_into("queries", q[:b].transpose(0, 1)[None], qr.transpose(0, 1)[None])
+    want = base._rotate_bf16x2_bmm(q[:b].transpose(0, 1)[None], *rot._bf16x2("queries"))[0].transpose(0, 1)
+    torch.testing.assert_close(qr.float(), want.float(), atol=1e-2, rtol=8e-3)
+    out = torch.full((t, hq, d), 7.0, dtype=torch.bfloat16)
+    assert rot.rotate_into("outputs", qr.transpose(0, 1)[None], out[:b].transpose(0, 1)[None])
+    want = base._rotate_bf16x2_bmm(qr.transpose(0, 1)[None], *rot._bf16x2("outputs"))[0].transpose(0, 1)
+    torch.testing.assert_close(out[:b].float(), want.float(), atol=1e-2, rtol=8e-3)
+    assert bool((out[b:] == 7).all())
+    assert not rot.rotate_into("outputs", qr.transpose(0, 1)[None], out[:b + 1].transpose(0, 1)[None])
+    assert bool((out[b:] == 7).all())
+    plain = LayerRotation(R_K=rot.R_K, R_V=None, k_mean=None)
+    assert not plain.rotate_into("outputs", qr.transpose(0, 1)[None], out[:b].transpose(0, 1)[None])
+    print("rotate into ok")
+
+
+def test_graphed_rotations_into_their_buffers_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    import os
+    from pathlib import Path
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = "import test_vllm_plugin as t; t._rotate_into_check()"
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and "rotate into ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 def test_prefill_dequant_kernel_under_the_triton_interpreter():
     pytest.importorskip("triton")
     import os

@@ -121,15 +121,19 @@ class LayerRotation:
             return _per_group(o, self.R_V.transpose(-1, -2))
         return _per_group(o.float(), self.R_V.transpose(-1, -2)).to(dtype)
 
-    def rotate_into(self, which: str, x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor) -> bool:
-        """Write ``keys(x)`` or ``values(x)`` (``which``), bf16, straight into the pool ``out`` at each
-        batch row's element offset ``rows [B]`` (``rotkv.kernels.rotate``); False, writing nothing,
-        where that kernel does not apply (no matrix on this side, not bf16 on CUDA, kernels off): the
-        caller then rotates and scatters."""
-        if which not in ("keys", "values"):
-            raise ValueError(f"rotate_into: which is 'keys' or 'values', not {which!r}")
-        if (self.R_K if which == "keys" else self.R_V) is None or rotation_math(x, out.dtype) != "bf16x2":
+    def rotate_into(self, which: str, x: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None = None) -> bool:
+        """Write ``keys(x)``, ``values(x)``, ``queries(x)`` or ``outputs(x)`` (``which``), bf16, straight into
+        ``out`` (``rotkv.kernels.rotate``): with ``rows``, into the pool ``out`` at each batch row's element
+        offset ``rows [B]``; without, into ``out``, a view of ``x``'s shape in any strides (last dim contiguous).
+        False, writing nothing, where that kernel does not apply (no matrix on this side, not bf16 on CUDA,
+        kernels off): the caller then rotates and copies or scatters."""
+        mats = {"keys": self.R_K, "values": self.R_V, "queries": self.query_matrix, "outputs": self.R_V}
+        if which not in mats:
+            raise ValueError(f"rotate_into: which is one of {list(mats)}, not {which!r}")
+        if mats[which] is None or rotation_math(x, out.dtype) != "bf16x2":
             return False  # (rotation_math fp32: the eager step's float32 rotation, then the scatter)
+        if rows is None and (out.shape != x.shape or out.stride(-1) != 1):
+            return False
         a = self._bf16x2(which)[0]
         if not plan_rotate(x, a):
             return False

@@ -164,10 +164,15 @@ def static_step(st: StaticDecode, b: int, q: torch.Tensor, k: torch.Tensor, v: t
             side_k[t["wpage"], :, t["woff"]] = kr
         if not done_v:
             side_v[t["wpage"], :, t["woff"]] = vr
-    qr = _rotate_q(rot, q[:b], q.dtype)
+    # the rotated queries straight into a contiguous [b, Hq, D] buffer (the decode kernel's layout: no copy), and
+    # the outputs turned back straight into ``out`` (no copy), by the rotation kernel where it applies
+    qr = torch.empty(b, *q.shape[1:], dtype=q.dtype, device=q.device)
+    if not rot.rotate_into("queries", q[:b].transpose(0, 1)[None], qr.transpose(0, 1)[None]):
+        qr = _rotate_q(rot, q[:b], q.dtype)
     o = decode_rows(qr, body, t["body"], st.body_max, side_k, side_v, t["tier"], st.tier_max, st.geo.pad, scale,
                     tiers, graphed=True)
-    out[:b] = _unrotate_o(rot, o, out.dtype)
+    if not rot.rotate_into("outputs", o.transpose(0, 1)[None], out[:b].transpose(0, 1)[None]):
+        out[:b] = _unrotate_o(rot, o, out.dtype)
     for i, (side, part, codec) in enumerate(((side_k, body.k, codecs[0]), (side_v, body.v, codecs[1]))):
         x = side[t["flush_page"], :, t["flush_off"]]  # [b * P, H, D]: row r's page at r * P
         write_body(x, None, part, codec.clip, t["flush_slots"])
