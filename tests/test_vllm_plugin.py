@@ -1030,6 +1030,8 @@ def _kernel_paths_check(refine=False):
     decode rows' rings) in place of their references: run under TRITON_INTERPRET=1 by the test below."""
     from types import SimpleNamespace
 
+    import os
+
     from rotkv.cache.layer import HybridLayer
     from rotkv.integrations.vllm import attention
 
@@ -1057,12 +1059,30 @@ def _kernel_paths_check(refine=False):
         steps += [[("A", 50), ("B", 1)], [("B", 40), ("A", 1)], [("A", 1), ("B", 1)]]
     else:  # later chunks over a body: the prefill history through the dequant kernel
         steps += [[("A", 30), ("B", 1)], [("B", 20), ("A", 25)], [("A", 1), ("B", 1)]]
+    import traceback
+
+    from rotkv.kernels.plan import refine_reason
+
+    reads = []  # the step's reads of tensor values to the host (on a GPU each waits for the stream), outside
+    # the Triton interpreter's own (it runs the kernels on host arrays)
+    for name in ("item", "__bool__", "tolist", "numpy", "cpu", "__int__", "__index__", "__float__"):
+        def read(self, *a, _orig=getattr(torch.Tensor, name), _name=name, **kw):
+            if reads and reads[0] == "on":
+                stack = traceback.extract_stack()[:-1]
+                if not any(f"{os.sep}triton{os.sep}" in fr.filename for fr in stack):
+                    reads.append(f"{_name} at {stack[-1].filename}:{stack[-1].lineno}")
+            return _orig(self, *a, **kw)
+        setattr(torch.Tensor, name, read)
     for step in steps:
         names = [r for r, _ in step]
         q, k, v = ([torch.randn(n, m, d, generator=gen) for _, n in step] for m in (hq, h, h))
         for r, n in step:
             lens[r] = lens.get(r, 0) + n
-        outs, _ = sim.step(names, [lens[r] for r in names], q, k, v)
+        reads[:] = ["on"]
+        outs, _ = sim.step(names, [lens[r] for r in names], q, k, v)  # the vLLM step, with the kernels
+        # (where no kernel reads the refine tier, refine_kernel=0, the decode takes the PyTorch reference path)
+        assert reads == ["on"] or (refine and refine_reason()), f"host reads of tensors in the step: {reads[1:]}"
+        reads[:] = []
         for i, r in enumerate(names):
             layer = refs.setdefault(r, HybridLayer(spec, rot, d, h, 0, sim.codecs))
             layer.update(k[i].transpose(0, 1)[None], v[i].transpose(0, 1)[None])
@@ -1075,15 +1095,17 @@ def _kernel_paths_check(refine=False):
     print(f"kernel paths ok, {sum(refine_calls)} refine kernel calls")
 
 
-def _prefill_dequant_check():
+def _prefill_dequant_check(device="cpu"):
     """The prefill rows' history with the body dequantized by rotkv's Triton dequantizer (one launch for every
     prefill row, over vLLM's block table) equals the PyTorch reference's, per row, for 2-bit keys and values and
-    4-bit keys, in float32 and bf16: run under TRITON_INTERPRET=1 by the test below."""
+    4-bit keys, in float32 and bf16: run under TRITON_INTERPRET=1 by the test below (on the CPU, the kernels
+    forced on), or on a GPU (``device`` "cuda")."""
     from types import SimpleNamespace
 
     from rotkv.integrations.vllm import attention
 
-    attention.kernels = SimpleNamespace(enabled=lambda t: True, decode_config=attention.kernels.decode_config)
+    if device == "cpu":
+        attention.kernels = SimpleNamespace(enabled=lambda t: True, decode_config=attention.kernels.decode_config)
     h, d, nblocks, cols = 2, 64, 60, 12
     gen = torch.Generator().manual_seed(6)
     geo = Geometry(sink=4, window=16, window_share=0.0, page=P, max_len=512)
@@ -1091,16 +1113,18 @@ def _prefill_dequant_check():
     qs, lens = np.array([0, 20, 21, 29, 34]), np.array([120, 50, 8, 65])
     plan = plan_step(geo, qs, lens, np.array([0, 1, 2, 3]), cols)
     assert plan.prefill_rows.tolist() == [0, 2, 3] and plan.pbody_max == geo.body_pages(100) * P
-    table = torch.randperm(nblocks - 1, generator=gen)[:4 * cols].add(1).reshape(4, cols).to(torch.int32)
+    table = torch.randperm(nblocks - 1, generator=gen)[:4 * cols].add(1).reshape(4, cols).to(torch.int32).to(device)
     pages = 5 * geo.slot_pages
-    side = [torch.randn(pages, h, P, d, generator=gen) for _ in range(2)]
+    side = [torch.randn(pages, h, P, d, generator=gen).to(device) for _ in range(2)]
     for key_bits in (2, 4):
         layout = BlockLayout.of(h, d, P, *make_codecs("token", 2, 32, 1.0, 1.0, key_bits=key_bits))
-        body = layout.body(torch.randint(0, 256, (nblocks * layout.page_bytes(),), generator=gen, dtype=torch.uint8),
-                           nblocks)
+        body = layout.body(torch.randint(0, 256, (nblocks * layout.page_bytes(),), generator=gen, dtype=torch.uint8)
+                           .to(device), nblocks)
         for part in body.parts:  # finite metadata
             part.scale.copy_(torch.rand(part.scale.shape, generator=gen) * 0.5)
             part.lo.copy_(torch.randn(part.lo.shape, generator=gen))
+        if device != "cpu":
+            assert attention.dequant_kernel_reads(body, body.k.codes)
         for dtype in (torch.float32, torch.bfloat16):
             dense = attention.body_dense_kernel(plan, body, table, dtype)
             assert dense is not None and dense[0].shape == (3, h, plan.pbody_max, d) and dense[0].dtype == dtype
@@ -1169,6 +1193,11 @@ def test_graphed_rotations_into_their_buffers_under_the_triton_interpreter():
     r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0 and "rotate into ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the dequant kernel on a GPU")
+def test_prefill_dequant_kernel_on_the_gpu():
+    _prefill_dequant_check("cuda")
 
 
 def test_prefill_dequant_kernel_under_the_triton_interpreter():

@@ -47,7 +47,7 @@ from rotkv.integrations.vllm.attention import layer_step, slot_rings
 from rotkv.integrations.vllm.config import PAGE_SIZE, WHERE, layer_codecs, load_rotations, parse_settings
 from rotkv.integrations.vllm.graph import StaticDecode, is_static_batch, static_plan, static_step
 from rotkv.integrations.vllm.layout import BlockLayout, blocks_in, group_page_bytes
-from rotkv.integrations.vllm.runner import STEP, install_runner_hooks
+from rotkv.integrations.vllm.runner import RUNNERS, STEP, install_runner_hooks
 from rotkv.integrations.vllm.state import Geometry, SlotTable, StepPlan, plan_step
 from rotkv.integrations.vllm.tp import shard_rotation
 
@@ -269,6 +269,9 @@ class RotkvMetadataBuilder(AttentionMetadataBuilder[RotkvMetadata]):
         return RotkvMetadata(plan, table, cm.num_actual_tokens)
 
 
+_FALLBACK_SAID: list = []
+
+
 def row_keys(table: torch.Tensor, num_tokens: np.ndarray) -> list:
     """The side-pool keys of a step's rows (``table``: vLLM's block table of the rows, ``num_tokens``: their new
     tokens): the request ids the hooked model runner names (:mod:`rotkv.integrations.vllm.runner`), None for a
@@ -286,6 +289,13 @@ def row_keys(table: torch.Tensor, num_tokens: np.ndarray) -> list:
     else:
         # Fallback where no hooked runner names the rows (a model runner the hooks do not know): the requests'
         # first block ids, read from the device. This copy makes the host wait for the GPU's previous step.
+        if not _FALLBACK_SAID:
+            _FALLBACK_SAID.append(True)
+            import logging
+
+            logging.getLogger("vllm.rotkv").warning(
+                "rotkv: no hooked vLLM model runner names this step's requests; the side pool is keyed by their "
+                "first block ids, read from the GPU every step (hooked: %s)", ", ".join(RUNNERS))
         keys = [k if k != 0 else None for k in table[:, 0].cpu().tolist()]  # block 0: vLLM's null block
     return [None if m == 0 else k for k, m in zip(keys, np.asarray(num_tokens).tolist())]
 
