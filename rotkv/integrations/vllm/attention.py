@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rotkv.cache.refine import RefineRings, newest_pages
+from rotkv.cache.refine import RefineRings
 from rotkv.integrations.vllm.config import WHERE
 from rotkv.kernels import backend as kernels
 from rotkv.kernels.body import PagedBody, RefineTier
@@ -158,17 +158,16 @@ def decode_rows(qr: torch.Tensor, body: PagedBody, table: tuple | None, body_max
                             sm_scale=scale, tier_start=pad, **tiers)
 
 
-def _add_refined(plan, r: int, nb: int, blocks: torch.Tensor, ks, vs, body: PagedBody, refine) -> None:
-    """Add prefill row ``r``'s refined pages (its newest ``refined_pages(nb, K, every)`` of ``nb`` body pages in
-    ``blocks``) to its dequantized body keys and values ``ks[0], vs[0] [H, nb * P, D]``, in place."""
-    key = ("refined", r, str(blocks.device))
-    if key not in plan.dev:  # once per step, shared by the layers
-        _, idx = newest_pages(np.array([nb]), refine.pages, refine.every)
-        idx = torch.from_numpy(idx).to(blocks.device)
-        plan.dev[key] = (idx, torch.full_like(idx, int(plan.slots[r])), torch.zeros_like(idx))
-    idx, slot, local = plan.dev[key]
-    if not len(idx):
+def _add_refined(plan, i: int, nb: int, blocks: torch.Tensor, ks, vs, body: PagedBody, refine) -> None:
+    """Add prefill row ``i`` (of the plan's prefill rows)'s refined pages (its newest ``refined_pages(nb, K,
+    every)`` of ``nb`` body pages in ``blocks``, planned in the step's upload) to its dequantized body keys and
+    values ``ks[0], vs[0] [H, nb * P, D]``, in place."""
+    a, b = int(plan.prefine_indptr[i]), int(plan.prefine_indptr[i + 1])
+    if b == a:
         return
+    idx = plan.device("prefine_index", blocks.device)[a:b]
+    slot = plan.device("prefine_slot", blocks.device)[a:b]
+    local = torch.zeros_like(idx)
     ids = blocks[idx]
     for x, ring, part in zip((ks[0], vs[0]), (refine.keys, refine.values), body.parts):
         if ring is not None:
@@ -225,7 +224,7 @@ def _history(plan, i: int, body: PagedBody, side_k, side_v, block_table, geo, dt
                 parts = [t.permute(1, 0, 2, 3).reshape(t.shape[1], nb * p, t.shape[3]) for t in parts]
                 out.append(dequant_rows(*parts, part.bits, part.group_size).to(dtype))
         if refine is not None:
-            _add_refined(plan, r, nb, blocks, ks, vs, body, refine)
+            _add_refined(plan, i, nb, blocks, ks, vs, body, refine)
     a, b = int(plan.htier_indptr[i]), int(plan.htier_indptr[i + 1])
     if b > a:
         page = plan.device("htier_page", side_k.device)[a:b]

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rotkv.cache.refine import ring_writes
+from rotkv.cache.refine import newest_pages, ring_writes
 from rotkv.config import window_at
 
 
@@ -205,6 +205,11 @@ class StepPlan:
     htier_page: np.ndarray
     htier_off: np.ndarray
     htier_indptr: np.ndarray
+    # the prefill rows' refined body pages (refine tier only): body index and side-pool slot (its ring row), each
+    # row's run at prefine_indptr[i] .. prefine_indptr[i + 1] (host)
+    prefine_index: np.ndarray
+    prefine_slot: np.ndarray
+    prefine_indptr: np.ndarray
     pad: int = 0
     dev: dict = field(default_factory=dict)
 
@@ -255,7 +260,8 @@ def upload_int64(arrays: list, device: torch.device) -> list[torch.Tensor]:
 DEVICE_ARRAYS = ("dwrite_page", "dwrite_off", "dwrite_tok", "dslots", "dbody_indptr", "dbody_pos", "dbody_last",
                  "flush_pos", "flush_from_side", "flush_side_page", "flush_side_off",
                  "flush_from_call", "flush_call_tok", "rwrite_sel", "rwrite_slot", "rwrite_index", "pwrite_page",
-                 "pwrite_off", "pwrite_tok", "pbody_indptr", "pbody_pos", "pbody_last", "htier_page", "htier_off")
+                 "pwrite_off", "pwrite_tok", "pbody_indptr", "pbody_pos", "pbody_last", "htier_page", "htier_off",
+                 "prefine_index", "prefine_slot")
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -349,6 +355,10 @@ def plan_step(geo: Geometry, query_start: np.ndarray, lengths: np.ndarray, slots
     hpage, hoff = side_at(prefill[hrow], ht)
     htier_indptr = np.zeros(len(prefill) + 1, dtype=np.int64)
     np.cumsum(np.bincount(hrow, minlength=len(prefill)), out=htier_indptr[1:])
+    # their refined pages: the newest refined_pages(nb0, K, every) of each row's body
+    rrow_p, ridx_p = newest_pages(hb, geo.refine_pages, geo.refine_every) if geo.refine_pages else (hrow[:0], hrow[:0])
+    prefine_indptr = np.zeros(len(prefill) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rrow_p, minlength=len(prefill)), out=prefine_indptr[1:])
     return StepPlan(
         num_tokens=int(qs[-1]), decode_rows=decode, prefill_rows=prefill, query_start=qs, computed=c, lengths=lengths,
         slots=slots, body_before=nb0, body_after=nb1, dwrite_page=dpage, dwrite_off=doff, dwrite_tok=qs[decode],
@@ -361,4 +371,5 @@ def plan_step(geo: Geometry, query_start: np.ndarray, lengths: np.ndarray, slots
         pwrite_tok=qs[prow] + pt - c[prow], pbody_indptr=pbody_indptr.astype(np.int32),
         pbody_pos=prefill[brow_p] * block_cols + geo.block_offset + bi_p,
         pbody_last=np.where(hb > 0, p, 0).astype(np.int32), pbody_max=int(hb.max(initial=0)) * p, htier_page=hpage,
-        htier_off=hoff, htier_indptr=htier_indptr, pad=pad)
+        htier_off=hoff, htier_indptr=htier_indptr, prefine_index=ridx_p, prefine_slot=slots[prefill][rrow_p],
+        prefine_indptr=prefine_indptr, pad=pad)
