@@ -10,12 +10,17 @@ teacher-forced tokens, one per call, reading it and flushing a page every 16):
 - ``gpu-kernel``: on the GPU with the kernels (write, decode, refine tier), as generate/bench/eval run there.
 
 The bound, from bf16 rounding: the mean over scored tokens of KL(cpu || gpu-kernel), of KL(cpu || gpu-torch)
-and of KL(gpu-torch || gpu-kernel) is at most ``ROUND_KL`` times the yardstick's, KL(cpu || cpu-round), and no
-token's KL of the three exceeds ``ROUND_KL`` times the yardstick's worst token. Why ``ROUND_KL`` = 16: the
-decode kernel's attention output is within 4x the bf16 rounding of the float32 output, per layer and step
-(test_refine_kernel.py, bf16 queries: 3.03x with the refine tier, 2.99x without, on the CPU under
-TRITON_INTERPRET=1), and a KL grows with the square of a small perturbation. On the CPU the kernel path's mean
-KL was 0.05x the yardstick's on the small model of the last test (float32 queries and tiers, as here). A second
+and of KL(gpu-torch || gpu-kernel) is at most ``ROUND_KL`` (1) times the yardstick's, KL(cpu || cpu-round), and
+no token's KL of the three exceeds ``ROUND_KL`` times the yardstick's worst token: a path may move the
+distributions by rounding, as much as one bf16 rounding of every attention output does, and no more. The
+kernels' arithmetic is that fine or finer: the Triton kernels' score operands in bf16 and float32 sums, the
+CUDA kernel's query and values in fp16 (3 more mantissa bits than bf16). Measured on the CPU with the Triton
+kernels under TRITON_INTERPRET=1 (the interpreter rounds bf16 operands as the GPU does and sums in float32):
+SmolLM2 float32, 512 tokens of the prose dev text then 8 teacher-forced, the kernel path's mean KL was 0.01x
+the yardstick's for quarot-int2 (6.1e-6 against 7.1e-4; worst token 0.02x) and 0.002x with oscar-refine's
+tiers (2.2e-6 against 1.2e-3; worst token 0.002x), 0.05x on the small model of the last test. With bf16
+queries and tiers the kernel's attention output is within 3.03x its own bf16 rounding (test_refine_kernel.py;
+2.99x without the refine tier): a bf16 model would need 16x, this float32 one does not. A second
 bound keeps the old sense: every mean is at most a tenth of the preset's own error, the mean KL(plain model ||
 cpu), so that what the presets are compared on does not move.
 
@@ -36,7 +41,7 @@ import torch
 needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 CONTEXT, NEW, CHUNK, WINDOWS = 2048, 256, 512, 2
-ROUND_KL = 16.0  # mean KL between two paths <= this times KL(cpu || cpu-round); the worst token likewise
+ROUND_KL = 1.0  # mean KL between two paths <= this times KL(cpu || cpu-round); the worst token likewise
 MEAN_SHARE = 0.1  # mean KL between two paths <= this share of the preset's own mean KL
 PRESETS = ["int4", "naive-int2", "quarot-int2", "kivi-2", "oscar-int2", "optr-int2", "oscar-mix", "oscar-mix-long",
            "oscar-refine", "oscar-aqua"]
@@ -183,7 +188,7 @@ def test_kernel_path_gives_the_pytorch_paths_distributions_small(device, kernels
     keys and values refined, the size rule at one refined page per 2 body pages), 144 tokens of context (7 body
     pages, 4 of them refined) and 16 teacher-forced (a page flushes, one leaves the tier); the kernel path against
     the PyTorch path on ``device``, the same bounds. Measured on the CPU: the kernel's mean KL is 0.05x the
-    yardstick's (float32 queries and tiers: the kernel rounds less than the yardstick does)."""
+    yardstick's; a kernel that reads one refined page fewer than the size rule (every + 1) gives 47x."""
     from types import SimpleNamespace
 
     from rotkv_testing import make_tiny_llama

@@ -116,13 +116,16 @@ def test_cuda_graph_decode_with_a_refine_tier_matches_eager():
 
     Why not the eager PyTorch path here: on the H200 its greedy tokens agreed with the kernel's on 0.725 of
     them (87 of 120: row 0 parts at step 7, then decodes other tokens to the end; the graph equals the eager
-    kernel on all). That is bf16 rounding at a tie, not the tier. This model and batch on the CPU
-    (TRITON_INTERPRET=1, the same weights and tokens): at row 0's step 7 the PyTorch path's top two logits are
-    0.0078 apart, one bf16 step at logits in [1, 2); teacher-forced, the kernel path's logits differ from the
-    PyTorch path's by 0.0078 (median over steps) to 0.0117 (max), and a random model's logits are flat (std
-    0.32): ties within one step are common. Per layer and step the attention outputs differ by 3.3e-3 (max
-    3.8e-3) relative, against 1.7e-3 for the float32 output rounded to bf16; the GPU's eager path (bf16 SDPA)
-    differs from float32 by 2.1e-3 itself. The rings of both paths hold the same bytes in the first layer."""
+    kernel on all). That is bf16 rounding at a tie, in the PyTorch path, not the tier. This model and batch on
+    the CPU (the same weights and tokens; TRITON_INTERPRET=1): the kernel path's greedy tokens equal the float32
+    PyTorch path's on all 120, and the PyTorch path computed as on the GPU (its dense attention in bf16) parts
+    from both at row 0's step 7, agreeing on 0.725, as on the H200. At that step the float32 path's top two
+    logits are 1.0156 and 1.0078, one bf16 step apart; the bf16 attention gives both 1.0078 and the argmax takes
+    the other token. Teacher-forced, the kernel path's logits differ from the float32 path's by 0.0078 (median
+    over steps) to 0.0117 (max), and a random model's logits are flat (std 0.32): ties within one step are
+    common. Per layer and step the attention outputs differ from float32 by 3.3e-3 relative in the kernel
+    (max 3.8e-3) and 2.1e-3 in the bf16 PyTorch path, against 1.7e-3 for the float32 output rounded to bf16;
+    the rings of both paths hold the same bytes in the first layer. """
     from test_backend import graph_agreement
 
     from rotkv.cache import RotkvCache
