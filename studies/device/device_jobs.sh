@@ -3,12 +3,16 @@
 # across device calls (a call is at most 10 minutes; every stage below is under its own timeout):
 #   bash studies/device/device_jobs.sh start            # starts the run (setsid nohup), returns at once
 #   bash studies/device/device_jobs.sh poll N           # waits up to N seconds, copies what is done to $OUT
-#   STAGES="tests split" bash studies/device/device_jobs.sh start   # some stages only (default: tests split stepprof jobqwen)
+#   STAGES="tests split" bash studies/device/device_jobs.sh start   # some stages only (default: tests gpucpu split stepprof jobqwen)
 # Needs: artifacts/ (oscar-mix.safetensors, oscar-mix-long.safetensors; carried, gitignored) and $ROTKV_GGUF (the real
-# SmolLM2) for split, stepprof's real rows and jobsmol. Stages (results under ~/jobs, copied to $OUT by every poll):
+# SmolLM2) for gpucpu, split, stepprof's real rows and jobsmol. Stages (results under ~/jobs, copied to $OUT by every poll):
 #   tests     the GPU tests of this work: the continuous-batching job in a CUDA graph against the eager job, the
 #             refine split with the CUDA kernel as the rest (tests/kernels/test_refine_split.py runs it against the
 #             PyTorch reference), the flush graph per bucket, the refine kernel's tests (about 4 minutes)
+#   gpucpu    GPU = CPU on the real SmolLM2 (tests/kernels/test_gpu_equals_cpu.py): for every preset with a kernel
+#             path and oscar-aqua, per-token distributions of the GPU kernel path and the GPU PyTorch path against the
+#             CPU PyTorch path, 2 windows of 2048 tokens then 256 teacher-forced, bounded by the KL of rounding every
+#             attention output to bf16 (small artifacts calibrated in the test; about 20 minutes: poll across calls)
 #   split     the step of oscar-refine +graph+compile without and with the split (ROTKV_TUNING=refine_split=0/1) beside
 #             oscar-mix and bf16 +graph+compile: `rotkv bench`, real SmolLM2 64 x 8K; then the Qwen3-8B shape
 #             (random weights, 8 layers, 16 x 32K): quarot-int2 with oscar-refine's tiers (sink 4, window 32, share
@@ -43,7 +47,7 @@ if [ "${1:-}" = poll ]; then
   exit 0
 fi
 cd "$(dirname "$0")/../.."
-STAGES=${STAGES:-tests split stepprof jobqwen}
+STAGES=${STAGES:-tests gpucpu split stepprof jobqwen}
 JOB_SECONDS=${JOB_SECONDS:-150}
 stage() { echo "stage $1 start $(date +%T)"; }
 want() { case " $STAGES " in *" $1 "*) return 0;; *) return 1;; esac; }
@@ -55,6 +59,9 @@ timeout 420 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_jobs.py tes
   tests/kernels/test_refine_kernel.py tests/kernels/test_backend.py -k "job or split or refine or graph or flush" \
   > "$R/tests-jobs.log" 2>&1
 echo "tests rc=$?"; tail -3 "$R/tests-jobs.log"; fi
+if want gpucpu; then stage gpucpu
+timeout 2400 python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_gpu_equals_cpu.py > "$R/tests-gpucpu.log" 2>&1
+echo "gpucpu rc=$?"; grep -E "own KL|passed|failed|Error" "$R/tests-gpucpu.log" | tail -14; fi
 if want split; then stage split
 for mode in 0 1; do
   ROTKV_TUNING=refine_split=$mode timeout 300 python3 -m rotkv.cli bench --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" \
