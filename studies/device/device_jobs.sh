@@ -21,6 +21,10 @@
 #   stepprof  profile_step.py: the flush graph's time alone (flush_ms at 1, 8 and 64 pages, its share of the step)
 #             at SmolLM2's shape 64 x 8K for quarot-int2 and bf16 +compile, and oscar-refine (split) and oscar-mix
 #             on the real SmolLM2 (about 4 minutes)
+#   aquastep  the step of oscar-aqua (eager PyTorch path: no kernel reads a predicting layer) against oscar-refine eager
+#             and +graph+compile and rotkv bf16 +graph+compile: `rotkv bench`, real SmolLM2 64 x 8K, one artifact
+#             (oscar-mix-long+aqua, calibrated on the GPU when artifacts/ lacks it) (about 5 minutes; not a default
+#             stage: STAGES=aquastep)
 #   jobqwen   bench_job.py --workload reasoning at the Qwen3-8B shape, 36 layers, random weights: 512 requests of
 #             512-2K prompt and 8K-32K new tokens, one KV budget (the free memory less 8 GB), each method cut at
 #             150 s (a first request ends after 8K steps: at about 30 ms a step the cut measures the batch each
@@ -91,6 +95,14 @@ ROTKV_TUNING=refine_split=1 timeout 300 python3 benchmarks/profile_step.py --mod
   --artifact-dir artifacts --requests 64 --context 8192 --presets oscar-refine+compile oscar-mix+compile \
   --out "$R/stepprof-flush-real.json" >> "$R/stepprof.log" 2>&1
 echo "stepprof real rc=$?"; grep -E "flush|graph_ms" "$R/stepprof.log" | tail -6; fi
+if want aquastep; then stage aquastep
+A=artifacts/oscar-mix-long+aqua.safetensors
+[ -f "$A" ] || timeout 300 python3 -m rotkv.cli calibrate --device cuda --method aqua \
+  --base-artifact artifacts/oscar-mix-long.safetensors --out "$A" > "$R/aquastep.log" 2>&1
+timeout 420 python3 -m rotkv.cli bench --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --batch 64 --context 8192 \
+  --new-tokens 32 --methods rotkv:oscar-aqua rotkv:oscar-refine rotkv:oscar-refine+graph+compile rotkv:bf16+graph+compile \
+  --artifact "$A" --out "$R/generate-aqua-smollm2.json" >> "$R/aquastep.log" 2>&1
+echo "aquastep rc=$?"; grep "^| 64 x" "$R/aquastep.log" | tail -4; fi
 if want jobqwen; then stage jobqwen
 ROTKV_TUNING=refine_split=1 timeout 1500 python3 benchmarks/bench_job.py --workload reasoning --shape qwen3-8b --requests 512 \
   --max-seconds "$JOB_SECONDS" --methods "rotkv:quarot-int2+graph+compile@$MIX_TIERS" "rotkv:quarot-int2+graph+compile@$REFINE_TIERS" \
