@@ -1183,16 +1183,22 @@ def _rotate_into_check():
     print("rotate into ok")
 
 
-def test_graphed_rotations_into_their_buffers_under_the_triton_interpreter():
-    pytest.importorskip("triton")
+def _under_interpreter(call: str, marker: str, **env_extra) -> str:
+    """Runs ``test_vllm_plugin.<call>`` in a fresh interpreter with ``TRITON_INTERPRET=1`` (Triton reads it at
+    import) and returns its stdout, asserting it exited cleanly and printed ``marker``."""
     import os
     from pathlib import Path
 
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import test_vllm_plugin as t; t._rotate_into_check()"
-    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0 and "rotate into ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", **env_extra)
+    r = subprocess.run([sys.executable, "-c", f"import test_vllm_plugin as t; t.{call}"], cwd=Path(__file__).parent,
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and marker in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def test_graphed_rotations_into_their_buffers_under_the_triton_interpreter():
+    _under_interpreter("_rotate_into_check()", "rotate into ok")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the dequant kernel on a GPU")
@@ -1201,42 +1207,18 @@ def test_prefill_dequant_kernel_on_the_gpu():
 
 
 def test_prefill_dequant_kernel_under_the_triton_interpreter():
-    pytest.importorskip("triton")
-    import os
-    from pathlib import Path
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import test_vllm_plugin as t; t._prefill_dequant_check()"
-    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0 and "prefill dequant ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    _under_interpreter("_prefill_dequant_check()", "prefill dequant ok")
 
 
 @pytest.mark.parametrize("refine", [False, True])
 def test_graphed_step_kernels_under_the_triton_interpreter(refine):
-    pytest.importorskip("triton")
-    import os
-    from pathlib import Path
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = f"import test_vllm_plugin as t; t._graphed_kernel_check({refine})"
-    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0 and "graphed kernel paths ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    _under_interpreter(f"_graphed_kernel_check({refine})", "graphed kernel paths ok")
 
 
 @pytest.mark.parametrize("refine,tuning", [(False, ""), (True, ""), (True, "refine_kernel=0")])
 def test_kernel_paths_under_the_triton_interpreter(refine, tuning):
     """``refine_kernel=0``: no kernel reads the refine tier, so its decode calls take the PyTorch path (as in
     rotkv's cache), and the write kernel still runs."""
-    pytest.importorskip("triton")
-    import os
-    from pathlib import Path
-
-    env = dict(os.environ, TRITON_INTERPRET="1", ROTKV_TUNING=tuning)
-    code = f"import test_vllm_plugin as t; t._kernel_paths_check({refine})"
-    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0 and "kernel paths ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    calls = int(r.stdout.split("kernel paths ok, ")[1].split()[0])
-    assert (calls > 0) == (refine and not tuning), r.stdout[-3000:]
+    out = _under_interpreter(f"_kernel_paths_check({refine})", "kernel paths ok", ROTKV_TUNING=tuning)
+    calls = int(out.split("kernel paths ok, ")[1].split()[0])
+    assert (calls > 0) == (refine and not tuning), out[-3000:]
