@@ -1105,7 +1105,10 @@ def _prefill_dequant_check(device="cpu"):
     from rotkv.integrations.vllm import attention
 
     if device == "cpu":
+        from rotkv.kernels import plan as kernel_plan
+
         attention.kernels = SimpleNamespace(enabled=lambda t: True, decode_config=attention.kernels.decode_config)
+        kernel_plan.kernels_enabled = lambda t: True  # plan_pools' rule, as the GPU takes it
     h, d, nblocks, cols = 2, 64, 60, 12
     gen = torch.Generator().manual_seed(6)
     geo = Geometry(sink=4, window=16, window_share=0.0, page=P, max_len=512)

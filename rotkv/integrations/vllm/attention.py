@@ -195,14 +195,11 @@ def body_dense_kernel(plan, body: PagedBody, block_table: torch.Tensor, dtype) -
 
 
 def dequant_kernel_reads(body: PagedBody, t: torch.Tensor) -> bool:
-    """Whether rotkv's Triton dequantizer reads ``body`` on ``t``'s device (the kernels on there, and both parts
-    of a kernel width and metadata: ``rotkv.kernels.plan.part_reason``, as rotkv's cache decides)."""
-    if not kernels.enabled(t):
-        return False
-    from rotkv.kernels.plan import device_capability, part_reason
+    """Whether rotkv's Triton dequantizer reads ``body`` on ``t``'s device: the decision rotkv's cache takes for
+    its pools (``rotkv.kernels.plan.plan_pools``)."""
+    from rotkv.kernels.plan import plan_pools
 
-    cap = device_capability(t.device)
-    return all(part_reason(p.bits, p.meta, p.format, cap) is None for p in body.parts)
+    return plan_pools(t, body).dequant
 
 
 def _history(plan, i: int, body: PagedBody, side_k, side_v, block_table, geo, dtype, refine=None, dense=None):
