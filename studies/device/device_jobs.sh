@@ -31,6 +31,9 @@
 #             method holds and its tokens/s; JOB_SECONDS=600 and one method at a time see rows refilled):
 #             quarot-int2 with oscar-mix's tiers, with oscar-refine's (split on), rotkv bf16, all +graph+compile, and
 #             HF StaticCache + compile (waves) (about 15 minutes: poll across calls)
+#   niah48    NIAH at 4, 6 and 8K (noise, essay, multikey; 8 haystacks per cell: 96 questions per method) for
+#             NIAH_METHODS (default bf16,oscar-refine) at their own sink and window, `rotkv eval --device cuda`
+#             (not a default stage: STAGES=niah48)
 #   jobsmol   the same job on the real SmolLM2: oscar-refine (split on), oscar-mix, quarot-int2, bf16 (+graph+compile)
 #             and HF StaticCache + compile, 2048 requests, 90 s each (about 10 minutes)
 set -u
@@ -108,6 +111,11 @@ ROTKV_TUNING=refine_split=1 timeout 1500 python3 benchmarks/bench_job.py --workl
   --max-seconds "$JOB_SECONDS" --methods "rotkv:quarot-int2+graph+compile@$MIX_TIERS" "rotkv:quarot-int2+graph+compile@$REFINE_TIERS" \
   rotkv:bf16+graph+compile hf-static-compile --out "$R/jobreason-qwen3-8b-36l.json" > "$R/jobqwen.log" 2>&1
 echo "jobqwen rc=$?"; grep "tok/s" "$R/jobqwen.log" | tail -4; fi
+if want niah48; then stage niah48
+timeout 900 python3 -m rotkv.cli eval --device cuda --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --artifact-dir artifacts \
+  --methods "${NIAH_METHODS:-bf16,oscar-refine}" --sink preset --window preset --tasks niah \
+  --lengths niah=4096,6144,8192 --samples 8 --variants noise,essay,multikey --out "$R/niah48" > "$R/niah48.log" 2>&1
+echo "niah48 rc=$?"; grep -E "^\| (bf16|oscar)" "$R/niah48/report.md" 2>/dev/null | tail -4; fi
 if want jobsmol; then stage jobsmol
 ROTKV_TUNING=refine_split=1 timeout 1200 python3 benchmarks/bench_job.py --workload reasoning --model "${ROTKV_GGUF:?}" \
   --artifact-dir artifacts --requests 2048 --max-seconds "${SMOL_SECONDS:-90}" --methods rotkv:oscar-refine+graph+compile \
