@@ -404,20 +404,50 @@ def test_merged_prefill_path_matches_rotkv_cache(monkeypatch, refine):
 
 # a step of several prefill rows over bodies of 3, 4, 5, 11 and 17 pages, a first chunk and a decode row beside
 # them; at 8 KV heads of 128 dims in float32 a body page's K and V take 128 KiB: ROTKV_PREFILL_HISTORY_MB=1 reads 8
-# pages a launch, so rows F and H share a launch, C has one of its own, B is read in 2 page ranges and A in 3 (with
-# a refine tier of 2 pages, its refined pages 15 and 16 in different ranges)
+# pages a launch, so rows F and H share a launch, C has one of its own, B is read in 2 page ranges and A in 3 (its
+# refined pages in two of them: 15 and 16 with a refine tier of 2 pages, 14 to 16 with 3)
 PREFILL_ROWS_STEPS = [[("E", 30), ("F", 70), ("H", 90), ("C", 100), ("B", 200), ("A", 300)],
                       [("F", 20), ("H", 9), ("C", 30), ("B", 25), ("A", 40), ("D", 50), ("E", 1)],
                       [("A", 1), ("B", 1), ("C", 1), ("D", 1), ("E", 1), ("F", 1), ("H", 1)]]
+
+
+def _prefill_rows_run(spec, rot, data, h, hq, d, budget):
+    """PREFILL_ROWS_STEPS (``data``: each step's q, k, v) through one VllmSim layer under ``budget`` MiB of
+    ``ROTKV_PREFILL_HISTORY_MB`` (None: the default): (every step's outputs, the launches the prefill step took,
+    the key lengths attended at once in the merged prefill but the own tokens', the sim, the lengths)."""
+    from rotkv import switches
+    from rotkv.cache import layer as cache_layer
+    from rotkv.integrations.vllm import attention
+
+    lse, history_launches, keys, launches = cache_layer.attention_lse, attention.history_launches, [], []
+
+    def attention_lse(q, k, v, causal, scale):
+        if not causal:
+            keys.append(k.shape[2])
+        return lse(q, k, v, causal, scale)
+    sim = VllmSim(spec, rot, h, hq, d, nblocks=128, slots=8)
+    lens, outs = {}, []
+    cache_layer.attention_lse = attention_lse
+    attention.history_launches = lambda *a: launches.append(history_launches(*a)) or launches[-1]
+    try:
+        with switches.override(**({"prefill_history_mb": budget} if budget else {})):
+            for step, (q, k, v) in zip(PREFILL_ROWS_STEPS, data):
+                for r, n in step:
+                    lens[r] = lens.get(r, 0) + n
+                outs.append(sim.step([r for r, _ in step], [lens[r] for r, _ in step], q, k, v)[0])
+    finally:
+        cache_layer.attention_lse, attention.history_launches = lse, history_launches
+    assert len(launches) == 1  # the one step whose prefill rows have a body
+    return outs, launches[0], keys, sim, lens
 
 
 def _prefill_rows_check(refine, merged: bool, kernel: bool = False):
     """The steps of PREFILL_ROWS_STEPS with ROTKV_PREFILL_HISTORY_MB=1 (the prefill rows' body read in several
     launches: groups of whole rows, and page ranges of one row) give the outputs of the default budget (one launch
     for every row) and of rotkv's own cache, with the reference prefill or the merged one (``merged``: every
-    history piece attended apart and merged by log-sum-exp, as on CUDA); ``kernel``: the body dequantized by
-    rotkv's Triton dequantizer (run under TRITON_INTERPRET=1 by the test below)."""
-    from rotkv import switches
+    history piece attended apart and merged by log-sum-exp, as on CUDA, none longer than a launch's page range);
+    ``kernel``: the body dequantized by rotkv's Triton dequantizer (run under TRITON_INTERPRET=1 by the test
+    below; the caller restores ``MERGED_PREFILL``)."""
     from rotkv.cache.layer import HybridLayer
     from rotkv.integrations.vllm import attention
 
@@ -436,39 +466,30 @@ def _prefill_rows_check(refine, merged: bool, kernel: bool = False):
     gen = torch.Generator().manual_seed(5)
     data = [[[torch.randn(n, m, d, generator=gen) * (2 if m == h else 1) for _, n in step] for m in (hq, h, h)]
             for step in PREFILL_ROWS_STEPS]
-    outs = {}
-    for budget in (None, 1):
-        sim = VllmSim(spec, rot, h, hq, d, nblocks=128, slots=8)
-        lens, got = {}, []
-        with switches.override(**({"prefill_history_mb": budget} if budget else {})):
-            for step, (q, k, v) in zip(PREFILL_ROWS_STEPS, data):
-                for r, n in step:
-                    lens[r] = lens.get(r, 0) + n
-                o, plan = sim.step([r for r, _ in step], [lens[r] for r, _ in step], q, k, v)
-                got.append(o)
-                if step is PREFILL_ROWS_STEPS[1]:
-                    launches = attention.history_launches(plan.body_before[plan.prefill_rows], 2 * h * P * d * 4)
-        assert launches == ([(0, 5, 0, 17)] if budget is None else
-                            [(0, 2, 0, 4), (2, 3, 0, 5), (3, 4, 0, 8), (3, 4, 8, 11), (4, 5, 0, 8), (4, 5, 8, 16),
-                             (4, 5, 16, 17)])
-        outs[budget] = got
-        assert (launches[-1] in launched) == kernel
-    for a, b in zip(outs[None], outs[1]):  # the small budget's outputs are the default's (the reference's: the
-        for x, y in zip(a, b):  # same history; the merged one's: merged in more parts)
+    want, launches, _, _, _ = _prefill_rows_run(spec, rot, data, h, hq, d, None)
+    assert launches == [(0, 5, 0, 17)]
+    got, launches, keys, sim, lens = _prefill_rows_run(spec, rot, data, h, hq, d, 1)
+    assert launches == [(0, 2, 0, 4), (2, 3, 0, 5), (3, 4, 0, 8), (3, 4, 8, 11), (4, 5, 0, 8), (4, 5, 8, 16),
+                        (4, 5, 16, 17)]
+    assert (launches[-1] in launched) == kernel
+    if merged:  # no history longer than a launch's page range attended at once (no copy of the pieces together)
+        assert max(keys) == 8 * P
+    for a, b in zip(want, got):  # the small budget's outputs are the default's (the reference's: the same
+        for x, y in zip(a, b):  # history; the merged one's: merged in more parts)
             assert torch.equal(x, y) if not merged else torch.allclose(x, y, atol=1e-5, rtol=1e-4)
     refs = {}
-    for step, (q, k, v), o in zip(PREFILL_ROWS_STEPS, data, outs[1]):  # and rotkv's cache's
+    for step, (q, k, v), o in zip(PREFILL_ROWS_STEPS, data, got):  # and rotkv's cache's
         for i, (r, _) in enumerate(step):
             layer = refs.setdefault(r, HybridLayer(spec, rot, d, h, 0, sim.codecs))
             layer.update(k[i].transpose(0, 1)[None], v[i].transpose(0, 1)[None])
-            want = layer.attend(q[i].transpose(0, 1)[None], None, d ** -0.5)[0]
-            torch.testing.assert_close(o[i], want, atol=2e-5, rtol=1e-4)
+            ref = layer.attend(q[i].transpose(0, 1)[None], None, d ** -0.5)[0]
+            torch.testing.assert_close(o[i], ref, atol=2e-5, rtol=1e-4)
     if refine:
         _check_rings(sim, refs, lens, at_least=5)
     print("prefill rows ok")
 
 
-@pytest.mark.parametrize("refine", [None, REFINES[2]])
+@pytest.mark.parametrize("refine", [None, REFINES[1], REFINES[2]])
 @pytest.mark.parametrize("merged", [False, True])
 def test_prefill_rows_in_budget_launches_match_rotkv_cache(monkeypatch, refine, merged):
     """Several prefill rows of different body lengths in one step, their body read in launches within a 1 MiB
@@ -1314,7 +1335,7 @@ def test_prefill_dequant_kernel_under_the_triton_interpreter():
     _under_interpreter("_prefill_dequant_check()", "prefill dequant ok")
 
 
-@pytest.mark.parametrize("refine,merged", [(None, False), (REFINES[2], True)])
+@pytest.mark.parametrize("refine,merged", [(None, False), (REFINES[1], True)])
 def test_prefill_rows_in_budget_launches_under_the_triton_interpreter(refine, merged):
     """The check above with the prefill rows' body dequantized by rotkv's Triton dequantizer."""
     _under_interpreter(f"_prefill_rows_check({refine}, {merged}, kernel=True)", "prefill rows ok")
