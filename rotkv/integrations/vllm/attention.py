@@ -6,8 +6,9 @@ the step's new tokens (vLLM's ``[tokens, heads, D]``), its INT2 body over vLLM's
 (:class:`~rotkv.kernels.body.PagedBody`, :mod:`rotkv.integrations.vllm.layout`), its bf16 side pool, the
 layer's rotation and codecs; it writes the attention output. The order of a step is the module docstring's
 of :mod:`rotkv.integrations.vllm.state`. On CUDA it runs rotkv's kernels (the split-K decode over the body and
-the side pool, the fused quantizing write); elsewhere their PyTorch references (``rotkv.kernels.reference``),
-which the CPU tests compare against rotkv's own cache.
+the side pool, the fused quantizing write, the dequantizer of the prefill rows' history in launches within
+``ROTKV_PREFILL_HISTORY_MB``); elsewhere their PyTorch references (``rotkv.kernels.reference``), which the CPU tests
+compare against rotkv's own cache.
 
 Keys are stored as ``(k - mu) R_K`` and values as ``v R_V`` (rotkv's semantics); queries are rotated by
 their KV group's ``R_K`` and outputs turned back by ``R_V^T``.
