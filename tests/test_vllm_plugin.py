@@ -402,6 +402,105 @@ def test_merged_prefill_path_matches_rotkv_cache(monkeypatch, refine):
     test_layer_step_matches_rotkv_cache_on_mixed_batches(4, 16, 0.0, refine)
 
 
+# a step of several prefill rows over bodies of 3, 4, 5, 11 and 17 pages, a first chunk and a decode row beside
+# them; at 8 KV heads of 128 dims in float32 a body page's K and V take 128 KiB: ROTKV_PREFILL_HISTORY_MB=1 reads 8
+# pages a launch, so rows F and H share a launch, C has one of its own, B is read in 2 page ranges and A in 3 (its
+# refined pages in two of them: 15 and 16 with a refine tier of 2 pages, 14 to 16 with 3)
+PREFILL_ROWS_STEPS = [[("E", 30), ("F", 70), ("H", 90), ("C", 100), ("B", 200), ("A", 300)],
+                      [("F", 20), ("H", 9), ("C", 30), ("B", 25), ("A", 40), ("D", 50), ("E", 1)],
+                      [("A", 1), ("B", 1), ("C", 1), ("D", 1), ("E", 1), ("F", 1), ("H", 1)]]
+
+
+def _prefill_rows_run(spec, rot, data, h, hq, d, budget):
+    """PREFILL_ROWS_STEPS (``data``: each step's q, k, v) through one VllmSim layer under ``budget`` MiB of
+    ``ROTKV_PREFILL_HISTORY_MB`` (None: the default): (every step's outputs, the launches the prefill step took,
+    the key lengths attended at once in the merged prefill but the own tokens', the sim, the lengths)."""
+    from rotkv import switches
+    from rotkv.cache import layer as cache_layer
+    from rotkv.integrations.vllm import attention
+
+    lse, history_launches, keys, launches = cache_layer.attention_lse, attention.history_launches, [], []
+
+    def attention_lse(q, k, v, causal, scale):
+        if not causal:
+            keys.append(k.shape[2])
+        return lse(q, k, v, causal, scale)
+    sim = VllmSim(spec, rot, h, hq, d, nblocks=128, slots=8)
+    lens, outs = {}, []
+    cache_layer.attention_lse = attention_lse
+    attention.history_launches = lambda *a: launches.append(history_launches(*a)) or launches[-1]
+    try:
+        with switches.override(**({"prefill_history_mb": budget} if budget else {})):
+            for step, (q, k, v) in zip(PREFILL_ROWS_STEPS, data):
+                for r, n in step:
+                    lens[r] = lens.get(r, 0) + n
+                outs.append(sim.step([r for r, _ in step], [lens[r] for r, _ in step], q, k, v)[0])
+    finally:
+        cache_layer.attention_lse, attention.history_launches = lse, history_launches
+    assert len(launches) == 1  # the one step whose prefill rows have a body
+    return outs, launches[0], keys, sim, lens
+
+
+def _prefill_rows_check(refine, merged: bool, kernel: bool = False):
+    """The steps of PREFILL_ROWS_STEPS with ROTKV_PREFILL_HISTORY_MB=1 (the prefill rows' body read in several
+    launches: groups of whole rows, and page ranges of one row) give the outputs of the default budget (one launch
+    for every row) and of rotkv's own cache, with the reference prefill or the merged one (``merged``: every
+    history piece attended apart and merged by log-sum-exp, as on CUDA, none longer than a launch's page range);
+    ``kernel``: the body dequantized by rotkv's Triton dequantizer (run under TRITON_INTERPRET=1 by the test
+    below; the caller restores ``MERGED_PREFILL``)."""
+    from rotkv.cache.layer import HybridLayer
+    from rotkv.integrations.vllm import attention
+
+    attention.MERGED_PREFILL = merged
+    launched = []
+    if kernel:
+        attention.dequant_kernel_reads = lambda body, t: True
+        dequant_launch = attention.dequant_launch
+        attention.dequant_launch = lambda *a: launched.append(a[1]) or dequant_launch(*a)
+    h, hq, d = 8, 16, 128
+    rt, rv, re = refine or (0, False, 0)
+    spec = CacheSpec(bits=2, group_size=32, sink=4, window=16, page_size=P, tier_dtype="float32",
+                     rotation="identity", clip_k=0.96, clip_v=0.92, refine_tokens=rt, refine_values=rv,
+                     refine_every=re)
+    rot = _rotation(h, d, 5)
+    gen = torch.Generator().manual_seed(5)
+    data = [[[torch.randn(n, m, d, generator=gen) * (2 if m == h else 1) for _, n in step] for m in (hq, h, h)]
+            for step in PREFILL_ROWS_STEPS]
+    want, launches, _, _, _ = _prefill_rows_run(spec, rot, data, h, hq, d, None)
+    assert launches == [(0, 5, 0, 17)]
+    got, launches, keys, sim, lens = _prefill_rows_run(spec, rot, data, h, hq, d, 1)
+    assert launches == [(0, 2, 0, 4), (2, 3, 0, 5), (3, 4, 0, 8), (3, 4, 8, 11), (4, 5, 0, 8), (4, 5, 8, 16),
+                        (4, 5, 16, 17)]
+    assert (launches[-1] in launched) == kernel
+    if merged:  # no history longer than a launch's page range attended at once (no copy of the pieces together)
+        assert max(keys) == 8 * P
+    for a, b in zip(want, got):  # the small budget's outputs are the default's (the reference's: the same
+        for x, y in zip(a, b):  # history; the merged one's: merged in more parts)
+            assert torch.equal(x, y) if not merged else torch.allclose(x, y, atol=1e-5, rtol=1e-4)
+    refs = {}
+    for step, (q, k, v), o in zip(PREFILL_ROWS_STEPS, data, got):  # and rotkv's cache's
+        for i, (r, _) in enumerate(step):
+            layer = refs.setdefault(r, HybridLayer(spec, rot, d, h, 0, sim.codecs))
+            layer.update(k[i].transpose(0, 1)[None], v[i].transpose(0, 1)[None])
+            ref = layer.attend(q[i].transpose(0, 1)[None], None, d ** -0.5)[0]
+            torch.testing.assert_close(o[i], ref, atol=2e-5, rtol=1e-4)
+    if refine:
+        _check_rings(sim, refs, lens, at_least=5)
+    print("prefill rows ok")
+
+
+@pytest.mark.parametrize("refine", [None, REFINES[1], REFINES[2]])
+@pytest.mark.parametrize("merged", [False, True])
+def test_prefill_rows_in_budget_launches_match_rotkv_cache(monkeypatch, refine, merged):
+    """Several prefill rows of different body lengths in one step, their body read in launches within a 1 MiB
+    ``ROTKV_PREFILL_HISTORY_MB`` (groups of whole rows; a row over it in page ranges; the refined pages added to
+    the range that holds them): the outputs of the default budget and of rotkv's own cache."""
+    from rotkv.integrations.vllm import attention
+
+    monkeypatch.setattr(attention, "MERGED_PREFILL", merged)
+    _prefill_rows_check(refine, merged)
+
+
 @pytest.mark.parametrize("refine", [{}, {"refine_tokens": 32, "refine_values": True, "refine_every": 2}])
 def test_layer_step_bf16_side_pool_matches_rotkv_bf16_tier(refine):
     """With rotkv's default bf16 tier (the side pool in bf16): the same outputs as rotkv's cache (with a
@@ -1096,12 +1195,15 @@ def _kernel_paths_check(refine=False):
 
 
 def _prefill_dequant_check(device="cpu"):
-    """The prefill rows' history with the body dequantized by rotkv's Triton dequantizer (one launch for every
-    prefill row, over vLLM's block table) equals the PyTorch reference's, per row, for 2-bit keys and values and
-    4-bit keys, in float32 and bf16: run under TRITON_INTERPRET=1 by the test below (on the CPU, the kernels
-    forced on), or on a GPU (``device`` "cuda")."""
+    """The prefill rows' body dequantized by rotkv's Triton dequantizer in the launches of ``history_launches``
+    (over vLLM's block table) equals the PyTorch reference's, per row and page range, for 2-bit keys and values
+    and 4-bit keys, in float32 and bf16: with the default ``ROTKV_PREFILL_HISTORY_MB`` one launch for every
+    prefill row; with 1 MiB groups of whole rows (the plan's table sliced at the group's rows) and the rows
+    over it in page ranges. Run under TRITON_INTERPRET=1 by the test below (on the CPU, the kernels forced on),
+    or on a GPU (``device`` "cuda")."""
     from types import SimpleNamespace
 
+    from rotkv import switches
     from rotkv.integrations.vllm import attention
 
     if device == "cpu":
@@ -1109,16 +1211,17 @@ def _prefill_dequant_check(device="cpu"):
 
         attention.kernels = SimpleNamespace(enabled=lambda t: True, decode_config=attention.kernels.decode_config)
         kernel_plan.kernels_enabled = lambda t: True  # plan_pools' rule, as the GPU takes it
-    h, d, nblocks, cols = 2, 64, 60, 12
+    h, d, nblocks, cols = 8, 128, 160, 24
     gen = torch.Generator().manual_seed(6)
     geo = Geometry(sink=4, window=16, window_share=0.0, page=P, max_len=512)
-    # rows: a second chunk over 100 tokens, a decode row, a first chunk (no history), a chunk over 60 tokens
-    qs, lens = np.array([0, 20, 21, 29, 34]), np.array([120, 50, 8, 65])
-    plan = plan_step(geo, qs, lens, np.array([0, 1, 2, 3]), cols)
-    assert plan.prefill_rows.tolist() == [0, 2, 3] and plan.pbody_max == geo.body_pages(100) * P
-    table = torch.randperm(nblocks - 1, generator=gen)[:4 * cols].add(1).reshape(4, cols).to(torch.int32).to(device)
-    pages = 5 * geo.slot_pages
-    side = [torch.randn(pages, h, P, d, generator=gen).to(device) for _ in range(2)]
+    # rows: a chunk over 330 tokens (19 body pages), a decode row, a first chunk (no history), chunks over 70,
+    # 90 and 200 tokens (3, 4 and 11 pages)
+    qs, lens = np.array([0, 20, 21, 29, 34, 40, 47]), np.array([350, 50, 8, 75, 96, 207])
+    plan = plan_step(geo, qs, lens, np.arange(6), cols)
+    pages = plan.body_before[plan.prefill_rows]
+    assert plan.prefill_rows.tolist() == [0, 2, 3, 4, 5] and pages.tolist() == [19, 0, 3, 4, 11]
+    table = torch.randperm(nblocks - 1, generator=gen)[:6 * cols].add(1).reshape(6, cols).to(torch.int32).to(device)
+    side = [torch.randn(7 * geo.slot_pages, h, P, d, generator=gen).to(device) for _ in range(2)]
     for key_bits in (2, 4):
         layout = BlockLayout.of(h, d, P, *make_codecs("token", 2, 32, 1.0, 1.0, key_bits=key_bits))
         body = layout.body(torch.randint(0, 256, (nblocks * layout.page_bytes(),), generator=gen, dtype=torch.uint8)
@@ -1126,18 +1229,37 @@ def _prefill_dequant_check(device="cpu"):
         for part in body.parts:  # finite metadata
             part.scale.copy_(torch.rand(part.scale.shape, generator=gen) * 0.5)
             part.lo.copy_(torch.randn(part.lo.shape, generator=gen))
-        if device != "cpu":
-            assert attention.dequant_kernel_reads(body, body.k.codes)
-        for dtype in (torch.float32, torch.bfloat16):
-            dense = attention.body_dense_kernel(plan, body, table, dtype)
-            assert dense is not None and dense[0].shape == (3, h, plan.pbody_max, d) and dense[0].dtype == dtype
-            for i in range(3):
-                got = attention._history(plan, i, body, *side, table, geo, dtype, None, dense)
-                want = attention._history(plan, i, body, *side, table, geo, dtype, None, None)
-                assert len(got[0]) == len(want[0]) == (0 if i == 1 else 2)  # body, tier; the first chunk: none
-                for x, y in zip(got[0] + got[1], want[0] + want[1]):
-                    tol = 1e-6 if dtype == torch.float32 else 8e-3
-                    torch.testing.assert_close(x, y, atol=tol, rtol=tol)
+        assert attention.dequant_kernel_reads(body, body.k.codes)
+        for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
+            page_bytes = 2 * h * P * d * torch.empty(0, dtype=dtype).element_size()
+            for budget in (None, 1):
+                launches = attention.history_launches(pages, page_bytes, budget)
+                if budget is None:
+                    assert launches == [(0, 5, 0, 19)]
+                else:  # 1 MiB: 8 float32 pages, 16 bf16 pages; rows 2 and 3 (3 and 4 pages) in one group
+                    cap = (1 << 20) // page_bytes
+                    assert (2, 4, 0, 4) in launches and any(j0 > 0 for _, _, j0, _ in launches)
+                    assert all((i1 - i0) * (j1 - j0) <= cap for i0, i1, j0, j1 in launches)
+                read = {i: [] for i in range(5)}
+                for launch in launches:
+                    i0, i1, j0, j1 = launch
+                    bufs = attention.dequant_launch(plan, launch, body, table, dtype)
+                    assert bufs[0].shape == (i1 - i0, h, (j1 - j0) * P, d) and bufs[0].dtype == dtype
+                    for i in range(i0, i1):
+                        e = min(int(pages[i]), j1)
+                        if e <= j0:
+                            continue
+                        read[i].append((j0, e))
+                        got = attention.body_piece(plan, i, j0, e, body, table, geo, dtype, bufs, i - i0)
+                        want = attention.body_piece(plan, i, j0, e, body, table, geo, dtype)
+                        for x, y in zip(got, want):
+                            assert x.shape == (h, (e - j0) * P, d)
+                            torch.testing.assert_close(x, y, atol=tol, rtol=tol)
+                for i, n in enumerate(pages.tolist()):  # every body page read once, in order
+                    assert [j for r in read[i] for j in range(*r)] == list(range(n))
+    with switches.override(prefill_history_mb=1):  # the switch is the default budget
+        fp32_page = 2 * h * P * d * 4
+        assert attention.history_launches(pages, fp32_page) == attention.history_launches(pages, fp32_page, 1)
     print("prefill dequant ok")
 
 
@@ -1211,6 +1333,12 @@ def test_prefill_dequant_kernel_on_the_gpu():
 
 def test_prefill_dequant_kernel_under_the_triton_interpreter():
     _under_interpreter("_prefill_dequant_check()", "prefill dequant ok")
+
+
+@pytest.mark.parametrize("refine,merged", [(None, False), (REFINES[1], True)])
+def test_prefill_rows_in_budget_launches_under_the_triton_interpreter(refine, merged):
+    """The check above with the prefill rows' body dequantized by rotkv's Triton dequantizer."""
+    _under_interpreter(f"_prefill_rows_check({refine}, {merged}, kernel=True)", "prefill rows ok")
 
 
 @pytest.mark.parametrize("refine", [False, True])

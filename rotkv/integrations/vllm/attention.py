@@ -6,8 +6,9 @@ the step's new tokens (vLLM's ``[tokens, heads, D]``), its INT2 body over vLLM's
 (:class:`~rotkv.kernels.body.PagedBody`, :mod:`rotkv.integrations.vllm.layout`), its bf16 side pool, the
 layer's rotation and codecs; it writes the attention output. The order of a step is the module docstring's
 of :mod:`rotkv.integrations.vllm.state`. On CUDA it runs rotkv's kernels (the split-K decode over the body and
-the side pool, the fused quantizing write); elsewhere their PyTorch references (``rotkv.kernels.reference``),
-which the CPU tests compare against rotkv's own cache.
+the side pool, the fused quantizing write, the dequantizer of the prefill rows' history in launches within
+``ROTKV_PREFILL_HISTORY_MB``); elsewhere their PyTorch references (``rotkv.kernels.reference``), which the CPU tests
+compare against rotkv's own cache.
 
 Keys are stored as ``(k - mu) R_K`` and values as ``v R_V`` (rotkv's semantics); queries are rotated by
 their KV group's ``R_K`` and outputs turned back by ``R_V^T``.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rotkv import switches
 from rotkv.cache.refine import RefineRings
 from rotkv.integrations.vllm.config import WHERE
 from rotkv.kernels import backend as kernels
@@ -32,8 +34,8 @@ from rotkv.kernels.reference import decode_reference, dequant_rows, quant_write_
 from rotkv.rotations.base import LayerRotation
 
 
-# the CUDA prefill's two-part attention (history and own tokens merged by log-sum-exp) on every device; the
-# CPU tests set it to check that path against rotkv's cache
+# the CUDA prefill's attention in parts (each piece of the history and the own tokens apart, merged by their
+# log-sum-exp) on every device; the CPU tests set it to check that path against rotkv's cache
 MERGED_PREFILL = False
 
 
@@ -158,39 +160,68 @@ def decode_rows(qr: torch.Tensor, body: PagedBody, table: tuple | None, body_max
                             sm_scale=scale, tier_start=pad, **tiers)
 
 
-def _add_refined(plan, i: int, nb: int, blocks: torch.Tensor, ks, vs, body: PagedBody, refine) -> None:
-    """Add prefill row ``i`` (of the plan's prefill rows)'s refined pages (its newest ``refined_pages(nb, K,
-    every)`` of ``nb`` body pages in ``blocks``, planned in the step's upload) to its dequantized body keys and
-    values ``ks[0], vs[0] [H, nb * P, D]``, in place."""
-    a, b = int(plan.prefine_indptr[i]), int(plan.prefine_indptr[i + 1])
-    if b == a:
-        return
-    idx = plan.device("prefine_index", blocks.device)[a:b]
-    slot = plan.device("prefine_slot", blocks.device)[a:b]
-    local = torch.zeros_like(idx)
-    ids = blocks[idx]
-    for x, ring, part in zip((ks[0], vs[0]), (refine.keys, refine.values), body.parts):
-        if ring is not None:
-            ring.add(x[None], nb, slot, local, idx, part.scale[ids])
+def history_launches(pages, page_bytes: int, budget_mb: int | None = None) -> list[tuple[int, int, int, int]]:
+    """How the prefill rows' body pages are dequantized (``pages``: each prefill row's body pages; ``page_bytes``:
+    one page's dequantized keys and values): launches ``(i0, i1, j0, j1)`` in row order, each body pages ``j0 ..
+    j1 - 1`` (of those a row has) of prefill rows ``i0 .. i1 - 1`` into K and V buffers of ``(i1 - i0) * (j1 - j0)``
+    pages that stay within ``budget_mb`` MiB (None: ``ROTKV_PREFILL_HISTORY_MB``, the bound rotkv's cache puts on
+    a row group, ``rotkv.cache.layer.row_groups``). Rows whose bodies fit are grouped whole (``j0 = 0``, ``j1``
+    the group's longest body); a row whose body alone exceeds the budget is read in page ranges of its own
+    (``i1 = i0 + 1``). One page at least per launch; rows without a body are in no launch of their own."""
+    if budget_mb is None:
+        budget_mb = switches.get().prefill_history_mb
+    if budget_mb < 1:
+        raise ValueError(f"ROTKV_PREFILL_HISTORY_MB has to be >= 1 but got {budget_mb}")
+    cap = max(1, (budget_mb << 20) // max(page_bytes, 1))  # pages one launch may hold
+    pages = [int(x) for x in pages]
+    out, i = [], 0
+    while i < len(pages):
+        w = pages[i]
+        if w > cap:  # this row alone exceeds the budget: its pages in ranges of `cap`
+            out += [(i, i + 1, j0, min(j0 + cap, w)) for j0 in range(0, w, cap)]
+        if w == 0 or w > cap:
+            i += 1
+            continue
+        i1 = i + 1
+        while i1 < len(pages) and (i1 + 1 - i) * max(w, pages[i1]) <= cap:
+            w = max(w, pages[i1])
+            i1 += 1
+        while pages[i1 - 1] == 0:  # no trailing rows without a body
+            i1 -= 1
+        out.append((i, i1, 0, w))
+        i = i1
+    return out
 
 
-def body_dense_kernel(plan, body: PagedBody, block_table: torch.Tensor, dtype) -> tuple | None:
-    """The prefill rows' body pages dequantized by rotkv's Triton dequantizer (``rotkv.kernels.dequant``, as rotkv's
-    cache reads a prefill's history): keys and values ``[Bp, H, pbody_max, D]`` in ``dtype``, prefill row ``i``'s
-    ``body_before * P`` tokens first in row ``i`` (the rest untouched); one launch per side for every prefill row.
-    None where no prefill row has a body, or the kernels do not read this body on its device (then
-    :func:`_history` dequantizes each row with PyTorch, the reference)."""
-    if plan.pbody_max == 0 or not dequant_kernel_reads(body, body.k.codes):
-        return None
+def _whole_rows(pages, launch) -> bool:
+    """Whether ``launch`` (:func:`history_launches`) reads whole bodies (else a page range of one row)."""
+    i0, i1, j0, j1 = launch
+    return j0 == 0 and max(int(x) for x in pages[i0:i1]) <= j1
+
+
+def dequant_launch(plan, launch, body: PagedBody, block_table: torch.Tensor, dtype) -> tuple:
+    """One launch of :func:`history_launches` by rotkv's Triton dequantizer (``rotkv.kernels.dequant``, as rotkv's
+    cache reads a prefill's history), one kernel per side: keys and values ``[i1 - i0, H, (j1 - j0) * P, D]`` in
+    ``dtype``, prefill row ``i0 + g``'s pages ``j0 ..`` (those it has) first in row ``g`` (the rest untouched). The
+    table is the plan's (uploaded with the step): a group of whole rows reads its rows' slices of
+    ``pbody_indptr`` and ``pbody_last``; a page range of one row its slice of ``pbody_pos`` and an index
+    pointer ``[0, j1 - j0]`` filled on the device."""
     from rotkv.kernels.dequant import dequant_dense
 
-    dev = body.k.codes.device
-    table = (plan.device("pbody_indptr", dev), plan.device("pbody_pos", dev, block_table),
-             plan.device("pbody_last", dev))
-    shape = (len(plan.prefill_rows), body.kv_heads, plan.pbody_max, body.k.head_dim)
+    i0, i1, j0, j1 = launch
+    dev, p = body.k.codes.device, body.k.codes.shape[2]
+    pos = plan.device("pbody_pos", dev, block_table)
+    last = plan.device("pbody_last", dev)[i0:i1]
+    if _whole_rows(plan.body_before[plan.prefill_rows], launch):
+        indptr = plan.device("pbody_indptr", dev)[i0:i1 + 1]
+    else:
+        s = int(plan.pbody_indptr[i0])  # host
+        pos = pos[s + j0:s + j1]
+        indptr = torch.arange(0, 2 * (j1 - j0), j1 - j0, dtype=torch.int32, device=dev)
+    shape = (i1 - i0, body.kv_heads, (j1 - j0) * p, body.k.head_dim)
     out = tuple(torch.empty(shape, dtype=dtype, device=dev) for _ in range(2))
     for part, o in zip(body.parts, out):
-        dequant_dense(part, *table, plan.pbody_max, o)
+        dequant_dense(part, indptr, pos, last, shape[2], o)
     return out
 
 
@@ -202,33 +233,63 @@ def dequant_kernel_reads(body: PagedBody, t: torch.Tensor) -> bool:
     return plan_pools(t, body).dequant
 
 
-def _history(plan, i: int, body: PagedBody, side_k, side_v, block_table, geo, dtype, refine=None, dense=None):
-    """Prefill row ``i`` (of the plan's prefill rows)'s stored keys and values ``[H, n, D]`` in ``dtype``: its body
-    pages (dequantized: row ``i`` of ``dense``, :func:`body_dense_kernel`, else here with PyTorch; the newest
-    refined where ``refine``, the layer's RefineRings) and its tier (sink, then window) as they were before the
-    step."""
+def _row_blocks(plan, i: int, block_table: torch.Tensor, geo) -> torch.Tensor:
+    """Prefill row ``i``'s body blocks (vLLM block ids) on the device, page 0 first."""
     r = int(plan.prefill_rows[i])
-    nb, p = int(plan.body_before[r]), geo.page
-    ks, vs = [], []
-    if nb:
-        blocks = block_table[r, geo.block_offset:geo.block_offset + nb].long()
-        if dense is not None:
-            ks.append(dense[0][i, :, :nb * p])
-            vs.append(dense[1][i, :, :nb * p])
-        else:
-            for part, out in zip(body.parts, (ks, vs)):
-                parts = [t[blocks] for t in part.tensors]  # [nb, H, P, W]
-                parts = [t.permute(1, 0, 2, 3).reshape(t.shape[1], nb * p, t.shape[3]) for t in parts]
-                out.append(dequant_rows(*parts, part.bits, part.group_size).to(dtype))
-        if refine is not None:
-            _add_refined(plan, i, nb, blocks, ks, vs, body, refine)
+    return block_table[r, geo.block_offset:geo.block_offset + int(plan.body_before[r])]
+
+
+def body_piece(plan, i: int, j0: int, j1: int, body: PagedBody, block_table, geo, dtype, bufs=None, g: int = 0,
+               refine=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill row ``i``'s body pages ``j0 .. j1 - 1`` dequantized, keys and values ``[H, (j1 - j0) * P, D]`` in
+    ``dtype``: row ``g`` of ``bufs`` (:func:`dequant_launch`), else here with PyTorch (the reference); with
+    ``refine`` (the layer's RefineRings) the refined pages among them added, in place."""
+    p = geo.page
+    if bufs is not None:
+        k, v = (x[g, :, :(j1 - j0) * p] for x in bufs)
+    else:
+        blocks = _row_blocks(plan, i, block_table, geo)[j0:j1].long()
+        k, v = (_dequant_pages(part, blocks, p, dtype) for part in body.parts)
+    if refine is not None:
+        _add_refined(plan, i, j0, j1, _row_blocks(plan, i, block_table, geo), k, v, body, refine)
+    return k, v
+
+
+def _dequant_pages(part, blocks: torch.Tensor, p: int, dtype) -> torch.Tensor:
+    """Body pages ``blocks [n]`` of one part dequantized with PyTorch: ``[H, n * P, D]`` in ``dtype``."""
+    n = len(blocks)
+    parts = [t[blocks] for t in part.tensors]  # [n, H, P, W]
+    parts = [t.permute(1, 0, 2, 3).reshape(t.shape[1], n * p, t.shape[3]) for t in parts]
+    return dequant_rows(*parts, part.bits, part.group_size).to(dtype)
+
+
+def _add_refined(plan, i: int, j0: int, j1: int, blocks: torch.Tensor, k, v, body: PagedBody, refine) -> None:
+    """Add the refined pages among body pages ``j0 .. j1 - 1`` of prefill row ``i`` (of the plan's prefill rows;
+    its newest ``refined_pages(nb, K, every)``, planned in the step's upload) to their dequantized keys and values
+    ``k, v [H, (j1 - j0) * P, D]``, in place (``blocks``: the row's body blocks)."""
+    a, b = int(plan.prefine_indptr[i]), int(plan.prefine_indptr[i + 1])
+    index = plan.prefine_index[a:b]  # host, ascending: the row's refined pages in this range are a run
+    a, b = a + int(np.searchsorted(index, j0)), a + int(np.searchsorted(index, j1))
+    if b == a:
+        return
+    idx = plan.device("prefine_index", blocks.device)[a:b]
+    slot = plan.device("prefine_slot", blocks.device)[a:b]
+    local = torch.zeros_like(idx)
+    ids = blocks[idx].long()
+    for x, ring, part in zip((k, v), (refine.keys, refine.values), body.parts):
+        if ring is not None:
+            ring.add(x[None], j1 - j0, slot, local, idx, part.scale[ids], start=j0)
+
+
+def _tier(plan, i: int, side_k, side_v, dtype) -> tuple | None:
+    """Prefill row ``i``'s stored tier tokens (sink, then window) as they were before the step, keys and values
+    ``[H, n, D]`` in ``dtype``, or None where it has none."""
     a, b = int(plan.htier_indptr[i]), int(plan.htier_indptr[i + 1])
-    if b > a:
-        page = plan.device("htier_page", side_k.device)[a:b]
-        off = plan.device("htier_off", side_k.device)[a:b]
-        ks.append(side_k[page, :, off].transpose(0, 1).to(dtype))
-        vs.append(side_v[page, :, off].transpose(0, 1).to(dtype))
-    return ks, vs
+    if b == a:
+        return None
+    page = plan.device("htier_page", side_k.device)[a:b]
+    off = plan.device("htier_off", side_k.device)[a:b]
+    return side_k[page, :, off].transpose(0, 1).to(dtype), side_v[page, :, off].transpose(0, 1).to(dtype)
 
 
 def _compute_dtype(q: torch.Tensor) -> torch.dtype:
@@ -236,37 +297,102 @@ def _compute_dtype(q: torch.Tensor) -> torch.dtype:
     return q.dtype if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)) else torch.float32
 
 
-def _prefill(plan, i: int, q: torch.Tensor, kr, vr, body, side_k, side_v, block_table, geo, rot, scale,
-             refine=None, dense=None):
-    """Prefill row ``i`` (of the plan's prefill rows)'s output ``[n, Hq, D]`` (model basis): its rotated queries
-    over its history (``dense``: the prefill rows' body, :func:`body_dense_kernel`, or None) and its own rotated
-    keys and values (causal). On CUDA in the model dtype, the history and the own tokens apart (PyTorch's fused
-    kernels, no mask) merged by their log-sum-exp, as rotkv's own prefill does
-    (``rotkv.cache.layer.attention_lse``); elsewhere one float32 softmax with a mask (the reference)."""
-    cdt = _compute_dtype(q)
-    r = int(plan.prefill_rows[i])
-    a, b = int(plan.query_start[r]), int(plan.query_start[r + 1])
-    n = b - a
-    ks, vs = _history(plan, i, body, side_k, side_v, block_table, geo, cdt, refine, dense)
-    hist = sum(x.shape[1] for x in ks)
-    if cdt != torch.float32 or MERGED_PREFILL:
-        from rotkv.cache.layer import attention_lse, merge_lse
+class _PrefillRow:
+    """One prefill row's attention, given its history piece by piece (body page ranges, then its tier) and then
+    its own tokens. On CUDA in the model dtype, every piece and the own tokens apart (PyTorch's fused kernels, no
+    mask) merged by their log-sum-exp, as rotkv's own prefill does (``rotkv.cache.layer.attention_lse``):
+    no concatenated copy of the history; elsewhere (the reference) the pieces are kept and read by one float32
+    softmax with a mask."""
 
-        qr = _rotate_q(rot, q[a:b], cdt).transpose(0, 1)[None]  # [1, Hq, n, D]
-        ko, vo = (_heads_first(x[a:b]).to(cdt)[None] for x in (kr, vr))
-        o, lse = attention_lse(qr, ko, vo, True, scale)
-        if hist:
-            oh, lh = attention_lse(qr, torch.cat(ks, 1)[None], torch.cat(vs, 1)[None], False, scale)
-            o = merge_lse(oh, lh, o, lse).to(cdt)
-        return _unrotate_o(rot, o[0].transpose(0, 1), q.dtype)
-    k = torch.cat(ks + [_heads_first(kr[a:b]).to(cdt)], 1)[None]  # [1, H, hist + n, D]
-    v = torch.cat(vs + [_heads_first(vr[a:b]).to(cdt)], 1)[None]
-    qr = _rotate_q(rot, q[a:b], cdt).transpose(0, 1)[None]  # [1, Hq, n, D]
-    keys = torch.arange(hist + n, device=q.device)
-    mask = keys[None, :] < hist + 1 + torch.arange(n, device=q.device)[:, None]  # history, then causal own
-    o = torch.nn.functional.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scale,
-                                                         enable_gqa=qr.shape[1] != k.shape[1])
-    return _unrotate_o(rot, o[0].transpose(0, 1), q.dtype)
+    def __init__(self, plan, i: int, q: torch.Tensor, rot: LayerRotation, scale: float, cdt, merged: bool):
+        r = int(plan.prefill_rows[i])
+        self.a, self.b = int(plan.query_start[r]), int(plan.query_start[r + 1])
+        self.qr = _rotate_q(rot, q[self.a:self.b], cdt).transpose(0, 1)[None]  # [1, Hq, n, D]
+        self.scale, self.cdt, self.merged = scale, cdt, merged
+        self.ks, self.vs = [], []
+        self.o = self.lse = None
+
+    def add(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Attend history keys and values ``[H, m, D]`` (rotated basis)."""
+        if not self.merged:
+            self.ks.append(k)
+            self.vs.append(v)
+            return
+        from rotkv.cache.layer import attention_lse
+
+        self._merge(*attention_lse(self.qr, k[None], v[None], False, self.scale))
+
+    def _merge(self, o: torch.Tensor, lse: torch.Tensor) -> None:
+        from rotkv.cache.layer import merge_lse
+
+        if self.o is None:
+            self.o, self.lse = o, lse
+        else:
+            self.o, self.lse = merge_lse(self.o, self.lse, o, lse), torch.logaddexp(self.lse, lse)
+
+    def finish(self, kr: torch.Tensor, vr: torch.Tensor, rot: LayerRotation, dtype) -> torch.Tensor:
+        """The row's output ``[n, Hq, D]`` in ``dtype`` (model basis), with its own rotated keys and values
+        (``kr, vr``: the step's ``[T, H, D]``), causal."""
+        ko, vo = (_heads_first(x[self.a:self.b]).to(self.cdt)[None] for x in (kr, vr))
+        if self.merged:
+            from rotkv.cache.layer import attention_lse
+
+            self._merge(*attention_lse(self.qr, ko, vo, True, self.scale))
+            return _unrotate_o(rot, self.o.to(self.cdt)[0].transpose(0, 1), dtype)
+        hist, n = sum(x.shape[1] for x in self.ks), self.b - self.a
+        k = torch.cat(self.ks + [ko[0]], 1)[None]  # [1, H, hist + n, D]
+        v = torch.cat(self.vs + [vo[0]], 1)[None]
+        keys = torch.arange(hist + n, device=k.device)
+        mask = keys[None, :] < hist + 1 + torch.arange(n, device=k.device)[:, None]  # history, then causal own
+        o = torch.nn.functional.scaled_dot_product_attention(self.qr, k, v, attn_mask=mask, scale=self.scale,
+                                                             enable_gqa=self.qr.shape[1] != k.shape[1])
+        return _unrotate_o(rot, o[0].transpose(0, 1), dtype)
+
+
+def _prefill(plan, q: torch.Tensor, kr, vr, body, side_k, side_v, block_table, geo, rot, scale, out,
+             refine=None) -> None:
+    """The prefill rows' outputs into ``out`` (model basis): each row's rotated queries over its history and its
+    own rotated keys and values (causal), :class:`_PrefillRow`. The history's body is dequantized in the
+    launches of :func:`history_launches` (the K and V of one launch within ``ROTKV_PREFILL_HISTORY_MB``): by the
+    Triton dequantizer where it reads the body (:func:`dequant_launch`), else per row with PyTorch; a row is
+    finished once its last body page has been read, and a launch's buffers are freed before the next."""
+    cdt = _compute_dtype(q)
+    merged = cdt != torch.float32 or MERGED_PREFILL
+    pages = plan.body_before[plan.prefill_rows]
+    launches = []
+    if plan.pbody_max > 0:
+        size = torch.empty(0, dtype=cdt).element_size()
+        launches = history_launches(pages, 2 * body.kv_heads * geo.page * body.k.head_dim * size)
+    kernel = bool(launches) and dequant_kernel_reads(body, body.k.codes)
+    rows: dict[int, _PrefillRow] = {}  # the rows being read
+    done = 0  # prefill rows before this one are written
+
+    def row(i):
+        if i not in rows:
+            rows[i] = _PrefillRow(plan, i, q, rot, scale, cdt, merged)
+        return rows[i]
+
+    def finish(upto):  # rows up to `upto` have read their body: their tier, then their own tokens
+        nonlocal done
+        for i in range(done, upto + 1):
+            tier = _tier(plan, i, side_k, side_v, cdt)
+            if tier is not None:
+                row(i).add(*tier)
+            x = row(i)
+            del rows[i]
+            out[x.a:x.b] = x.finish(kr, vr, rot, q.dtype).to(out.dtype)
+        done = max(done, upto + 1)
+
+    for launch in launches:
+        i0, i1, j0, j1 = launch
+        bufs = dequant_launch(plan, launch, body, block_table, cdt) if kernel else None
+        for i in range(i0, i1):
+            e = min(int(pages[i]), j1)  # the row's pages in this launch: j0 .. e - 1
+            if e > j0:
+                row(i).add(*body_piece(plan, i, j0, e, body, block_table, geo, cdt, bufs, i - i0, refine))
+        bufs = None  # freed before the next launch's (the rows hold none of it in the merged path)
+        finish(i1 - 1 if j1 >= int(pages[i1 - 1]) else i0 - 1)
+    finish(len(pages) - 1)
 
 
 def layer_step(plan, geo, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, body: PagedBody,
@@ -288,12 +414,8 @@ def layer_step(plan, geo, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bod
         qr = _rotate_q(rot, q[tok], q.dtype)
         o = _decode(plan, qr, body, side_k, side_v, block_table, scale, refine)
         out[tok] = _unrotate_o(rot, o, out.dtype)
-    # (2) prefill attention; the prefill rows' body pages dequantized at once by the kernel where it reads them
-    dense = body_dense_kernel(plan, body, block_table, _compute_dtype(q)) if len(plan.prefill_rows) else None
-    for i, r in enumerate(plan.prefill_rows.tolist()):
-        a, b = int(plan.query_start[r]), int(plan.query_start[r + 1])
-        out[a:b] = _prefill(plan, i, q[:t], kr, vr, body, side_k, side_v, block_table, geo, rot, scale,
-                            refine, dense).to(out.dtype)
+    if len(plan.prefill_rows):  # (2) prefill attention
+        _prefill(plan, q[:t], kr, vr, body, side_k, side_v, block_table, geo, rot, scale, out, refine)
     if len(plan.flush_pos):  # (3) the flush
         n = len(plan.flush_pos) * geo.page
         blocks = plan.device("flush_pos", dev, block_table)
