@@ -482,15 +482,20 @@ class HybridLayer(RotkvLayer):
         }
 
 
-def row_groups(rows: int, bytes_per_row: int, budget_mb: int | None = None) -> list[tuple[int, int]]:
-    """``[(r0, r1), ...]``: rows in groups whose K and V history (``bytes_per_row`` each row) fit in
-    ``budget_mb`` MiB (``ROTKV_PREFILL_HISTORY_MB``, ``rotkv.switches``); at least one row per group."""
-
+def history_units(unit_bytes: int, budget_mb: int | None = None) -> int:
+    """How many units of ``unit_bytes`` (a row's or a page's dequantized K and V history) fit in ``budget_mb`` MiB
+    (None: ``ROTKV_PREFILL_HISTORY_MB``, ``rotkv.switches``); at least one."""
     if budget_mb is None:
         budget_mb = switches.get().prefill_history_mb
     if budget_mb < 1:
         raise ValueError(f"ROTKV_PREFILL_HISTORY_MB has to be >= 1 but got {budget_mb}")
-    per = max(1, (budget_mb << 20) // max(bytes_per_row, 1))
+    return max(1, (budget_mb << 20) // max(unit_bytes, 1))
+
+
+def row_groups(rows: int, bytes_per_row: int, budget_mb: int | None = None) -> list[tuple[int, int]]:
+    """``[(r0, r1), ...]``: rows in groups whose K and V history (``bytes_per_row`` each row) fit in
+    ``budget_mb`` MiB (``ROTKV_PREFILL_HISTORY_MB``, ``rotkv.switches``); at least one row per group."""
+    per = history_units(bytes_per_row, budget_mb)
     return [(r0, min(r0 + per, rows)) for r0 in range(0, rows, per)]
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rotkv import switches
 from rotkv.cache.refine import RefineRings
 from rotkv.integrations.vllm.config import WHERE
 from rotkv.kernels import backend as kernels
@@ -168,11 +167,9 @@ def history_launches(pages, page_bytes: int, budget_mb: int | None = None) -> li
     a row group, ``rotkv.cache.layer.row_groups``). Rows whose bodies fit are grouped whole (``j0 = 0``, ``j1``
     the group's longest body); a row whose body alone exceeds the budget is read in page ranges of its own
     (``i1 = i0 + 1``). One page at least per launch; rows without a body are in no launch of their own."""
-    if budget_mb is None:
-        budget_mb = switches.get().prefill_history_mb
-    if budget_mb < 1:
-        raise ValueError(f"ROTKV_PREFILL_HISTORY_MB has to be >= 1 but got {budget_mb}")
-    cap = max(1, (budget_mb << 20) // max(page_bytes, 1))  # pages one launch may hold
+    from rotkv.cache.layer import history_units
+
+    cap = history_units(page_bytes, budget_mb)  # pages one launch may hold
     pages = [int(x) for x in pages]
     out, i = [], 0
     while i < len(pages):
@@ -245,13 +242,13 @@ def body_piece(plan, i: int, j0: int, j1: int, body: PagedBody, block_table, geo
     ``dtype``: row ``g`` of ``bufs`` (:func:`dequant_launch`), else here with PyTorch (the reference); with
     ``refine`` (the layer's RefineRings) the refined pages among them added, in place."""
     p = geo.page
+    blocks = _row_blocks(plan, i, block_table, geo) if bufs is None or refine is not None else None
     if bufs is not None:
         k, v = (x[g, :, :(j1 - j0) * p] for x in bufs)
     else:
-        blocks = _row_blocks(plan, i, block_table, geo)[j0:j1].long()
-        k, v = (_dequant_pages(part, blocks, p, dtype) for part in body.parts)
+        k, v = (_dequant_pages(part, blocks[j0:j1].long(), p, dtype) for part in body.parts)
     if refine is not None:
-        _add_refined(plan, i, j0, j1, _row_blocks(plan, i, block_table, geo), k, v, body, refine)
+        _add_refined(plan, i, j0, j1, blocks, k, v, body, refine)
     return k, v
 
 
