@@ -11,7 +11,9 @@ an out-of-memory loses that method only). Methods:
   ``additional_config={"rotkv": {"preset": PRESET, ...}}`` (``--rotkv-config`` adds keys: artifact,
   sink, window), ``block_size=16``, prefix caching off, vLLM's CUDA-graph mode (decode batches in full
   graphs); ``rotkv:PRESET@piecewise``: the same with ``cuda_graphs`` false and ``cudagraph_mode=PIECEWISE``
-  (attention eager between piecewise graphs), to measure what the full graphs give.
+  (attention eager between piecewise graphs), to measure what the full graphs give; ``rotkv:PRESET@unfused``:
+  the full graphs with ``ROTKV_TUNING=graph_fusion=0`` (one launch per rotation and per side's flush, the
+  output rotation apart from the decode merge), to measure what those fusions give.
 
 Prefix caching is off for every method (the same prompt is sent twice in the latency workload, and
 rotkv's backend refuses it). Workloads (``--workloads``, sizes overridable):
@@ -189,10 +191,11 @@ def parse_methods(text: str, turboquant_available: bool | None = None) -> list[s
             out.extend(TURBOQUANT)
         elif m in BASE_METHODS or m in TURBOQUANT:
             out.append(m)
-        elif m.startswith("rotkv:") and len(m) > len("rotkv:") and m.split("@")[1:] in ([], ["piecewise"]):
+        elif m.startswith("rotkv:") and len(m) > len("rotkv:") and m.split("@")[1:] in ([], ["piecewise"], ["unfused"]):
             out.append(m)
         else:
-            raise ValueError(f"--methods: unknown method {m!r}; use bf16, fp8, turboquant[_<preset>] or rotkv:<preset>[@piecewise]")
+            raise ValueError(f"--methods: unknown method {m!r}; use bf16, fp8, turboquant[_<preset>] or "
+                             "rotkv:<preset>[@piecewise|@unfused]")
     if turboquant_available is False:
         out = [m for m in out if m not in TURBOQUANT]
     if len(set(out)) != len(out):
@@ -250,6 +253,15 @@ def engine_kwargs(method: str, model_path: str, dummy: bool, max_len: int, args)
                                  "torch_profiler_with_stack": False}
     kw.update(json.loads(args.engine_kwargs or "{}"))
     return kw
+
+
+def method_env(method: str, environ=None) -> dict:
+    """The environment of a method's subprocess: ``rotkv:PRESET@unfused`` adds ``graph_fusion=0`` to
+    ``ROTKV_TUNING``; the others inherit this process's."""
+    env = dict(os.environ if environ is None else environ)
+    if method.startswith("rotkv:") and method.endswith("@unfused"):
+        env["ROTKV_TUNING"] = ",".join(x for x in (env.get("ROTKV_TUNING", ""), "graph_fusion=0") if x)
+    return env
 
 
 def profile_dir(args, method: str) -> str:
@@ -444,7 +456,8 @@ def run_parent(args) -> Path:
         with open(log_path, "w") as log:
             try:
                 rc = subprocess.run([sys.executable, __file__, "_child", str(spec_path), str(res_path)],
-                                    stdout=log, stderr=subprocess.STDOUT, timeout=args.method_timeout).returncode
+                                    stdout=log, stderr=subprocess.STDOUT, timeout=args.method_timeout,
+                                    env=method_env(method)).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         res = json.loads(res_path.read_text()) if res_path.exists() else dict(error=f"child exited {rc} with no result")

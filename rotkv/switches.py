@@ -55,6 +55,8 @@ class Switches:
     refine_split: str = "0"
     prefill_own_basis: str = "gpu"  # where a prefill chunk's own tokens attend in the model's basis
     rotation_math: str = "auto"  # auto: bf16x2 for bf16 CUDA tensors, else fp32; or always one of them
+    # the vLLM backend's graphed decode step: q, k and v rotated in one launch, keys and values flushed in one
+    graph_fusion: bool = True
     write_redux: int | None = None  # the CUDA write kernel's ROTKV_REDUX build macro (bench_write.py)
     write_fastdiv: int | None = None  # the CUDA write kernel's ROTKV_FASTDIV build macro
     decode: tuple = ()  # DecodeConfig fields ((name, value), ...): the decode kernels' tuning
@@ -153,7 +155,7 @@ TUNING = "ROTKV_TUNING"
 COMMIT = "ROTKV_COMMIT"
 # tuning fields of Switches (set by ROTKV_TUNING by name, next to the DecodeConfig fields)
 TUNING_FIELDS = ("decode_score", "fp8_kernels", "cuda_write_fp8", "refine_kernel", "refine_split",
-                 "prefill_own_basis", "rotation_math", "write_redux", "write_fastdiv")
+                 "prefill_own_basis", "rotation_math", "graph_fusion", "write_redux", "write_fastdiv")
 # variables that earlier versions read: refused, naming their replacement
 RETIRED = {
     "ROTKV_DECODE_SCORE": "decode_score=<auto|bf16|int8>",

@@ -354,3 +354,15 @@ def test_profile_workload_keeps_vllms_op_table(tmp_path):
     row = json.loads(out.read_text())["rows"][0]
     assert row["workload"] == "profile" and row["new_tokens"] == 4
     assert row["profile_table"] == ["Name  Self CUDA", "_split_kernel  1.0ms"]
+
+
+def test_unfused_variant_sets_graph_fusion_off_in_its_subprocess_only():
+    assert bv.parse_methods("rotkv:quarot-int2@unfused,bf16") == ["rotkv:quarot-int2@unfused", "bf16"]
+    with pytest.raises(ValueError, match="unknown method"):
+        bv.parse_methods("rotkv:quarot-int2@fused")
+    env = bv.method_env("rotkv:quarot-int2@unfused", {"ROTKV_TUNING": "refine_split=1", "X": "1"})
+    assert env["ROTKV_TUNING"] == "refine_split=1,graph_fusion=0" and env["X"] == "1"
+    assert bv.method_env("rotkv:quarot-int2@unfused", {})["ROTKV_TUNING"] == "graph_fusion=0"
+    assert "ROTKV_TUNING" not in bv.method_env("rotkv:quarot-int2", {})
+    assert bv.method_env("bf16", {"ROTKV_TUNING": "a=1"})["ROTKV_TUNING"] == "a=1"
+

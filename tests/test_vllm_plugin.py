@@ -537,7 +537,8 @@ def test_graphed_decode_step_equals_the_general_step(sink, window, share, refine
     _graphed_check(sink, window, share, refine)
 
 
-def _graphed_check(sink, window, share, refine, d=32, tol=1e-6, steps=72, prompts=(40, 23, 1), max_len=1024):
+def _graphed_check(sink, window, share, refine, d=32, tol=1e-6, steps=72, prompts=(40, 23, 1), max_len=1024,
+                   tier_dtype="float32"):
     """:func:`test_graphed_decode_step_equals_the_general_step` (``tol``: the outputs' atol, 10x as rtol;
     ``steps`` decode steps after prompts of ``prompts`` tokens, in a model of ``max_len`` tokens)."""
     from rotkv.integrations.vllm.graph import StaticDecode, is_static_batch, static_plan, static_step
@@ -545,15 +546,16 @@ def _graphed_check(sink, window, share, refine, d=32, tol=1e-6, steps=72, prompt
     h, hq = 2, 4
     rt, rv, re = refine or (0, False, 0)
     spec = CacheSpec(bits=2, group_size=d, sink=sink, window=window, window_share=share, page_size=P,
-                     tier_dtype="float32", rotation="identity", clip_k=0.96, clip_v=0.92, refine_tokens=rt,
+                     tier_dtype=tier_dtype, rotation="identity", clip_k=0.96, clip_v=0.92, refine_tokens=rt,
                      refine_values=rv, refine_every=re)
     rot = _rotation(h, d, 3)
-    eager, graphed = (VllmSim(spec, rot, h, hq, d, max_len=max_len) for _ in range(2))
+    dt = torch.bfloat16 if tier_dtype == "bfloat16" else torch.float32  # vLLM's bf16 q, k, v beside a bf16 tier
+    eager, graphed = (VllmSim(spec, rot, h, hq, d, max_len=max_len, side_dtype=dt) for _ in range(2))
     st = StaticDecode(graphed.geo, rows=6, scratch=graphed.slots.scratch, device="cpu", kv_heads=h, head_dim=d)
     gen = torch.Generator().manual_seed(2)
     lens = dict(zip("ABC", prompts))
     for r, n in lens.items():  # the prompts: the general step in both
-        q, k, v = (torch.randn(n, m, d, generator=gen) for m in (hq, h, h))
+        q, k, v = (torch.randn(n, m, d, generator=gen).to(dt) for m in (hq, h, h))
         for sim in (eager, graphed):
             sim.step([r], [n], [q], [k], [v])
     flushed = 0
@@ -561,11 +563,12 @@ def _graphed_check(sink, window, share, refine, d=32, tol=1e-6, steps=72, prompt
         names = ["A", "B", "C"] if i % 7 else ["B", "A"]  # 3 or 2 real rows, then padding to 5 rows
         for r in names:
             lens[r] += 1
-        q, k, v = ([torch.randn(1, m, d, generator=gen) for _ in names] for m in (hq, h, h))
+        q, k, v = ([torch.randn(1, m, d, generator=gen).to(dt) for _ in names] for m in (hq, h, h))
         want, plan = eager.step(names, [lens[r] for r in names], q, k, v)
         flushed += len(plan.flush_pos)
         b = 5
-        qq, kk, vv = (torch.cat(x + [torch.randn(b - len(names), x[0].shape[1], d, generator=gen)]) for x in (q, k, v))
+        qq, kk, vv = (torch.cat(x + [torch.randn(b - len(names), x[0].shape[1], d, generator=gen).to(dt)])
+                      for x in (q, k, v))
         graphed.grow(names, [lens[r] for r in names])
         table = graphed.table(names, b)
         n_tok = np.array([1] * len(names) + [0] * (b - len(names)))
@@ -1265,7 +1268,7 @@ def _prefill_dequant_check(device="cpu"):
     print("prefill dequant ok")
 
 
-def _graphed_kernel_check(refine=False):
+def _graphed_kernel_check(refine=False, fused=False):
     """The graphed decode step against the general one with rotkv's Triton kernels in both (decode over the
     fixed tables with the grid of ``max_len``, the refine kernel reading the gathered rings, the fused write into
     the slots of one page per row): run under TRITON_INTERPRET=1 by the test below."""
@@ -1274,8 +1277,29 @@ def _graphed_kernel_check(refine=False):
     from rotkv.integrations.vllm import attention
 
     attention.kernels = SimpleNamespace(enabled=lambda t: True, decode_config=attention.kernels.decode_config)
+    tier = "float32"
+    if fused:  # bf16 tiers in the GPU's bf16x2 rotation arithmetic: q, k and v rotated in one launch, the outputs
+        # turned back inside the merge (and, without a refine tier, keys and values flushed in one launch)
+        from rotkv import switches
+        from rotkv.kernels import plan
+        from rotkv.rotations import base
+
+        switches.configure(rotation_math="bf16x2")
+        base.plan_rotate = lambda x, a: plan.rotate_reason(x, a) is None
+        calls = {}
+        for mod, name in ((base.LayerRotation, "rotate_many_into"), (attention, "flush_into_body")):
+            def counted(*a, _f=getattr(mod, name), _n=name, **k):
+                got = _f(*a, **k)
+                calls[_n] = calls.get(_n, 0) + bool(got)
+                return got
+            setattr(mod, name, counted)
+        from rotkv.integrations.vllm import graph
+        graph.flush_into_body = attention.flush_into_body
+        tier = "bfloat16"
     _graphed_check(4, 16, 0.0, REFINES[1] if refine else None, d=64, tol=3e-2, steps=20, prompts=(84, 23, 30),
-                   max_len=128)
+                   max_len=128, tier_dtype=tier)
+    if fused:
+        assert calls.get("rotate_many_into", 0) >= 20 and calls.get("flush_into_body", 0) == (0 if refine else 20), calls
     print("graphed kernel paths ok")
 
 
@@ -1307,6 +1331,20 @@ def _rotate_into_check():
     assert bool((out[b:] == 7).all())
     plain = LayerRotation(R_K=rot.R_K, R_V=None, k_mean=None)
     assert not plain.rotate_into("outputs", qr.transpose(0, 1)[None], out[:b].transpose(0, 1)[None])
+    # the graphed step's one launch: keys and values into their side-pool slots, queries into the decode buffer
+    pool_k, pool_v = (torch.zeros(4, h, 16, d, dtype=torch.bfloat16) for _ in range(2))
+    rows = torch.tensor([1, 3, 0]) * pool_k.stride(0) + torch.tensor([5, 0, 15]) * pool_k.stride(2)
+    k, v = (torch.randn(t, h, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+    qr2 = torch.empty(b, hq, d, dtype=torch.bfloat16)
+    jobs = [("keys", k[:b, :, None], pool_k, rows), ("values", v[:b, :, None], pool_v, rows),
+            ("queries", q[:b, :, None], qr2[:, :, None], None)]
+    assert rot.rotate_many_into(jobs)
+    assert torch.equal(qr2, qr)
+    for which, x, pool in (("keys", k, pool_k), ("values", v, pool_v)):
+        want = base._rotate_bf16x2_bmm(x[:b].transpose(0, 1)[None], *rot._bf16x2(which))[0].transpose(0, 1)
+        torch.testing.assert_close(pool[[1, 3, 0], :, [5, 0, 15]].float(), want.float(), atol=1e-2, rtol=8e-3)
+    assert pool_k.float().abs().sum() > 0 and int((pool_k != 0).any(-1).sum()) == b * h
+    assert not plain.rotate_many_into(jobs[1:])  # no R_V: nothing written, the caller rotates each job itself
     print("rotate into ok")
 
 
@@ -1343,9 +1381,10 @@ def test_prefill_rows_in_budget_launches_under_the_triton_interpreter(refine, me
     _under_interpreter(f"_prefill_rows_check({refine}, {merged}, kernel=True)", "prefill rows ok")
 
 
-@pytest.mark.parametrize("refine", [False, True])
-def test_graphed_step_kernels_under_the_triton_interpreter(refine):
-    _under_interpreter(f"_graphed_kernel_check({refine})", "graphed kernel paths ok")
+@pytest.mark.parametrize("refine,fused", [(False, False), (True, False), (False, True), (True, True)])
+def test_graphed_step_kernels_under_the_triton_interpreter(refine, fused):
+    """``fused``: the graphed step's one-launch rotations, flush and merged output rotation (graph_fusion)."""
+    _under_interpreter(f"_graphed_kernel_check({refine}, {fused})", "graphed kernel paths ok")
 
 
 @pytest.mark.parametrize("refine,tuning", [(False, ""), (True, ""), (True, "refine_kernel=0")])

@@ -595,8 +595,9 @@ def _split_kernel(
 
 
 @triton.jit
-def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, NS, D: tl.constexpr, DB: tl.constexpr, CHUNK: tl.constexpr,
-                  STATIC_STEPS: tl.constexpr):
+def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, NS, a_ptr, HQ, D: tl.constexpr, DB: tl.constexpr, CHUNK: tl.constexpr,
+                  STATIC_STEPS: tl.constexpr, ROT: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
+                  KB: tl.constexpr):
     # grid (rows, D // DB): a program merges one DB-wide slice of one query row's partials
     row = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * DB + tl.arange(0, DB)
@@ -617,7 +618,23 @@ def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, NS, D: tl.constexpr, DB: tl.cons
         num += tl.sum(o * w[:, None], axis=0)
     d = tl.sum(den, axis=0)
     d = tl.where(d > 0, d, 1.0)
-    tl.store(out_ptr + row * D + offs_d, (num / d).to(out_ptr.dtype.element_ty))
+    res = num / d
+    if ROT:  # (DB == D) the row turned back by its group's split matrix [hi; lo] (rotkv.kernels.rotate's
+        # arithmetic: the bf16 output times both parts, float32 sums, one rounding): the output is stored, then
+        # read back KB dims at a time by the whole program
+        tl.store(out_ptr + row * D + offs_d, res.to(out_ptr.dtype.element_ty))
+        tl.debug_barrier()
+        a = a_ptr + ((row % HQ) // GROUP) * (K * D)
+        acc = tl.zeros([D], tl.float32)
+        for k0 in tl.static_range(0, D, KB):
+            offs_k = k0 + tl.arange(0, KB)
+            xk = tl.load(out_ptr + row * D + offs_k).to(tl.float32)
+            hi = tl.load(a + offs_k[:, None] * D + offs_d[None, :]).to(tl.float32)
+            lo = tl.load(a + (D + offs_k)[:, None] * D + offs_d[None, :]).to(tl.float32)
+            acc += tl.sum(xk[:, None] * hi, axis=0) + tl.sum(xk[:, None] * lo, axis=0)
+        tl.debug_barrier()
+        res = acc
+    tl.store(out_ptr + row * D + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
 def _splits(max_len: int, bh: int, block: int, target: int, min_tokens: int) -> tuple[int, int]:
@@ -635,7 +652,8 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
                      sm_scale: float | None = None, cfg: DecodeConfig | None = None,
                      out: torch.Tensor | None = None, tier_start: int = 0,
                      plan: DecodePlan | None = None, refine: RefineTier | tuple | None = None,
-                     refine_values: RefineTier | tuple | None = None) -> torch.Tensor:
+                     refine_values: RefineTier | tuple | None = None,
+                     out_rotation: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one decode token per request over an INT2 paged body and a bf16 paged tier.
 
     q ``[B, Hq, D]`` (rotated by R_K; any float dtype). body a :class:`~rotkv.kernels.body.PagedBody`,
@@ -651,9 +669,20 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
     splits the call (``plan.refine_split``, :mod:`rotkv.kernels.refine_split`), the refined pages only
     while the plan's launch reads the others). ``refine_values``: the same for the INT2 values
     (``CacheSpec.refine_values``); both cover the same pages.
+    ``out_rotation``: a split matrix ``[H', 2 D, D]`` bf16 (``rotkv.rotations.base.bf16x2_matrix``, no shift
+    rows; query head ``h`` uses ``h // (Hq / H')``) that the merge applies to each output row, with a bf16 ``out``
+    (``[B, Hq, D]`` contiguous): the graphed decode step's output turned back by ``R_V^T`` without a launch
+    of its own, as ``rotkv.kernels.rotate.rotate_bf16x2`` of the output would (up to the sums' order).
     Returns ``[B, Hq, D]`` in q's dtype (or written into ``out``).
     """
     b_sz, hq, d = q.shape
+    if out_rotation is not None:
+        if out is None or out.dtype != torch.bfloat16 or out.shape != (b_sz, hq, d) or not out.is_contiguous():
+            raise ValueError("decode_attention: out_rotation needs a contiguous bf16 out [B, Hq, D]")
+        if out_rotation.dtype != torch.bfloat16 or out_rotation.dim() != 3 or out_rotation.shape[1:] != (2 * d, d) \
+                or hq % out_rotation.shape[0] or not out_rotation.is_contiguous():
+            raise ValueError(f"decode_attention: out_rotation has to be a contiguous bf16 [H, {2 * d}, {d}] split "
+                             f"matrix over {hq} heads, got {tuple(out_rotation.shape)} {out_rotation.dtype}")
     given = (refine is not None, refine_values is not None)
     plan = plan or plan_decode(q, body, cfg, given)
     if not plan.covered:
@@ -776,7 +805,7 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
             from rotkv.kernels.cuda_decode import body_partials, merges_into
 
             qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
-            merge_here = fuse_mode == "all" and merges_into(out, q, ns)
+            merge_here = fuse_mode == "all" and merges_into(out, q, ns) and out_rotation is None
             _, _, tiles, min_blocks, prefetch, vf16, vflush, qf16, _ = launch.cuda_variant
             body_partials(qb, body, table, o_part, m_part, l_part, n_int2, per, sm_scale * LOG2E,
                           tiles=tiles, min_blocks=min_blocks, fuse=fuse, out=out if merge_here else None,
@@ -784,8 +813,12 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
             if merge_here:
                 return out
     chunk = min(cfg.merge_chunk, triton.next_power_of_2(ns))  # slots merged per step
-    # small batches: more programs for many slots
-    db = d if b_sz * hq >= 1024 or _interpreting() else min(d, cfg.merge_slice)
-    _merge_kernel[(b_sz * hq, d // db)](o_part, m_part, l_part, out, ns, D=d, DB=db, CHUNK=chunk,
-                                STATIC_STEPS=-(-ns // chunk) if _interpreting() else 0)
+    # small batches: more programs for many slots; a rotation of the output needs a whole row per program
+    db = d if b_sz * hq >= 1024 or _interpreting() or out_rotation is not None else min(d, cfg.merge_slice)
+    _merge_kernel[(b_sz * hq, d // db)](o_part, m_part, l_part, out, ns,
+                                        out_rotation if out_rotation is not None else o_part, hq, D=d, DB=db,
+                                        CHUNK=chunk, STATIC_STEPS=-(-ns // chunk) if _interpreting() else 0,
+                                        ROT=out_rotation is not None,
+                                        GROUP=hq // out_rotation.shape[0] if out_rotation is not None else 1,
+                                        K=out_rotation.shape[1] if out_rotation is not None else 0, KB=16)
     return out

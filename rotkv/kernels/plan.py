@@ -647,6 +647,37 @@ def plan_write(x: torch.Tensor, part: TokenPart, rotate: bool, clip: float, back
                        backend, rot_precision, num_warps, part.meta)
 
 
+def flush_reason(side: torch.Tensor, parts) -> str | None:
+    """Why the one-launch flush of side-pool pages into the body (``rotkv.kernels.write.flush_pages``) does not
+    take the side pools ``[pages, H, P, D]`` like ``side`` and the body ``parts`` (keys, values), or None. The
+    caller checks that the kernels are on for the device (the graphed decode step's flush)."""
+    if not all(isinstance(p, TokenPart) for p in parts):
+        return "the body parts are not token parts"
+    for name, part in zip("KV", parts):
+        why = part_reason(part.bits, part.meta, part.format, device_capability(side.device))
+        if why:
+            return f"{name}: {why}"
+    _, _, p, d = side.shape
+    if p & (p - 1) or d & (d - 1) or p < 2:
+        return f"pages of {p} tokens and head_dim {d}: the kernel takes powers of two"
+    if _switches().write_backend == "cuda":
+        return "the write backend is pinned to the CUDA kernel (ROTKV_WRITE_BACKEND=cuda)"
+    if not _switches().graph_fusion:
+        return "ROTKV_TUNING graph_fusion=0"
+    return None
+
+
+def plan_graph_rotations() -> bool:
+    """Whether the graphed decode step rotates its queries, keys and values in one launch
+    (``rotkv.kernels.rotate.rotate_many``; ``ROTKV_TUNING graph_fusion``), else one launch each."""
+    return _switches().graph_fusion
+
+
+def plan_flush(side: torch.Tensor, parts) -> bool:
+    """Whether the graphed decode step flushes its pages with one launch of ``flush_pages`` (:func:`flush_reason`)."""
+    return flush_reason(side, parts) is None
+
+
 @functools.lru_cache(maxsize=4096)
 def _write_plan(d, g, dtype, device, x_ok, part_ok, rotate, clipping, backend, rot_precision, num_warps,
                 meta=torch.float16) -> WritePlan:

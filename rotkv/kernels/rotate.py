@@ -26,13 +26,10 @@ from rotkv.kernels.plan import interpreting, require_rotate, rotate_block
 
 
 @triton.jit
-def _rotate_kernel(x_ptr, sxb, sxh, sxt, a_ptr, y_ptr, syb, syh, syt, rows_ptr, T, HQ,
-                   GROUP: tl.constexpr, D: tl.constexpr, K: tl.constexpr, SHIFT: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
-                   HAS_ROWS: tl.constexpr):
-    pid_bh, pid_t, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b = pid_bh // HQ
-    h = pid_bh % HQ
+def _rotate_tile(x_ptr, sxb, sxh, sxt, a_ptr, y_ptr, syb, syh, syt, rows_ptr, b, h, pid_t, pid_e, T,
+                 GROUP: tl.constexpr, D: tl.constexpr, K: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """Tokens ``pid_t * BLOCK_T ..`` of head ``h`` of batch row ``b``, output columns ``pid_e * BLOCK_E ..``."""
     a = a_ptr + (h // GROUP).to(tl.int64) * (K * D)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -66,16 +63,53 @@ def _rotate_kernel(x_ptr, sxb, sxh, sxt, a_ptr, y_ptr, syb, syh, syt, rows_ptr, 
     tl.store(yrow + offs_e[None, :], acc.to(tl.bfloat16), mask=tmask[:, None])
 
 
-def rotate_bf16x2(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor | None = None,
-                  rows: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [B, Hq, T, D]`` bf16 (any strides, last dim contiguous) -> ``(x - mu) R`` per head group,
-    bf16 ``[B, Hq, T, D]`` (contiguous, or ``out``). ``a``: :func:`~rotkv.rotations.base.bf16x2_matrix`.
-    ``rows`` (int64 ``[B]``, with ``out``): row ``b``'s result starts ``rows[b]`` elements into
-    ``out``, whose dims 1 and 2 are the heads and the tokens (``out [N, Hq, >= T, D]``, a tier pool)."""
+@triton.jit
+def _rotate_kernel(x_ptr, sxb, sxh, sxt, a_ptr, y_ptr, syb, syh, syt, rows_ptr, T, HQ,
+                   GROUP: tl.constexpr, D: tl.constexpr, K: tl.constexpr, SHIFT: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+                   HAS_ROWS: tl.constexpr):
+    pid_bh, pid_t, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    _rotate_tile(x_ptr, sxb, sxh, sxt, a_ptr, y_ptr, syb, syh, syt, rows_ptr, pid_bh // HQ, pid_bh % HQ, pid_t, pid_e,
+                 T, GROUP, D, K, SHIFT, BLOCK_T, BLOCK_E, BLOCK_K, F32_DOT, HAS_ROWS)
+
+
+@triton.jit
+def _rotate3_kernel(x0, sxb0, sxh0, sxt0, a0, y0, syb0, syh0, syt0, r0, T0, HQ0,
+                    x1, sxb1, sxh1, sxt1, a1, y1, syb1, syh1, syt1, r1, T1, HQ1,
+                    x2, sxb2, sxh2, sxt2, a2, y2, syb2, syh2, syt2, r2, T2, HQ2, N0, N01,
+                    GROUP0: tl.constexpr, K0: tl.constexpr, SHIFT0: tl.constexpr, ROWS0: tl.constexpr,
+                    GROUP1: tl.constexpr, K1: tl.constexpr, SHIFT1: tl.constexpr, ROWS1: tl.constexpr,
+                    GROUP2: tl.constexpr, K2: tl.constexpr, SHIFT2: tl.constexpr, ROWS2: tl.constexpr,
+                    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                    F32_DOT: tl.constexpr):
+    """Up to three rotations in one launch: programs ``0 .. N0 - 1`` take job 0's (row, head) pairs, ``N0 ..
+    N01 - 1`` job 1's, the rest job 2's (a job with no pairs gets no program)."""
+    pid, pid_t, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if pid < N0:
+        _rotate_tile(x0, sxb0, sxh0, sxt0, a0, y0, syb0, syh0, syt0, r0, pid // HQ0, pid % HQ0, pid_t, pid_e, T0,
+                     GROUP0, D, K0, SHIFT0, BLOCK_T, BLOCK_E, BLOCK_K, F32_DOT, ROWS0)
+    elif pid < N01:
+        p = pid - N0
+        _rotate_tile(x1, sxb1, sxh1, sxt1, a1, y1, syb1, syh1, syt1, r1, p // HQ1, p % HQ1, pid_t, pid_e, T1,
+                     GROUP1, D, K1, SHIFT1, BLOCK_T, BLOCK_E, BLOCK_K, F32_DOT, ROWS1)
+    else:
+        p = pid - N01
+        _rotate_tile(x2, sxb2, sxh2, sxt2, a2, y2, syb2, syh2, syt2, r2, p // HQ2, p % HQ2, pid_t, pid_e, T2,
+                     GROUP2, D, K2, SHIFT2, BLOCK_T, BLOCK_E, BLOCK_K, F32_DOT, ROWS2)
+
+
+def _block_t(t: int, d: int) -> int:
+    """Tokens per program: 16 (tl.dot's least) for a decode step's few tokens, else 64 (32 above head_dim 128)."""
+    if t <= 16:
+        return 16
+    return 64 if d <= 128 else 32
+
+
+def _check_out(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor:
+    """The checked destination of one rotation (:func:`rotate_bf16x2`'s contract); allocates it where ``out``
+    is None."""
     require_rotate(x, a)
     b, hq, t, d = x.shape
-    h, k, _ = a.shape
-    a = a.contiguous()
     y = torch.empty(b, hq, t, d, dtype=torch.bfloat16, device=x.device) if out is None else out
     if rows is not None:
         if out is None or out.dim() != 4 or out.dtype != torch.bfloat16 or out.shape[1] != hq \
@@ -86,13 +120,60 @@ def rotate_bf16x2(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor | None = N
             raise ValueError(f"rotate_bf16x2: rows has to be int64 [{b}] on {x.device}")
     elif y.shape != x.shape or y.stride(-1) != 1:
         raise ValueError(f"rotate_bf16x2: out {tuple(y.shape)} does not fit x {tuple(x.shape)}")
+    return y
+
+
+def rotate_bf16x2(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor | None = None,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [B, Hq, T, D]`` bf16 (any strides, last dim contiguous) -> ``(x - mu) R`` per head group,
+    bf16 ``[B, Hq, T, D]`` (contiguous, or ``out``). ``a``: :func:`~rotkv.rotations.base.bf16x2_matrix`.
+    ``rows`` (int64 ``[B]``, with ``out``): row ``b``'s result starts ``rows[b]`` elements into
+    ``out``, whose dims 1 and 2 are the heads and the tokens (``out [N, Hq, >= T, D]``, a tier pool)."""
+    y = _check_out(x, a, out, rows)
+    a = a.contiguous()
     if x.numel() == 0:
         return y
-    blk = rotate_block(d)
-    block_t = 64 if d <= 128 else 32
+    b, hq, t, d = x.shape
+    blk, block_t = rotate_block(d), _block_t(t, d)
     grid = (b * hq, triton.cdiv(t, block_t), d // blk)  # rows x heads on axis 0 (the others cap at 65535)
     _rotate_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), a, y, y.stride(0), y.stride(1), y.stride(2),
-                         rows if rows is not None else y, t, hq, GROUP=hq // h, D=d, K=k, SHIFT=k > 2 * d,
-                         BLOCK_T=block_t, BLOCK_E=blk, BLOCK_K=blk, F32_DOT=interpreting(),
-                         HAS_ROWS=rows is not None, num_warps=4)
+                         rows if rows is not None else y, t, hq, GROUP=hq // a.shape[0], D=d, K=a.shape[1],
+                         SHIFT=a.shape[1] > 2 * d, BLOCK_T=block_t, BLOCK_E=blk, BLOCK_K=blk,
+                         F32_DOT=interpreting(), HAS_ROWS=rows is not None, num_warps=4)
     return y
+
+
+def rotate_many(jobs) -> None:
+    """Up to three rotations of one head_dim in one launch: ``jobs`` a list of ``(x, a, out, rows)``, each
+    :func:`rotate_bf16x2`'s arguments with ``out`` given (its contract, checked for every job before anything
+    is written). A decode step's keys, values and queries thus cost one launch instead of three."""
+    jobs = list(jobs)
+    if not 1 <= len(jobs) <= 3:
+        raise ValueError(f"rotate_many: 1 to 3 jobs, got {len(jobs)}")
+    if any(out is None for _, _, out, _ in jobs):
+        raise ValueError("rotate_many: every job writes into its given out")
+    d = jobs[0][0].shape[-1]
+    if any(x.shape[-1] != d for x, _, _, _ in jobs) or len({x.device for x, _, _, _ in jobs}) != 1:
+        raise ValueError("rotate_many: the jobs' head_dims and devices have to agree")
+    args, consts, counts = [], {}, []
+    for i, (x, a, out, rows) in enumerate(jobs):
+        _check_out(x, a, out, rows)
+        b, hq, t, _ = x.shape
+        a = a.contiguous()
+        counts.append(b * hq if t else 0)
+        args += [x, x.stride(0), x.stride(1), x.stride(2), a, out, out.stride(0), out.stride(1), out.stride(2),
+                 rows if rows is not None else out, t, hq]
+        consts.update({f"GROUP{i}": hq // a.shape[0], f"K{i}": a.shape[1], f"SHIFT{i}": a.shape[1] > 2 * d,
+                       f"ROWS{i}": rows is not None})
+    for i in range(len(jobs), 3):  # absent jobs: job 0's arguments, no programs
+        args += args[:12]
+        counts.append(0)
+        consts.update({f"GROUP{i}": consts["GROUP0"], f"K{i}": consts["K0"], f"SHIFT{i}": consts["SHIFT0"],
+                       f"ROWS{i}": consts["ROWS0"]})
+    t_max = max(x.shape[2] for x, _, _, _ in jobs)
+    if sum(counts) == 0 or t_max == 0:
+        return
+    blk, block_t = rotate_block(d), _block_t(t_max, d)
+    grid = (sum(counts), triton.cdiv(t_max, block_t), d // blk)
+    _rotate3_kernel[grid](*args, counts[0], counts[0] + counts[1], D=d, BLOCK_T=block_t, BLOCK_E=blk, BLOCK_K=blk,
+                          F32_DOT=interpreting(), num_warps=4, **consts)

@@ -81,41 +81,15 @@ def _fp8_round(x, up: tl.constexpr):
 
 
 @triton.jit
-def _quant_write_kernel(
-    x_ptr, stride_xt, stride_xh,  # x [T, H, D], last dim contiguous
-    rot_ptr, mean_ptr,  # [H, D, D] fp32, [H, D] fp32 (used if ROTATE / HAS_MEAN)
-    slot_ptr,  # [T] int64: page * P + offset
-    codes_ptr, scale_ptr, lo_ptr,  # [NP, H, P, D*BITS/8] uint8, [NP, H, P, NG] fp16 (e4m3 if META_FP8)
-    T, H,
-    D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, CLIP_R: tl.constexpr,
-    ROTATE: tl.constexpr, HAS_MEAN: tl.constexpr, KC: tl.constexpr, BLOCK_T: tl.constexpr,
-    BITS: tl.constexpr, ROT_TF32X3: tl.constexpr, META_FP8: tl.constexpr,
-):
+def _quantize_store(x, offs_t, tmask, h, H, slot_ptr, codes_ptr, scale_ptr, lo_ptr, D: tl.constexpr, G: tl.constexpr,
+                    P: tl.constexpr, CLIP_R: tl.constexpr, BITS: tl.constexpr, META_FP8: tl.constexpr,
+                    BLOCK_T: tl.constexpr):
+    """Clip, quantize and pack the float32 rows ``x [BLOCK_T, D]`` of head ``h`` (tokens ``offs_t``, valid where
+    ``tmask``) and store them at their slots (``slot_ptr``, indexed by ``offs_t``) of the part's pools."""
     NG: tl.constexpr = D // G
     PER: tl.constexpr = 8 // BITS  # codes per byte (planes)
     Q4: tl.constexpr = D // PER  # bytes per row
     LEVELS: tl.constexpr = (1 << BITS) - 1
-    pid_t, h = tl.program_id(0), tl.program_id(1)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = offs_t < T
-    offs_d = tl.arange(0, D)
-    rows = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt + h.to(tl.int64) * stride_xh
-    if ROTATE:
-        x = tl.zeros([BLOCK_T, D], tl.float32)
-        for k0 in tl.static_range(0, D, KC):
-            offs_k = k0 + tl.arange(0, KC)
-            xk = tl.load(rows + offs_k[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-            if HAS_MEAN:
-                xk = xk - tl.load(mean_ptr + h * D + offs_k)[None, :]
-            r = tl.load(rot_ptr + h.to(tl.int64) * D * D + offs_k[:, None] * D + offs_d[None, :])
-            if ROT_TF32X3:
-                x = tl.dot(xk, r, x, input_precision="tf32x3")
-            else:  # one TF32 pass: codes may differ from the fp32 reference at rounding ties
-                x = tl.dot(xk, r, x, input_precision="tf32")
-    else:
-        x = tl.load(rows + offs_d[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-        if HAS_MEAN:
-            x = x - tl.load(mean_ptr + h * D + offs_d)[None, :]
     if CLIP_R > 0:
         # r-th largest |x| with ties counted: take the max, count and drop its copies, r times
         a = tl.abs(x)
@@ -161,6 +135,77 @@ def _quant_write_kernel(
     mptr = row[:, None] * NG + offs_g[None, :]
     tl.store(scale_ptr + mptr, sm, mask=tmask[:, None])
     tl.store(lo_ptr + mptr, lom, mask=tmask[:, None])
+
+
+@triton.jit
+def _quant_write_kernel(
+    x_ptr, stride_xt, stride_xh,  # x [T, H, D], last dim contiguous
+    rot_ptr, mean_ptr,  # [H, D, D] fp32, [H, D] fp32 (used if ROTATE / HAS_MEAN)
+    slot_ptr,  # [T] int64: page * P + offset
+    codes_ptr, scale_ptr, lo_ptr,  # [NP, H, P, D*BITS/8] uint8, [NP, H, P, NG] fp16 (e4m3 if META_FP8)
+    T, H,
+    D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, CLIP_R: tl.constexpr,
+    ROTATE: tl.constexpr, HAS_MEAN: tl.constexpr, KC: tl.constexpr, BLOCK_T: tl.constexpr,
+    BITS: tl.constexpr, ROT_TF32X3: tl.constexpr, META_FP8: tl.constexpr,
+):
+    pid_t, h = tl.program_id(0), tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = offs_t < T
+    offs_d = tl.arange(0, D)
+    rows = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt + h.to(tl.int64) * stride_xh
+    if ROTATE:
+        x = tl.zeros([BLOCK_T, D], tl.float32)
+        for k0 in tl.static_range(0, D, KC):
+            offs_k = k0 + tl.arange(0, KC)
+            xk = tl.load(rows + offs_k[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+            if HAS_MEAN:
+                xk = xk - tl.load(mean_ptr + h * D + offs_k)[None, :]
+            r = tl.load(rot_ptr + h.to(tl.int64) * D * D + offs_k[:, None] * D + offs_d[None, :])
+            if ROT_TF32X3:
+                x = tl.dot(xk, r, x, input_precision="tf32x3")
+            else:  # one TF32 pass: codes may differ from the fp32 reference at rounding ties
+                x = tl.dot(xk, r, x, input_precision="tf32")
+    else:
+        x = tl.load(rows + offs_d[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        if HAS_MEAN:
+            x = x - tl.load(mean_ptr + h * D + offs_d)[None, :]
+    _quantize_store(x, offs_t, tmask, h, H, slot_ptr, codes_ptr, scale_ptr, lo_ptr, D, G, P, CLIP_R, BITS, META_FP8,
+                    BLOCK_T)
+
+
+@triton.jit
+def _flush_side(side_ptr, s0, s1, s2, page_ptr, off_ptr, slot_ptr, codes_ptr, scale_ptr, lo_ptr, r, h, H,
+                D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, CLIP_R: tl.constexpr, BITS: tl.constexpr,
+                META_FP8: tl.constexpr):
+    """Page ``r`` (tokens ``r * P ..``) of one side, head ``h``: each token read at its side-pool page and slot."""
+    offs_t = r * P + tl.arange(0, P)
+    page = tl.load(page_ptr + offs_t).to(tl.int64)
+    off = tl.load(off_ptr + offs_t).to(tl.int64)
+    rows = side_ptr + page * s0 + h.to(tl.int64) * s1 + off * s2
+    x = tl.load(rows[:, None] + tl.arange(0, D)[None, :]).to(tl.float32)
+    _quantize_store(x, offs_t, offs_t >= 0, h, H, slot_ptr, codes_ptr, scale_ptr, lo_ptr, D, G, P, CLIP_R, BITS,
+                    META_FP8, P)
+
+
+@triton.jit
+def _flush_kernel(k_ptr, ks0, ks1, ks2, v_ptr, vs0, vs1, vs2, page_ptr, off_ptr, slot_ptr, block_ptr,
+                  kc_ptr, ksc_ptr, klo_ptr, vc_ptr, vsc_ptr, vlo_ptr, H,
+                  D: tl.constexpr, P: tl.constexpr, G_K: tl.constexpr, CLIP_K: tl.constexpr, BITS_K: tl.constexpr,
+                  FP8_K: tl.constexpr, G_V: tl.constexpr, CLIP_V: tl.constexpr, BITS_V: tl.constexpr,
+                  FP8_V: tl.constexpr, SKIP_NULL: tl.constexpr):
+    """One page of one head per program: programs ``(r, h)`` with ``h < H`` quantize key page ``r``, the others
+    value page ``r`` (head ``h - H``); with ``SKIP_NULL`` a page bound for block 0 (none) is not written."""
+    r, hh = tl.program_id(0), tl.program_id(1)
+    live = True
+    if SKIP_NULL:
+        live = tl.load(block_ptr + r) != 0
+    if live:
+        if hh < H:
+            _flush_side(k_ptr, ks0, ks1, ks2, page_ptr, off_ptr, slot_ptr, kc_ptr, ksc_ptr, klo_ptr, r, hh, H,
+                        D, G_K, P, CLIP_K, BITS_K, FP8_K)
+        else:
+            _flush_side(v_ptr, vs0, vs1, vs2, page_ptr, off_ptr, slot_ptr, vc_ptr, vsc_ptr, vlo_ptr, r, hh - H, H,
+                        D, G_V, P, CLIP_V, BITS_V, FP8_V)
 
 
 def check_part(x: torch.Tensor, part: TokenPart) -> None:
@@ -212,7 +257,7 @@ def quant_write(x: torch.Tensor, slots: torch.Tensor, part: TokenPart,
     mean = None if mean is None else mean.float().contiguous()
     dummy = part.codes  # never read when the matching flag is off
     fp8 = part.meta == torch.float8_e4m3fn
-    meta = (part.scale.view(torch.uint8), part.lo.view(torch.uint8)) if fp8 else (part.scale, part.lo)
+    meta = _meta(part)
     grid = (triton.cdiv(t, block_t), h)
     _quant_write_kernel[grid](
         x, x.stride(0), x.stride(1), rot if rot is not None else dummy, mean if mean is not None else dummy,
@@ -221,3 +266,43 @@ def quant_write(x: torch.Tensor, slots: torch.Tensor, part: TokenPart,
         HAS_MEAN=mean is not None, KC=min(d, 64), BLOCK_T=block_t, BITS=part.bits,
         ROT_TF32X3=rot_precision == "tf32x3", META_FP8=fp8, num_warps=num_warps,
     )
+
+
+def _meta(part: TokenPart) -> tuple[torch.Tensor, torch.Tensor]:
+    """The part's scale and lo as the kernels store them (uint8 views of e4m3 metadata)."""
+    if part.meta == torch.float8_e4m3fn:
+        return part.scale.view(torch.uint8), part.lo.view(torch.uint8)
+    return part.scale, part.lo
+
+
+def flush_pages(side_k: torch.Tensor, side_v: torch.Tensor, page: torch.Tensor, off: torch.Tensor,
+                slots: torch.Tensor, blocks: torch.Tensor, part_k: TokenPart, part_v: TokenPart,
+                clip_k: float = 1.0, clip_v: float = 1.0, skip_null: bool = True) -> None:
+    """Quantize ``n`` pages of the bf16 side pools (``side_k``, ``side_v`` ``[pages, H, P, D]``) into the body
+    parts, keys and values in one launch. Token ``i`` of page ``r`` is read at side-pool page ``page[r * P + i]``
+    and slot ``off[r * P + i]`` and written at body slot ``slots[r * P + i]`` (int64 ``[n * P]`` each); page
+    ``r`` goes to body block ``blocks[r]``, and with ``skip_null`` a page whose block is 0 (vLLM's null block: a
+    row with nothing to flush this step) is not written. The same bytes as :func:`quant_write` of the gathered
+    pages (the graphed decode step's flush without its gathers, ``rotkv.integrations.vllm.graph``)."""
+    h, p, d = side_k.shape[1:]
+    n = blocks.shape[0]
+    for side, part in ((side_k, part_k), (side_v, part_v)):
+        if side.dim() != 4 or side.shape[1:] != (h, p, d) or side.stride(-1) != 1:
+            raise ValueError(f"flush_pages: the side pools have to be [pages, {h}, {p}, {d}] with a contiguous "
+                             f"last dim, got {tuple(side.shape)}")
+        check_part(side[0].transpose(0, 1), part)
+        if part.codes.shape[2] != p or not all(t.is_contiguous() for t in part.tensors):
+            raise ValueError(f"flush_pages: a body part of {part.codes.shape[2]}-token pages (contiguous) for "
+                             f"{p}-token side pages")
+    for name, t in (("page", page), ("off", off), ("slots", slots)):
+        if t.shape != (n * p,) or t.dtype != torch.int64 or t.device != side_k.device:
+            raise ValueError(f"flush_pages: {name} has to be int64 [{n * p}] on {side_k.device}")
+    if n == 0:
+        return
+    ks, vs = side_k.stride(), side_v.stride()
+    _flush_kernel[(n, 2 * h)](
+        side_k, ks[0], ks[1], ks[2], side_v, vs[0], vs[1], vs[2], page, off, slots, blocks,
+        part_k.codes, *_meta(part_k), part_v.codes, *_meta(part_v), h,
+        D=d, P=p, G_K=part_k.group_size, CLIP_K=clip_rank(clip_k, d), BITS_K=part_k.bits,
+        FP8_K=part_k.meta == torch.float8_e4m3fn, G_V=part_v.group_size, CLIP_V=clip_rank(clip_v, d),
+        BITS_V=part_v.bits, FP8_V=part_v.meta == torch.float8_e4m3fn, SKIP_NULL=skip_null, num_warps=4)

@@ -127,20 +127,40 @@ class LayerRotation:
         offset ``rows [B]``; without, into ``out``, a view of ``x``'s shape in any strides (last dim contiguous).
         False, writing nothing, where that kernel does not apply (no matrix on this side, not bf16 on CUDA,
         kernels off): the caller then rotates and copies or scatters."""
-        mats = {"keys": self.R_K, "values": self.R_V, "queries": self.query_matrix, "outputs": self.R_V}
-        if which not in mats:
-            raise ValueError(f"rotate_into: which is one of {list(mats)}, not {which!r}")
-        if mats[which] is None or rotation_math(x, out.dtype) != "bf16x2":
-            return False  # (rotation_math fp32: the eager step's float32 rotation, then the scatter)
-        if rows is None and (out.shape != x.shape or out.stride(-1) != 1):
-            return False
-        a = self._bf16x2(which)[0]
-        if not plan_rotate(x, a):
+        a = self.kernel_matrix(which, x, out, rows)
+        if a is None:
             return False
         from rotkv.kernels.rotate import rotate_bf16x2
 
         rotate_bf16x2(x, a, out=out, rows=rows)
         return True
+
+    def rotate_many_into(self, jobs) -> bool:
+        """:meth:`rotate_into` for up to three ``(which, x, out, rows)`` jobs of one head_dim in one launch of the
+        rotation kernel (``rotkv.kernels.rotate.rotate_many``): a decode step's keys and values into their tier
+        slots and its queries into the decode kernel's buffer. False, writing nothing, unless the kernel applies
+        to every job; the caller then rotates each job on its own."""
+        jobs = list(jobs)
+        mats = [self.kernel_matrix(*job) for job in jobs]
+        if any(a is None for a in mats) or len({x.shape[-1] for _, x, _, _ in jobs}) > 1 or not 1 <= len(jobs) <= 3:
+            return False
+        from rotkv.kernels.rotate import rotate_many
+
+        rotate_many([(x, a, out, rows) for (_, x, out, rows), a in zip(jobs, mats)])
+        return True
+
+    def kernel_matrix(self, which: str, x: torch.Tensor, out: torch.Tensor, rows=None) -> torch.Tensor | None:
+        """The split matrix (:func:`bf16x2_matrix`) the rotation kernel rotates ``x`` by for ``which`` into
+        ``out``, or None where the kernel does not apply (:meth:`rotate_into`; ``rows`` as there)."""
+        mats = {"keys": self.R_K, "values": self.R_V, "queries": self.query_matrix, "outputs": self.R_V}
+        if which not in mats:
+            raise ValueError(f"rotate_into: which is one of {list(mats)}, not {which!r}")
+        if mats[which] is None or rotation_math(x, out.dtype) != "bf16x2":
+            return None  # (rotation_math fp32: the eager step's float32 rotation, then the scatter)
+        if rows is None and (out.shape != x.shape or out.stride(-1) != 1):
+            return None
+        a = self._bf16x2(which)[0]
+        return a if plan_rotate(x, a) else None
 
     def key_shift(self) -> torch.Tensor | None:
         """``c = mu R_K`` ``[kv_heads, D]`` float32 (``mu`` without R_K), None without a key mean: what a

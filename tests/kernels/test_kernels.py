@@ -95,6 +95,42 @@ def _check_write(d, g, clip, rotate, t, device, seed=0, bits=2, backend=None, ro
     return codes_mismatch
 
 
+@pytest.mark.parametrize("bits_k,bits_v,meta,side_dtype", [(2, 2, torch.float16, torch.bfloat16),
+                                                         (4, 2, torch.float16, torch.float32),
+                                                         (2, 2, torch.float8_e4m3fn, torch.bfloat16)])
+def test_flush_pages_equals_quant_write_of_the_gathered_pages(bits_k, bits_v, meta, side_dtype, device, fp8_kernels):
+    """``flush_pages`` (the graphed decode step's flush: keys and values in one launch, each token read at its
+    side-pool page and slot): the bytes of ``quant_write`` of the gathered pages, each side at its own width and
+    clip; a page bound for block 0 is skipped (its body block keeps its poison); bad index shapes are refused."""
+    from rotkv.kernels.write import flush_pages
+
+    if meta == torch.float8_e4m3fn and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("e4m3 metadata needs sm_89+")
+    h, p, d, g, side_pages, nb = 2, 16, 64, 32, 7, 6
+    gen = torch.Generator().manual_seed(3)
+    sides = [(torch.randn(side_pages, h, p, d, generator=gen) * 2 + 0.3).to(side_dtype).to(device) for _ in range(2)]
+    n = 3  # three rows' pages; row 1 flushes none (block 0)
+    blocks = torch.tensor([4, 0, 2], device=device)
+    page = torch.randint(0, side_pages, (n * p,), generator=gen).to(device)
+    off = torch.randint(0, p, (n * p,), generator=gen).to(device)
+    slots = (blocks[:, None] * p + torch.arange(p, device=device)[None]).reshape(-1)
+    clips = (0.96, 0.92)
+    got = [_pool_bufs(nb, h, p, d, g, device, b_, meta) for b_ in (bits_k, bits_v)]
+    want = [_pool_bufs(nb, h, p, d, g, device, b_, meta) for b_ in (bits_k, bits_v)]
+    flush_pages(sides[0], sides[1], page, off, slots, blocks, got[0], got[1], *clips)
+    live = torch.tensor([True, False, True], device=device).repeat_interleave(p)
+    for side, part, clip in zip(sides, want, clips):
+        quant_write(side[page, :, off][live], slots[live], part, clip=clip, backend="triton")
+    for mine, theirs in zip(got, want):
+        for a, b_ in zip(mine.tensors, theirs.tensors):
+            assert torch.equal(a.view(torch.uint8), b_.view(torch.uint8))
+        assert (mine.codes[0] == 0xAB).all()  # block 0: skipped
+    with pytest.raises(ValueError, match="page has to be int64"):
+        flush_pages(sides[0], sides[1], page[:-1], off, slots, blocks, got[0], got[1])
+    with pytest.raises(ValueError, match="side pools"):
+        flush_pages(sides[0], sides[1][:, :1], page, off, slots, blocks, got[0], got[1])
+
+
 @pytest.mark.parametrize("d,g,clip,rotate,t", WRITE_CASES)
 def test_quant_write_matches_reference(d, g, clip, rotate, t, device):
     _check_write(d, g, clip, rotate, t, device)
@@ -575,6 +611,31 @@ def test_decode_tier_only_and_body_only(device):
     out = decode_attention(q, body, table, ml, cfg=cfg)
     ref = decode_reference(q.float(), body, table)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("d,rep", [(64, 3), (128, 2)])
+def test_decode_turns_its_output_back_inside_the_merge(d, rep, device):
+    """``out_rotation`` (the graphed decode step's output rotation, no launch of its own): the merge's rows times
+    the split matrix of each query head's group equal ``rotate_bf16x2`` of the unrotated output (the sums' order
+    aside: at most one bf16 ulp apart); bad matrices and outs are refused."""
+    from rotkv.kernels.rotate import rotate_bf16x2
+    from rotkv.rotations.base import bf16x2_matrix
+
+    h = 2
+    body, table, tier, ttable, ml, tml = _build([37, 70], [5, 20], h, d, 32, 16, 16, device)
+    q = torch.randn(2, h * rep, d).to(device, torch.bfloat16)
+    a = bf16x2_matrix(torch.stack([random_orthogonal(d, seed=30 + i) for i in range(h)])).to(device)
+    plain = decode_attention(q, body, table, ml, tier, ttable, tml)
+    want = rotate_bf16x2(plain.transpose(0, 1)[None], a)[0].transpose(0, 1)
+    out = torch.full_like(plain, 5.0)
+    assert decode_attention(q, body, table, ml, tier, ttable, tml, out=out, out_rotation=a) is out
+    ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp_min(2.0 ** -30))) - 7)
+    assert ((out.float() - want.float()).abs() <= ulp + 2.0 ** -14 * plain.float().norm(dim=-1, keepdim=True)).all()
+    assert (out.float() - plain.float()).abs().max() > 0.1  # it did turn
+    with pytest.raises(ValueError, match="contiguous bf16 out"):
+        decode_attention(q, body, table, ml, tier, ttable, tml, out_rotation=a)
+    with pytest.raises(ValueError, match="split matrix"):
+        decode_attention(q, body, table, ml, tier, ttable, tml, out=out, out_rotation=a[:, :d])
 
 
 def test_decode_rejects_small_groups(device):

@@ -105,3 +105,40 @@ def test_rotate_kernel_writes_each_row_into_its_tier_slot(shift, device):
         rotate_bf16x2(x, a, out=pool, rows=rows.int())
     with pytest.raises(ValueError, match="rows need an out"):
         rotate_bf16x2(x, a, out=pool[:, :2], rows=rows)
+
+
+def test_rotate_many_equals_each_rotation_on_its_own(device):
+    """``rotate_many``: a decode step's keys and values into their tier slots (``rows``) and its GQA queries into a
+    buffer, in one launch: the same bytes as three ``rotate_bf16x2`` calls; with one or two jobs as well; a job
+    whose ``out`` does not fit is refused before anything is written."""
+    from rotkv.kernels.rotate import rotate_many
+
+    torch.manual_seed(1)
+    b, h, hq, p, d, pages = 3, 2, 6, 16, 64, 9
+    rk = torch.stack([random_orthogonal(d, seed=i) for i in range(h)])
+    rv = torch.stack([random_orthogonal(d, seed=10 + i) for i in range(h)])
+    ak = bf16x2_matrix(rk, torch.randn(h, d)).to(device)  # keys: a mean (the shift rows)
+    av, aq = bf16x2_matrix(rv).to(device), bf16x2_matrix(rk).to(device)
+    k, v = (torch.randn(b, 1, h, d).to(torch.bfloat16).to(device).transpose(1, 2) for _ in range(2))  # [B, H, 1, D]
+    q = torch.randn(b, hq, 1, d).to(torch.bfloat16).to(device)
+    pk, pv = (torch.randn(pages, h, p, d).to(torch.bfloat16).to(device) for _ in range(2))
+    rows = torch.tensor([4, 0, 8], device=device) * pk.stride(0) + torch.tensor([15, 2, 7], device=device) * pk.stride(2)
+    want_k, want_v = pk.clone(), pv.clone()
+    rotate_bf16x2(k, ak, out=want_k, rows=rows)
+    rotate_bf16x2(v, av, out=want_v, rows=rows)
+    want_q = rotate_bf16x2(q, aq)
+    qr = torch.empty_like(q)
+    rotate_many([(k, ak, pk, rows), (v, av, pv, rows), (q, aq, qr, None)])
+    for got, want in ((pk, want_k), (pv, want_v), (qr, want_q)):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    q2 = torch.randn(b, hq, 5, d).to(torch.bfloat16).to(device)  # two jobs of different token counts
+    out2, outk = torch.empty_like(q2), torch.empty_like(k)
+    rotate_many([(q2, aq, out2, None), (k, ak, outk, None)])
+    assert torch.equal(out2.view(torch.int16), rotate_bf16x2(q2, aq).view(torch.int16))
+    assert torch.equal(outk.view(torch.int16), rotate_bf16x2(k, ak).view(torch.int16))
+    before = pk.clone()
+    with pytest.raises(ValueError, match="rows need an out"):
+        rotate_many([(k, ak, pk, rows), (v, av, pv[:, :1], rows)])
+    assert torch.equal(pk, before)
+    with pytest.raises(ValueError, match="1 to 3 jobs"):
+        rotate_many([])

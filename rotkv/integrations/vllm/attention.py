@@ -93,6 +93,21 @@ def write_body(x: torch.Tensor, blocks: torch.Tensor | None, part, clip: float, 
         quant_write_reference(x, slots, part, clip=clip)
 
 
+def flush_into_body(side_k, side_v, page, off, slots, blocks, body: PagedBody, codecs) -> bool:
+    """Pages of the side pools into the body, keys and values in one launch of rotkv's flush kernel
+    (``rotkv.kernels.write.flush_pages``: token ``i`` of page ``r`` read at side-pool ``page``/``off`` ``[r * P +
+    i]``, written at body ``slots``; a page bound for block 0 skipped). False, writing nothing, where that kernel
+    does not apply (kernels off, :func:`~rotkv.kernels.plan.flush_reason`): the caller gathers and writes."""
+    from rotkv.kernels.plan import plan_flush
+
+    if not kernels.enabled(side_k) or not plan_flush(side_k, (body.k, body.v)):
+        return False
+    from rotkv.kernels.write import flush_pages
+
+    flush_pages(side_k, side_v, page, off, slots, blocks, body.k, body.v, codecs[0].clip, codecs[1].clip)
+    return True
+
+
 def _decode(plan, qr: torch.Tensor, body: PagedBody, side_k, side_v, block_table, scale: float,
             refine=None) -> torch.Tensor:
     """The decode rows' attention ``[Bd, Hq, D]`` (rotated basis) over their body pages (the newest refined,
@@ -132,12 +147,15 @@ def _log_kernel(kplan, work: int) -> None:
 
 
 def decode_rows(qr: torch.Tensor, body: PagedBody, table: tuple | None, body_max: int, side_k, side_v, tier: tuple,
-                tier_max: int, pad: int, scale: float, tiers: dict | None = None, graphed: bool = False) -> torch.Tensor:
+                tier_max: int, pad: int, scale: float, tiers: dict | None = None, graphed: bool = False,
+                out: torch.Tensor | None = None, out_rotation: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of decode rows ``qr [B, Hq, D]`` over their body pages (``table``: the kernels' ``(indptr,
     block ids, last-page lengths)``, ``body_max`` the grid's body length; no body: ``body_max`` 0) and their
     side-pool tier (``tier`` likewise, ``tier_max``, positions below ``pad`` empty); ``tiers``: the refine
     tiers' kernel arguments. rotkv's decode kernel on CUDA (where a kernel reads the tiers), else the
-    PyTorch reference; ``graphed`` (a step inside a CUDA graph): on CUDA the kernel or an error."""
+    PyTorch reference; ``graphed`` (a step inside a CUDA graph): on CUDA the kernel or an error. ``out_rotation``
+    (with a contiguous bf16 ``out [B, Hq, D]``): the outputs turned back by that split matrix (``R_V^T``), inside
+    the kernel's merge, or by its PyTorch form after the reference."""
     tiers = tiers or {}
     has_body = body_max > 0
     if kernels.enabled(qr):
@@ -151,12 +169,21 @@ def decode_rows(qr: torch.Tensor, body: PagedBody, table: tuple | None, body_max
             _log_kernel(kplan or plan_decode(qr, body, cfg), qr.shape[0] * body.kv_heads * body_max)
         if kplan is None or kplan.covered:
             return decode_attention(qr, body if has_body else None, table, body_max, (side_k, side_v), tier,
-                                    tier_max, sm_scale=scale, cfg=cfg, tier_start=pad, plan=kplan, **tiers)
+                                    tier_max, sm_scale=scale, cfg=cfg, tier_start=pad, plan=kplan, out=out,
+                                    out_rotation=out_rotation, **tiers)
         if graphed:
             raise ValueError(f"rotkv: no decode kernel reads the refine tier here ({kplan.why}), and the PyTorch "
                              f"path cannot run in a CUDA graph: set {WHERE}[\"cuda_graphs\"] to false")
-    return decode_reference(qr, body if has_body else None, table if has_body else None, side_k, side_v, tier,
-                            sm_scale=scale, tier_start=pad, **tiers)
+    o = decode_reference(qr, body if has_body else None, table if has_body else None, side_k, side_v, tier,
+                         sm_scale=scale, tier_start=pad, **tiers)
+    if out_rotation is not None:
+        from rotkv.rotations.base import _rotate_bf16x2_bmm
+
+        o = _rotate_bf16x2_bmm(o.to(torch.bfloat16).transpose(0, 1)[None], out_rotation)[0].transpose(0, 1)
+    if out is None:
+        return o
+    out.copy_(o)
+    return out
 
 
 def history_launches(pages, page_bytes: int, budget_mb: int | None = None) -> list[tuple[int, int, int, int]]:

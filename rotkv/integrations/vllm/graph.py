@@ -13,7 +13,13 @@ is the layer's step on them. Against the general step (:func:`~rotkv.integration
 - the decode kernel's grid is sized for the longest body and tier ``max_len`` allows (its splits past a row's
   pages do nothing);
 - the flush writes one page per row: a decode row flushes at most one page a step (the window moves by one
-  token), and a row that flushes none writes its page to vLLM's null block 0, which no request's body holds.
+  token), and a row that flushes none has its page bound for vLLM's null block 0, which no request's body holds
+  (the one-launch flush skips it; the per-side writes write it there).
+
+With ``graph_fusion`` (``ROTKV_TUNING``, on by default) a layer's step is five launches where the rotation kernel
+applies: one rotation of the queries, keys and values (``rotkv.kernels.rotate.rotate_many``), the decode kernel's
+two or three (its output turned back by ``R_V^T`` inside its merge), and one flush of keys and values
+(``rotkv.kernels.write.flush_pages``, without a refine tier).
 
 A preset with a refine tier gathers the rows' ring rows by slot for the decode kernel (padding rows: the scratch
 slot's), and every row's flushed page writes its refine bits: a row that flushes none into the scratch slot's
@@ -25,9 +31,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rotkv.integrations.vllm.attention import (_rotate_q, _unrotate_o, decode_rows, page_slots, ring_tiers, rotate_kv,
-                                               write_body)
+from rotkv.integrations.vllm.attention import (_rotate_q, _unrotate_o, decode_rows, flush_into_body, page_slots,
+                                               ring_tiers, rotate_kv, write_body)
 from rotkv.integrations.vllm.state import Geometry, StepPlan, plan_step, upload_int64
+from rotkv.kernels.plan import plan_graph_rotations
 
 
 def static_rows(lengths: np.ndarray, slots: np.ndarray, num_tokens: np.ndarray, scratch: int):
@@ -153,26 +160,39 @@ def static_step(st: StaticDecode, b: int, q: torch.Tensor, k: torch.Tensor, v: t
     :class:`~rotkv.cache.refine.RefineRings` (one ring row per side-pool slot) or None; writes ``out[:b]``."""
     t = st.tables(b)
     tiers = ring_tiers(refine, t["dslots"])
-    # the rows' keys and values rotated straight into their side-pool slots (rotkv's rotation kernel, bf16 on
-    # CUDA), else rotated, then scattered
-    done = side_k.stride()[0:3:2] == st.side_strides and side_v.stride()[0:3:2] == st.side_strides
-    done_k = done and rot.rotate_into("keys", k[:b, :, None], side_k, t["wrow"])
-    done_v = done and rot.rotate_into("values", v[:b, :, None], side_v, t["wrow"])
-    if not (done_k and done_v):
-        kr, vr = rotate_kv(rot, k[:b], v[:b], side_k.dtype)
-        if not done_k:
-            side_k[t["wpage"], :, t["woff"]] = kr
-        if not done_v:
-            side_v[t["wpage"], :, t["woff"]] = vr
-    # the rotated queries straight into a contiguous [b, Hq, D] buffer (the decode kernel's layout: no copy), and
-    # the outputs turned back straight into ``out`` (no copy), by the rotation kernel where it applies
+    # rotkv's rotation kernel (bf16 on CUDA) writes the rows' keys and values straight into their side-pool slots
+    # and the queries straight into a contiguous [b, Hq, D] buffer (the decode kernel's layout): all three in one
+    # launch (graph_fusion), else one launch each; where it does not apply, rotated, then scattered
     qr = torch.empty(b, *q.shape[1:], dtype=q.dtype, device=q.device)
-    if not rot.rotate_into("queries", q[:b].transpose(0, 1)[None], qr.transpose(0, 1)[None]):
-        qr = _rotate_q(rot, q[:b], q.dtype)
-    o = decode_rows(qr, body, t["body"], st.body_max, side_k, side_v, t["tier"], st.tier_max, st.geo.pad, scale,
-                    tiers, graphed=True)
-    if not rot.rotate_into("outputs", o.transpose(0, 1)[None], out[:b].transpose(0, 1)[None]):
-        out[:b] = _unrotate_o(rot, o, out.dtype)
+    slots_ok = side_k.stride()[0:3:2] == st.side_strides and side_v.stride()[0:3:2] == st.side_strides
+    kv_jobs = [("keys", k[:b, :, None], side_k, t["wrow"]), ("values", v[:b, :, None], side_v, t["wrow"])]
+    if not (slots_ok and plan_graph_rotations()
+            and rot.rotate_many_into(kv_jobs + [("queries", q[:b, :, None], qr[:, :, None], None)])):
+        done_k, done_v = (slots_ok and rot.rotate_into(*job) for job in kv_jobs)
+        if not (done_k and done_v):
+            kr, vr = rotate_kv(rot, k[:b], v[:b], side_k.dtype)
+            if not done_k:
+                side_k[t["wpage"], :, t["woff"]] = kr
+            if not done_v:
+                side_v[t["wpage"], :, t["woff"]] = vr
+        if not rot.rotate_into("queries", q[:b].transpose(0, 1)[None], qr.transpose(0, 1)[None]):
+            qr = _rotate_q(rot, q[:b], q.dtype)
+    # the outputs turned back by R_V^T inside the decode kernel's merge (graph_fusion), else by the rotation kernel
+    # straight into ``out``, else rotated, then copied
+    a_out = None
+    if plan_graph_rotations() and out[:b].is_contiguous():
+        a_out = rot.kernel_matrix("outputs", qr.transpose(0, 1)[None], out[:b].transpose(0, 1)[None])
+    if a_out is not None and a_out.shape[1] == 2 * qr.shape[-1]:
+        decode_rows(qr, body, t["body"], st.body_max, side_k, side_v, t["tier"], st.tier_max, st.geo.pad, scale,
+                    tiers, graphed=True, out=out[:b], out_rotation=a_out)
+    else:
+        o = decode_rows(qr, body, t["body"], st.body_max, side_k, side_v, t["tier"], st.tier_max, st.geo.pad, scale,
+                        tiers, graphed=True)
+        if not rot.rotate_into("outputs", o.transpose(0, 1)[None], out[:b].transpose(0, 1)[None]):
+            out[:b] = _unrotate_o(rot, o, out.dtype)
+    if refine is None and flush_into_body(side_k, side_v, t["flush_page"], t["flush_off"], t["flush_slots"],
+                                          t["flush_blocks"], body, codecs):
+        return out
     for i, (side, part, codec) in enumerate(((side_k, body.k, codecs[0]), (side_v, body.v, codecs[1]))):
         x = side[t["flush_page"], :, t["flush_off"]]  # [b * P, H, D]: row r's page at r * P
         write_body(x, None, part, codec.clip, t["flush_slots"])
