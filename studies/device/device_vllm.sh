@@ -20,7 +20,7 @@
 # vllmrun.tgz to benchmarks/results/ to commit them.
 #
 # The queue (one runner, started with setsid nohup so it outlives the call; jobs run one after another):
-# TEST_K: pytest -k of the plugin's tests in the wheels call. QWEN_JOBS (default "qwen-cap qwen-lat qwen-tp qwen-lg") and SMOL_JOBS (default "smol-greedy smol-cap-lat"):
+# LG_NEW: new tokens per request of qwen-lg (default 16384). TEST_K: pytest -k of the plugin's tests in the wheels call. QWEN_JOBS (default "qwen-cap qwen-lat qwen-tp qwen-lg") and SMOL_JOBS (default "smol-greedy smol-cap-lat"):
 #   qwen-cap      capacity of every method (start-up only)              Qwen3-8B dummy, 36 layers
 #   qwen-lat      TTFT / TPOT at batch 1 x 32K                          every method
 #   qwen-tp       64 x 32K prompts x 1024 new tokens                    TP_METHODS (default bf16,fp8,rotkv)
@@ -102,7 +102,7 @@ job() {  # one queued job
     qwen-tp)  timeout 3000 "${B[@]}" --model qwen3-8b-dummy --methods "$TP_METHODS" --workloads capacity,throughput \
                 ${TP_REQUESTS:+--tp-requests $TP_REQUESTS} --out "$RUN/vllm-qwen3-throughput.json" ;;
     qwen-lg)  timeout 3000 "${B[@]}" --model qwen3-8b-dummy --methods "$LG_METHODS" --workloads capacity,longgen \
-                ${LG_REQUESTS:+--lg-requests $LG_REQUESTS} --out "$RUN/vllm-qwen3-longgen.json" ;;
+                ${LG_REQUESTS:+--lg-requests $LG_REQUESTS} ${LG_NEW:+--lg-new $LG_NEW} --out "$RUN/vllm-qwen3-longgen.json" ;;
     smol-greedy) timeout 900 python3 benchmarks/vllm_greedy_compare.py --model-dir "$MODELS/smollm2" \
                 --gguf "$GG/smollm2.gguf" --methods "$GM" --artifact-dir artifacts \
                 --sink 16 --window 32 --out "$RUN/vllm-greedy-smollm2.json" ;;
