@@ -596,44 +596,45 @@ def _split_kernel(
 
 @triton.jit
 def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, NS, a_ptr, HQ, D: tl.constexpr, DB: tl.constexpr, CHUNK: tl.constexpr,
-                  STATIC_STEPS: tl.constexpr, ROT: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr,
-                  KB: tl.constexpr):
-    # grid (rows, D // DB): a program merges one DB-wide slice of one query row's partials
+                  STATIC_STEPS: tl.constexpr, ROT: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr):
+    # grid (rows, D // DB): a program writes one DB-wide slice of one query row. Plain: it merges that
+    # slice of the row's partials. ROT: it merges the whole row (every program of the row does, no
+    # barrier, no store and reload), rounds it to the output dtype, and turns it back by its group's split
+    # matrix [hi; lo] (rotkv.kernels.rotate's arithmetic: the bf16 row times both parts, float32 sums, one
+    # rounding), for its DB output columns only
     row = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * DB + tl.arange(0, DB)
+    if ROT:
+        offs_m = tl.arange(0, D)
+    else:
+        offs_m = offs_d
     mx = tl.full([CHUNK], float("-inf"), tl.float32)
     for it in range(0, _n_steps(0, NS, CHUNK, STATIC_STEPS)):
         offs_s = it * CHUNK + tl.arange(0, CHUNK)
         mx = tl.maximum(mx, tl.load(m_ptr + row * NS + offs_s, mask=offs_s < NS, other=float("-inf")))
     m_all = tl.max(mx, axis=0)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # no tokens at all: output 0
-    num = tl.zeros([DB], tl.float32)
+    if ROT:
+        num = tl.zeros([D], tl.float32)
+    else:
+        num = tl.zeros([DB], tl.float32)
     den = tl.zeros([CHUNK], tl.float32)
     for it in range(0, _n_steps(0, NS, CHUNK, STATIC_STEPS)):
         offs_s = it * CHUNK + tl.arange(0, CHUNK)
         smask = offs_s < NS
         w = tl.exp2(tl.load(m_ptr + row * NS + offs_s, mask=smask, other=float("-inf")) - m_all)
         den += w * tl.load(l_ptr + row * NS + offs_s, mask=smask, other=0.0)
-        o = tl.load(o_ptr + (row * NS + offs_s)[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+        o = tl.load(o_ptr + (row * NS + offs_s)[:, None] * D + offs_m[None, :], mask=smask[:, None], other=0.0)
         num += tl.sum(o * w[:, None], axis=0)
     d = tl.sum(den, axis=0)
     d = tl.where(d > 0, d, 1.0)
     res = num / d
-    if ROT:  # (DB == D) the row turned back by its group's split matrix [hi; lo] (rotkv.kernels.rotate's
-        # arithmetic: the bf16 output times both parts, float32 sums, one rounding): the output is stored, then
-        # read back KB dims at a time by the whole program
-        tl.store(out_ptr + row * D + offs_d, res.to(out_ptr.dtype.element_ty))
-        tl.debug_barrier()
+    if ROT:
+        x = res.to(out_ptr.dtype.element_ty).to(tl.float32)  # the whole row as the plain merge would store it
         a = a_ptr + ((row % HQ) // GROUP) * (K * D)
-        acc = tl.zeros([D], tl.float32)
-        for k0 in tl.static_range(0, D, KB):
-            offs_k = k0 + tl.arange(0, KB)
-            xk = tl.load(out_ptr + row * D + offs_k).to(tl.float32)
-            hi = tl.load(a + offs_k[:, None] * D + offs_d[None, :]).to(tl.float32)
-            lo = tl.load(a + (D + offs_k)[:, None] * D + offs_d[None, :]).to(tl.float32)
-            acc += tl.sum(xk[:, None] * hi, axis=0) + tl.sum(xk[:, None] * lo, axis=0)
-        tl.debug_barrier()
-        res = acc
+        hi = tl.load(a + offs_m[:, None] * D + offs_d[None, :]).to(tl.float32)
+        lo = tl.load(a + (D + offs_m)[:, None] * D + offs_d[None, :]).to(tl.float32)
+        res = tl.sum(x[:, None] * hi, axis=0) + tl.sum(x[:, None] * lo, axis=0)
     tl.store(out_ptr + row * D + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
@@ -813,12 +814,13 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
             if merge_here:
                 return out
     chunk = min(cfg.merge_chunk, triton.next_power_of_2(ns))  # slots merged per step
-    # small batches: more programs for many slots; a rotation of the output needs a whole row per program
-    db = d if b_sz * hq >= 1024 or _interpreting() or out_rotation is not None else min(d, cfg.merge_slice)
+    # small batches: more programs for many slots; with a rotation of the output every program merges the whole
+    # row and turns back merge_slice columns of it (also under the interpreter, so that the tests see DB < D)
+    db = d if (b_sz * hq >= 1024 or _interpreting()) and out_rotation is None else min(d, cfg.merge_slice)
     _merge_kernel[(b_sz * hq, d // db)](o_part, m_part, l_part, out, ns,
                                         out_rotation if out_rotation is not None else o_part, hq, D=d, DB=db,
                                         CHUNK=chunk, STATIC_STEPS=-(-ns // chunk) if _interpreting() else 0,
                                         ROT=out_rotation is not None,
                                         GROUP=hq // out_rotation.shape[0] if out_rotation is not None else 1,
-                                        K=out_rotation.shape[1] if out_rotation is not None else 0, KB=16)
+                                        K=out_rotation.shape[1] if out_rotation is not None else 0)
     return out

@@ -627,11 +627,15 @@ def test_decode_turns_its_output_back_inside_the_merge(d, rep, device):
     a = bf16x2_matrix(torch.stack([random_orthogonal(d, seed=30 + i) for i in range(h)])).to(device)
     plain = decode_attention(q, body, table, ml, tier, ttable, tml)
     want = rotate_bf16x2(plain.transpose(0, 1)[None], a)[0].transpose(0, 1)
-    out = torch.full_like(plain, 5.0)
-    assert decode_attention(q, body, table, ml, tier, ttable, tml, out=out, out_rotation=a) is out
     ulp = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp_min(2.0 ** -30))) - 7)
-    assert ((out.float() - want.float()).abs() <= ulp + 2.0 ** -14 * plain.float().norm(dim=-1, keepdim=True)).all()
-    assert (out.float() - plain.float()).abs().max() > 0.1  # it did turn
+    # the merge turns merge_slice (< d) columns per program, each merging the whole row: the default slice and a
+    # narrower one
+    assert DecodeConfig().merge_slice < d
+    for cfg in (None, DecodeConfig(merge_slice=16)):
+        out = torch.full_like(plain, 5.0)
+        assert decode_attention(q, body, table, ml, tier, ttable, tml, out=out, out_rotation=a, cfg=cfg) is out
+        assert ((out.float() - want.float()).abs() <= ulp + 2.0 ** -14 * plain.float().norm(dim=-1, keepdim=True)).all()
+        assert (out.float() - plain.float()).abs().max() > 0.1  # it did turn
     with pytest.raises(ValueError, match="contiguous bf16 out"):
         decode_attention(q, body, table, ml, tier, ttable, tml, out_rotation=a)
     with pytest.raises(ValueError, match="split matrix"):
