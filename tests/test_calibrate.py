@@ -258,7 +258,7 @@ def test_the_key_width_search_in_batches_of_rows_finds_the_same_gains(tmp_path):
     assert np.abs(whole).min() > 1e-3 and base > 1e-2  # gains far above the rounding below
     for rows in (6, 4):  # 2 layers' runs, then 1, per batch beside a run of the preset
         sliced, base_s = layer_gains(Loaded, art, spec, max_rows=rows, **kw)
-        assert abs(base_s - base) <= 1e-6 * base
+        assert abs(base_s - base) <= 1e-5 * base  # float32 sums over other batch shapes (1.1e-6 seen)
         np.testing.assert_allclose(sliced, whole, rtol=1e-3, atol=1e-6)
         assert (np.argsort(-sliced) == np.argsort(-whole)).all()
     with pytest.raises(ValueError, match="max_rows"):
