@@ -54,6 +54,7 @@ if [ "${1:-}" = poll ]; then
   exit 0
 fi
 cd "$(dirname "$0")/../.."
+mkdir -p "$R"  # (run without start: device_vllm.sh's rotkv-split job)
 STAGES=${STAGES:-tests gpucpu split stepprof jobqwen}
 JOB_SECONDS=${JOB_SECONDS:-150}
 stage() { echo "stage $1 start $(date +%T)"; }
