@@ -83,13 +83,17 @@ def _fp8_round(x, up: tl.constexpr):
 @triton.jit
 def _quantize_store(x, offs_t, tmask, h, H, slot_ptr, codes_ptr, scale_ptr, lo_ptr, D: tl.constexpr, G: tl.constexpr,
                     P: tl.constexpr, CLIP_R: tl.constexpr, BITS: tl.constexpr, META_FP8: tl.constexpr,
-                    BLOCK_T: tl.constexpr):
+                    BLOCK_T: tl.constexpr, ring_ptr=None, ring_off=None, REFINE: tl.constexpr = False):
     """Clip, quantize and pack the float32 rows ``x [BLOCK_T, D]`` of head ``h`` (tokens ``offs_t``, valid where
-    ``tmask``) and store them at their slots (``slot_ptr``, indexed by ``offs_t``) of the part's pools."""
+    ``tmask``) and store them at their slots (``slot_ptr``, indexed by ``offs_t``) of the part's pools. ``REFINE``
+    (2-bit): also each row's refinement (``rotkv.quant.refine.refine_codes`` of the unclipped row against its
+    2-bit reading ``code * scale + lo``), packed 2-bit, at ``ring_ptr + ring_off`` (``[BLOCK_T]`` int64 offsets
+    of the rows' ``D / 4`` ring bytes)."""
     NG: tl.constexpr = D // G
     PER: tl.constexpr = 8 // BITS  # codes per byte (planes)
     Q4: tl.constexpr = D // PER  # bytes per row
     LEVELS: tl.constexpr = (1 << BITS) - 1
+    exact = x
     if CLIP_R > 0:
         # r-th largest |x| with ties counted: take the max, count and drop its copies, r times
         a = tl.abs(x)
@@ -120,7 +124,16 @@ def _quantize_store(x, offs_t, tmask, h, H, slot_ptr, codes_ptr, scale_ptr, lo_p
     safe = tl.where(sf > 0, sf, 1.0)
     y = tl.div_rn(xg - lof[:, :, None], safe[:, :, None])
     c = (y + _RNE) - _RNE
-    c = tl.minimum(tl.maximum(c, 0.0), LEVELS * 1.0).to(tl.int32)
+    c = tl.minimum(tl.maximum(c, 0.0), LEVELS * 1.0)
+    if REFINE:  # j = round((x - (c s + lo)) / s * 4 + 1.5) clamped to 0..3, as refine_codes (s 0: 1)
+        base = c * sf[:, :, None]
+        base = base + lof[:, :, None]
+        jv = tl.div_rn(tl.reshape(exact, [BLOCK_T, NG, G]) - base, safe[:, :, None]) * 4.0 + 1.5
+        j = tl.minimum(tl.maximum((jv + _RNE) - _RNE, 0.0), 3.0).to(tl.int32)
+        j = tl.reshape(j, [BLOCK_T, 4, D // 4])
+        jpacked = tl.sum(j * (1 << (2 * tl.arange(0, 4)))[None, :, None], axis=1).to(tl.uint8)
+        tl.store(ring_ptr + ring_off[:, None] + tl.arange(0, D // 4)[None, :], jpacked, mask=tmask[:, None])
+    c = c.to(tl.int32)
     # planar pack: byte j = sum_i code[i * D/PER + j] << (BITS * i)
     c = tl.reshape(c, [BLOCK_T, PER, Q4])
     w = 1 << (BITS * tl.arange(0, PER))
@@ -175,24 +188,32 @@ def _quant_write_kernel(
 
 @triton.jit
 def _flush_side(side_ptr, s0, s1, s2, page_ptr, off_ptr, slot_ptr, codes_ptr, scale_ptr, lo_ptr, r, h, H,
+                ring_ptr, ring_row_ptr, ring_index_ptr, RK,
                 D: tl.constexpr, G: tl.constexpr, P: tl.constexpr, CLIP_R: tl.constexpr, BITS: tl.constexpr,
-                META_FP8: tl.constexpr):
-    """Page ``r`` (tokens ``r * P ..``) of one side, head ``h``: each token read at its side-pool page and slot."""
-    offs_t = r * P + tl.arange(0, P)
+                META_FP8: tl.constexpr, REFINE: tl.constexpr):
+    """Page ``r`` (tokens ``r * P ..``) of one side, head ``h``: each token read at its side-pool page and slot;
+    ``REFINE``: its refinements into slot ``ring_index[r] % RK`` of ring row ``ring_row[r]`` (``[rows, RK, H, P,
+    D / 4]``)."""
+    offs_i = tl.arange(0, P)
+    offs_t = r * P + offs_i
     page = tl.load(page_ptr + offs_t).to(tl.int64)
     off = tl.load(off_ptr + offs_t).to(tl.int64)
     rows = side_ptr + page * s0 + h.to(tl.int64) * s1 + off * s2
     x = tl.load(rows[:, None] + tl.arange(0, D)[None, :]).to(tl.float32)
+    ring_off = offs_i.to(tl.int64)
+    if REFINE:
+        slot = tl.load(ring_row_ptr + r).to(tl.int64) * RK + tl.load(ring_index_ptr + r).to(tl.int64) % RK
+        ring_off = ((slot * H + h) * P + offs_i) * (D // 4)
     _quantize_store(x, offs_t, offs_t >= 0, h, H, slot_ptr, codes_ptr, scale_ptr, lo_ptr, D, G, P, CLIP_R, BITS,
-                    META_FP8, P)
+                    META_FP8, P, ring_ptr, ring_off, REFINE)
 
 
 @triton.jit
 def _flush_kernel(k_ptr, ks0, ks1, ks2, v_ptr, vs0, vs1, vs2, page_ptr, off_ptr, slot_ptr, block_ptr,
-                  kc_ptr, ksc_ptr, klo_ptr, vc_ptr, vsc_ptr, vlo_ptr, H,
-                  D: tl.constexpr, P: tl.constexpr, G_K: tl.constexpr, CLIP_K: tl.constexpr, BITS_K: tl.constexpr,
+                  kc_ptr, ksc_ptr, klo_ptr, vc_ptr, vsc_ptr, vlo_ptr, H, rk_ptr, rv_ptr, ring_row_ptr, ring_index_ptr,
+                  RK, D: tl.constexpr, P: tl.constexpr, G_K: tl.constexpr, CLIP_K: tl.constexpr, BITS_K: tl.constexpr,
                   FP8_K: tl.constexpr, G_V: tl.constexpr, CLIP_V: tl.constexpr, BITS_V: tl.constexpr,
-                  FP8_V: tl.constexpr, SKIP_NULL: tl.constexpr):
+                  FP8_V: tl.constexpr, SKIP_NULL: tl.constexpr, REFINE_K: tl.constexpr, REFINE_V: tl.constexpr):
     """One page of one head per program: programs ``(r, h)`` with ``h < H`` quantize key page ``r``, the others
     value page ``r`` (head ``h - H``); with ``SKIP_NULL`` a page bound for block 0 (none) is not written."""
     r, hh = tl.program_id(0), tl.program_id(1)
@@ -202,10 +223,10 @@ def _flush_kernel(k_ptr, ks0, ks1, ks2, v_ptr, vs0, vs1, vs2, page_ptr, off_ptr,
     if live:
         if hh < H:
             _flush_side(k_ptr, ks0, ks1, ks2, page_ptr, off_ptr, slot_ptr, kc_ptr, ksc_ptr, klo_ptr, r, hh, H,
-                        D, G_K, P, CLIP_K, BITS_K, FP8_K)
+                        rk_ptr, ring_row_ptr, ring_index_ptr, RK, D, G_K, P, CLIP_K, BITS_K, FP8_K, REFINE_K)
         else:
             _flush_side(v_ptr, vs0, vs1, vs2, page_ptr, off_ptr, slot_ptr, vc_ptr, vsc_ptr, vlo_ptr, r, hh - H, H,
-                        D, G_V, P, CLIP_V, BITS_V, FP8_V)
+                        rv_ptr, ring_row_ptr, ring_index_ptr, RK, D, G_V, P, CLIP_V, BITS_V, FP8_V, REFINE_V)
 
 
 def check_part(x: torch.Tensor, part: TokenPart) -> None:
@@ -277,13 +298,17 @@ def _meta(part: TokenPart) -> tuple[torch.Tensor, torch.Tensor]:
 
 def flush_pages(side_k: torch.Tensor, side_v: torch.Tensor, page: torch.Tensor, off: torch.Tensor,
                 slots: torch.Tensor, blocks: torch.Tensor, part_k: TokenPart, part_v: TokenPart,
-                clip_k: float = 1.0, clip_v: float = 1.0, skip_null: bool = True) -> None:
+                clip_k: float = 1.0, clip_v: float = 1.0, skip_null: bool = True, rings: tuple = (None, None),
+                ring_target: tuple | None = None) -> None:
     """Quantize ``n`` pages of the bf16 side pools (``side_k``, ``side_v`` ``[pages, H, P, D]``) into the body
     parts, keys and values in one launch. Token ``i`` of page ``r`` is read at side-pool page ``page[r * P + i]``
     and slot ``off[r * P + i]`` and written at body slot ``slots[r * P + i]`` (int64 ``[n * P]`` each); page
     ``r`` goes to body block ``blocks[r]``, and with ``skip_null`` a page whose block is 0 (vLLM's null block: a
     row with nothing to flush this step) is not written. The same bytes as :func:`quant_write` of the gathered
-    pages (the graphed decode step's flush without its gathers, ``rotkv.integrations.vllm.graph``)."""
+    pages (the graphed decode step's flush without its gathers, ``rotkv.integrations.vllm.graph``). ``rings``:
+    the (key, value) refine rings (``uint8 [rows, K, H, P, D / 4]``, ``rotkv.cache.refine.RefineRing.data``) or
+    None per side: page ``r``'s refinements go to slot ``index[r] % K`` of ring row ``rows[r]``, ``ring_target =
+    (rows, index)`` (int64 ``[n]``), where ``RefineRings.write`` puts them."""
     h, p, d = side_k.shape[1:]
     n = blocks.shape[0]
     for side, part in ((side_k, part_k), (side_v, part_v)):
@@ -297,12 +322,26 @@ def flush_pages(side_k: torch.Tensor, side_v: torch.Tensor, page: torch.Tensor, 
     for name, t in (("page", page), ("off", off), ("slots", slots)):
         if t.shape != (n * p,) or t.dtype != torch.int64 or t.device != side_k.device:
             raise ValueError(f"flush_pages: {name} has to be int64 [{n * p}] on {side_k.device}")
+    rk = next((r.shape[1] for r in rings if r is not None), 1)
+    for name, ring, part in zip(("key", "value"), rings, (part_k, part_v)):
+        if ring is None:
+            continue
+        if ring.dtype != torch.uint8 or ring.dim() != 5 or ring.shape[1:] != (rk, h, p, d // 4) \
+                or not ring.is_contiguous() or part.bits != 2:
+            raise ValueError(f"flush_pages: the {name} ring has to be a contiguous uint8 [rows, {rk}, {h}, {p}, "
+                             f"{d // 4}] beside a 2-bit part, got {tuple(ring.shape)} ({part.bits}-bit part)")
+        if ring_target is None or any(t.shape != (n,) or t.dtype != torch.int64 for t in ring_target):
+            raise ValueError(f"flush_pages: the rings need ring_target (rows, index), int64 [{n}] each")
     if n == 0:
         return
     ks, vs = side_k.stride(), side_v.stride()
+    dummy = part_k.codes
+    rrow, rindex = ring_target if ring_target is not None else (blocks, blocks)
     _flush_kernel[(n, 2 * h)](
         side_k, ks[0], ks[1], ks[2], side_v, vs[0], vs[1], vs[2], page, off, slots, blocks,
         part_k.codes, *_meta(part_k), part_v.codes, *_meta(part_v), h,
+        rings[0] if rings[0] is not None else dummy, rings[1] if rings[1] is not None else dummy, rrow, rindex, rk,
         D=d, P=p, G_K=part_k.group_size, CLIP_K=clip_rank(clip_k, d), BITS_K=part_k.bits,
         FP8_K=part_k.meta == torch.float8_e4m3fn, G_V=part_v.group_size, CLIP_V=clip_rank(clip_v, d),
-        BITS_V=part_v.bits, FP8_V=part_v.meta == torch.float8_e4m3fn, SKIP_NULL=skip_null, num_warps=4)
+        BITS_V=part_v.bits, FP8_V=part_v.meta == torch.float8_e4m3fn, SKIP_NULL=skip_null,
+        REFINE_K=rings[0] is not None, REFINE_V=rings[1] is not None, num_warps=4)

@@ -131,6 +131,55 @@ def test_flush_pages_equals_quant_write_of_the_gathered_pages(bits_k, bits_v, me
         flush_pages(sides[0], sides[1][:, :1], page, off, slots, blocks, got[0], got[1])
 
 
+@pytest.mark.parametrize("values", [False, True])
+def test_flush_pages_writes_the_refine_rings(values, device):
+    """``flush_pages`` with refine rings (oscar-refine's graphed flush): the body bytes of the plain flush, and each
+    flushed page's refinements (``refine_codes`` of the exact page against its 2-bit reading) at slot ``index % K``
+    of its ring row, as ``RefineRing.write`` puts them; a skipped page (block 0) writes no ring bytes; a ring beside
+    a 4-bit part is refused."""
+    from rotkv.cache.refine import RefineRing
+    from rotkv.kernels.write import flush_pages
+    from rotkv.quant.quantizer import QuantizedRows, dequantize
+
+    h, p, d, g, side_pages, nb, rows_n, k_pages = 2, 16, 64, 32, 7, 6, 4, 3
+    gen = torch.Generator().manual_seed(5)
+    sides = [(torch.randn(side_pages, h, p, d, generator=gen) * 2 + 0.3).to(torch.bfloat16).to(device) for _ in range(2)]
+    n = 3
+    blocks = torch.tensor([4, 0, 2], device=device)
+    page = torch.randint(0, side_pages, (n * p,), generator=gen).to(device)
+    off = torch.randint(0, p, (n * p,), generator=gen).to(device)
+    slots = (blocks[:, None] * p + torch.arange(p, device=device)[None]).reshape(-1)
+    target = (torch.tensor([2, 0, 1], device=device), torch.tensor([5, 7, 1], device=device))
+    got = [_pool_bufs(nb, h, p, d, g, device) for _ in range(2)]
+    rings = [torch.full((rows_n, k_pages, h, p, d // 4), 0xCD, dtype=torch.uint8, device=device) for _ in range(2)]
+    use = (rings[0], rings[1] if values else None)
+    flush_pages(sides[0], sides[1], page, off, slots, blocks, got[0], got[1], 0.96, 0.92, rings=use,
+                ring_target=target)
+    plain = [_pool_bufs(nb, h, p, d, g, device) for _ in range(2)]
+    flush_pages(sides[0], sides[1], page, off, slots, blocks, plain[0], plain[1], 0.96, 0.92)
+    for mine, theirs in zip(got, plain):
+        for a, b_ in zip(mine.tensors, theirs.tensors):
+            assert torch.equal(a, b_)
+    live = [0, 2]  # page 1 goes to block 0: skipped
+    for side, part, ring in zip(sides, got, use):
+        want = torch.full_like(rings[0], 0xCD)
+        if ring is not None:
+            ref = RefineRing(k_pages, h, p, d, g, "cpu")
+            ref.data, ref.pages = want.cpu(), k_pages
+            x = side[page, :, off].view(n, p, h, d).transpose(1, 2)[live].cpu()  # [n, H, P, D] exact pages
+            blk = blocks[live].cpu()
+            stored = QuantizedRows(part.codes[blk].cpu(), part.scale[blk].cpu(), part.lo[blk].cpu(), 2, g)
+            ref.write(x, dequantize(stored), stored.scale, target[0][live].cpu(), target[1][live].cpu())
+            assert torch.equal(ring.cpu(), ref.data)
+            assert (ref.data != 0xCD).any()
+    assert values or bool((rings[1] == 0xCD).all())
+    four = _pool_bufs(nb, h, p, d, g, device, bits=4)
+    with pytest.raises(ValueError, match="2-bit part"):
+        flush_pages(sides[0], sides[1], page, off, slots, blocks, four, got[1], rings=use, ring_target=target)
+    with pytest.raises(ValueError, match="ring_target"):
+        flush_pages(sides[0], sides[1], page, off, slots, blocks, got[0], got[1], rings=use)
+
+
 @pytest.mark.parametrize("d,g,clip,rotate,t", WRITE_CASES)
 def test_quant_write_matches_reference(d, g, clip, rotate, t, device):
     _check_write(d, g, clip, rotate, t, device)

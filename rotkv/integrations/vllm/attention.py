@@ -93,18 +93,24 @@ def write_body(x: torch.Tensor, blocks: torch.Tensor | None, part, clip: float, 
         quant_write_reference(x, slots, part, clip=clip)
 
 
-def flush_into_body(side_k, side_v, page, off, slots, blocks, body: PagedBody, codecs) -> bool:
+def flush_into_body(side_k, side_v, page, off, slots, blocks, body: PagedBody, codecs, refine=None,
+                    ring_target: tuple | None = None) -> bool:
     """Pages of the side pools into the body, keys and values in one launch of rotkv's flush kernel
     (``rotkv.kernels.write.flush_pages``: token ``i`` of page ``r`` read at side-pool ``page``/``off`` ``[r * P +
-    i]``, written at body ``slots``; a page bound for block 0 skipped). False, writing nothing, where that kernel
-    does not apply (kernels off, :func:`~rotkv.kernels.plan.flush_reason`): the caller gathers and writes."""
+    i]``, written at body ``slots``; a page bound for block 0 skipped), with the layer's refine bits where it has a
+    refine tier (``refine``: its RefineRings; page ``r``'s bits at ring row ``ring_target[0][r]``, body index
+    ``ring_target[1][r]``). False, writing nothing, where that kernel does not apply (kernels off,
+    :func:`~rotkv.kernels.plan.flush_reason`): the caller gathers and writes."""
     from rotkv.kernels.plan import plan_flush
 
     if not kernels.enabled(side_k) or not plan_flush(side_k, (body.k, body.v)):
         return False
     from rotkv.kernels.write import flush_pages
 
-    flush_pages(side_k, side_v, page, off, slots, blocks, body.k, body.v, codecs[0].clip, codecs[1].clip)
+    rings = (None, None) if refine is None else tuple(r.data if r is not None else None
+                                                      for r in (refine.keys, refine.values))
+    flush_pages(side_k, side_v, page, off, slots, blocks, body.k, body.v, codecs[0].clip, codecs[1].clip,
+                rings=rings, ring_target=None if refine is None else ring_target[:2])
     return True
 
 

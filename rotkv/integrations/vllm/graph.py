@@ -19,7 +19,7 @@ is the layer's step on them. Against the general step (:func:`~rotkv.integration
 With ``graph_fusion`` (``ROTKV_TUNING``, on by default) a layer's step is five launches where the rotation kernel
 applies: one rotation of the queries, keys and values (``rotkv.kernels.rotate.rotate_many``), the decode kernel's
 two or three (its output turned back by ``R_V^T`` inside its merge), and one flush of keys and values
-(``rotkv.kernels.write.flush_pages``, without a refine tier).
+(``rotkv.kernels.write.flush_pages``, the refine bits of a refine tier in the same launch).
 
 A preset with a refine tier gathers the rows' ring rows by slot for the decode kernel (padding rows: the scratch
 slot's), and every row's flushed page writes its refine bits: a row that flushes none into the scratch slot's
@@ -190,8 +190,8 @@ def static_step(st: StaticDecode, b: int, q: torch.Tensor, k: torch.Tensor, v: t
                         tiers, graphed=True)
         if not rot.rotate_into("outputs", o.transpose(0, 1)[None], out[:b].transpose(0, 1)[None]):
             out[:b] = _unrotate_o(rot, o, out.dtype)
-    if refine is None and flush_into_body(side_k, side_v, t["flush_page"], t["flush_off"], t["flush_slots"],
-                                          t["flush_blocks"], body, codecs):
+    if flush_into_body(side_k, side_v, t["flush_page"], t["flush_off"], t["flush_slots"], t["flush_blocks"], body,
+                       codecs, refine, t["ring_target"]):
         return out
     for i, (side, part, codec) in enumerate(((side_k, body.k, codecs[0]), (side_v, body.v, codecs[1]))):
         x = side[t["flush_page"], :, t["flush_off"]]  # [b * P, H, D]: row r's page at r * P
