@@ -14,6 +14,9 @@ Heads come in groups: query head ``h`` uses matrix ``h // (Hq // H)`` (GQA), as 
 element offset per row (a tier page and slot, ``page * stride0 + slot * stride2`` of the
 ``[pages, H, P, D]`` pool), so the rotated key or value of a decode token is written straight into
 the cache's tier: no ``[B, H, 1, D]`` temporary and no scatter kernel after it.
+
+:func:`rotate_many` runs up to three such rotations (a decode step's keys, values and queries) in one launch,
+each job's (row, head) pairs a range of the grid's first axis.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ went the wrong way), codes use IEEE division and round-half-even, exactly as the
 The width (2 or 4 bits) and the group size are the body part's (``rotkv.kernels.body``); the
 packing is ``rotkv.quant.packing``'s planar one (byte ``j`` holds dims ``j + i * D/per``).
 Bytes: reads ``T*H*D`` inputs, writes ``T*H*(D*bits/8 + 4*D/G)``.
+
+:func:`flush_pages` is the vLLM backend's graphed flush on the same quantization: keys and values of whole
+pages in one launch, each token read at its side-pool slot, a page bound for block 0 skipped, and a refine
+tier's bits (``rotkv.quant.refine``) written beside the codes.
 """
 
 from __future__ import annotations
