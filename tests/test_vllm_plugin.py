@@ -666,6 +666,26 @@ def test_graphed_decode_step_replays_in_a_cuda_graph(refine):
             assert theirs.data[:-1].any() and same > 0.99, same
 
 
+def test_decode_rows_reference_turns_the_output_back():
+    """``decode_rows`` on the PyTorch reference (kernels off on the CPU) with ``out_rotation``: the reference's
+    output turned back by the split matrix's PyTorch form, written into ``out``."""
+    from rotkv.integrations.vllm.attention import decode_rows
+    from rotkv.rotations import base
+
+    h, hq, d, b = 2, 4, 32, 3
+    gen = torch.Generator().manual_seed(4)
+    side_k, side_v = (torch.randn(4, h, P, d, generator=gen) for _ in range(2))
+    tier = (torch.tensor([0, 1, 2, 3], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
+            torch.tensor([5, 9, 16], dtype=torch.int32))
+    qr = torch.randn(b, hq, d, generator=gen)
+    a = base.bf16x2_matrix(_rotation(h, d, 5).R_V.transpose(-1, -2))
+    plain = decode_rows(qr, None, None, 0, side_k, side_v, tier, 2 * P, 0, d ** -0.5)
+    out = torch.empty(b, hq, d, dtype=torch.bfloat16)
+    assert decode_rows(qr, None, None, 0, side_k, side_v, tier, 2 * P, 0, d ** -0.5, out=out, out_rotation=a) is out
+    want = base._rotate_bf16x2_bmm(plain.to(torch.bfloat16).transpose(0, 1)[None], a, None)[0].transpose(0, 1)
+    assert torch.equal(out, want)
+
+
 def test_static_batch_rule():
     from rotkv.integrations.vllm.graph import is_static_batch
 

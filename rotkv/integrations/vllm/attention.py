@@ -185,7 +185,7 @@ def decode_rows(qr: torch.Tensor, body: PagedBody, table: tuple | None, body_max
     if out_rotation is not None:
         from rotkv.rotations.base import _rotate_bf16x2_bmm
 
-        o = _rotate_bf16x2_bmm(o.to(torch.bfloat16).transpose(0, 1)[None], out_rotation)[0].transpose(0, 1)
+        o = _rotate_bf16x2_bmm(o.to(torch.bfloat16).transpose(0, 1)[None], out_rotation, None)[0].transpose(0, 1)
     if out is None:
         return o
     out.copy_(o)

@@ -182,7 +182,7 @@ def static_step(st: StaticDecode, b: int, q: torch.Tensor, k: torch.Tensor, v: t
     a_out = None
     if plan_graph_rotations() and out[:b].is_contiguous():
         a_out = rot.kernel_matrix("outputs", qr.transpose(0, 1)[None], out[:b].transpose(0, 1)[None])
-    if a_out is not None and a_out.shape[1] == 2 * qr.shape[-1]:
+    if a_out is not None:
         decode_rows(qr, body, t["body"], st.body_max, side_k, side_v, t["tier"], st.tier_max, st.geo.pad, scale,
                     tiers, graphed=True, out=out[:b], out_rotation=a_out)
     else:
