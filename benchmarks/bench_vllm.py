@@ -64,7 +64,8 @@ BASE_METHODS = ("bf16", "fp8")
 TURBOQUANT = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 WORKLOADS = ("capacity", "throughput", "longgen", "latency")
 # on request only (not in the default list): vLLM's torch profiler over one batch-1 request of lat_prompt tokens
-# and --prof-new new tokens, its op table (CUDA and CPU time per op) kept in the row
+# and --prof-new new tokens, or (--prof-batch N) over --prof-new decode steps of N such requests after their
+# prefills; its op table (CUDA and CPU time per op) kept in the row
 EXTRA_WORKLOADS = ("profile",)
 
 # Qwen3-8B's architecture (its published config.json) with 36 layers; weights come from load_format="dummy".
@@ -87,6 +88,7 @@ SIZES = {
 }
 DEFAULT_SIZES = SIZES["qwen3-8b-dummy"]
 PROF_NEW = 32  # the profile workload's new tokens
+PROF_MARGIN = 64  # a batch profile's requests outlive its window by this many tokens: the core runs ahead
 KV_LOG = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 CONC_LOG = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 
@@ -221,7 +223,8 @@ def max_model_len(workloads: list[str], sizes: dict) -> int:
     if "latency" in workloads:
         need.append(sizes["lat_prompt"] + sizes["lat_new"])
     if "profile" in workloads:
-        need.append(sizes["lat_prompt"] + sizes.get("prof_new", PROF_NEW))
+        batch_margin = 2 + PROF_MARGIN if sizes.get("prof_batch", 1) > 1 else 0
+        need.append(sizes["lat_prompt"] + sizes.get("prof_new", PROF_NEW) + batch_margin)
     return int(math.ceil(max(need) / 16) * 16)
 
 
@@ -285,7 +288,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 def plan(args) -> dict:
     """Everything a run will do, without vLLM: the methods, the workloads, each engine's kwargs."""
     sizes = {**SIZES.get(args.model, DEFAULT_SIZES),
-             **{k: v for k, v in vars(args).items() if (k in DEFAULT_SIZES or k == "prof_new") and v is not None}}
+             **{k: v for k, v in vars(args).items() if (k in DEFAULT_SIZES or k in ("prof_new", "prof_batch")) and v is not None}}
     workloads = parse_workloads(args.workloads)
     methods = parse_methods(args.methods)
     dummy = args.model == "qwen3-8b-dummy" or args.dummy
@@ -356,19 +359,56 @@ def run_child(spec: dict) -> dict:
                        ttft_all_s=[round(x, 4) for x in ttfts], gen_s=[round(x, 4) for x in full],
                        tpot_ms=round((statistics.median(full) - ttft) / (new - 1) * 1e3, 4))
         elif w == "profile":
-            plen, new = sizes["lat_prompt"], sizes.get("prof_new", PROF_NEW)
-            prompt = random_prompts(1, plen, vocab, 3)
+            plen, new, batch = sizes["lat_prompt"], sizes.get("prof_new", PROF_NEW), sizes.get("prof_batch", 1)
             run_batch(warm, 4)
-            run_batch(prompt, 2)  # every shape of the profiled request once outside the profile
-            llm.start_profile()
-            wall, _ = run_batch(prompt, new)
-            llm.stop_profile()
-            row.update(batch=1, prompt_tokens=plen, new_tokens=new, wall_s=round(wall, 4),
+            if batch == 1:
+                prompt = random_prompts(1, plen, vocab, 3)
+                run_batch(prompt, 2)  # every shape of the profiled request once outside the profile
+                llm.start_profile()
+                wall, _ = run_batch(prompt, new)
+                llm.stop_profile()
+                extra = {}
+            else:
+                for old in Path(kw["profiler_config"]["torch_profiler_dir"]).glob("profiler_out_*.txt"):
+                    old.unlink()  # an earlier run's table in the same folder
+                run_batch(random_prompts(batch, 64, vocab, 4), 4)  # the batch's decode graph once outside it
+                wall, extra = profile_decode_batch(llm, random_prompts(batch, plen, vocab, 3), new, SamplingParams)
+            row.update(batch=batch, prompt_tokens=plen, new_tokens=new, wall_s=round(wall, 4),
                        profile_dir=kw["profiler_config"]["torch_profiler_dir"],
-                       profile_table=read_profile_table(kw["profiler_config"]["torch_profiler_dir"]))
+                       profile_table=read_profile_table(kw["profiler_config"]["torch_profiler_dir"]), **extra)
         rows.append(row)
         print(f"bench_vllm: {method} {w}: {json.dumps(row)}", flush=True)
     return dict(engine=engine, rows=rows)
+
+
+def profile_decode_batch(llm, prompts: list[list[int]], new: int, SamplingParams) -> tuple[float, dict]:
+    """Profiles decode steps of a full batch: every prompt is added to the engine, stepped until each request
+    has its first tokens (every prefill done), then vLLM's profiler runs while each request makes ``new``
+    more tokens. The engine core steps on its own, so the window holds about ``new`` decode steps of the whole
+    batch (the op table's call counts say how many). Returns the window's wall seconds and its token counts."""
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=2 + new + PROF_MARGIN, ignore_eos=True, detokenize=False)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"prof-{i}", {"prompt_token_ids": p}, sp)
+    got: dict[str, int] = {}
+
+    def pump():
+        for o in eng.step():
+            got[o.request_id] = len(o.outputs[0].token_ids)
+
+    while len(got) < len(prompts) or min(got.values()) < 2:
+        pump()
+    start = dict(got)
+    llm.start_profile()
+    t = time.perf_counter()
+    while min(got[r] - start[r] for r in start) < new:
+        pump()
+    wall = time.perf_counter() - t
+    llm.stop_profile()
+    made = sum(got[r] - start[r] for r in start)
+    while eng.has_unfinished_requests():
+        pump()
+    return wall, dict(window_tokens_seen=made, tokens_at_start=min(start.values()))
 
 
 def read_profile_table(folder: str, wait_s: float = 60.0, lines: int = 45) -> list[str]:
@@ -535,6 +575,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prompt-vocab", type=int, default=None, help="draw prompt ids below this (default: the model's vocab)")
     r.add_argument("--prof-new", type=int, default=None, dest="prof_new",
                    help=f"new tokens of the profile workload (default {PROF_NEW})")
+    r.add_argument("--prof-batch", type=int, default=None, dest="prof_batch",
+                   help="requests of the profile workload (default 1); above 1 the profile holds only decode steps "
+                        "of the full batch, after every prefill")
     for k in DEFAULT_SIZES:
         r.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, dest=k,
                        help=f"default {DEFAULT_SIZES[k]} (qwen3-8b-dummy), {SIZES['smollm2'][k]} (smollm2)")

@@ -214,6 +214,27 @@ class SamplingParams:
     def __init__(self, **kw):
         self.kw = kw
 
+class Engine:  # LLMEngine's stepping surface: every step gives each unfinished request one token
+    def __init__(self, vllm_config, max_len):
+        self.vllm_config, self.max_len, self.reqs, self.steps = vllm_config, max_len, {}, 0
+
+    def add_request(self, request_id, prompt, params):
+        assert len(prompt["prompt_token_ids"]) + params.kw["max_tokens"] <= self.max_len
+        self.reqs[request_id] = [0, params.kw["max_tokens"]]
+        return request_id
+
+    def has_unfinished_requests(self):
+        return any(n < m for n, m in self.reqs.values())
+
+    def step(self):
+        self.steps += 1
+        out = []
+        for rid, r in self.reqs.items():
+            if r[0] < r[1]:
+                r[0] += 1
+                out.append(SimpleNamespace(request_id=rid, outputs=[SimpleNamespace(token_ids=list(range(r[0])))]))
+        return out
+
 class LLM:
     def __init__(self, **kw):
         if kw.get("kv_cache_dtype") == "fp8":
@@ -221,7 +242,7 @@ class LLM:
         blocks = 1000 if kw.get("kv_cache_dtype") is None else 4000
         print(f"INFO GPU KV cache size: {blocks * 16:,} tokens", flush=True)
         cc = SimpleNamespace(num_gpu_blocks=blocks, block_size=16, cache_dtype=kw.get("kv_cache_dtype", "auto"))
-        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cc))
+        self.llm_engine = Engine(SimpleNamespace(cache_config=cc), kw["max_model_len"])
         self.max_len = kw["max_model_len"]
         self.prof = kw.get("profiler_config")
 
@@ -354,6 +375,20 @@ def test_profile_workload_keeps_vllms_op_table(tmp_path):
     row = json.loads(out.read_text())["rows"][0]
     assert row["workload"] == "profile" and row["new_tokens"] == 4
     assert row["profile_table"] == ["Name  Self CUDA", "_split_kernel  1.0ms"]
+
+
+def test_profile_workload_over_a_batch_profiles_decode_steps_after_the_prefills(tmp_path):
+    """``--prof-batch N``: N requests go through the engine's own steps; the profile starts once each has its first
+    tokens and stops when each has made ``--prof-new`` more; the requests outlive the window (max_model_len has
+    room for it) and are run to their end."""
+    p = bv.plan(_args("--workloads", "profile", "--prof-batch", "8", "--prof-new", "16", "--lat-prompt", "100"))
+    assert p["sizes"]["prof_batch"] == 8 and p["max_model_len"] == 192  # 100 + 16 + 2 + 64, rounded up to 16
+    r, out = _run_with_fake_vllm(tmp_path, "--methods", "bf16", "--workloads", "profile", "--lat-prompt", "30",
+                                 "--prof-new", "5", "--prof-batch", "3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["batch"] == 3 and row["new_tokens"] == 5 and row["tokens_at_start"] == 2
+    assert row["window_tokens_seen"] == 3 * 5 and row["profile_table"][1] == "_split_kernel  1.0ms"
 
 
 def test_unfused_variant_sets_graph_fusion_off_in_its_subprocess_only():

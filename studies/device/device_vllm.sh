@@ -30,6 +30,10 @@
 #   qwen-graph    capacity, TTFT / TPOT at batch 1 x 32K: rotkv with vLLM's full decode graphs, bf16, and rotkv
 #                 with attention eager between piecewise graphs (GRAPH_METHODS)
 #   qwen-prof     vLLM's torch profiler, 1 x PROF_PROMPT (32K) + PROF_NEW (32) tokens; op tables   PROF_METHODS
+#   qwen-profb    the profiler over PROFB_NEW (16) decode steps of PROFB_BATCH (64) x PROFB_PROMPT (4K) requests,
+#                 after their prefills                                   PROFB_METHODS (default rotkv, bf16)
+#   qwen-lgb      long generation at one KV budget for every method (vLLM's kv_cache_memory_bytes, LGB_BYTES,
+#                 default 20 GiB): LGB_REQUESTS (64) x 1K prompts x LGB_NEW (8192) new tokens   LG_METHODS
 #   smol-kl       vllm_kl_compare.py, KL to the fp32 model over teacher-forced decode steps   GREEDY_METHODS
 #   smol-cap-lat  capacity and latency on the real SmolLM2              every method
 #   serve         `vllm serve` on SmolLM2 with rotkv's backend (SERVE_CONFIG, default oscar-mix) and with bf16:
@@ -118,6 +122,14 @@ job() {  # one queued job
     qwen-prof) timeout 900 "${B[@]}" --model qwen3-8b-dummy --methods "${PROF_METHODS:-rotkv:quarot-int2,bf16}" \
                 --workloads profile --max-model-len 33792 --lat-prompt ${PROF_PROMPT:-32768} --prof-new ${PROF_NEW:-32} \
                 --method-timeout 400 --out "$RUN/vllm-qwen3-profile.json" ;;
+    qwen-profb) timeout 900 "${B[@]}" --model qwen3-8b-dummy --methods "${PROFB_METHODS:-rotkv:quarot-int2,bf16}" \
+                --workloads profile --prof-batch ${PROFB_BATCH:-64} --lat-prompt ${PROFB_PROMPT:-4096} \
+                --prof-new ${PROFB_NEW:-16} --max-model-len ${PROFB_MAXLEN:-17408} --method-timeout 400 \
+                --out "$RUN/vllm-qwen3-profile-batch.json" ;;
+    qwen-lgb) timeout 3000 "${B[@]}" --model qwen3-8b-dummy --methods "$LG_METHODS" --workloads capacity,longgen \
+                --lg-requests ${LGB_REQUESTS:-64} --lg-new ${LGB_NEW:-8192} \
+                --engine-kwargs "{\"kv_cache_memory_bytes\": ${LGB_BYTES:-21474836480}}" \
+                --out "$RUN/vllm-qwen3-longgen-budget.json" ;;
     qwen-tq)  timeout 900 "${B[@]}" --model qwen3-8b-dummy --methods turboquant_k3v4_nc,turboquant_3bit_nc --workloads capacity \
                 --max-model-len 33792 --method-timeout 300 --out "$RUN/vllm-qwen3-turboquant-capacity.json" ;;
     rotkv-split) STAGES="${SPLIT_STAGES:-tests split}" RES="$RUN/jobs" ROTKV_GGUF=$GG/smollm2.gguf timeout 900 \
