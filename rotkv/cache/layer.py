@@ -256,10 +256,13 @@ class HybridLayer(RotkvLayer):
             raise ValueError(f"layer {self.layer_idx}: no decode kernel reads {what} (CUDA-graph decode runs the "
                              "kernels only); run without cuda_graph")
         body = self.pools.paged if self.spec.quantized else None
-        # the graph captures the plan's launch for the capacity (st.body_max): one kernel every replay
+        # the graph captures the plan's launch for the capacity (st.body_max): one kernel every replay, its splits
+        # capped so that rows shorter than the capacity still spread over the GPU
         o = decode_attention(q, body, st.body if body is not None else None, st.body_max,
                              (self.pools.tier_k, self.pools.tier_v), st.tier, st.tier_max, sm_scale=scaling,
-                             tier_start=self.state.pad, plan=plan, **self._tier_kernel_args(body))
+                             tier_start=self.state.pad, plan=plan,
+                             max_split_tokens=kernel_plan.decode_config(self.decode_score).graph_split_tokens,
+                             **self._tier_kernel_args(body))
         return rot.outputs(o[:, :, None], query.dtype).transpose(1, 2)
 
     def _kernel_query(self, query: torch.Tensor) -> torch.Tensor:

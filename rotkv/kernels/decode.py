@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from rotkv.kernels.body import PagedBody, RefineTier
-from rotkv.kernels.plan import DecodeConfig, DecodePlan, plan_decode, resolve_fuse  # noqa: F401 (DecodeConfig: re-exported)
+from rotkv.kernels.plan import DecodeConfig, DecodePlan, merge_rotates, plan_decode, resolve_fuse  # noqa: F401 (DecodeConfig: re-exported)
 from rotkv.kernels.plan import interpreting as _interpreting
 
 LOG2E = 1.4426950408889634
@@ -638,12 +638,16 @@ def _merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, NS, a_ptr, HQ, D: tl.constexpr, 
     tl.store(out_ptr + row * D + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
-def _splits(max_len: int, bh: int, block: int, target: int, min_tokens: int) -> tuple[int, int]:
-    """(tokens_per_split, n_splits) for ``max_len`` tokens, a multiple of ``block``."""
+def _splits(max_len: int, bh: int, block: int, target: int, min_tokens: int,
+            cap: int | None = None) -> tuple[int, int]:
+    """(tokens_per_split, n_splits) for ``max_len`` tokens, a multiple of ``block``; ``cap``: at most that many
+    tokens per split (not below ``min_tokens``)."""
     if max_len <= 0:
         return block, 0
     want = max(1, -(-target // bh))
     per = max(min_tokens, -(-max_len // want))
+    if cap is not None:
+        per = min(per, max(min_tokens, cap))
     per = -(-per // block) * block
     return per, -(-max_len // per)
 
@@ -654,7 +658,7 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
                      out: torch.Tensor | None = None, tier_start: int = 0,
                      plan: DecodePlan | None = None, refine: RefineTier | tuple | None = None,
                      refine_values: RefineTier | tuple | None = None,
-                     out_rotation: torch.Tensor | None = None) -> torch.Tensor:
+                     out_rotation: torch.Tensor | None = None, max_split_tokens: int | None = None) -> torch.Tensor:
     """Attention of one decode token per request over an INT2 paged body and a bf16 paged tier.
 
     q ``[B, Hq, D]`` (rotated by R_K; any float dtype). body a :class:`~rotkv.kernels.body.PagedBody`,
@@ -673,7 +677,10 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
     ``out_rotation``: a split matrix ``[H', 2 D, D]`` bf16 (``rotkv.rotations.base.bf16x2_matrix``, no shift
     rows; query head ``h`` uses ``h // (Hq / H')``) that the merge applies to each output row, with a bf16 ``out``
     (``[B, Hq, D]`` contiguous): the graphed decode step's output turned back by ``R_V^T`` without a launch
-    of its own, as ``rotkv.kernels.rotate.rotate_bf16x2`` of the output would (up to the sums' order).
+    of its own, as ``rotkv.kernels.rotate.rotate_bf16x2`` of the output would (up to the sums' order); from
+    ``cfg.merge_rotate_rows`` query rows on, by that kernel after the merge (:func:`~rotkv.kernels.plan.merge_rotates`).
+    ``max_split_tokens``: at most this many body tokens per split (a CUDA graph's call, whose ``max_len`` is the
+    capacity: ``cfg.graph_split_tokens``), so that rows shorter than ``max_len`` still fill the GPU.
     Returns ``[B, Hq, D]`` in q's dtype (or written into ``out``).
     """
     b_sz, hq, d = q.shape
@@ -734,11 +741,12 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
             per, n_int2 = max_len, 1
         elif use_cuda:
             per, n_int2 = _splits(max_len, b_sz * h, 16 * cfg.cuda_tiles, cfg.cuda_target_warps,
-                                  cfg.cuda_min_split_tokens)
+                                  cfg.cuda_min_split_tokens, max_split_tokens)
             if fuse:  # whole blocks of 4 splits (trailing ones may be empty)
                 n_int2 = -(-n_int2 // 4) * 4
         else:
-            per, n_int2 = _splits(max_len, b_sz * h, cfg.block_n, cfg.target_programs, cfg.min_split_tokens)
+            per, n_int2 = _splits(max_len, b_sz * h, cfg.block_n, cfg.target_programs, cfg.min_split_tokens,
+                                  max_split_tokens)
     else:
         g, p, per, n_int2 = d, 16, cfg.block_n, 0
     if has_tier:
@@ -814,13 +822,20 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
             if merge_here:
                 return out
     chunk = min(cfg.merge_chunk, triton.next_power_of_2(ns))  # slots merged per step
+    final, rot = out, out_rotation
+    if rot is not None and not merge_rotates(b_sz * hq, cfg):  # the plain merge, then one rotation launch
+        out, rot = torch.empty_like(final), None
     # small batches: more programs for many slots; with a rotation of the output every program merges the whole
     # row and turns back merge_slice columns of it (also under the interpreter, so that the tests see DB < D)
-    db = d if (b_sz * hq >= 1024 or _interpreting()) and out_rotation is None else min(d, cfg.merge_slice)
+    db = d if (b_sz * hq >= 1024 or _interpreting()) and rot is None else min(d, cfg.merge_slice)
     _merge_kernel[(b_sz * hq, d // db)](o_part, m_part, l_part, out, ns,
-                                        out_rotation if out_rotation is not None else o_part, hq, D=d, DB=db,
+                                        rot if rot is not None else o_part, hq, D=d, DB=db,
                                         CHUNK=chunk, STATIC_STEPS=-(-ns // chunk) if _interpreting() else 0,
-                                        ROT=out_rotation is not None,
-                                        GROUP=hq // out_rotation.shape[0] if out_rotation is not None else 1,
-                                        K=out_rotation.shape[1] if out_rotation is not None else 0)
-    return out
+                                        ROT=rot is not None,
+                                        GROUP=hq // rot.shape[0] if rot is not None else 1,
+                                        K=rot.shape[1] if rot is not None else 0)
+    if out is not final:
+        from rotkv.kernels.rotate import rotate_bf16x2
+
+        rotate_bf16x2(out[:, :, None], out_rotation, out=final[:, :, None])
+    return final

@@ -47,6 +47,14 @@ class DecodeConfig:
     # merge kernel: partial slots per step, and dims per program where B * Hq < 1024 (else all D)
     merge_chunk: int = 128
     merge_slice: int = 32
+    # an output rotation (the graphed step's R_V^T) inside the merge below this many query rows (B * Hq): every
+    # program of a row merges the whole row and loads its slice of the matrix; from here on the plain merge and
+    # one rotation launch after it (a program per head and 16 rows, the matrix loaded once for them)
+    merge_rotate_rows: int = 1024
+    # a CUDA-graph step's body grid is sized for the capacity, not the rows' lengths: at most this many tokens
+    # per split there, so that rows shorter than the capacity still spread over the GPU (past a row's pages a
+    # split does nothing); the split rule alone would give a batch of 64 at 17K capacity 4 splits of 4352 tokens
+    graph_split_tokens: int = 1024
     # CUDA kernel: two register buffers, the next step's loads issued before this step's math
     cuda_prefetch: bool = True
     # CUDA kernel: the value product in fp16 (0x6400 | code bits = 1024 + 4^i c, every plane in place,
@@ -92,7 +100,8 @@ class DecodeConfig:
             if v < 1 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two, got {v}")
         for name in ("block_n", "block_t", "target_programs", "min_split_tokens", "cuda_target_warps",
-                     "cuda_min_split_tokens", "small_block_n", "small_num_warps"):
+                     "cuda_min_split_tokens", "small_block_n", "small_num_warps", "merge_rotate_rows",
+                     "graph_split_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("wide_target_programs", "wide_num_warps", "wide_block_n"):

@@ -673,6 +673,13 @@ def plan_graph_rotations() -> bool:
     return _switches().graph_fusion
 
 
+def merge_rotates(rows: int, cfg: DecodeConfig) -> bool:
+    """Whether the decode merge turns its ``rows`` query rows back by an output rotation itself (below
+    ``cfg.merge_rotate_rows``: each program loads a slice of the matrix for one row), else the plain merge and
+    one launch of ``rotkv.kernels.rotate.rotate_bf16x2`` after it (a program per head and 16 rows)."""
+    return rows < cfg.merge_rotate_rows
+
+
 def plan_flush(side: torch.Tensor, parts) -> bool:
     """Whether the graphed decode step flushes its pages with one launch of ``flush_pages`` (:func:`flush_reason`)."""
     return flush_reason(side, parts) is None

@@ -649,6 +649,27 @@ def test_decode_cuda_kernel_refuses_what_it_cannot_run():
                          cfg=DecodeConfig(backend="auto", small_work=0, score="int8"))
 
 
+def test_decode_caps_the_tokens_per_split_for_a_capacity_sized_grid(device):
+    """``max_split_tokens`` (a CUDA graph's call, sized for the capacity): at most that many tokens per split, so
+    that a batch whose rows are shorter than the capacity keeps several splits per row busy; the output is
+    the uncapped call's up to the merge's order."""
+    from rotkv.kernels.decode import _splits
+
+    assert _splits(17408, 64 * 8, 16, 2048, 64) == (4352, 4)  # 64 rows x 8 KV heads: a 4K row in one split
+    assert _splits(17408, 64 * 8, 16, 2048, 64, cap=1024) == (1024, 17)
+    assert _splits(33792, 8, 16, 2048, 64, cap=1024) == (144, 235)  # batch 1: the rule's own split is smaller
+    assert _splits(1000, 8, 16, 2048, 64, cap=16) == (64, 16)  # never below the least split
+    body, table, tier, ttable, ml, tml = _build([37, 150], [5, 20], 2, 64, 32, 16, 16, device)
+    q = torch.randn(2, 6, 64).to(device, torch.bfloat16)
+    cfg = DecodeConfig(block_n=32, target_programs=4, min_split_tokens=32)
+    whole = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg)
+    capped = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg, max_split_tokens=32)
+    ref = decode_reference(q.float(), body, table, tier[0], tier[1], ttable)
+    for got in (whole, capped):
+        assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2
+    assert (capped.float() - whole.float()).abs().max() < 2e-2
+
+
 def test_decode_tier_only_and_body_only(device):
     # the bf16 split-K path alone (the benchmark's "triton bf16" baseline) and the body alone
     body, table, tier, ttable, ml, tml = _build([40], [24], 1, 64, 64, 16, 16, device)
@@ -685,6 +706,12 @@ def test_decode_turns_its_output_back_inside_the_merge(d, rep, device):
         assert decode_attention(q, body, table, ml, tier, ttable, tml, out=out, out_rotation=a, cfg=cfg) is out
         assert ((out.float() - want.float()).abs() <= ulp + 2.0 ** -14 * plain.float().norm(dim=-1, keepdim=True)).all()
         assert (out.float() - plain.float()).abs().max() > 0.1  # it did turn
+    # from merge_rotate_rows query rows on: the plain merge, then the rotation kernel (the same bytes as rotating
+    # the plain output)
+    out = torch.full_like(plain, 5.0)
+    assert decode_attention(q, body, table, ml, tier, ttable, tml, out=out, out_rotation=a,
+                            cfg=DecodeConfig(merge_rotate_rows=2 * h * rep)) is out
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
     with pytest.raises(ValueError, match="contiguous bf16 out"):
         decode_attention(q, body, table, ml, tier, ttable, tml, out_rotation=a)
     with pytest.raises(ValueError, match="split matrix"):

@@ -176,7 +176,8 @@ def decode_rows(qr: torch.Tensor, body: PagedBody, table: tuple | None, body_max
         if kplan is None or kplan.covered:
             return decode_attention(qr, body if has_body else None, table, body_max, (side_k, side_v), tier,
                                     tier_max, sm_scale=scale, cfg=cfg, tier_start=pad, plan=kplan, out=out,
-                                    out_rotation=out_rotation, **tiers)
+                                    out_rotation=out_rotation,
+                                    max_split_tokens=cfg.graph_split_tokens if graphed else None, **tiers)
         if graphed:
             raise ValueError(f"rotkv: no decode kernel reads the refine tier here ({kplan.why}), and the PyTorch "
                              f"path cannot run in a CUDA graph: set {WHERE}[\"cuda_graphs\"] to false")
