@@ -229,6 +229,38 @@ def test_the_cache_fingerprint_follows_the_window_share():
     assert _fingerprint(settings, Method("oscar-mix", "rotkv", 3.1, {"meta_k": "float8"})) != mix
 
 
+def test_report_only_keeps_records_of_methods_that_cannot_run_here(tmp_path, monkeypatch):
+    """A rebuild (``--report-only``) reads the cache: a peer whose library is missing keeps its records (its
+    fingerprint needs no library); a preset whose artifact is gone keeps them too, matched by their recorded
+    settings and named under ``unverified``; a record of other settings is still refused, and a method with no
+    records at all stays ``unavailable``. Before, both methods' records were dropped from results.json."""
+    from rotkv.eval import methods as methods_mod
+    from rotkv.eval.methods import Method
+    from rotkv.eval.run import _sha, _store, plan, rebuild, unit_settings
+
+    art = tmp_path / "arts"
+    art.mkdir()
+    cfg = make_config("smoke", methods=["oscar-mix", "hf-quanto-int4", "oscar-refine"], tasks=["nll"],
+                      lengths={"nll": [256]}, artifact_dir=str(art))
+    text_sha = hashlib.sha256(b"".join(_sha(f).encode() for f in cfg.texts)).hexdigest()[:16]
+    (unit,) = plan(cfg)
+    settings = unit_settings(cfg, unit, text_sha, text_sha)
+    (art / "oscar-mix.safetensors").write_bytes(b"the run's artifact")
+    rec = lambda m: {"method": m, "task": "nll", "variant": None, "length": 256, "kl": 0.01}  # noqa: E731
+    _store(str(tmp_path), Method("oscar-mix", "rotkv", 3.1, {}, str(art / "oscar-mix.safetensors")), unit, settings,
+           [rec("oscar-mix")])
+    _store(str(tmp_path), Method("hf-quanto-int4", "peer", 4.0), unit, settings, [rec("hf-quanto-int4")])
+    _store(str(tmp_path), Method("oscar-refine", "rotkv", 3.1, {}, str(art / "oscar-mix.safetensors")), unit,
+           {**settings, "windows": 99}, [rec("oscar-refine")])  # other settings: never read back
+    (art / "oscar-mix.safetensors").unlink()
+    monkeypatch.setattr(methods_mod.peers, "unavailable", lambda name: "its library is not installed")
+    got = rebuild(cfg, str(tmp_path))
+    assert sorted(r["method"] for r in got) == ["hf-quanto-int4", "oscar-mix"]
+    blob = json.load(open(tmp_path / "results.json"))
+    assert set(blob["unverified"]) == {"oscar-mix"} and set(blob["unavailable"]) == {"oscar-refine"}
+    assert blob["missing"] == []
+
+
 def test_niah_lengths_given_hold_for_every_variant():
     """`--lengths niah=...` replaces the profile's per-variant NIAH lengths (the full profile runs noise
     and multivalue at 2048 only); without it the profile's stay."""

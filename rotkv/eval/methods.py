@@ -74,6 +74,19 @@ def main_methods() -> list[str]:
     return [name for name, spec in PRESETS.items() if spec.start_bits is None] + list(peers.PEERS)
 
 
+def cached_method(name: str, sink: int | None, window: int | None, window_share: float | None = None) -> Method:
+    """The method as its cached records name it, for reading them back where it cannot run (``rotkv eval
+    --report-only`` without its artifact or its peer's library): no artifact, no availability check. The cache
+    then matches its records by their recorded settings (:func:`rotkv.eval.run.collect`'s ``unverified``)."""
+    if name in peers.PEERS:
+        return Method(name, "peer", nominal_bits(name))
+    if name not in PRESETS:
+        raise ValueError(f"unknown method {name!r}; available: {known_methods()}")
+    overrides = {k: v for k, v in (("sink", sink), ("window", window), ("window_share", window_share))
+                 if v is not None and v != "preset"}
+    return Method(name, "rotkv", nominal_bits(name), overrides)
+
+
 def resolve(name: str, sink: int | None, window: int | None, artifact_dir: str | None,
             calibrate=None, window_share: float | None = None) -> tuple[Method | None, str | None]:
     """(Method, None) or (None, why it is unavailable). ``calibrate(method, path)`` makes a missing artifact;

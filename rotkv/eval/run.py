@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from rotkv.eval import attn_error, nll, niah
 from rotkv.eval.config import EvalConfig
-from rotkv.eval.methods import Method, resolve
+from rotkv.eval.methods import Method, cached_method, resolve
 from rotkv.eval.stats import mean_ci, wilson
 
 PACKAGES = ("rotkv", "torch", "transformers", "optimum-quanto", "hqq", "turboquant", "numpy", "scipy", "matplotlib")
@@ -359,12 +359,16 @@ def _path(out_dir: str, method: Method, unit: tuple) -> str:
     return os.path.join(out_dir, "cache", method.name, f"{task}{'-' + variant if variant else ''}-{length}.json")
 
 
-def _cached(out_dir, method, unit, settings) -> list[dict] | None:
+def _cached(out_dir, method, unit, settings, unverified: bool = False) -> list[dict] | None:
+    """A unit's cached records of ``method`` where their fingerprint matches; ``unverified`` (a rebuild without
+    the method's artifact, whose hash is in the fingerprint): where their recorded settings match."""
     p = _path(out_dir, method, unit)
     if not os.path.exists(p):
         return None
     with open(p) as f:
         blob = json.load(f)
+    if unverified:
+        return blob["records"] if blob.get("settings") == settings else None
     return blob["records"] if blob.get("fingerprint") == _fingerprint(settings, method) else None
 
 
@@ -377,8 +381,10 @@ def _store(out_dir, method, unit, settings, recs) -> None:
     os.replace(tmp, p)
 
 
-def collect(out_dir: str, cfg: EvalConfig, methods: list[Method], text_sha: str, hay_sha: str) -> list[dict]:
-    """Every cached record of the configured methods and units, plus the plain-model nll references."""
+def collect(out_dir: str, cfg: EvalConfig, methods: list[Method], text_sha: str, hay_sha: str,
+            unverified: frozenset = frozenset()) -> list[dict]:
+    """Every cached record of the configured methods and units, plus the plain-model nll references; the methods
+    named in ``unverified`` matched by their recorded settings (:func:`_cached`)."""
     records = []
     for unit in plan(cfg):
         task, _, length = unit
@@ -391,7 +397,7 @@ def collect(out_dir: str, cfg: EvalConfig, methods: list[Method], text_sha: str,
                 if blob["settings"] == settings:
                     records += blob["records"]
         for m in methods:
-            recs = _cached(out_dir, m, unit, settings)
+            recs = _cached(out_dir, m, unit, settings, m.name in unverified)
             if recs:
                 records += recs
     return records
@@ -413,17 +419,32 @@ def _write_provenance(cfg, out_dir, loaded, methods, unavailable) -> None:
 
 
 def rebuild(cfg: EvalConfig, out_dir: str) -> list[dict]:
-    """results.json from the cache alone (e.g. after several processes ran disjoint method lists)."""
-    methods, unavailable = [], {}
+    """results.json from the cache alone (e.g. after several processes ran disjoint method lists). A method that
+    cannot run here (its artifact or its peer's library missing) keeps its cached records: a peer's fingerprint
+    needs no library; a preset's holds its artifact's hash, so without the artifact its records are matched by
+    their recorded settings, and results.json names it under ``unverified`` with the reason. Only a method with
+    no records at all is listed as ``unavailable``."""
+    methods, unavailable, unverified = [], {}, {}
     for name in cfg.methods:
         m, why = resolve(name, cfg.sink, cfg.window, cfg.artifact_dir, None, cfg.window_share)
         if m is None:
-            unavailable[name] = why
-        else:
-            methods.append(m)
+            m = cached_method(name, cfg.sink, cfg.window, cfg.window_share)
+            if m.kind == "rotkv":  # no artifact here: its hash cannot be checked
+                unverified[name] = why
+            else:
+                unavailable[name] = why
+        methods.append(m)
     text_sha = hashlib.sha256(b"".join(_sha(f).encode() for f in cfg.texts)).hexdigest()[:16]
     hay_sha = hashlib.sha256(b"".join(_sha(f).encode() for f in cfg.haystacks)).hexdigest()[:16]
-    records = collect(out_dir, cfg, methods, text_sha, hay_sha)
+    records = collect(out_dir, cfg, methods, text_sha, hay_sha, frozenset(unverified))
+    have = {r["method"] for r in records}
+    for name in list(unavailable):
+        if name in have:  # a peer that cannot run here, read back from its cache
+            del unavailable[name]
+    for name in list(unverified):
+        if name not in have:
+            unavailable[name] = unverified.pop(name)
+    methods = [m for m in methods if m.name not in unavailable]
     failed = {}
     for name in sorted(os.listdir(out_dir)):
         if name.startswith("failed-") and name.endswith(".json"):
@@ -433,7 +454,8 @@ def rebuild(cfg: EvalConfig, out_dir: str) -> list[dict]:
     missing = [f"{m.name} {t}{'-' + v if v else ''}@{L}" for m in methods for t, v, L in plan(cfg)
                if (m.name, t, v, L) not in done]
     with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"records": records, "unavailable": unavailable, "failed": failed, "missing": missing}, f, indent=1)
+        json.dump({"records": records, "unavailable": unavailable, "unverified": unverified, "failed": failed,
+                   "missing": missing}, f, indent=1)
     prov_path = os.path.join(out_dir, "config.json")
     if os.path.exists(prov_path):  # the merged run's configuration: every method of this call
         with open(prov_path) as f:

@@ -29,19 +29,15 @@ from rotkv.kernels.plan import interpreting, require_rotate, rotate_block
 
 
 @triton.jit
-def _rotate_tile(x_ptr, sxb, sxh, sxt, a_ptr, y_ptr, syb, syh, syt, rows_ptr, b, h, pid_t, pid_e, T,
-                 GROUP: tl.constexpr, D: tl.constexpr, K: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, HAS_ROWS: tl.constexpr):
-    """Tokens ``pid_t * BLOCK_T ..`` of head ``h`` of batch row ``b``, output columns ``pid_e * BLOCK_E ..``."""
-    a = a_ptr + (h // GROUP).to(tl.int64) * (K * D)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    tmask = offs_t < T
-    xrow = x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + offs_t.to(tl.int64)[:, None] * sxt
-    acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+def _times_matrix(xrow, xmask, a, offs_e, ROWS: tl.constexpr, D: tl.constexpr, SHIFT: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
+    """``[ROWS, BLOCK_E]`` float32: the rows at ``xrow`` (pointers ``[ROWS, 1]``, ``xmask`` ``[ROWS]``) times the split
+    matrix at ``a`` (``R_hi``, ``R_lo`` and, with SHIFT, the shift rows), columns ``offs_e``; under the interpreter
+    already rounded to bf16's nearest-even (its float32 -> bf16 cast truncates)."""
+    acc = tl.zeros((ROWS, BLOCK_E), dtype=tl.float32)
     for k0 in tl.static_range(0, D, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(xrow + offs_k[None, :], mask=tmask[:, None], other=0.0)
+        x = tl.load(xrow + offs_k[None, :], mask=xmask[:, None], other=0.0)
         hi = tl.load(a + offs_k[:, None] * D + offs_e[None, :])
         lo = tl.load(a + (D + offs_k)[:, None] * D + offs_e[None, :])
         if F32_DOT:  # the interpreter's bf16 dot is wrong; bf16 products are exact in float32 anyway
@@ -54,15 +50,29 @@ def _rotate_tile(x_ptr, sxb, sxh, sxt, a_ptr, y_ptr, syb, syh, syt, rows_ptr, b,
     if SHIFT:  # rows 2D and 2D + 1: -c_hi and -c_lo (c = mu R)
         acc += tl.load(a + 2 * D * D + offs_e).to(tl.float32)[None, :]
         acc += tl.load(a + (2 * D + 1) * D + offs_e).to(tl.float32)[None, :]
+    if F32_DOT:
+        bits = acc.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        acc = bits.to(tl.float32, bitcast=True)
+    return acc
+
+
+@triton.jit
+def _rotate_tile(x_ptr, sxb, sxh, sxt, a_ptr, y_ptr, syb, syh, syt, rows_ptr, b, h, pid_t, pid_e, T,
+                 GROUP: tl.constexpr, D: tl.constexpr, K: tl.constexpr, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """Tokens ``pid_t * BLOCK_T ..`` of head ``h`` of batch row ``b``, output columns ``pid_e * BLOCK_E ..``."""
+    a = a_ptr + (h // GROUP).to(tl.int64) * (K * D)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    tmask = offs_t < T
+    xrow = x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + offs_t.to(tl.int64)[:, None] * sxt
+    acc = _times_matrix(xrow, tmask, a, offs_e, BLOCK_T, D, SHIFT, BLOCK_E, BLOCK_K, F32_DOT)
     if HAS_ROWS:  # each row's own place in y (a tier slot)
         ybase = y_ptr + tl.load(rows_ptr + b)
     else:
         ybase = y_ptr + b.to(tl.int64) * syb
     yrow = ybase + h.to(tl.int64) * syh + offs_t.to(tl.int64)[:, None] * syt
-    if F32_DOT:  # the interpreter's float32 -> bf16 cast truncates: round to nearest-even by hand first
-        bits = acc.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        acc = bits.to(tl.float32, bitcast=True)
     tl.store(yrow + offs_e[None, :], acc.to(tl.bfloat16), mask=tmask[:, None])
 
 
@@ -78,31 +88,12 @@ def _rotate_rows_tile(x_ptr, sxb, sxh, a_ptr, y_ptr, syb, syh, rows_ptr, B, h, p
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     bmask = offs_b < B
     xrow = x_ptr + offs_b.to(tl.int64)[:, None] * sxb + h.to(tl.int64) * sxh
-    acc = tl.zeros((BLOCK_B, BLOCK_E), dtype=tl.float32)
-    for k0 in tl.static_range(0, D, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(xrow + offs_k[None, :], mask=bmask[:, None], other=0.0)
-        hi = tl.load(a + offs_k[:, None] * D + offs_e[None, :])
-        lo = tl.load(a + (D + offs_k)[:, None] * D + offs_e[None, :])
-        if F32_DOT:
-            xf = x.to(tl.float32)
-            acc += tl.dot(xf, hi.to(tl.float32), input_precision="ieee")
-            acc += tl.dot(xf, lo.to(tl.float32), input_precision="ieee")
-        else:
-            acc = tl.dot(x, hi, acc)
-            acc = tl.dot(x, lo, acc)
-    if SHIFT:
-        acc += tl.load(a + 2 * D * D + offs_e).to(tl.float32)[None, :]
-        acc += tl.load(a + (2 * D + 1) * D + offs_e).to(tl.float32)[None, :]
+    acc = _times_matrix(xrow, bmask, a, offs_e, BLOCK_B, D, SHIFT, BLOCK_E, BLOCK_K, F32_DOT)
     if HAS_ROWS:
         ybase = y_ptr + tl.load(rows_ptr + offs_b, mask=bmask, other=0)
     else:
         ybase = y_ptr + offs_b.to(tl.int64) * syb
     yrow = ybase[:, None] + h.to(tl.int64) * syh
-    if F32_DOT:
-        bits = acc.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        acc = bits.to(tl.float32, bitcast=True)
     tl.store(yrow + offs_e[None, :], acc.to(tl.bfloat16), mask=bmask[:, None])
 
 
