@@ -649,7 +649,7 @@ def test_decode_cuda_kernel_refuses_what_it_cannot_run():
                          cfg=DecodeConfig(backend="auto", small_work=0, score="int8"))
 
 
-def test_decode_caps_the_tokens_per_split_for_a_capacity_sized_grid(device):
+def test_decode_caps_the_tokens_per_split_for_a_capacity_sized_grid(device, monkeypatch):
     """``max_split_tokens`` (a CUDA graph's call, sized for the capacity): at most that many tokens per split, so
     that a batch whose rows are shorter than the capacity keeps several splits per row busy; the output is
     the uncapped call's up to the merge's order."""
@@ -663,7 +663,13 @@ def test_decode_caps_the_tokens_per_split_for_a_capacity_sized_grid(device):
     q = torch.randn(2, 6, 64).to(device, torch.bfloat16)
     cfg = DecodeConfig(block_n=32, target_programs=4, min_split_tokens=32)
     whole = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg)
+    from rotkv.kernels import decode as decode_mod
+
+    seen = []
+    real = decode_mod._splits
+    monkeypatch.setattr(decode_mod, "_splits", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     capped = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg, max_split_tokens=32)
+    assert seen[0] == (32, -(-ml // 32))  # the body's splits (the first call): capped
     ref = decode_reference(q.float(), body, table, tier[0], tier[1], ttable)
     for got in (whole, capped):
         assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2
