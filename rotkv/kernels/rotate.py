@@ -6,7 +6,9 @@ and ``y = x R_hi + x R_lo (- c_hi - c_lo)`` with float32 accumulation, rounded t
 PyTorch form (``_rotate_bf16x2``) feeds cuBLAS ``[x, x (, 1, 1, 0..)]``: a concatenated copy of
 ``x`` at twice its size, a visible share of an INT2 prefill (docs/kernel-notes.md). Here one program loads a ``[BLOCK_T, D]`` tile of one head straight from
 the caller's strides (the projections' ``[B, T, H, D]`` memory seen as ``[B, H, T, D]``) and runs
-two ``tl.dot`` per K block into one float32 accumulator: reads ``x`` once, writes ``y`` once.
+two ``tl.dot`` per K block into one float32 accumulator: reads ``x`` once, writes ``y`` once. With one token per
+row (a decode step) a program instead takes 16 batch rows of one head, so that the head's matrix is loaded once for
+them rather than once per row.
 
 Heads come in groups: query head ``h`` uses matrix ``h // (Hq // H)`` (GQA), as ``_per_group``.
 
