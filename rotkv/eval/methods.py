@@ -93,12 +93,8 @@ def resolve(name: str, sink: int | None, window: int | None, artifact_dir: str |
     ``sink``, ``window``, ``window_share``: overrides of every rotkv preset (None or ``"preset"`` keeps the preset's)."""
     if name in peers.PEERS:
         why = peers.unavailable(name)
-        return (None, why) if why else (Method(name, "peer", nominal_bits(name)), None)
-    if name not in PRESETS:
-        raise ValueError(f"unknown method {name!r}; available: {known_methods()}")
-    overrides = {k: v for k, v in (("sink", sink), ("window", window), ("window_share", window_share))
-                 if v is not None and v != "preset"}
-    m = Method(name, "rotkv", nominal_bits(name), overrides)
+        return (None, why) if why else (cached_method(name, sink, window, window_share), None)
+    m = cached_method(name, sink, window, window_share)  # the preset with its overrides; its artifact next
     if PRESETS[name].needs_artifact:
         if artifact_dir is None:
             return None, f"needs a calibration artifact: pass --artifact-dir (holding {artifact_file(name, base=True)})"

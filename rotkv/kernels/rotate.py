@@ -155,10 +155,11 @@ def _block_t(t: int, d: int) -> int:
     return 64 if d <= 128 else 32
 
 
-def _programs(b: int, hq: int, t: int, block_t: int) -> tuple[int, int]:
-    """(programs on the grid's first axis, row blocks per head) of one job: with one token per row (a decode
-    step) a program takes ``block_t`` rows of one head (the matrix loaded once for them), else one (row, head)."""
-    if t == 1:
+def _programs(b: int, hq: int, t: int, block_t: int, by_head: bool) -> tuple[int, int]:
+    """(programs on the grid's first axis, row blocks per head) of one job: ``by_head`` (one token per row, a
+    decode step) a program takes ``block_t`` rows of one head (the matrix loaded once for them), else one (row,
+    head)."""
+    if by_head:
         nb = triton.cdiv(b, block_t)
         return hq * nb, nb
     return (b * hq if t else 0), 1
@@ -194,8 +195,8 @@ def rotate_bf16x2(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor | None = N
         return y
     b, hq, t, d = x.shape
     blk, block_t = rotate_block(d), _block_t(t, d)
-    n, nb = _programs(b, hq, t, block_t)
-    grid = (n, triton.cdiv(t, block_t) if t > 1 else 1, d // blk)  # rows x heads on axis 0 (the others cap at 65535)
+    n, nb = _programs(b, hq, t, block_t, t == 1)
+    grid = (n, triton.cdiv(t, block_t), d // blk)  # rows x heads on axis 0 (the others cap at 65535)
     _rotate_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), a, y, y.stride(0), y.stride(1), y.stride(2),
                          rows if rows is not None else y, t, hq, b, nb, GROUP=hq // a.shape[0], D=d, K=a.shape[1],
                          SHIFT=a.shape[1] > 2 * d, BLOCK_T=block_t, BLOCK_E=blk, BLOCK_K=blk,
@@ -223,7 +224,7 @@ def rotate_many(jobs) -> None:
         _check_out(x, a, out, rows)
         b, hq, t, _ = x.shape
         a = a.contiguous()
-        n, nb = _programs(b, hq, t, block_t) if by_head else (b * hq if t else 0, 1)
+        n, nb = _programs(b, hq, t, block_t, by_head)
         counts.append(n)
         args += [x, x.stride(0), x.stride(1), x.stride(2), a, out, out.stride(0), out.stride(1), out.stride(2),
                  rows if rows is not None else out, t, hq, b, nb]
@@ -236,6 +237,6 @@ def rotate_many(jobs) -> None:
                        f"ROWS{i}": consts["ROWS0"]})
     if sum(counts) == 0 or t_max == 0:
         return
-    grid = (sum(counts), 1 if by_head else triton.cdiv(t_max, block_t), d // blk)
+    grid = (sum(counts), triton.cdiv(t_max, block_t), d // blk)
     _rotate3_kernel[grid](*args, counts[0], counts[0] + counts[1], D=d, BLOCK_T=block_t, BLOCK_E=blk, BLOCK_K=blk,
                           F32_DOT=interpreting(), BY_HEAD=by_head, num_warps=4, **consts)
