@@ -32,6 +32,7 @@ MIN_LENGTH = 256  # the smallest context the tasks are tested at (the smoke prof
 # EvalConfig's fields as the flags that set them (its errors name the field)
 EVAL_FLAGS = {"methods": "--methods", "tasks": "--tasks", "niah_variants": "--variants", "lengths": "--lengths",
               "niah_samples": "--samples", "nll_windows": "--windows", "new_tokens": "--new-tokens",
+              "window_batch": "--window-batch",
               "threads": "--threads", "device": "--device"}
 
 
@@ -104,6 +105,9 @@ def register(sub) -> None:
     p.add_argument("--samples", type=int, default=None, help="haystacks per niah cell")
     p.add_argument("--windows", type=int, default=None, help="nll windows at 2K (fewer at longer contexts)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens teacher-forced after each nll context")
+    p.add_argument("--window-batch", type=int, default=None,
+                   help="nll windows scored together as the rows of one cache (default 1; on a GPU, 8-16 make "
+                        "fewer, larger calls; results equal to float rounding, cached apart)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a busy machine)")
     p.add_argument("--device", default="cpu",
                    help="cpu (default), cuda, cuda:N, or auto (cuda when available); the model runs in float32 "
@@ -135,7 +139,7 @@ def run(args) -> int:
         value = getattr(args, flag)
         if isinstance(value, int) and value < 0:
             raise UsageError(f"--{flag} has to be >= 0 or 'preset' but got {value}")
-    for flag in ("threads", "samples", "windows", "new_tokens"):
+    for flag in ("threads", "samples", "windows", "new_tokens", "window_batch"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UsageError(f"--{flag.replace('_', '-')} has to be >= 1 but got {value}")
@@ -154,7 +158,8 @@ def run(args) -> int:
             artifact_dir=args.artifact_dir, sink=args.sink, window=args.window, window_share=args.window_share,
             niah_variants=_list(args.variants),
             niah_depths=[float(x) for x in _list(args.depths)] if args.depths else None, niah_samples=args.samples,
-            nll_windows=args.windows, new_tokens=args.new_tokens, threads=args.threads, device=device,
+            nll_windows=args.windows, new_tokens=args.new_tokens, window_batch=args.window_batch,
+            threads=args.threads, device=device,
         )
     except UsageError:
         raise

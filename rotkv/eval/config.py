@@ -50,6 +50,7 @@ class EvalConfig:
     nll_windows: int = 1
     nll_scale_windows: bool = True
     new_tokens: int = 8
+    window_batch: int = 1
     attn_queries: int = 16
     niah_variants: list[str] = field(default_factory=lambda: list(VARIANTS))
     niah_depths: list[float] = field(default_factory=lambda: [0.5])
@@ -85,7 +86,8 @@ class EvalConfig:
             raise ValueError("no evaluation text: pass --text FILE (rotkv/data has no eval_*.txt)")
         if self.device.split(":")[0] not in DEVICES:
             raise ValueError(f"`device` has to be cpu, cuda or cuda:N but got {self.device!r}")
-        for name in ("chunk", "nll_windows", "new_tokens", "attn_queries", "niah_samples", "max_answer_tokens"):
+        for name in ("chunk", "nll_windows", "new_tokens", "window_batch", "attn_queries", "niah_samples",
+                     "max_answer_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` has to be >= 1 but got {getattr(self, name)}")
 

@@ -40,18 +40,19 @@ class Method:
         return RotkvCache(model, self.name, self.artifact, check_finite=check, context_length=context_length,
                           **self.overrides)
 
-    def measure(self, cache, model) -> dict:
-        """Resident bytes of ``cache`` as it is now, and its element count (2 * tokens * kv_heads * D * layers)."""
+    def measure(self, cache, model, rows: int = 1) -> dict:
+        """Resident bytes of ``cache`` as it is now, and its element count (2 * tokens * kv_heads * D * layers),
+        per row of a cache that holds ``rows`` equally long rows (the rotations and key maps: per model)."""
         if self.kind == "rotkv":
             st = cache.stats()
             # scratch: what a per-row (budgeted) layer's reference reader keeps beside its tiers (paged layers: 0)
-            return {"kv_bytes": int(st["kv_bytes"]), "kv_bytes_at_bf16": int(st["kv_bytes"]),
-                    "elements": int(st["elements"]), "rotation_bytes": int(st["rotation_bytes"]),
+            return {"kv_bytes": int(st["kv_bytes"]) // rows, "kv_bytes_at_bf16": int(st["kv_bytes"]) // rows,
+                    "elements": int(st["elements"]) // rows, "rotation_bytes": int(st["rotation_bytes"]),
                     "key_map_bytes": int(st.get("key_map_bytes", 0)),
-                    "scratch_bytes": int(st.get("scratch_bytes", 0))}
-        out = peers.resident_bytes(cache.layers)
+                    "scratch_bytes": int(st.get("scratch_bytes", 0)) // rows}
+        out = {k: v // rows for k, v in peers.resident_bytes(cache.layers).items()}
         layers, kv_heads, head_dim = model_geometry(model.config)
-        out["elements"] = 2 * cache.get_seq_length() * kv_heads * head_dim * layers
+        out["elements"] = 2 * cache.get_seq_length() * kv_heads * head_dim * layers  # one row's
         out["rotation_bytes"] = 0
         return out
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from rotkv.eval.protocol import forward, prefill
+from rotkv.eval.protocol import forward, forward_rows, prefill_rows
 from rotkv.eval.stats import mean_ci
 
 
@@ -37,19 +37,31 @@ def reference(model, ids: torch.Tensor, length: int, new_tokens: int) -> torch.T
 def score_window(model, method, ids: torch.Tensor, length: int, new_tokens: int, chunk: int,
                  ref: torch.Tensor) -> tuple[dict[str, list[float]], dict]:
     """Per-token nll / kl / top1 of one window through a fresh cache of ``method``, and its measured bytes."""
+    (per,), mem = score_windows(model, method, ids, length, new_tokens, chunk, [ref])
+    return per, mem
+
+
+def score_windows(model, method, ids: torch.Tensor, length: int, new_tokens: int, chunk: int,
+                  refs: list[torch.Tensor]) -> tuple[list[dict[str, list[float]]], dict]:
+    """``score_window`` of the windows ``ids [B, length + new_tokens]`` as the B rows of one fresh cache (one
+    batched prefill and decode); the measured bytes are one row's. Equal to scoring them one at a time up to
+    the float rounding of the batched products."""
+    rows = ids.shape[0]
+    if len(refs) != rows:
+        raise ValueError(f"{rows} windows but {len(refs)} references")
     cache = method.build(model, context_length=length + new_tokens)
     ids = ids.to(model.device)  # once, not one host-to-device copy per decoded token
-    logps = [prefill(model, cache, ids[:, :length], chunk)]
+    logps = [prefill_rows(model, cache, ids[:, :length], chunk)]
     for t in range(new_tokens - 1):  # no host sync inside the loop: the scores stay on the device
-        logps.append(forward(model, ids[:, length + t: length + t + 1], cache)[-1])
-    lp = torch.stack(logps)  # [N, vocab]
-    ref = ref.to(lp.device)
-    target = ids[0, length: length + new_tokens]
-    nll = -lp.gather(-1, target[:, None])[:, 0]
+        logps.append(forward_rows(model, ids[:, length + t: length + t + 1], cache)[:, -1])
+    lp = torch.stack(logps, 1)  # [B, N, vocab]
+    ref = torch.stack([r.to(lp.device) for r in refs])
+    target = ids[:, length: length + new_tokens]
+    nll = -lp.gather(-1, target[..., None])[..., 0]
     kl = (ref.exp() * (ref - lp)).sum(-1).clamp_min(0)
     top1 = (lp.argmax(-1) == ref.argmax(-1)).float()
-    mem = method.measure(cache, model)
-    return {"nll": nll.tolist(), "kl": kl.tolist(), "top1": top1.tolist()}, mem
+    mem = method.measure(cache, model, rows=rows)
+    return [{"nll": nll[b].tolist(), "kl": kl[b].tolist(), "top1": top1[b].tolist()} for b in range(rows)], mem
 
 
 def reference_scores(ref: torch.Tensor, ids: torch.Tensor, length: int, new_tokens: int) -> list[float]:

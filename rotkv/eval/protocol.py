@@ -15,22 +15,32 @@ from rotkv.hf import compat
 
 
 @torch.inference_mode()
-def forward(model, ids: torch.Tensor, cache=None, keep: int = 1) -> torch.Tensor:
-    """Log-probabilities ``[keep, vocab]`` (float32) of the last ``keep`` positions of ``ids [1, n]``.
+def forward_rows(model, ids: torch.Tensor, cache=None, keep: int = 1) -> torch.Tensor:
+    """Log-probabilities ``[B, keep, vocab]`` (float32) of the last ``keep`` positions of each row of ``ids [B, n]``.
 
     Without a cache this is the plain model (no cache, full-precision attention over ``ids``).
     """
     kw = {compat.cache_kwarg(model): cache} if cache is not None else {"use_cache": False}
     out = model(input_ids=ids.to(model.device), logits_to_keep=keep, **kw)
-    return torch.log_softmax(out.logits[0, -keep:].float(), -1)
+    return torch.log_softmax(out.logits[:, -keep:].float(), -1)
+
+
+def forward(model, ids: torch.Tensor, cache=None, keep: int = 1) -> torch.Tensor:
+    """Log-probabilities ``[keep, vocab]`` (float32) of the last ``keep`` positions of ``ids [1, n]``."""
+    return forward_rows(model, ids, cache, keep)[0]
+
+
+def prefill_rows(model, cache, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Feed ``ids [B, n]`` into ``cache`` in calls of ``chunk`` tokens; log-probs ``[B, vocab]`` after the last one."""
+    logp = None
+    for c0 in range(0, ids.shape[1], chunk):
+        logp = forward_rows(model, ids[:, c0:c0 + chunk], cache)[:, -1]
+    return logp
 
 
 def prefill(model, cache, ids: torch.Tensor, chunk: int) -> torch.Tensor:
     """Feed ``ids [1, n]`` into ``cache`` in calls of ``chunk`` tokens; log-probs ``[vocab]`` after the last one."""
-    logp = None
-    for c0 in range(0, ids.shape[1], chunk):
-        logp = forward(model, ids[:, c0:c0 + chunk], cache)[-1]
-    return logp
+    return prefill_rows(model, cache, ids, chunk)[0]
 
 
 @torch.inference_mode()

@@ -73,6 +73,8 @@ def unit_settings(cfg: EvalConfig, unit: tuple, text_sha: str, hay_sha: str) -> 
         s["device"] = cfg.device.split(":")[0]
     if task == "nll":
         s.update(windows=cfg.windows_at(length), new_tokens=cfg.new_tokens, texts=text_sha)
+        if cfg.window_batch > 1:  # batched rows round differently: cached apart (batch-1 caches stay valid)
+            s["window_batch"] = cfg.window_batch
     elif task == "attn-error":
         s.update(queries=cfg.attn_queries, texts=text_sha)
     else:
@@ -116,13 +118,16 @@ def run_nll(model, method, ids_all, cfg, length, refs) -> list[dict]:
     pooled: dict[str, list[float]] = {"nll": [], "kl": [], "top1": []}
     windows: dict[str, list[float]] = {k: [] for k in pooled}  # each window's mean (paired suite intervals)
     mems = []
-    for start, ref in refs:
-        ids = ids_all[:, start:start + length + cfg.new_tokens]
-        per, mem = nll.score_window(model, method, ids, length, cfg.new_tokens, cfg.chunk, ref)
-        for k in pooled:
-            pooled[k] += per[k]
-            windows[k].append(sum(per[k]) / len(per[k]))
-        mems.append(mem)
+    span = length + cfg.new_tokens
+    for b0 in range(0, len(refs), cfg.window_batch):
+        group = refs[b0:b0 + cfg.window_batch]
+        ids = torch.cat([ids_all[:, start:start + span] for start, _ in group])
+        pers, mem = nll.score_windows(model, method, ids, length, cfg.new_tokens, cfg.chunk, [r for _, r in group])
+        for per in pers:
+            for k in pooled:
+                pooled[k] += per[k]
+                windows[k].append(sum(per[k]) / len(per[k]))
+            mems.append(mem)
     rec = {"method": method.name, "task": "nll", "length": length, "variant": None, "depth": None}
     rec.update(nll.summarize(pooled, len(refs)))
     rec["per_window"] = windows

@@ -29,7 +29,7 @@ for s in $STAGES; do
       L=$([ "$s" = test8k ] && echo 8192 || echo 2048); SPLIT=$([ "$s" = dev2k ] && echo dev || echo test)
       say "suite $SPLIT at $L on the GPU"
       $P -m rotkv.cli eval --suite mixed --split "$SPLIT" --device cuda --profile full --lengths "$L" \
-        --methods "$METHODS" --artifact-dir "$A" --out "$R/$SPLIT-$L" ;;
+        --methods "$METHODS" --artifact-dir "$A" --window-batch "${WB:-16}" --out "$R/$SPLIT-$L" ;;
     quanto2k)
       say "quanto INT4 on the CPU, the test windows at 2048"
       OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} $P -m rotkv.cli eval --suite mixed --split test --profile full \
