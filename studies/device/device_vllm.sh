@@ -33,7 +33,8 @@
 #   qwen-profb    the profiler over PROFB_NEW (16) decode steps of PROFB_BATCH (64) x PROFB_PROMPT (4K) requests,
 #                 after their prefills                                   PROFB_METHODS (default rotkv, bf16)
 #   qwen-lgb      long generation at one KV budget for every method (vLLM's kv_cache_memory_bytes, LGB_BYTES,
-#                 default 20 GiB): LGB_REQUESTS (64) x 1K prompts x LGB_NEW (8192) new tokens   LG_METHODS
+#                 default 10 GiB): LGB_REQUESTS (48: 95% of rotkv's slots there) x 1K prompts x LGB_NEW (8192) new
+#                 tokens   LG_METHODS
 #   smol-kl       vllm_kl_compare.py, KL to the fp32 model over teacher-forced decode steps   GREEDY_METHODS
 #   smol-cap-lat  capacity and latency on the real SmolLM2              every method
 #   serve         `vllm serve` on SmolLM2 with rotkv's backend (SERVE_CONFIG, default oscar-mix) and with bf16:
@@ -127,8 +128,8 @@ job() {  # one queued job
                 --prof-new ${PROFB_NEW:-16} --max-model-len ${PROFB_MAXLEN:-17408} --method-timeout 400 \
                 --out "$RUN/vllm-qwen3-profile-batch.json" ;;
     qwen-lgb) timeout 3000 "${B[@]}" --model qwen3-8b-dummy --methods "$LG_METHODS" --workloads capacity,longgen \
-                --lg-requests ${LGB_REQUESTS:-64} --lg-new ${LGB_NEW:-8192} \
-                --engine-kwargs "{\"kv_cache_memory_bytes\": ${LGB_BYTES:-21474836480}}" \
+                --lg-requests ${LGB_REQUESTS:-48} --lg-new ${LGB_NEW:-8192} \
+                --engine-kwargs "{\"kv_cache_memory_bytes\": ${LGB_BYTES:-10737418240}}" \
                 --out "$RUN/vllm-qwen3-longgen-budget.json" ;;
     qwen-tq)  timeout 900 "${B[@]}" --model qwen3-8b-dummy --methods turboquant_k3v4_nc,turboquant_3bit_nc --workloads capacity \
                 --max-model-len 33792 --method-timeout 300 --out "$RUN/vllm-qwen3-turboquant-capacity.json" ;;
