@@ -342,12 +342,12 @@ def run_child(spec: dict) -> dict:
             p = "tp" if w == "throughput" else "lg"
             n, plen, new = sizes[f"{p}_requests"], sizes[f"{p}_prompt"], sizes[f"{p}_new"]
             run_batch(warm, 4)  # warm-up outside the timing
-            wall, got = run_batch(random_prompts(n, plen, vocab, 2), new)
+            wall, got, phases = run_stepped(llm, random_prompts(n, plen, vocab, 2), new, SamplingParams)
             if any(g != new for g in got):
                 raise RuntimeError(f"{w}: asked {new} new tokens per request, got {sorted(set(got))}")
             row.update(requests=n, prompt_tokens=plen, new_tokens=new, wall_s=round(wall, 3),
                        output_tok_s=round(n * new / wall, 2), total_tok_s=round(n * (plen + new) / wall, 2),
-                       requests_s=round(n / wall, 4))
+                       requests_s=round(n / wall, 4), **phases)
         elif w == "latency":
             plen, new, reps = sizes["lat_prompt"], sizes["lat_new"], spec["lat_repeats"]
             prompt = random_prompts(1, plen, vocab, 3)
@@ -379,6 +379,34 @@ def run_child(spec: dict) -> dict:
         rows.append(row)
         print(f"bench_vllm: {method} {w}: {json.dumps(row)}", flush=True)
     return dict(engine=engine, rows=rows)
+
+
+def run_stepped(llm, prompts: list[list[int]], new: int, SamplingParams) -> tuple[float, list[int], dict]:
+    """``prompts`` through the engine's own steps (the loop ``LLM.generate`` runs), noting when each request
+    shows its first token and when it ends. Until the last first token (``prefill_phase_s``) the steps hold
+    every prefill, beside the decode of the requests admitted earlier; after it the engine only decodes
+    (``decode_phase_s``). Returns the wall seconds, each request's token count, and those phases."""
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
+    ids = [f"run-{i}" for i in range(len(prompts))]
+    got: dict[str, int] = {}
+    first: dict[str, float] = {}
+    t0 = time.perf_counter()
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, {"prompt_token_ids": p}, sp)
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        now = time.perf_counter() - t0
+        for o in outs:
+            got[o.request_id] = len(o.outputs[0].token_ids)
+            if got[o.request_id] and o.request_id not in first:
+                first[o.request_id] = now
+    wall = time.perf_counter() - t0
+    firsts = sorted(first.values())
+    prefill = firsts[-1] if len(firsts) == len(prompts) else wall
+    phases = dict(prefill_phase_s=round(prefill, 3), decode_phase_s=round(wall - prefill, 3),
+                  first_token_s_median=round(statistics.median(firsts), 3) if firsts else None)
+    return wall, [got.get(r, 0) for r in ids], phases
 
 
 def profile_decode_batch(llm, prompts: list[list[int]], new: int, SamplingParams) -> tuple[float, dict]:

@@ -214,9 +214,10 @@ class SamplingParams:
     def __init__(self, **kw):
         self.kw = kw
 
-class Engine:  # LLMEngine's stepping surface: every step gives each unfinished request one token
-    def __init__(self, vllm_config, max_len):
-        self.vllm_config, self.max_len, self.reqs, self.steps = vllm_config, max_len, {}, 0
+class Engine:  # LLMEngine's stepping surface: every step gives each running request one token; at most
+    # max_num_seqs run at once, in the order they came (the rest wait, as for KV blocks)
+    def __init__(self, vllm_config, max_len, slots=None):
+        self.vllm_config, self.max_len, self.reqs, self.steps, self.slots = vllm_config, max_len, {}, 0, slots
 
     def add_request(self, request_id, prompt, params):
         assert len(prompt["prompt_token_ids"]) + params.kw["max_tokens"] <= self.max_len
@@ -229,8 +230,10 @@ class Engine:  # LLMEngine's stepping surface: every step gives each unfinished 
     def step(self):
         self.steps += 1
         out = []
+        running = [rid for rid, r in self.reqs.items() if r[0] < r[1]][: self.slots]
+        time.sleep(0.002)
         for rid, r in self.reqs.items():
-            if r[0] < r[1]:
+            if rid in running:
                 r[0] += 1
                 out.append(SimpleNamespace(request_id=rid, outputs=[SimpleNamespace(token_ids=list(range(r[0])))]))
         return out
@@ -242,7 +245,7 @@ class LLM:
         blocks = 1000 if kw.get("kv_cache_dtype") is None else 4000
         print(f"INFO GPU KV cache size: {blocks * 16:,} tokens", flush=True)
         cc = SimpleNamespace(num_gpu_blocks=blocks, block_size=16, cache_dtype=kw.get("kv_cache_dtype", "auto"))
-        self.llm_engine = Engine(SimpleNamespace(cache_config=cc), kw["max_model_len"])
+        self.llm_engine = Engine(SimpleNamespace(cache_config=cc), kw["max_model_len"], kw.get("max_num_seqs"))
         self.max_len = kw["max_model_len"]
         self.prof = kw.get("profiler_config")
 
@@ -301,6 +304,20 @@ def test_run_end_to_end_with_a_fake_vllm(tmp_path):
     assert "refuses fp8" in rows[("fp8", "capacity")]["log_tail"]
     assert rows[("turboquant_3bit_nc", "all")]["skipped"]
     assert [s["method"] for s in d["summary"]] == ["bf16"] * 4
+
+
+def test_throughput_times_the_phase_that_holds_the_prefills(tmp_path):
+    """Throughput through the engine's steps: with two requests at a time, the third starts when the first two end,
+    so the phase until every request has its first token spans the first wave; the decode phase is the rest."""
+    r, out = _run_with_fake_vllm(tmp_path, "--methods", "bf16", "--workloads", "throughput", "--tp-requests", "3",
+                                 "--tp-prompt", "20", "--tp-new", "6", "--engine-kwargs", '{"max_num_seqs": 2}')
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["requests"] == 3 and row["new_tokens"] == 6
+    # 12 steps in all; the third request's first token comes at step 7, the first two's at step 1
+    assert 0.4 * row["wall_s"] < row["prefill_phase_s"] < 0.75 * row["wall_s"]
+    assert row["decode_phase_s"] == pytest.approx(row["wall_s"] - row["prefill_phase_s"], abs=2e-3)
+    assert row["first_token_s_median"] < 0.3 * row["wall_s"]
 
 
 # --- benchmarks/vllm_serve_check.py: the serve command and the answer checks (the server itself needs a GPU) ---

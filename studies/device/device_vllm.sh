@@ -75,7 +75,7 @@ for f in sorted(glob.glob(os.path.join(run, "*.json"))):
     if isinstance(d, dict) and d.get("schema", "").startswith("rotkv-bench-vllm"):
         print(f"## {os.path.basename(f)} ({d['model']}, complete={d.get('complete')})")
         for r in d["rows"]:
-            keys = [k for k in ("kv_tokens", "output_tok_s", "ttft_s", "tpot_ms", "error", "skipped") if k in r]
+            keys = [k for k in ("kv_tokens", "output_tok_s", "prefill_phase_s", "ttft_s", "tpot_ms", "error", "skipped") if k in r]
             print(f"- {r['method']} {r['workload']}: " + ", ".join(f"{k}={str(r[k])[:120]}" for k in keys))
     elif isinstance(d, dict) and d.get("schema", "").startswith("rotkv-vllm-serve"):
         print(f"## {os.path.basename(f)}: ok={d['ok']} startup_s={d.get('startup_s')} error={d.get('error')}")
