@@ -225,7 +225,7 @@ class HybridLayer(RotkvLayer):
             del hk, hv
             oh = self.rotation.outputs(oh, q.dtype)
             oo, lo = attention_lse(q[r0:r1].to(cdt), k[r0:r1].to(cdt), v[r0:r1].to(cdt), True, scaling)
-            o = merge_lse(oh, lh, oo, lo).to(q.dtype)
+            o = merge_lse(oh, lh, oo, lo, q.dtype)
             if out is None:
                 return o
             out[r0:r1] = o
@@ -541,12 +541,26 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return (p @ v.float()).reshape(b, hq, c, v.shape[-1]).to(q.dtype), lse
 
 
-def merge_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+def merge_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor,
+              dtype: torch.dtype = torch.float32, with_lse: bool = False, out: torch.Tensor | None = None):
     """Attention over two disjoint key sets from each one's output and log-sum-exp: ``o2 + (o1 - o2) w``
-    with ``w = sigmoid(l1 - l2)``, the first set's share of the softmax mass; float32 (one buffer)."""
+    with ``w = sigmoid(l1 - l2)``, the first set's share of the softmax mass, computed in float32 and returned
+    in ``dtype`` (into ``out`` where given); with ``with_lse`` also the merged log-sum-exp, ``(o, lse)``. On
+    CUDA one pass of ``rotkv.kernels.lse_merge`` where the plan says, else PyTorch (the reference)."""
+    from rotkv.kernels import plan
+
+    if plan.plan_lse_merge(o1, l1, o2, l2):
+        from rotkv.kernels.lse_merge import lse_merge
+
+        o, lse = lse_merge(o1, l1, o2, l2, dtype, with_lse, out)
+        return (o, lse) if with_lse else o
     o = o1.float()
     o.sub_(o2).mul_(torch.sigmoid(l1 - l2)).add_(o2)
-    return o
+    o = o.to(dtype)
+    if out is not None:
+        out.copy_(o)
+        o = out
+    return (o, torch.logaddexp(l1, l2)) if with_lse else o
 
 
 _FLASH_FAILED: str | bool = False  # why the direct flash call failed once (then the bias path is used)

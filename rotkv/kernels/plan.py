@@ -155,6 +155,27 @@ def plan_rotate(x: torch.Tensor, a: torch.Tensor) -> bool:
     return kernels_enabled(x) and rotate_reason(x, a) is None
 
 
+# ---- the prefill's log-sum-exp merge ------------------------------------------------------------
+def lse_merge_reason(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> str | None:
+    """Why the merge kernel (``rotkv.kernels.lse_merge``) cannot take these outputs and log-sum-exps (None: it
+    can)."""
+    if o1.dim() != 4 or o1.shape != o2.shape:
+        return "o1 and o2 have to be [B, Hq, C, D] of one shape"
+    if l1.shape != (*o1.shape[:3], 1) or l2.shape != l1.shape or l1.dtype != torch.float32 or l2.dtype != l1.dtype:
+        return "l1 and l2 have to be [B, Hq, C, 1] float32"
+    if o1.stride(-1) != 1 or o2.stride(-1) != 1:
+        return "the outputs' last dim is not contiguous"
+    if o1.shape[-1] > 256:
+        return f"head_dim {o1.shape[-1]} > 256"
+    return None
+
+
+def plan_lse_merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> bool:
+    """Whether a prefill's two attention outputs merge in the kernel (on CUDA with the kernels on, in a shape it
+    takes), else in PyTorch."""
+    return kernels_enabled(o1) and lse_merge_reason(o1, l1, o2, l2) is None
+
+
 def resolve_score(cfg: DecodeConfig, head_dim: int) -> str:
     """The score variant a call runs: ``cfg.score``, or for "auto" bf16 at head_dim <= 64 and int8
     above."""

@@ -353,13 +353,19 @@ class _PrefillRow:
 
         self._merge(*attention_lse(self.qr, k[None], v[None], False, self.scale))
 
-    def _merge(self, o: torch.Tensor, lse: torch.Tensor) -> None:
+    def _merge(self, o: torch.Tensor, lse: torch.Tensor, last: bool = False) -> None:
+        """Merges a piece's output and log-sum-exp into the row's; the ``last`` one (the own tokens) straight into
+        the compute dtype, laid out ``[1, n, Hq, D]`` (what the output rotation reads), without a log-sum-exp."""
         from rotkv.cache.layer import merge_lse
 
         if self.o is None:
             self.o, self.lse = o, lse
+        elif last:
+            n, hq, d = o.shape[2], o.shape[1], o.shape[3]
+            out = torch.empty(1, n, hq, d, dtype=self.cdt, device=o.device).transpose(1, 2)
+            self.o, self.lse = merge_lse(self.o, self.lse, o, lse, self.cdt, out=out), None
         else:
-            self.o, self.lse = merge_lse(self.o, self.lse, o, lse), torch.logaddexp(self.lse, lse)
+            self.o, self.lse = merge_lse(self.o, self.lse, o, lse, with_lse=True)
 
     def finish(self, kr: torch.Tensor, vr: torch.Tensor, rot: LayerRotation, dtype) -> torch.Tensor:
         """The row's output ``[n, Hq, D]`` in ``dtype`` (model basis), with its own rotated keys and values
@@ -368,7 +374,7 @@ class _PrefillRow:
         if self.merged:
             from rotkv.cache.layer import attention_lse
 
-            self._merge(*attention_lse(self.qr, ko, vo, True, self.scale))
+            self._merge(*attention_lse(self.qr, ko, vo, True, self.scale), last=True)
             return _unrotate_o(rot, self.o.to(self.cdt)[0].transpose(0, 1), dtype)
         hist, n = sum(x.shape[1] for x in self.ks), self.b - self.a
         k = torch.cat(self.ks + [ko[0]], 1)[None]  # [1, H, hist + n, D]
