@@ -2,8 +2,8 @@
 
 A prefill chunk attends the stored history and its own tokens apart (``rotkv.cache.layer.attention_lse``) and
 merges the two: ``o = o2 + (o1 - o2) w`` with ``w = sigmoid(l1 - l2)``, the first set's share of the softmax mass,
-and ``l = logaddexp(l1, l2)``. In PyTorch that is a float32 copy of ``o1`` and four passes over it, then a cast:
-on a 16K-token chunk of 32 query heads (a 256 MB float32 buffer) about a millisecond per layer. Here each program
+and ``l = logaddexp(l1, l2)``. In PyTorch that is a float32 copy of ``o1`` and four passes over it, then a cast
+(a 16K-token chunk of 32 query heads of 128 dims is a 256 MiB float32 buffer). Here each program
 loads ``BLOCK_R`` query rows of both outputs once (any strides: the attention kernels' outputs are often views),
 merges in float32 and writes the result once, in the dtype the caller asks for, and the merged log-sum-exp where
 asked. ``rotkv.cache.layer.merge_lse`` runs it where the plan says (``rotkv.kernels.plan.plan_lse_merge``).
