@@ -5,7 +5,7 @@
 #   bash studies/device/device_jobs.sh poll N           # waits up to N seconds, copies what is done to $OUT
 #   STAGES="tests split" bash studies/device/device_jobs.sh start   # some stages only (default: tests gpucpu split stepprof jobqwen)
 # Needs: artifacts/ (oscar-mix.safetensors, oscar-mix-long.safetensors; carried, gitignored) and $ROTKV_GGUF (the real
-# SmolLM2) for gpucpu, split, stepprof's real rows and jobsmol. Stages (results under ~/jobs, copied to $OUT by every poll):
+# SmolLM2) for gpucpu, split's and stepprof's real rows, aquastep, niah48 and jobsmol (without it those rows are skipped). Stages (results under ~/jobs, copied to $OUT by every poll):
 #   tests     the GPU tests of this work: the continuous-batching job in a CUDA graph against the eager job, the
 #             refine split with the CUDA kernel as the rest (tests/kernels/test_refine_split.py runs it against the
 #             PyTorch reference), the flush graph per bucket, the refine kernel's tests (about 4 minutes)
@@ -59,6 +59,9 @@ STAGES=${STAGES:-tests gpucpu split stepprof jobqwen}
 JOB_SECONDS=${JOB_SECONDS:-150}
 stage() { echo "stage $1 start $(date +%T)"; }
 want() { case " $STAGES " in *" $1 "*) return 0;; *) return 1;; esac; }
+# the real SmolLM2's rows run where its GGUF is here; elsewhere they are skipped, said once per stage, and the
+# random-weight rows of the same stage still run
+gguf() { [ -n "${ROTKV_GGUF:-}" ] && [ -f "$ROTKV_GGUF" ] && return 0; echo "$1: no SmolLM2 GGUF (\$ROTKV_GGUF), its rows skipped"; return 1; }
 MIX_TIERS="sink=16,window=32,window_share=0.015625,meta_v=float8"  # as job_reasoning.MIX_TIERS / REFINE_TIERS
 REFINE_TIERS="sink=4,window=32,window_share=0.015625,meta_v=float8,refine_tokens=224,refine_values=true,refine_every=19"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
@@ -71,8 +74,9 @@ if want gpucpu; then stage gpucpu
 timeout 2400 python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_gpu_equals_cpu.py > "$R/tests-gpucpu.log" 2>&1
 echo "gpucpu rc=$?"; grep -E "own KL|passed|failed|Error" "$R/tests-gpucpu.log" | tail -14; fi
 if want split; then stage split
+if gguf split; then
 for mode in 0 1; do
-  ROTKV_TUNING=refine_split=$mode timeout 300 python3 -m rotkv.cli bench --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" \
+  ROTKV_TUNING=refine_split=$mode timeout 300 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" \
     --batch 64 --context 8192 --new-tokens 32 --methods rotkv:oscar-refine+graph+compile \
     --artifact artifacts/oscar-mix-long.safetensors --out "$R/generate-split$mode-refine-smollm2.json" >> "$R/split.log" 2>&1
   echo "split $mode oscar-refine rc=$?"; grep "^| 64 x" "$R/split.log" | tail -1
@@ -81,6 +85,7 @@ timeout 300 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --contex
   --methods rotkv:oscar-mix+graph+compile rotkv:bf16+graph+compile --artifact artifacts/oscar-mix.safetensors \
   --out "$R/generate-split-mix-smollm2.json" >> "$R/split.log" 2>&1
 echo "split oscar-mix bf16 rc=$?"; grep "^| 64 x" "$R/split.log" | tail -2
+fi
 for mode in 0 1; do
   ROTKV_TUNING=refine_split=$mode timeout 300 python3 -m rotkv.cli bench --random qwen3-8b --layers 8 --batch 16 --context 32768 \
     --new-tokens 32 --methods rotkv:quarot-int2+graph+compile --sink 4 --window 32 --window-share 0.015625 --refine-tokens 224 \
@@ -95,15 +100,16 @@ if want stepprof; then stage stepprof
 timeout 240 python3 benchmarks/profile_step.py --shape smollm2 --requests 64 --context 8192 \
   --presets quarot-int2+compile bf16+compile --out "$R/stepprof-flush-smollm2.json" > "$R/stepprof.log" 2>&1
 echo "stepprof shape rc=$?"; grep -E "flush|graph_ms" "$R/stepprof.log" | tail -6
-ROTKV_TUNING=refine_split=1 timeout 300 python3 benchmarks/profile_step.py --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" \
+if gguf stepprof; then
+ROTKV_TUNING=refine_split=1 timeout 300 python3 benchmarks/profile_step.py --model "$ROTKV_GGUF" \
   --artifact-dir artifacts --requests 64 --context 8192 --presets oscar-refine+compile oscar-mix+compile \
   --out "$R/stepprof-flush-real.json" >> "$R/stepprof.log" 2>&1
-echo "stepprof real rc=$?"; grep -E "flush|graph_ms" "$R/stepprof.log" | tail -6; fi
-if want aquastep; then stage aquastep
+echo "stepprof real rc=$?"; grep -E "flush|graph_ms" "$R/stepprof.log" | tail -6; fi; fi
+if want aquastep && gguf aquastep; then stage aquastep
 A=artifacts/oscar-mix-long+aqua.safetensors
 [ -f "$A" ] || timeout 300 python3 -m rotkv.cli calibrate --device cuda --method aqua \
   --base-artifact artifacts/oscar-mix-long.safetensors --out "$A" > "$R/aquastep.log" 2>&1
-timeout 420 python3 -m rotkv.cli bench --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --batch 64 --context 8192 \
+timeout 420 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --context 8192 \
   --new-tokens 32 --methods rotkv:oscar-aqua rotkv:oscar-refine rotkv:oscar-refine+graph+compile rotkv:bf16+graph+compile \
   --artifact "$A" --out "$R/generate-aqua-smollm2.json" >> "$R/aquastep.log" 2>&1
 echo "aquastep rc=$?"; grep "^| 64 x" "$R/aquastep.log" | tail -4; fi
@@ -112,13 +118,13 @@ ROTKV_TUNING=refine_split=1 timeout 1500 python3 benchmarks/bench_job.py --workl
   --max-seconds "$JOB_SECONDS" --methods "rotkv:quarot-int2+graph+compile@$MIX_TIERS" "rotkv:quarot-int2+graph+compile@$REFINE_TIERS" \
   rotkv:bf16+graph+compile hf-static-compile --out "$R/jobreason-qwen3-8b-36l.json" > "$R/jobqwen.log" 2>&1
 echo "jobqwen rc=$?"; grep "tok/s" "$R/jobqwen.log" | tail -4; fi
-if want niah48; then stage niah48
-timeout 900 python3 -m rotkv.cli eval --device cuda --model "${ROTKV_GGUF:?the real SmolLM2 GGUF}" --artifact-dir artifacts \
+if want niah48 && gguf niah48; then stage niah48
+timeout 900 python3 -m rotkv.cli eval --device cuda --model "$ROTKV_GGUF" --artifact-dir artifacts \
   --methods "${NIAH_METHODS:-bf16,oscar-refine}" --sink preset --window preset --tasks niah \
   --lengths niah=4096,6144,8192 --samples 8 --variants noise,essay,multikey --out "$R/niah48" > "$R/niah48.log" 2>&1
 echo "niah48 rc=$?"; grep -E "^\| (bf16|oscar)" "$R/niah48/report.md" 2>/dev/null | tail -4; fi
-if want jobsmol; then stage jobsmol
-ROTKV_TUNING=refine_split=1 timeout 1200 python3 benchmarks/bench_job.py --workload reasoning --model "${ROTKV_GGUF:?}" \
+if want jobsmol && gguf jobsmol; then stage jobsmol
+ROTKV_TUNING=refine_split=1 timeout 1200 python3 benchmarks/bench_job.py --workload reasoning --model "$ROTKV_GGUF" \
   --artifact-dir artifacts --requests 2048 --max-seconds "${SMOL_SECONDS:-90}" --methods rotkv:oscar-refine+graph+compile \
   rotkv:oscar-mix+graph+compile rotkv:quarot-int2+graph+compile rotkv:bf16+graph+compile hf-static-compile \
   --out "$R/jobreason-smollm2.json" > "$R/jobsmol.log" 2>&1
