@@ -547,7 +547,8 @@ def run_parent(args) -> Path:
 def _settings(p: dict, args) -> dict:
     return dict(model_path=p["model_path"], dummy=p["dummy"], sizes=p["sizes"], workloads=p["workloads"],
                 max_model_len=p["max_model_len"], gpu_memory_utilization=args.gpu_memory_utilization,
-                lat_repeats=args.lat_repeats, random_prompts="uniform token ids, seed 2 (throughput/longgen), 3 (latency)")
+                lat_repeats=args.lat_repeats, random_prompts="uniform token ids, seed 2 (throughput/longgen), 3 (latency)",
+                engine_kwargs=json.loads(args.engine_kwargs) if args.engine_kwargs else {})
 
 
 def _turboquant_listed() -> bool:
