@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from rotkv.kernels.plan import interpreting
+from rotkv.kernels.rotate import round_bf16
 
 BLOCK_R = 16
 
@@ -39,9 +40,7 @@ def _lse_merge_kernel(o1, o2, out, l1, l2, lse, R, C, HQ,
     x2 = tl.load(o2 + (b * s2b + h * s2h + c * s2c)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
     y = x2 + (x1 - x2) * w[:, None]
     if ROUND_BF16:  # the interpreter's float32 -> bf16 cast truncates: round to nearest even first, as a GPU does
-        bits = y.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        y = bits.to(tl.float32, bitcast=True)
+        y = round_bf16(y)
     tl.store(out + (b * sob + h * soh + c * soc)[:, None] + d[None, :], y.to(out.dtype.element_ty), mask=m)
     if WRITE_LSE:
         hi = tl.maximum(a, z)

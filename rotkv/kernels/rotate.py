@@ -53,10 +53,17 @@ def _times_matrix(xrow, xmask, a, offs_e, ROWS: tl.constexpr, D: tl.constexpr, S
         acc += tl.load(a + 2 * D * D + offs_e).to(tl.float32)[None, :]
         acc += tl.load(a + (2 * D + 1) * D + offs_e).to(tl.float32)[None, :]
     if F32_DOT:
-        bits = acc.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        acc = bits.to(tl.float32, bitcast=True)
+        acc = round_bf16(acc)
     return acc
+
+
+@triton.jit
+def round_bf16(x):
+    """float32 ``x`` rounded to bf16's nearest even, still float32: what a GPU's cast does, for the interpreter,
+    whose float32 -> bf16 cast truncates."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
