@@ -22,7 +22,7 @@
 # The queue (one runner, started with setsid nohup so it outlives the call; jobs run one after another):
 # LG_NEW: new tokens per request of qwen-lg (default 16384). TEST_K: pytest -k of the plugin's tests in the wheels call. QWEN_JOBS (default "qwen-cap qwen-lat qwen-tp qwen-lg") and SMOL_JOBS (default "smol-greedy smol-cap-lat"):
 #   qwen-cap      capacity of every method (start-up only)              Qwen3-8B dummy, 36 layers
-#   qwen-lat      TTFT / TPOT at batch 1 x 32K                          every method
+#   qwen-lat      TTFT / TPOT at batch 1 x 32K                          LAT_METHODS (default: every method)
 #   qwen-tp       64 x 32K prompts x 1024 new tokens                    TP_METHODS (default bf16,fp8,rotkv)
 #   qwen-lg       64 x 1K prompts x 16K new tokens                      LG_METHODS (default bf16,rotkv)
 #   smol-greedy   vllm_greedy_compare.py, 64 tokens at 4K               GREEDY_METHODS (default bf16,quarot-int2,
@@ -37,7 +37,8 @@
 #                 tokens   LG_METHODS
 #   smol-kl       vllm_kl_compare.py, KL to the fp32 model over teacher-forced decode steps   GREEDY_METHODS
 #   smol-cap-lat  capacity and latency on the real SmolLM2              every method
-#   serve         `vllm serve` on SmolLM2 with rotkv's backend (SERVE_CONFIG, default oscar-mix) and with bf16:
+#   serve         `vllm serve` on SmolLM2 with rotkv's backend (SERVE_CONFIG, default oscar-mix) and with bf16
+#                 (SERVE_METHODS, default "rotkv bf16"):
 #                 /v1/completions and /v1/chat/completions answered (benchmarks/vllm_serve_check.py)
 # METHODS (default bf16,fp8,turboquant_k3v4_nc,turboquant_3bit_nc,rotkv:quarot-int2), ROTKV_CONFIG (JSON for
 # additional_config["rotkv"], default sink 16 / window 32 as the accuracy runs), TP_REQUESTS etc. override.
@@ -102,7 +103,7 @@ job() {  # one queued job
   case "$1" in
     qwen-cap) timeout 900 "${B[@]}" --model qwen3-8b-dummy --methods "$METHODS" --workloads capacity --max-model-len 33792 \
                 --out "$RUN/vllm-qwen3-capacity.json" ;;
-    qwen-lat) timeout 1200 "${B[@]}" --model qwen3-8b-dummy --methods "$METHODS" --workloads latency \
+    qwen-lat) timeout 1200 "${B[@]}" --model qwen3-8b-dummy --methods "${LAT_METHODS:-$METHODS}" --workloads latency --max-model-len 33792 \
                 --out "$RUN/vllm-qwen3-latency.json" ;;
     qwen-tp)  timeout 3000 "${B[@]}" --model qwen3-8b-dummy --methods "$TP_METHODS" --workloads capacity,throughput \
                 ${TP_REQUESTS:+--tp-requests $TP_REQUESTS} --out "$RUN/vllm-qwen3-throughput.json" ;;
@@ -142,7 +143,7 @@ job() {  # one queued job
                 tests/kernels/test_refine_split.py ;;
     smol-kl)  timeout 600 python3 benchmarks/vllm_kl_compare.py --model-dir "$MODELS/smollm2" --gguf "$GG/smollm2.gguf" \
                 --methods "$GM" --artifact-dir artifacts --sink 16 --window 32 --out "$RUN/vllm-kl-smollm2.json" ;;
-    serve)    for m in rotkv bf16; do timeout 600 python3 benchmarks/vllm_serve_check.py --model-dir "$MODELS/smollm2" --method $m \
+    serve)    for m in ${SERVE_METHODS:-rotkv bf16}; do timeout 600 python3 benchmarks/vllm_serve_check.py --model-dir "$MODELS/smollm2" --method $m \
                 --rotkv-config "${SERVE_CONFIG:-{\"preset\": \"oscar-mix\", \"artifact\": \"artifacts/oscar-mix.safetensors\", \"sink\": 16, \"window\": 32}}" \
                 --out "$RUN/vllm-serve-smollm2-$m.json"; done ;;
     smol-cap-lat) timeout 1200 "${B[@]}" --model smollm2 --methods "$METHODS" --workloads capacity,latency \
