@@ -662,18 +662,59 @@ def test_decode_caps_the_tokens_per_split_for_a_capacity_sized_grid(device, monk
     body, table, tier, ttable, ml, tml = _build([37, 150], [5, 20], 2, 64, 32, 16, 16, device)
     q = torch.randn(2, 6, 64).to(device, torch.bfloat16)
     cfg = DecodeConfig(block_n=32, target_programs=4, min_split_tokens=32)
-    whole = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg)
     from rotkv.kernels import decode as decode_mod
+    from rotkv.kernels.plan import plan_decode
 
     seen = []
     real = decode_mod._splits
     monkeypatch.setattr(decode_mod, "_splits", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    whole = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg)
+    uncapped, _ = seen[0]  # the body's splits are each call's first
+    seen.clear()
     capped = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg, max_split_tokens=32)
-    assert seen[0] == (32, -(-ml // 32))  # the body's splits (the first call): capped
+    # the launch the plan picks on this device: Triton v1 under the interpreter; on CUDA this small body takes
+    # the plan's small launch (Triton v2, blocks of cfg.small_block_n tokens); the CUDA body kernel's branch
+    # has its own test below
+    launch = plan_decode(q, body, cfg).launch(q.shape[0] * body.kv_heads * ml)
+    if launch.kernel == "cuda":
+        block, least = 16 * launch.cfg.cuda_tiles, launch.cfg.cuda_min_split_tokens
+    else:
+        block, least = launch.cfg.block_n, launch.cfg.min_split_tokens
+    per = -(-max(least, 32) // block) * block  # the cap, not below the least split, in whole blocks
+    assert uncapped > per  # the cap shortens this call's splits (so a dropped cap fails below)
+    assert seen[0] == (per, -(-ml // per))  # the body's splits: capped
     ref = decode_reference(q.float(), body, table, tier[0], tier[1], ttable)
     for got in (whole, capped):
         assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2
     assert (capped.float() - whole.float()).abs().max() < 2e-2
+
+
+def test_decode_caps_the_cuda_body_kernels_splits_too(device, monkeypatch):
+    """The CUDA body kernel's splits are capped like Triton's (the launch of a graphed step at large batches):
+    on any device, with a plan whose launch is the CUDA kernel and a stand-in for its launcher that records
+    the splits it is given (and writes empty partials)."""
+    from rotkv.kernels import cuda_decode
+    from rotkv.kernels.plan import DecodePlan, Launch, _device_key, cuda_variant
+
+    body, table, tier, ttable, ml, tml = _build([37, 150], [5, 20], 2, 64, 32, 16, 16, device)
+    q = torch.randn(2, 6, 64).to(device, torch.bfloat16)
+    cfg = DecodeConfig(cuda_target_warps=4, cuda_min_split_tokens=16, cuda_fuse="none")
+
+    class CudaPlan(DecodePlan):
+        def launch(self, work):
+            return Launch("cuda", self.cfg, cuda_variant=cuda_variant(self.cfg, 64, 2))
+
+    plan = CudaPlan(body.layout, 6, 64, _device_key(q), cfg)
+    seen = []
+
+    def body_partials(q, body, table, o_part, m_part, l_part, n_splits, per, *args, **kwargs):
+        seen.append((per, n_splits))
+        o_part[:, :, :n_splits], m_part[:, :, :n_splits], l_part[:, :, :n_splits] = 0.0, float("-inf"), 0.0
+
+    monkeypatch.setattr(cuda_decode, "body_partials", body_partials)
+    for cap in (None, 32):
+        decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg, plan=plan, max_split_tokens=cap)
+    assert seen == [(160, 1), (32, 5)]  # uncapped: one split of the 150 tokens (in 16-token tiles); capped: 32
 
 
 def test_decode_tier_only_and_body_only(device):
