@@ -10,8 +10,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("matplotlib")
 plot = load_benchmark("plot_vllm", "studies")
 R = "benchmarks/results/vllm-20261206-"
-FILES = [R + "h100-run7-qwen3-8b-throughput-32k.json", R + "h100-run7-qwen3-8b-longgen-10gib.json",
-         R + "h100-run6-qwen3-8b-tpot-bf16.json", R + "h100-run6-qwen3-8b-tpot-rotkv.json"]
+FILES = [R + "h100-run8-qwen3-8b-throughput-32k.json", R + "h100-run7-qwen3-8b-longgen-10gib.json",
+         R + "h100-run8-qwen3-8b-tpot.json"]
+RUN7 = [R + "h100-run7-qwen3-8b-throughput-32k.json", R + "h100-run7-qwen3-8b-longgen-10gib.json",
+        R + "h100-run6-qwen3-8b-tpot-bf16.json", R + "h100-run6-qwen3-8b-tpot-rotkv.json"]
 
 
 def test_the_figure_from_committed_results(tmp_path, monkeypatch):
@@ -22,6 +24,9 @@ def test_the_figure_from_committed_results(tmp_path, monkeypatch):
     assert lg["rotkv:quarot-int2"] / lg["bf16"] == pytest.approx(3.45, abs=0.01)  # what the README says
     assert set(lat) == {"bf16", "rotkv:quarot-int2"} and lat["rotkv:quarot-int2"] < lat["bf16"]
     assert "KV for 72,816 bf16 tokens" in data["longgen"]["sub"]
+    tp = data["throughput"]["rows"]
+    assert tp["rotkv:quarot-int2"] / tp["bf16"] == pytest.approx(1.83, abs=0.01)  # what the README says
+    assert plot.collect(RUN7)["latency"]["rows"] == pytest.approx({"bf16": 8.4966, "rotkv:quarot-int2": 7.4794})
     out = tmp_path / "s.png"
     plot.plot(FILES, str(out))
     assert out.stat().st_size > 10_000
