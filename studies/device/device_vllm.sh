@@ -35,6 +35,8 @@
 #   qwen-lgb      long generation at one KV budget for every method (vLLM's kv_cache_memory_bytes, LGB_BYTES,
 #                 default 10 GiB): LGB_REQUESTS (48: 95% of rotkv's slots there) x 1K prompts x LGB_NEW (8192) new
 #                 tokens   LG_METHODS
+#   qwen-tq       vLLM's TurboQuant caches: TQ_WORKLOADS (default capacity; capacity,throughput adds the 64 x 32K x 1024
+#                 job) for TQ_METHODS (default turboquant_k3v4_nc,turboquant_3bit_nc)
 #   smol-kl       vllm_kl_compare.py, KL to the fp32 model over teacher-forced decode steps   GREEDY_METHODS
 #   smol-cap-lat  capacity and latency on the real SmolLM2              every method
 #   serve         `vllm serve` on SmolLM2 with rotkv's backend (SERVE_CONFIG, default oscar-mix) and with bf16
@@ -134,8 +136,9 @@ job() {  # one queued job
                 --lg-requests ${LGB_REQUESTS:-48} --lg-new ${LGB_NEW:-8192} \
                 --engine-kwargs "{\"kv_cache_memory_bytes\": ${LGB_BYTES:-10737418240}}" \
                 --out "$RUN/vllm-qwen3-longgen-budget.json" ;;
-    qwen-tq)  timeout 900 "${B[@]}" --model qwen3-8b-dummy --methods turboquant_k3v4_nc,turboquant_3bit_nc --workloads capacity \
-                --max-model-len 33792 --method-timeout 300 --out "$RUN/vllm-qwen3-turboquant-capacity.json" ;;
+    qwen-tq)  timeout 2400 "${B[@]}" --model qwen3-8b-dummy --methods "${TQ_METHODS:-turboquant_k3v4_nc,turboquant_3bit_nc}" \
+                --workloads "${TQ_WORKLOADS:-capacity}" --max-model-len 33792 --method-timeout 1100 \
+                --out "$RUN/vllm-qwen3-turboquant.json" ;;
     rotkv-split) STAGES="${SPLIT_STAGES:-tests split}" RES="$RUN/jobs" ROTKV_GGUF=$GG/smollm2.gguf timeout 900 \
                 bash studies/device/device_jobs.sh run ;;
     kern-fusion) timeout 600 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_rotate.py tests/kernels/test_kernels.py \
