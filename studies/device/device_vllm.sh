@@ -38,6 +38,8 @@
 #   qwen-tq       vLLM's TurboQuant caches: TQ_WORKLOADS (default capacity; capacity,throughput adds the 64 x 32K x 1024
 #                 job) for TQ_METHODS (default turboquant_k3v4_nc,turboquant_3bit_nc)
 #   smol-kl       vllm_kl_compare.py, KL to the fp32 model over teacher-forced decode steps   GREEDY_METHODS
+#   suite-gpu2k   rotkv eval on the GPU over the CPU rows' windows of docs/results/test2k-2048 (SUITE_ROWS: refine
+#                 with artifacts/refine/oscar-mix-long.safetensors, mix, long, int4-w32): issue 41's GPU = CPU
 #   smol-cap-lat  capacity and latency on the real SmolLM2              every method
 #   serve         `vllm serve` on SmolLM2 with rotkv's backend (SERVE_CONFIG, default oscar-mix) and with bf16
 #                 (SERVE_METHODS, default "rotkv bf16"):
@@ -144,6 +146,18 @@ job() {  # one queued job
     kern-fusion) timeout 600 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_rotate.py tests/kernels/test_kernels.py \
                 tests/kernels/test_lse_merge.py \
                 -k "rotate_many or flush_pages or turns_its_output or rotate_kernel or caps_the_tokens or merge or reasons" ;;
+    suite-gpu2k)  # the CPU rows of docs/results/test2k-2048 on the GPU: the same windows, artifacts and settings
+      S=(python3 -m rotkv.cli eval --suite mixed --split test --profile full --lengths 2048 --windows 16 --new-tokens 128
+         --device cuda --window-batch "${WB:-16}")
+      for r in ${SUITE_ROWS:-refine mix long int4-w32}; do
+        case $r in
+          refine) A=(--methods oscar-refine --artifact-dir artifacts/refine) ;;
+          mix)    A=(--methods oscar-mix --artifact-dir artifacts) ;;
+          long)   A=(--methods oscar-mix-long --artifact-dir artifacts) ;;
+          int4-w32) A=(--methods int4 --sink 16 --window 32) ;;
+        esac
+        t "suite-gpu2k $r"; timeout 900 "${S[@]}" "${A[@]}" --out "$RUN/gpu2k/$r" || echo "suite-gpu2k $r failed"
+      done ;;
     gpu-eq)   ROTKV_GGUF=$GG/smollm2.gguf timeout 420 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_equals_cpu.py \
                 tests/kernels/test_refine_split.py ;;
     smol-kl)  timeout 600 python3 benchmarks/vllm_kl_compare.py --model-dir "$MODELS/smollm2" --gguf "$GG/smollm2.gguf" \
