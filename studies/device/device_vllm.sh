@@ -38,8 +38,8 @@
 #   qwen-tq       vLLM's TurboQuant caches: TQ_WORKLOADS (default capacity; capacity,throughput adds the 64 x 32K x 1024
 #                 job) for TQ_METHODS (default turboquant_k3v4_nc,turboquant_3bit_nc)
 #   smol-kl       vllm_kl_compare.py, KL to the fp32 model over teacher-forced decode steps   GREEDY_METHODS
-#   suite-gpu2k   rotkv eval on the GPU over the CPU rows' windows of docs/results/test2k-2048 (SUITE_ROWS: refine
-#                 with artifacts/refine/oscar-mix-long.safetensors, mix, long, int4-w32): issue 41's GPU = CPU
+#   suite-gpu2k   rotkv eval on the GPU over the CPU rows' windows of docs/results/test2k-2048 (SUITE_ROWS: refine,
+#                 mix, long, int4-w32; carry artifacts): issue 41's GPU = CPU
 #   smol-cap-lat  capacity and latency on the real SmolLM2              every method
 #   serve         `vllm serve` on SmolLM2 with rotkv's backend (SERVE_CONFIG, default oscar-mix) and with bf16
 #                 (SERVE_METHODS, default "rotkv bf16"):
@@ -151,7 +151,7 @@ job() {  # one queued job
          --device cuda --window-batch "${WB:-16}")
       for r in ${SUITE_ROWS:-refine mix long int4-w32}; do
         case $r in
-          refine) A=(--methods oscar-refine --artifact-dir artifacts/refine) ;;
+          refine) A=(--methods oscar-refine --artifact-dir artifacts) ;;
           mix)    A=(--methods oscar-mix --artifact-dir artifacts) ;;
           long)   A=(--methods oscar-mix-long --artifact-dir artifacts) ;;
           int4-w32) A=(--methods int4 --sink 16 --window 32) ;;
