@@ -3,7 +3,8 @@
 #
 # Here, first (no device time), in the root of the checkout the device calls send:
 #   bash scripts/vllm_wheels.sh                 # -> .whl/vllm/b1 .. b4 (about 43 + 43 + 33 + 13 MiB)
-#   bash studies/device/device_vllm.sh split-gguf   # -> .gguf/smollm2.gguf.part-aa, -ab (50 MB + 48 MB) + .sha256
+#   bash studies/device/device_vllm.sh split-gguf   # -> .gguf/smollm2.gguf.part-00 .. -03 (25 MB each) + .sha256
+#   GGUF_PIECE=45000000 bash studies/device/device_vllm.sh split-gguf /tmp/gemma3.gguf gemma3   # Gemma3-270M: 6 pieces
 # Then one device call each (every call carries at most one batch: a batch plus the ~10 MB working tree
 # stays under 64 MiB), back to back so that the machine stays warm (30 s):
 #   1. carry [".whl/vllm/b1"]        bash studies/device/device_vllm.sh wheels .whl/vllm/b1
@@ -12,10 +13,10 @@
 #   3b. carry [".whl/vllm/b4", "artifacts"]  bash studies/device/device_vllm.sh wheels .whl/vllm/b4   (installs, import check,
 #                                    the plugin's entry point, the Qwen3-8B dummy dir, the plugin's tests,
 #                                    then starts the Qwen3 queue in the background)
-#   4. carry [".gguf/smollm2.gguf.part-aa", ".gguf/smollm2.gguf.sha256"]   bash studies/device/device_vllm.sh gguf
-#   5. carry [".gguf/smollm2.gguf.part-ab", ".gguf/smollm2.gguf.sha256"]   bash studies/device/device_vllm.sh gguf
-#                                    (cats the halves, checks sha256, writes the SmolLM2 dir, queues its jobs)
-#   6+. bash studies/device/device_vllm.sh poll 540      # waits, then copies results to $OUT (as often as needed)
+#   4-7. carry [".gguf/smollm2.gguf.part-0N", ".gguf/smollm2.gguf.sha256"]   bash studies/device/device_vllm.sh gguf
+#                                    (the last cats the pieces, checks sha256, writes the SmolLM2 dir, queues its jobs;
+#                                    `gguf gemma3` the same for Gemma3-270M's pieces, queueing GEMMA_JOBS)
+#   8+. bash studies/device/device_vllm.sh poll 540      # waits, then copies results to $OUT (as often as needed)
 # Every call ends by copying what is done to $OUT (vllmrun.tgz plus the summary). Copy the JSONs from
 # vllmrun.tgz to benchmarks/results/ to commit them.
 #
@@ -40,6 +41,9 @@
 #   smol-kl       vllm_kl_compare.py, KL to the fp32 model over teacher-forced decode steps   GREEDY_METHODS
 #   suite-gpu2k   rotkv eval on the GPU over the CPU rows' windows of docs/results/test2k-2048 (SUITE_ROWS: refine,
 #                 mix, long, int4-w32; carry artifacts): issue 41's GPU = CPU
+#   smol-niah48   NIAH at 4-8K on SmolLM2 (noise, essay, multikey; 8 haystacks a cell: 96 questions a method), NIAH_METHODS
+#   gemma-kl      Gemma3-270M (gguf gemma3; carry artifacts/gemma3): the suite's test split at GEMMA_LENGTHS (2K, 8K, 16K)
+#   gemma-niah    Gemma3-270M NIAH at 1-3K and 4-8K, 96 questions a band and method (GEMMA_JOBS: queued when its GGUF is whole)
 #   smol-cap-lat  capacity and latency on the real SmolLM2              every method
 #   serve         `vllm serve` on SmolLM2 with rotkv's backend (SERVE_CONFIG, default oscar-mix) and with bf16
 #                 (SERVE_METHODS, default "rotkv bf16"):
@@ -158,6 +162,21 @@ job() {  # one queued job
         esac
         t "suite-gpu2k $r"; timeout 900 "${S[@]}" "${A[@]}" --out "$RUN/gpu2k/$r" || echo "suite-gpu2k $r failed"
       done ;;
+    smol-niah48) timeout 1500 python3 -m rotkv.cli eval --device cuda --model "$GG/smollm2.gguf" --artifact-dir artifacts \
+                --methods "${NIAH_METHODS:-bf16,oscar-refine,int4}" --sink preset --window preset --tasks niah \
+                --variants noise,essay,multikey --lengths niah=4096,6144,8192 --samples 8 --out "$RUN/niah48-smollm2" ;;
+    gemma-kl)  # Gemma3-270M (carry artifacts/gemma3, send gemma3's pieces): the suite's test split at 2K, 8K and 16K
+      for m in ${GEMMA_METHODS:-bf16 int4 oscar-refine oscar-mix-long}; do
+        SW=(--sink 16 --window 32); [ "$m" = oscar-refine ] && SW=(--sink preset --window 32)
+        t "gemma-kl $m"; timeout 1200 python3 -m rotkv.cli eval --device cuda --model "$GG/gemma3.gguf" \
+          --artifact-dir artifacts/gemma3 --suite mixed --split test --profile full --lengths "${GEMMA_LENGTHS:-2048,8192,16384}" \
+          --windows 16 --new-tokens 128 --window-batch "${WB:-16}" --methods $m "${SW[@]}" --out "$RUN/gemma3-test/$m" \
+          || echo "gemma-kl $m failed"
+      done ;;
+    gemma-niah) timeout 1800 python3 -m rotkv.cli eval --device cuda --model "$GG/gemma3.gguf" --artifact-dir artifacts/gemma3 \
+                --methods "${NIAH_METHODS:-bf16,oscar-refine,int4}" --sink preset --window 32 --tasks niah \
+                --variants noise,essay,multikey --lengths niah=1024,2048,3072,4096,6144,8192 --samples 8 \
+                --out "$RUN/niah-gemma3" ;;
     gpu-eq)   ROTKV_GGUF=$GG/smollm2.gguf timeout 420 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_equals_cpu.py \
                 tests/kernels/test_refine_split.py ;;
     smol-kl)  timeout 600 python3 benchmarks/vllm_kl_compare.py --model-dir "$MODELS/smollm2" --gguf "$GG/smollm2.gguf" \
@@ -212,13 +231,15 @@ EOF
 }
 
 case "${1:-}" in
-  split-gguf)  # here: the SmolLM2 GGUF in two halves of at most 50 MB, in the ignored folder .gguf/
+  split-gguf)  # here: a GGUF in pieces that fit a call beside the working tree, in the ignored folder .gguf/
+    # split-gguf [PATH [NAME]]: PATH defaults to SmolLM2's, NAME to smollm2; GGUF_PIECE bytes (default 25000000)
+    N=${3:-smollm2}
     G=${2:-$(python3 -c "from rotkv.hf.models import resolve_model_path as r; import os; d, f, _ = r('smollm2'); print(os.path.join(d, f))")}
-    mkdir -p .gguf && rm -f .gguf/smollm2.gguf.part-*
-    split -b 50000000 "$G" .gguf/smollm2.gguf.part-
-    (sha256sum "$G" | cut -d' ' -f1; ls .gguf/smollm2.gguf.part-* | wc -l) > .gguf/smollm2.gguf.sha256
-    git check-ignore -q .gguf/smollm2.gguf.part-aa || echo "WARNING: .gguf/ is not ignored: add /.gguf/ to .git/info/exclude"
-    ls -l .gguf/ ;;
+    mkdir -p .gguf && rm -f .gguf/$N.gguf.part-*
+    split -b "${GGUF_PIECE:-25000000}" -d -a 2 "$G" .gguf/$N.gguf.part-
+    (sha256sum "$G" | cut -d' ' -f1; ls .gguf/$N.gguf.part-* | wc -l) > .gguf/$N.gguf.sha256
+    git check-ignore -q .gguf/$N.gguf.part-00 || echo "WARNING: .gguf/ is not ignored: add /.gguf/ to .git/info/exclude"
+    ls -l .gguf/ | grep " $N.gguf" ;;
   wheels)
     shift
     t "nvidia-smi: $(nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1)"
@@ -237,17 +258,19 @@ case "${1:-}" in
       [ "${START:-1}" = 1 ] && enqueue ${QWEN_JOBS:-qwen-cap qwen-lat qwen-tp qwen-lg}
     fi
     collect ;;
-  gguf)  # carries one half per call: the first copies it to $GG, the one that completes the pair cats them
-    mkdir -p "$GG"; cp -f .gguf/smollm2.gguf.part-* .gguf/smollm2.gguf.sha256 "$GG"/ 2>/dev/null
-    want=$(sed -n 2p "$GG/smollm2.gguf.sha256"); have=$(ls "$GG"/smollm2.gguf.part-* 2>/dev/null | wc -l)
-    t "gguf: $have of $want halves in $GG"
+  gguf)  # gguf [NAME]: carries one piece per call; the call that completes the set cats them into $GG/NAME.gguf
+    N=${2:-smollm2}
+    mkdir -p "$GG"; cp -f .gguf/$N.gguf.part-* .gguf/$N.gguf.sha256 "$GG"/ 2>/dev/null
+    want=$(sed -n 2p "$GG/$N.gguf.sha256"); have=$(ls "$GG"/$N.gguf.part-* 2>/dev/null | wc -l)
+    t "gguf: $have of $want pieces of $N in $GG"
     if [ "$have" = "$want" ]; then
-      cat "$GG"/smollm2.gguf.part-* > "$GG/smollm2.gguf"
-      [ "$(sha256sum "$GG/smollm2.gguf" | cut -d' ' -f1)" = "$(sed -n 1p "$GG/smollm2.gguf.sha256")" ] \
+      cat "$GG"/$N.gguf.part-* > "$GG/$N.gguf"
+      [ "$(sha256sum "$GG/$N.gguf" | cut -d' ' -f1)" = "$(sed -n 1p "$GG/$N.gguf.sha256")" ] \
         || { echo "gguf: sha256 mismatch"; exit 1; }
-      rm -f "$GG"/smollm2.gguf.part-*; t "gguf: $GG/smollm2.gguf verified"
+      rm -f "$GG"/$N.gguf.part-*; t "gguf: $GG/$N.gguf verified"
+      [ "$N" = smollm2 ] || { [ "${START:-1}" = 1 ] && [ -n "${GEMMA_JOBS:-}" ] && enqueue $GEMMA_JOBS; }
     fi
-    if [ -f "$GG/smollm2.gguf" ] && [ -f "$VLLM_SITE/.vllm_set" ]; then
+    if [ "$N" = smollm2 ] && [ -f "$GG/smollm2.gguf" ] && [ -f "$VLLM_SITE/.vllm_set" ]; then
       export ROTKV_GGUF=$GG/smollm2.gguf
       python3 benchmarks/bench_vllm.py prepare --root "$MODELS" --models smollm2 --gguf "$ROTKV_GGUF" 2>&1 | tail -2
       [ "${START:-1}" = 1 ] && enqueue ${SMOL_JOBS:-smol-greedy smol-cap-lat}
