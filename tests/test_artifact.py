@@ -125,3 +125,23 @@ def test_artifact_loads_under_another_default_device(tiny, tmp_path):
         art = load_artifact(path)
     assert set(art.tensors) == set(ref.tensors)
     assert all(t.device.type == "cpu" and torch.equal(t, ref.tensors[k]) for k, t in art.tensors.items())
+
+
+def test_eval_provenance_names_an_artifact_by_its_tensors_as_well_as_its_file(tmp_path):
+    """Two files with the same tensors and other metadata (a date) differ in their file hash; the provenance of an
+    evaluation also records the tensors' id, equal for both, so a report can tell the same artifact apart."""
+    import json
+    from rotkv.eval import run as eval_run
+    from rotkv_testing import write_artifact
+
+    model = make_tiny_llama()
+    means = {f"k_mean.{l}": torch.ones(2, 16) for l in range(2)}  # (write_artifact draws them at random)
+    a = write_artifact(model, tmp_path / "a.safetensors", tensors=means, date="2026-12-06T03:20:01+00:00")
+    b = write_artifact(model, tmp_path / "b.safetensors", tensors=means, date="2026-12-06T07:59:54+00:00")
+    c = write_artifact(model, tmp_path / "c.safetensors", tensors=means | {"k_mean.0": torch.zeros(2, 16)})
+    methods = [SimpleNamespace(name=n, artifact=p) for n, p in (("a", a), ("b", b), ("c", c))]
+    cfg = SimpleNamespace(to_dict=lambda: {})
+    eval_run._write_provenance(cfg, str(tmp_path), SimpleNamespace(model_id="tiny"), methods, {})
+    arts = json.load(open(tmp_path / "config.json"))["artifacts"]
+    assert arts["a"]["sha256_16"] != arts["b"]["sha256_16"]
+    assert arts["a"]["id"] == arts["b"]["id"] != arts["c"]["id"]

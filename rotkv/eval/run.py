@@ -412,10 +412,12 @@ def _write_provenance(cfg, out_dir, loaded, methods, unavailable) -> None:
     arts = {}
     for m in methods:
         if m.artifact:
-            from rotkv.rotations.artifact import load_artifact
+            from rotkv.rotations.artifact import artifact_id, load_artifact
 
             a = load_artifact(m.artifact)
-            arts[m.name] = {"path": m.artifact, "sha256_16": _sha(m.artifact), "meta": dict(getattr(a, "meta", {}) or {})}
+            # the file's hash changes with its metadata (date, timings); the id is its tensors' (equal tensors, equal id)
+            arts[m.name] = {"path": m.artifact, "sha256_16": _sha(m.artifact), "id": artifact_id(a.tensors),
+                            "meta": dict(getattr(a, "meta", {}) or {})}
     blob = {"config": cfg.to_dict(), "model_id": loaded.model_id, "versions": versions(), "git": git_commit(),
             "threads": torch.get_num_threads(), "argv": sys.argv, "artifacts": arts, "unavailable": unavailable,
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
