@@ -288,7 +288,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 def plan(args) -> dict:
     """Everything a run will do, without vLLM: the methods, the workloads, each engine's kwargs."""
     sizes = {**SIZES.get(args.model, DEFAULT_SIZES),
-             **{k: v for k, v in vars(args).items() if (k in DEFAULT_SIZES or k in ("prof_new", "prof_batch")) and v is not None}}
+             **{k: v for k, v in vars(args).items() if (k in DEFAULT_SIZES or k in ("prof_new", "prof_batch", "prof_mixed")) and v is not None}}
     workloads = parse_workloads(args.workloads)
     methods = parse_methods(args.methods)
     dummy = args.model == "qwen3-8b-dummy" or args.dummy
@@ -372,7 +372,8 @@ def run_child(spec: dict) -> dict:
                 for old in Path(kw["profiler_config"]["torch_profiler_dir"]).glob("profiler_out_*.txt"):
                     old.unlink()  # an earlier run's table in the same folder
                 run_batch(random_prompts(batch, 64, vocab, 4), 4)  # the batch's decode graph once outside it
-                wall, extra = profile_decode_batch(llm, random_prompts(batch, plen, vocab, 3), new, SamplingParams)
+                prof = profile_mixed_steps if sizes.get("prof_mixed") else profile_decode_batch
+                wall, extra = prof(llm, random_prompts(batch, plen, vocab, 3), new, SamplingParams)
             row.update(batch=batch, prompt_tokens=plen, new_tokens=new, wall_s=round(wall, 4),
                        profile_dir=kw["profiler_config"]["torch_profiler_dir"],
                        profile_table=read_profile_table(kw["profiler_config"]["torch_profiler_dir"]), **extra)
@@ -437,6 +438,39 @@ def profile_decode_batch(llm, prompts: list[list[int]], new: int, SamplingParams
     while eng.has_unfinished_requests():
         pump()
     return wall, dict(window_tokens_seen=made, tokens_at_start=min(start.values()))
+
+
+def profile_mixed_steps(llm, prompts: list[list[int]], steps: int, SamplingParams) -> tuple[float, dict]:
+    """Profiles the steps that mix prefill chunks with decode, as the throughput job's prefill phase runs them:
+    every prompt is added to the engine at once, which is stepped until half the requests have their first
+    token; vLLM's profiler then runs over ``steps`` engine steps (the core may run a step or two ahead), after
+    which the requests are aborted. Returns the window's wall seconds and what it held."""
+    eng = llm.llm_engine
+    sp = SamplingParams(temperature=0.0, max_tokens=steps + PROF_MARGIN, ignore_eos=True, detokenize=False)
+    ids = [f"mixed-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, {"prompt_token_ids": p}, sp)
+    got: dict[str, int] = {}
+
+    def pump():
+        for o in eng.step():
+            got[o.request_id] = len(o.outputs[0].token_ids)
+
+    while sum(1 for n in got.values() if n) < len(prompts) // 2:
+        pump()
+    start = {r: got.get(r, 0) for r in ids}
+    llm.start_profile()
+    t = time.perf_counter()
+    for _ in range(steps):
+        pump()
+    wall = time.perf_counter() - t
+    llm.stop_profile()
+    eng.abort_request(ids)  # (vLLM skips the ids it no longer holds)
+    while eng.has_unfinished_requests():
+        pump()
+    return wall, dict(window_steps=steps, running_at_start=sum(1 for n in start.values() if n),
+                      window_tokens_seen=sum(got.get(r, 0) - start[r] for r in ids),
+                      first_tokens_in_window=sum(1 for r in ids if not start[r] and got.get(r, 0)))
 
 
 def read_profile_table(folder: str, wait_s: float = 60.0, lines: int = 45) -> list[str]:
@@ -607,6 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prof-batch", type=int, default=None, dest="prof_batch",
                    help="requests of the profile workload (default 1); above 1 the profile holds only decode steps "
                         "of the full batch, after every prefill")
+    r.add_argument("--prof-mixed", action="store_const", const=1, default=None, dest="prof_mixed",
+                   help="with --prof-batch: profile --prof-new engine steps that mix prefill chunks with decode "
+                        "(once half the batch has its first token), as the throughput job's prefill phase runs")
     for k in DEFAULT_SIZES:
         r.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, dest=k,
                        help=f"default {DEFAULT_SIZES[k]} (qwen3-8b-dummy), {SIZES['smollm2'][k]} (smollm2)")

@@ -224,6 +224,10 @@ class Engine:  # LLMEngine's stepping surface: every step gives each running req
         self.reqs[request_id] = [0, params.kw["max_tokens"]]
         return request_id
 
+    def abort_request(self, request_ids, internal=False):
+        for rid in request_ids:
+            self.reqs.pop(rid, None)
+
     def has_unfinished_requests(self):
         return any(n < m for n, m in self.reqs.values())
 
@@ -406,6 +410,20 @@ def test_profile_workload_over_a_batch_profiles_decode_steps_after_the_prefills(
     row = json.loads(out.read_text())["rows"][0]
     assert row["batch"] == 3 and row["new_tokens"] == 5 and row["tokens_at_start"] == 2
     assert row["window_tokens_seen"] == 3 * 5 and row["profile_table"][1] == "_split_kernel  1.0ms"
+
+
+def test_profile_workload_of_mixed_steps_starts_at_half_the_first_tokens_and_aborts_after(tmp_path):
+    """``--prof-mixed``: the profile holds ``--prof-new`` engine steps once half the batch has its first token
+    (the stand-in engine runs 2 requests at a time, so the other 2 wait through the window), then the requests are
+    aborted rather than run to their end."""
+    r, out = _run_with_fake_vllm(tmp_path, "--methods", "bf16", "--workloads", "profile", "--lat-prompt", "30",
+                                 "--prof-new", "3", "--prof-batch", "4", "--prof-mixed", "--max-num-seqs", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["batch"] == 4 and row["window_steps"] == 3 and row["running_at_start"] == 2
+    assert row["window_tokens_seen"] == 2 * 3 and row["first_tokens_in_window"] == 0  # the 2 slots stay taken
+    assert row["profile_table"][1] == "_split_kernel  1.0ms"
+    assert json.loads(out.read_text())["settings"]["sizes"]["prof_mixed"] == 1
 
 
 def test_unfused_variant_sets_graph_fusion_off_in_its_subprocess_only():

@@ -33,6 +33,9 @@
 #   qwen-prof     vLLM's torch profiler, 1 x PROF_PROMPT (32K) + PROF_NEW (32) tokens; op tables   PROF_METHODS
 #   qwen-profb    the profiler over PROFB_NEW (16) decode steps of PROFB_BATCH (64) x PROFB_PROMPT (4K) requests,
 #                 after their prefills                                   PROFB_METHODS (default rotkv, bf16)
+#   qwen-profm    the profiler over PROFM_STEPS (6) engine steps that mix prefill chunks with decode, once half of
+#                 PROFM_BATCH (64) x PROFM_PROMPT (32K) requests have their first token (the throughput job's prefill
+#                 phase); the requests are then aborted                  PROFM_METHODS (default rotkv)
 #   qwen-lgb      long generation at one KV budget for every method (vLLM's kv_cache_memory_bytes, LGB_BYTES,
 #                 default 10 GiB): LGB_REQUESTS (48: 95% of rotkv's slots there) x 1K prompts x LGB_NEW (8192) new
 #                 tokens   LG_METHODS
@@ -138,6 +141,10 @@ job() {  # one queued job
                 --workloads profile --prof-batch ${PROFB_BATCH:-64} --lat-prompt ${PROFB_PROMPT:-4096} \
                 --prof-new ${PROFB_NEW:-16} --max-model-len ${PROFB_MAXLEN:-17408} --method-timeout 400 \
                 --out "$RUN/vllm-qwen3-profile-batch.json" ;;
+    qwen-profm) timeout 900 "${B[@]}" --model qwen3-8b-dummy --methods "${PROFM_METHODS:-rotkv:quarot-int2}" \
+                --workloads profile --prof-batch ${PROFM_BATCH:-64} --prof-mixed --lat-prompt ${PROFM_PROMPT:-32768} \
+                --prof-new ${PROFM_STEPS:-6} --max-model-len 33792 --method-timeout 800 \
+                --out "$RUN/vllm-qwen3-profile-mixed.json" ;;
     qwen-lgb) timeout 3000 "${B[@]}" --model qwen3-8b-dummy --methods "$LG_METHODS" --workloads capacity,longgen \
                 --lg-requests ${LGB_REQUESTS:-48} --lg-new ${LGB_NEW:-8192} \
                 --engine-kwargs "{\"kv_cache_memory_bytes\": ${LGB_BYTES:-10737418240}}" \
