@@ -290,6 +290,8 @@ def plan(args) -> dict:
     sizes = {**SIZES.get(args.model, DEFAULT_SIZES),
              **{k: v for k, v in vars(args).items() if (k in DEFAULT_SIZES or k in ("prof_new", "prof_batch", "prof_mixed")) and v is not None}}
     workloads = parse_workloads(args.workloads)
+    if sizes.get("prof_mixed") and sizes.get("prof_batch", 1) < 2:
+        raise ValueError("--prof-mixed profiles a batch's mixed steps: give --prof-batch 2 or more")
     methods = parse_methods(args.methods)
     dummy = args.model == "qwen3-8b-dummy" or args.dummy
     path = str(Path(args.model_root) / args.model) if args.model in SIZES else args.model

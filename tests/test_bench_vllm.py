@@ -424,6 +424,8 @@ def test_profile_workload_of_mixed_steps_starts_at_half_the_first_tokens_and_abo
     assert row["window_tokens_seen"] == 2 * 3 and row["first_tokens_in_window"] == 0  # the 2 slots stay taken
     assert row["profile_table"][1] == "_split_kernel  1.0ms"
     assert json.loads(out.read_text())["settings"]["sizes"]["prof_mixed"] == 1
+    with pytest.raises(ValueError, match="--prof-batch 2 or more"):
+        bv.plan(_args("--workloads", "profile", "--prof-mixed"))
 
 
 def test_unfused_variant_sets_graph_fusion_off_in_its_subprocess_only():
