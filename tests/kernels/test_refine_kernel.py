@@ -100,11 +100,14 @@ def test_layer_decodes_the_refine_tier_through_the_kernel(values, meta, device, 
     layers = [HybridLayer(spec, rot, d, h, 0, make_codecs("token", 2, 64, 0.96, 0.92, None, meta, meta), torch.bfloat16)
               for _ in range(2)]
     gen = torch.Generator().manual_seed(0)
-    n_pre, steps = 70, 36
+    # 3 body pages after the prefill (one already out of the 2-page tier); the decode steps flush at 84 and 100
+    # tokens, each flush moving a page into the tier and one out, with kernel reads after each
+    n_pre, steps = 82, 19
     ks, vs = (torch.randn(b, h, n_pre + steps, d, generator=gen).bfloat16().to(device) for _ in range(2))
     qs = torch.randn(b, h * rep, n_pre + steps, d, generator=gen).bfloat16().to(device)
     errs = kernel_against_reference(layers, ks, vs, qs, n_pre, setenv)
     assert any(calls) and layers[1].state.body_count.min() > spec.refine_tokens // 16  # pages aged out of the tier
+    assert layers[1].state.body_count.tolist() == [5, 5]  # the two flushes while decoding
     assert max(errs[1:]) < 2e-2, errs
 
 
