@@ -143,7 +143,7 @@ def test_layer_decodes_through_the_split(every, device, monkeypatch, kernels_on_
     layers = [HybridLayer(spec, rot, d, h, 0, make_codecs("token", 2, 64, 0.96, 0.92, None, None, None), torch.bfloat16)
               for _ in range(2)]
     gen = torch.Generator().manual_seed(0)
-    n_pre, steps = 70, 20  # a page flushed per row: the flush's ring write, then reads of it
+    n_pre, steps = 81, 9  # a page flushed per row at 84 tokens: the flush's ring write, then reads of it
     ks, vs = (torch.randn(b, h, n_pre + steps, d, generator=gen).bfloat16().to(device) for _ in range(2))
     qs = torch.randn(b, h * rep, n_pre + steps, d, generator=gen).bfloat16().to(device)
     errs = kernel_against_reference(layers, ks, vs, qs, n_pre, setenv)
