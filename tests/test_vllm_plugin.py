@@ -540,7 +540,8 @@ def test_graphed_decode_step_equals_the_general_step(sink, window, share, refine
 def _graphed_check(sink, window, share, refine, d=32, tol=1e-6, steps=72, prompts=(40, 23, 1), max_len=1024,
                    tier_dtype="float32"):
     """:func:`test_graphed_decode_step_equals_the_general_step` (``tol``: the outputs' atol, 10x as rtol;
-    ``steps`` decode steps after prompts of ``prompts`` tokens, in a model of ``max_len`` tokens)."""
+    ``steps`` decode steps after prompts of ``prompts`` tokens, in a model of ``max_len`` tokens). Returns the
+    number of pages the decode steps flushed."""
     from rotkv.integrations.vllm.graph import StaticDecode, is_static_batch, static_plan, static_step
 
     h, hq = 2, 4
@@ -597,6 +598,7 @@ def _graphed_check(sink, window, share, refine, d=32, tol=1e-6, steps=72, prompt
         # (the rotation's GEMM over 5 rows instead of 3 may round the last bit differently)
         torch.testing.assert_close(graphed.side_k[pages], eager.side_k[pages], atol=1e-5, rtol=0)
         torch.testing.assert_close(graphed.side_v[pages], eager.side_v[pages], atol=1e-5, rtol=0)
+    return flushed
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -1316,10 +1318,14 @@ def _graphed_kernel_check(refine=False, fused=False):
         from rotkv.integrations.vllm import graph
         graph.flush_into_body = attention.flush_into_body
         tier = "bfloat16"
-    _graphed_check(4, 16, 0.0, REFINES[1] if refine else None, d=64, tol=3e-2, steps=20, prompts=(84, 23, 30),
-                   max_len=128, tier_dtype=tier)
+    # 8 steps (two of them of 2 rows): A flushes a page at step 4 (100 tokens, its body past the refine ring),
+    # B and C together at step 6 (36 tokens: two rows in one flush)
+    steps = 8
+    flushed = _graphed_check(4, 16, 0.0, REFINES[1] if refine else None, d=64, tol=3e-2, steps=steps,
+                             prompts=(95, 29, 30), max_len=128, tier_dtype=tier)
+    assert flushed == 3, flushed
     if fused:
-        assert calls.get("rotate_many_into", 0) >= 20 and calls.get("flush_into_body", 0) == 20, calls
+        assert calls.get("rotate_many_into", 0) >= steps and calls.get("flush_into_body", 0) == steps, calls
     print("graphed kernel paths ok")
 
 
