@@ -195,7 +195,9 @@ def test_refine_kernel_error_is_bf16_rounding_through_ring_growth(device, kernel
     rot = build_rotations("hadamard", 1, h, d)[0]
     codecs = [make_codecs("token", 2, 64, 0.96, 0.92, None, None, "float8") for _ in range(2)]
     layers = [HybridLayer(spec, rot, d, h, 0, c, torch.bfloat16) for c in codecs]
-    lens, steps = [120, 60, 76], 20  # real prompt tokens per row (left padded to 120), then decode steps
+    # real prompt tokens per row (left padded to 126), then decode steps: the short row's share grows at the
+    # second step (rows 1 and 2 flush), the rings at the sixth (row 0 flushes), two steps read after that
+    lens, steps = [126, 66, 82], 8
     b, n_pre = len(lens), max(lens)
     first = [n_pre - n for n in lens]  # each row's first real position
     gen = torch.Generator().manual_seed(3)
