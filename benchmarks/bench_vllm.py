@@ -412,6 +412,12 @@ def run_stepped(llm, prompts: list[list[int]], new: int, SamplingParams) -> tupl
     return wall, [got.get(r, 0) for r in ids], phases
 
 
+def step_counts(eng, got: dict[str, int]) -> None:
+    """One engine step; ``got[request id]`` becomes each stepped request's output token count."""
+    for o in eng.step():
+        got[o.request_id] = len(o.outputs[0].token_ids)
+
+
 def profile_decode_batch(llm, prompts: list[list[int]], new: int, SamplingParams) -> tuple[float, dict]:
     """Profiles decode steps of a full batch: every prompt is added to the engine, stepped until each request
     has its first tokens (every prefill done), then vLLM's profiler runs while each request makes ``new``
@@ -423,22 +429,18 @@ def profile_decode_batch(llm, prompts: list[list[int]], new: int, SamplingParams
         eng.add_request(f"prof-{i}", {"prompt_token_ids": p}, sp)
     got: dict[str, int] = {}
 
-    def pump():
-        for o in eng.step():
-            got[o.request_id] = len(o.outputs[0].token_ids)
-
     while len(got) < len(prompts) or min(got.values()) < 2:
-        pump()
+        step_counts(eng, got)
     start = dict(got)
     llm.start_profile()
     t = time.perf_counter()
     while min(got[r] - start[r] for r in start) < new:
-        pump()
+        step_counts(eng, got)
     wall = time.perf_counter() - t
     llm.stop_profile()
     made = sum(got[r] - start[r] for r in start)
     while eng.has_unfinished_requests():
-        pump()
+        step_counts(eng, got)
     return wall, dict(window_tokens_seen=made, tokens_at_start=min(start.values()))
 
 
@@ -454,22 +456,18 @@ def profile_mixed_steps(llm, prompts: list[list[int]], steps: int, SamplingParam
         eng.add_request(rid, {"prompt_token_ids": p}, sp)
     got: dict[str, int] = {}
 
-    def pump():
-        for o in eng.step():
-            got[o.request_id] = len(o.outputs[0].token_ids)
-
     while sum(1 for n in got.values() if n) < len(prompts) // 2:
-        pump()
+        step_counts(eng, got)
     start = {r: got.get(r, 0) for r in ids}
     llm.start_profile()
     t = time.perf_counter()
     for _ in range(steps):
-        pump()
+        step_counts(eng, got)
     wall = time.perf_counter() - t
     llm.stop_profile()
     eng.abort_request(ids)  # (vLLM skips the ids it no longer holds)
     while eng.has_unfinished_requests():
-        pump()
+        step_counts(eng, got)
     return wall, dict(window_steps=steps, running_at_start=sum(1 for n in start.values() if n),
                       window_tokens_seen=sum(got.get(r, 0) - start[r] for r in ids),
                       first_tokens_in_window=sum(1 for r in ids if not start[r] and got.get(r, 0)))
