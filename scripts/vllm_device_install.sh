@@ -9,7 +9,8 @@
 # survives the next call's fresh tree) and counts what the manifest SET still lacks. The call that completes
 # the set `cat`s the split pieces back, verifies each wheel's size and sha256 against SET and against the
 # committed scripts/vllm_wheels.lock, installs them with `pip install --no-index --no-deps --target
-# $VLLM_SITE` (default ~/site) and runs the import check (scripts/vllm_import_check.py). A later call with
+# $VLLM_SITE` (default ~/site), puts a compressed library of the set (`FILE.xz`, FA2=1 of vllm_wheels.sh)
+# into vllm's package after checking it against the lock's line for FILE, and runs the import check (scripts/vllm_import_check.py). A later call with
 # the set installed only runs the check. Use it with: export PYTHONPATH=$VLLM_SITE:$PWD
 #
 # Environment: VLLM_WHL_DIR, VLLM_SITE, LOCK (default scripts/vllm_wheels.lock), PYTHON (default python3),
@@ -63,6 +64,7 @@ while read -r file sum size n; do
   [ "$(stat -c %s "$W/$file")" = "$size" ] || die "$file: $(stat -c %s "$W/$file") bytes, SET says $size"
   got=$(sha "$W/$file")
   [ "$got" = "$sum" ] || die "$file: sha256 $got, SET says $sum"
+  case $file in *.xz) continue ;; esac  # a compressed library: the lock holds its content's sha256 (below)
   awk -v f="$file" -v s="$sum" '!/^[[:space:]]*#/ && $5 == f && $4 == s {ok=1} END {exit !ok}' "$LOCK" \
     || die "$file (sha256 $sum) is not in $LOCK"
 done < "$W/SET"
@@ -70,8 +72,20 @@ echo "vllm_device_install: $(wc -l < "$W/SET") wheels verified against SET and $
 
 rm -rf "$SITE"; mkdir -p "$SITE"
 files=()
-while read -r file _; do files+=("$W/$file"); done < "$W/SET"
+libs=()
+while read -r file _; do case $file in *.xz) libs+=("$file") ;; *) files+=("$W/$file") ;; esac; done < "$W/SET"
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${files[@]}"
+for x in ${libs[@]+"${libs[@]}"}; do  # e.g. FlashAttention-2 for TurboQuant: into vllm/vllm_flash_attn/
+  lib=${x%.xz}
+  read -r _ _ _ lsum _ < <(awk -v f="$lib" '!/^[[:space:]]*#/ && $5 == f && $6 == "fa2"' "$LOCK") \
+    || die "$lib is not in $LOCK"
+  dest=$SITE/vllm/vllm_flash_attn/$lib
+  mkdir -p "$(dirname "$dest")"
+  "$PY" -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$W/$x" "$dest.tmp"
+  [ "$(sha "$dest.tmp")" = "$lsum" ] || { rm -f "$dest.tmp"; die "$lib: sha256 after xz is not the lock's $lsum"; }
+  mv "$dest.tmp" "$dest"; chmod 755 "$dest"
+  echo "vllm_device_install: $lib into $(dirname "$dest")"
+done
 cp "$W/SET" "$SITE/.vllm_set"
 echo "vllm_device_install: installed into $SITE"
 PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH} $CHECK

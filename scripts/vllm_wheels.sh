@@ -8,6 +8,9 @@
 #    x86_64, --no-deps) and checks its size and sha256 against the lock;
 # 2. SLIM=1 (default): makes the slim vllm wheel (`zip -d` of the members listed in SLIM_DROP below) and
 #    checks it against the lock's `slim` line; SLIM=0 sends the registry's 304 MB wheel instead;
+# 2b. FA2=1: adds vLLM's FlashAttention-2 library (the `fa2` line of the lock), which the slim wheel drops and
+#    vLLM 0.26's TurboQuant caches need (vLLM forces FA2 for them), taken from the registry's wheel and
+#    xz-compressed (305 MB -> about 85 MB): two more batches;
 # 3. splits every file over PIECE_BYTES (default 36000000) with `split -b` into FILE.part-00, -01, ...;
 # 4. packs the files and pieces into batches of at most BATCH_BYTES (default 44 MiB, so that a batch plus
 #    the working tree stays under the 64 MiB per call) as .whl/vllm/b1, b2, ..., each with the manifest SET
@@ -55,6 +58,7 @@ while read -r name ver size sum file src; do
     [ -f "$f" ] || die "pip saved no $file for $name==$ver (see $LOCK)"
   fi
   [ "$(sha "$f")" = "$sum" ] || die "$file: sha256 $(sha "$f") is not the lock's $sum"
+  [ "$name" = vllm ] && vllm_wheel=$f
   if [ "$name" = vllm ] && [ "$SLIM" = 1 ]; then continue; fi
   sendlist+=("$file"$'\t'"$f"$'\t'"$sum")
 done < <(lock_lines)
@@ -71,6 +75,24 @@ if [ "$SLIM" = 1 ]; then
   fi
   [ "$(sha "$s")" = "$ssum" ] || die "slim $sfile: sha256 $(sha "$s") is not the lock's $ssum (another zip?); SLIM=0 sends the registry's wheel"
   sendlist+=("$sfile"$'\t'"$s"$'\t'"$ssum")
+fi
+
+# 2b. the FlashAttention-2 library, compressed (checked against the lock before; after, on the device)
+if [ "${FA2:-0}" = 1 ]; then
+  read -r _ _ _ fsum ffile _ < <(lock_lines | awk '$6 == "fa2"') || die "no fa2 line in $LOCK"
+  [ -n "${vllm_wheel:-}" ] || die "FA2=1 needs the registry's vllm wheel (its pypi line in $LOCK)"
+  mkdir -p "$DL/fa2"
+  so=$DL/fa2/$ffile
+  if [ ! -f "$so" ] || [ "$(sha "$so")" != "$fsum" ]; then
+    unzip -p "$vllm_wheel" "vllm/vllm_flash_attn/$ffile" > "$so.tmp" || die "no vllm/vllm_flash_attn/$ffile in $vllm_wheel"
+    mv "$so.tmp" "$so"
+  fi
+  [ "$(sha "$so")" = "$fsum" ] || die "$ffile: sha256 $(sha "$so") is not the lock's $fsum"
+  if [ ! -f "$so.xz" ] || [ "$(cat "$so.xz.of" 2>/dev/null)" != "$fsum" ]; then
+    echo "vllm_wheels: compressing $ffile (about 1.5 minutes on 2 cores)" >&2
+    xz -T2 -6 -c "$so" > "$so.xz.tmp" && mv "$so.xz.tmp" "$so.xz" && echo "$fsum" > "$so.xz.of"
+  fi
+  sendlist+=("$ffile.xz"$'\t'"$so.xz"$'\t'"$(sha "$so.xz")")
 fi
 
 # 3. split, 4. batch

@@ -21,6 +21,8 @@ WHEELS = ROOT / "scripts" / "vllm_wheels.sh"
 INSTALL = ROOT / "scripts" / "vllm_device_install.sh"
 VLLM_FILE = "vllm-0.0.1-py3-none-any.whl"
 DEP_FILE = "tinydep-1.0-py3-none-any.whl"
+FA2 = "_vllm_fa2_C.abi3.so"  # the library FA2=1 sends compressed (SLIM drops it from the wheel)
+FA2_BYTES = b"\x7fELF fake flash-attention 2 library " * 400  # compressible, as the real one is
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("split") is None,
                                 reason="needs bash and coreutils")
@@ -41,12 +43,13 @@ def _sha(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
-def _lock(path: Path, dl: Path, slim_sha: str = "0" * 64, slim_size: int = 1) -> None:
+def _lock(path: Path, dl: Path, slim_sha: str = "0" * 64, slim_size: int = 1, fa2_sha: str | None = None) -> None:
     lines = ["# name version size sha256 file source"]
     for name, ver, f in (("vllm", "0.0.1", VLLM_FILE), ("tinydep", "1.0", DEP_FILE)):
         p = dl / f
         lines.append(f"{name} {ver} {p.stat().st_size} {_sha(p)} {f} pypi")
     lines.append(f"vllm 0.0.1 {slim_size} {slim_sha} {VLLM_FILE} slim")
+    lines.append(f"vllm-fa2 0.0.1 {len(FA2_BYTES)} {fa2_sha or hashlib.sha256(FA2_BYTES).hexdigest()} {FA2} fa2")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -65,6 +68,7 @@ def fake(tmp_path):
         "vllm/__init__.py": b"class LLM:\n    pass\n",
         "vllm/blob.bin": noise,
         "vllm/vllm-rs": b"x" * 3000,  # one of SLIM_DROP's members
+        f"vllm/vllm_flash_attn/{FA2}": FA2_BYTES,  # another
     })
     _wheel(dl / DEP_FILE, "tinydep", "1.0", {"tinydep/__init__.py": b"VALUE = 7\n"})
     lock = tmp_path / "wheels.lock"
@@ -78,7 +82,7 @@ def fake(tmp_path):
     return tmp_path, env
 
 
-def _prepare(tmp_path: Path, env: dict[str, str]) -> list[Path]:
+def _prepare(tmp_path: Path, env: dict[str, str], fa2_sha: str | None = None) -> list[Path]:
     """Runs vllm_wheels.sh with SLIM=1: the first run refuses the placeholder slim sha and names the real
     one; the lock then gets it and the second run batches."""
     r = _run(WHEELS, env)
@@ -88,7 +92,8 @@ def _prepare(tmp_path: Path, env: dict[str, str]) -> list[Path]:
     assert _sha(slim) == got
     names = zipfile.ZipFile(slim).namelist()
     assert "vllm/vllm-rs" not in names and "vllm/__init__.py" in names and "vllm/blob.bin" in names
-    _lock(Path(env["LOCK"]), tmp_path / "dl", got, slim.stat().st_size)
+    assert f"vllm/vllm_flash_attn/{FA2}" not in names
+    _lock(Path(env["LOCK"]), tmp_path / "dl", got, slim.stat().st_size, fa2_sha)
     r = _run(WHEELS, env)
     assert r.returncode == 0, r.stderr
     batches = [ROOT / m for m in re.findall(r"^carry: (\S+)", r.stdout, re.M)]
@@ -147,6 +152,34 @@ def test_corrupt_piece_and_foreign_wheel_are_refused(fake):
     assert r.returncode != 0 and f"{DEP_FILE}" in r.stderr and "is not in" in r.stderr, r.stdout + r.stderr
 
 
+@pytest.mark.skipif(shutil.which("zip") is None or shutil.which("xz") is None, reason="needs zip and xz")
+def test_fa2_library_travels_compressed_and_is_checked_after(fake):
+    """FA2=1: the FlashAttention-2 library the slim wheel drops goes as FILE.xz in the batches; the install puts
+    it into vllm/vllm_flash_attn/ byte for byte, and refuses it where its content is not the lock's."""
+    tmp_path, env = fake
+    env = {**env, "FA2": "1"}
+    batches = _prepare(tmp_path, env)
+    sets = (batches[0] / "SET").read_text().split()
+    assert f"{FA2}.xz" in sets
+    xzs = list((tmp_path / "out").glob(f"b*/{FA2}.xz*"))
+    assert xzs and sum(p.stat().st_size for p in xzs) < len(FA2_BYTES) // 4  # compressed
+    r = _run(INSTALL, env, *map(str, batches))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "3 wheels verified" in r.stdout and "import check ok 7" in r.stdout
+    lib = tmp_path / "site" / "vllm" / "vllm_flash_attn" / FA2
+    assert lib.read_bytes() == FA2_BYTES
+    assert (tmp_path / "site" / "vllm" / "__init__.py").exists()
+
+    # the same batches against a lock whose library differs: refused after decompression, nothing installed
+    lock = Path(env["LOCK"])
+    lock.write_text(lock.read_text().replace(hashlib.sha256(FA2_BYTES).hexdigest(), "1" * 64))
+    shutil.rmtree(tmp_path / "w")
+    shutil.rmtree(tmp_path / "site")
+    r = _run(INSTALL, env, *map(str, batches))
+    assert r.returncode != 0 and f"{FA2}: sha256 after xz" in r.stderr, r.stdout + r.stderr
+    assert not lib.exists()
+
+
 def test_download_check_refuses_a_changed_wheel(fake):
     tmp_path, env = fake
     with zipfile.ZipFile(tmp_path / "dl" / DEP_FILE, "a") as z:
@@ -157,7 +190,7 @@ def test_download_check_refuses_a_changed_wheel(fake):
 
 def test_full_wheel_without_slim(fake):
     tmp_path, env = fake
-    r = _run(WHEELS, {**env, "SLIM": "0", "BATCH_BYTES": "30000"})
+    r = _run(WHEELS, {**env, "SLIM": "0", "BATCH_BYTES": "50000"})
     assert r.returncode == 0, r.stderr
     sets = list((tmp_path / "out").glob("b*/SET"))
     assert len(sets) == 1
@@ -169,9 +202,12 @@ def test_committed_lock_is_well_formed():
     rows = [ln.split() for ln in (ROOT / "scripts" / "vllm_wheels.lock").read_text().splitlines()
             if ln.strip() and not ln.lstrip().startswith("#")]
     assert all(len(r) == 6 and re.fullmatch(r"[0-9a-f]{64}", r[3]) and r[2].isdigit() for r in rows)
-    assert all(r[5] in ("pypi", "slim") for r in rows)
+    assert all(r[5] in ("pypi", "slim", "fa2") for r in rows)
     pypi = [r for r in rows if r[5] == "pypi"]
     assert len({r[0] for r in pypi}) == len(pypi)  # one version of each package
     vllm = {r[5]: r for r in rows if r[0] == "vllm"}
     assert vllm["pypi"][1] == "0.26.0" and vllm["slim"][4] == vllm["pypi"][4]
-    assert all(r[4].endswith(".whl") and ("-none-any" in r[4] or "x86_64" in r[4]) for r in rows)
+    wheels = [r for r in rows if r[5] != "fa2"]
+    assert all(r[4].endswith(".whl") and ("-none-any" in r[4] or "x86_64" in r[4]) for r in wheels)
+    (fa2,) = [r for r in rows if r[5] == "fa2"]  # the library TurboQuant needs, as the registry's wheel holds it
+    assert fa2[4] == "_vllm_fa2_C.abi3.so" and fa2[1] == vllm["pypi"][1]

@@ -40,7 +40,8 @@
 #                 default 10 GiB): LGB_REQUESTS (48: 95% of rotkv's slots there) x 1K prompts x LGB_NEW (8192) new
 #                 tokens   LG_METHODS
 #   qwen-tq       vLLM's TurboQuant caches: TQ_WORKLOADS (default capacity; capacity,throughput adds the 64 x 32K x 1024
-#                 job) for TQ_METHODS (default turboquant_k3v4_nc,turboquant_3bit_nc)
+#                 job) for TQ_METHODS (default turboquant_k3v4_nc,turboquant_3bit_nc). vLLM runs them on FlashAttention-2,
+#                 which the slim wheel drops: make the batches with `FA2=1 bash scripts/vllm_wheels.sh` (6 batches)
 #   smol-kl       vllm_kl_compare.py, KL to the fp32 model over teacher-forced decode steps   GREEDY_METHODS
 #   suite-gpu2k   rotkv eval on the GPU over the CPU rows' windows of docs/results/test2k-2048 (SUITE_ROWS: refine,
 #                 mix, long, int4-w32; carry artifacts): issue 41's GPU = CPU
