@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("matplotlib")
 plot = load_benchmark("plot_vllm", "studies")
 R = "benchmarks/results/vllm-20261206-"
-FILES = [R + "h100-run8-qwen3-8b-throughput-32k.json", R + "h100-run7-qwen3-8b-longgen-10gib.json",
+FILES = [R + "h100-run8-qwen3-8b-throughput-32k.json", R + "h100-run9-qwen3-8b-longgen-10gib.json",
          R + "h100-run8-qwen3-8b-tpot.json"]
 RUN7 = [R + "h100-run7-qwen3-8b-throughput-32k.json", R + "h100-run7-qwen3-8b-longgen-10gib.json",
         R + "h100-run6-qwen3-8b-tpot-bf16.json", R + "h100-run6-qwen3-8b-tpot-rotkv.json"]
@@ -23,7 +23,7 @@ def test_the_figure_from_committed_results(tmp_path, monkeypatch):
     assert cap["bf16"] == 394576 and cap["rotkv:quarot-int2"] == 2414144  # not the 10 GiB engine's 72,816
     assert lg["rotkv:quarot-int2"] / lg["bf16"] == pytest.approx(3.45, abs=0.01)  # what the README says
     assert set(lat) == {"bf16", "rotkv:quarot-int2"} and lat["rotkv:quarot-int2"] < lat["bf16"]
-    assert "KV for 72,816 bf16 tokens" in data["longgen"]["sub"]
+    assert "48 x (1024 + 8192), 10 GiB of KV" in data["longgen"]["sub"]
     tp = data["throughput"]["rows"]
     assert tp["rotkv:quarot-int2"] / tp["bf16"] == pytest.approx(1.83, abs=0.01)  # what the README says
     assert plot.collect(RUN7)["latency"]["rows"] == pytest.approx({"bf16": 8.4966, "rotkv:quarot-int2": 7.4794})
