@@ -10,8 +10,8 @@
 # the set `cat`s the split pieces back, verifies each wheel's size and sha256 against SET and against the
 # committed scripts/vllm_wheels.lock, installs them with `pip install --no-index --no-deps --target
 # $VLLM_SITE` (default ~/site), puts a compressed library of the set (`FILE.xz`, FA2=1 of vllm_wheels.sh)
-# into vllm's package after checking it against the lock's line for FILE, and runs the import check (scripts/vllm_import_check.py). A later call with
-# the set installed only runs the check. Use it with: export PYTHONPATH=$VLLM_SITE:$PWD
+# into vllm's package after checking it against the lock's line for FILE, and runs the import check
+# (scripts/vllm_import_check.py). A later call with the set installed only runs the check. Use it with: export PYTHONPATH=$VLLM_SITE:$PWD
 #
 # Environment: VLLM_WHL_DIR, VLLM_SITE, LOCK (default scripts/vllm_wheels.lock), PYTHON (default python3),
 # IMPORT_CHECK (the command run after the install; default the vLLM import check).

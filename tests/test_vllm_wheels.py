@@ -152,7 +152,7 @@ def test_corrupt_piece_and_foreign_wheel_are_refused(fake):
     assert r.returncode != 0 and f"{DEP_FILE}" in r.stderr and "is not in" in r.stderr, r.stdout + r.stderr
 
 
-@pytest.mark.skipif(shutil.which("zip") is None or shutil.which("xz") is None, reason="needs zip and xz")
+@pytest.mark.skipif(any(shutil.which(t) is None for t in ("zip", "unzip", "xz")), reason="needs zip, unzip and xz")
 def test_fa2_library_travels_compressed_and_is_checked_after(fake):
     """FA2=1: the FlashAttention-2 library the slim wheel drops goes as FILE.xz in the batches; the install puts
     it into vllm/vllm_flash_attn/ byte for byte, and refuses it where its content is not the lock's."""
