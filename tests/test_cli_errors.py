@@ -850,3 +850,20 @@ def test_lm_eval_without_the_harness_is_one_line(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
     rc, _, err = run_cli(capsys, "lm-eval", "run", "--model", "rotkv", "--tasks", "arc_easy")
     assert_user_error(rc, err, "lm-eval", "pip install -e '.[lmeval]'")
+
+
+def test_a_closed_stdout_ends_the_command_quietly(tiny, tmp_path):
+    """`rotkv inspect A | head -1`: the reader leaves before the command has written; the command stops with
+    SIGPIPE's status and nothing on stderr (no traceback, no 'failed' line, no error at the interpreter's exit)."""
+    import os
+    import subprocess
+    import sys
+
+    art = write_artifact(tiny, tmp_path / "a.safetensors")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.Popen([sys.executable, "-m", "rotkv.cli", "inspect", str(art)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    p.stdout.close()  # the reader is gone before the first write
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141, err
+    assert err == ""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from rotkv.cli.errors import debug_requested, report
@@ -139,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"rotkv {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout left (`rotkv inspect A | head`): stop quietly, as Unix tools do
+        try:  # and keep the interpreter's last flush from failing again on the closed pipe
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
     except Exception as e:  # user errors: one line, exit 2; anything else: one line and the --debug hint, exit 1
         return report(args.command, e, debug_requested(args))
     finally:
