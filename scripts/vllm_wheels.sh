@@ -10,7 +10,7 @@
 #    checks it against the lock's `slim` line; SLIM=0 sends the registry's 304 MB wheel instead;
 # 2b. FA2=1: adds vLLM's FlashAttention-2 library (the `fa2` line of the lock), which the slim wheel drops and
 #    vLLM 0.26's TurboQuant caches need (vLLM forces FA2 for them), taken from the registry's wheel and
-#    xz-compressed (305 MB -> about 85 MB): two more batches;
+#    xz-compressed (docs/vllm-device.md gives its sizes): two more batches;
 # 3. splits every file over PIECE_BYTES (default 36000000) with `split -b` into FILE.part-00, -01, ...;
 # 4. packs the files and pieces into batches of at most BATCH_BYTES (default 44 MiB, so that a batch plus
 #    the working tree stays under the 64 MiB per call) as .whl/vllm/b1, b2, ..., each with the manifest SET
@@ -89,7 +89,7 @@ if [ "${FA2:-0}" = 1 ]; then
   fi
   [ "$(sha "$so")" = "$fsum" ] || die "$ffile: sha256 $(sha "$so") is not the lock's $fsum"
   if [ ! -f "$so.xz" ] || [ "$(cat "$so.xz.of" 2>/dev/null)" != "$fsum" ]; then
-    echo "vllm_wheels: compressing $ffile (about 1.5 minutes on 2 cores)" >&2
+    echo "vllm_wheels: compressing $ffile (once: the .xz is kept in $DL/fa2)" >&2
     xz -T2 -6 -c "$so" > "$so.xz.tmp" && mv "$so.xz.tmp" "$so.xz" && echo "$fsum" > "$so.xz.of"
   fi
   sendlist+=("$ffile.xz"$'\t'"$so.xz"$'\t'"$(sha "$so.xz")")
