@@ -121,6 +121,22 @@ def test_reasoning_bench_writes_rows(tmp_path):
     assert rows[1]["job_speedup_vs_bf16"] == 1.0 and rows[2]["compiled"] is False  # StaticCache's waves, uncompiled here
 
 
+def test_a_short_request_prefilled_beside_a_longer_one_keeps_its_refine_size_rule(model):
+    """Admission prefills requests in groups: the group's longest row grows the side cache's refine rings to
+    more slots than a short row of the group reads (one refined page per 2 body pages here). Adopting that
+    row moves only the pages it reads; the job's tokens are each request's alone."""
+    spec = dict(sink=4, window=8, page_size=4, prefill_chunk=64, refine_tokens=16, refine_values=True,
+                refine_every=2)
+    reqs = _requests(model.config.vocab_size, [(20, 10), (60, 6), (44, 8)], seed=4)
+    make = lambda: RotkvCache(model, "quarot-int2", check_finite=False, **spec)  # noqa: E731
+    run = run_job(model, make, reqs, rows=3, tier_pages=40, body_pages=60, prefill_rows=3)
+    assert run.complete and run.admitted_step[:2] == [0, 0]  # the short request came first, in the long one's group
+    for i, r in enumerate(reqs):
+        cache = make()
+        alone = generate_batch(model, r.ids[None], cache, r.new_tokens).tokens[0]
+        assert torch.equal(run.tokens[i], alone), f"request {i}"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("preset, extra", [("quarot-int2", {}), ("bf16", {}),
                                            ("quarot-int2", dict(refine_tokens=64, refine_values=True, refine_every=2))])

@@ -219,10 +219,11 @@ class RefineRings:
     def adopt(self, src: "RefineRings", row: int, src_row: int, counts, body_pages: int) -> None:
         """Give ``row`` (rows of ``counts`` body pages before) the refinements of ``src``'s row ``src_row``,
         a row of ``body_pages`` body pages: the rings grow for it, then each page ``src`` holds (its newest,
-        up to its slots) moves from its slot there to its slot here (``index % K``)."""
+        up to what the size rule reads there) moves from its slot there to its slot here (``index % K``).
+        Only those: ``src`` may hold more slots than such a row reads (its other rows longer)."""
         self.grow(counts, body_pages)
         for mine, theirs in zip(self.rings, src.rings):
-            held = min(body_pages, theirs.pages)
+            held = refined_pages(body_pages, theirs.pages, theirs.every)
             if not held:
                 continue
             if mine.pages < held:

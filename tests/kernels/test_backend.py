@@ -121,10 +121,10 @@ def test_graph_with_compiled_layers_decodes_what_the_plain_graph_does(preset):
     mask = torch.ones_like(ids)
     mask[1, :37] = 0
     forced = torch.randint(1, 512, (40, 3), generator=torch.Generator().manual_seed(1)).cuda()
-    import torch._dynamo
+    from torch._dynamo import reset as dynamo_reset
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()  # code compiled by an earlier test in this process would be reused, not counted
+    dynamo_reset()  # code compiled by an earlier test in this process would be reused, not counted
     counters.clear()
     runs = []
     for compiled in (False, True):

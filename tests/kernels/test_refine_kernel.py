@@ -203,7 +203,8 @@ def test_refine_kernel_error_is_bf16_rounding_through_ring_growth(device, kernel
     gen = torch.Generator().manual_seed(3)
     ks, vs = (torch.randn(b, h, n_pre + steps, d, generator=gen).bfloat16().to(device) for _ in range(2))
     qs = torch.randn(b, h * rep, n_pre + steps, d, generator=gen).bfloat16().to(device)
-    exact = (rot.keys(ks, torch.bfloat16), rot.values(vs, torch.bfloat16))
+    rot_here = rot.to(ks.device)  # the layers move their copy on their first update
+    exact = (rot_here.keys(ks, torch.bfloat16), rot_here.values(vs, torch.bfloat16))
     real = (torch.arange(n_pre)[None] >= torch.tensor(first)[:, None]).to(device)
     errs, rounding, slots, short = [], [], set(), set()
     for t0, t1 in [(0, n_pre)] + [(t, t + 1) for t in range(n_pre, n_pre + steps)]:
