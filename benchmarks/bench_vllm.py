@@ -531,7 +531,7 @@ def merge(method: str, engine_kw: dict, res: dict, log_text: str, workloads: lis
 
 
 def run_parent(args) -> Path:
-    from results_io import write_results
+    from results_io import stamp, write_results
 
     p = plan(args)
     if args.dry_run:
@@ -571,7 +571,8 @@ def run_parent(args) -> Path:
         rows.extend(got)
         print(f"bench_vllm: {method} done in {time.perf_counter() - t:.0f} s: "
               f"{'ERROR ' + res['error'] if 'error' in res else 'ok'}", flush=True)
-        partial = dict(schema=SCHEMA, model=p["model"], settings=_settings(p, args), rows=rows, complete=False)
+        partial = dict(schema=SCHEMA, model=p["model"], settings=_settings(p, args), rows=rows, complete=False,
+                       **stamp())  # an interrupted run's file still says where it ran
         (out_dir / f"vllm-partial-{re.sub(r'[^A-Za-z0-9_.-]', '_', Path(args.model).name)}.json").write_text(json.dumps(partial, indent=1))
     data = dict(schema=SCHEMA, model=p["model"], settings=_settings(p, args), rows=rows, complete=True,
                 summary=summarize(rows))

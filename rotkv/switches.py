@@ -52,7 +52,7 @@ class Switches:
     refine_kernel: bool = True  # the Triton v1 decode kernel reads the refine tier (else the PyTorch path)
     # the refine split (rotkv.kernels.refine_split): "1" the v1 kernel reads only the refined pages where the
     # body kernel is CUDA, "reference" everywhere with the PyTorch reference as the rest's kernel, "0" never
-    refine_split: str = "0"
+    refine_split: str = "1"
     prefill_own_basis: str = "gpu"  # where a prefill chunk's own tokens attend in the model's basis
     rotation_math: str = "auto"  # auto: bf16x2 for bf16 CUDA tensors, else fp32; or always one of them
     # the vLLM backend's graphed decode step: q, k and v rotated in one launch, keys and values flushed in one
@@ -273,6 +273,12 @@ def override(**fields):
         yield _current
     finally:
         _current = old
+
+
+def tuning() -> dict:
+    """The tuning fields' values now (``ROTKV_TUNING``'s or their defaults): what a benchmark's JSON records."""
+    sw = get()
+    return {f: getattr(sw, f) for f in TUNING_FIELDS}
 
 
 def debug() -> bool:

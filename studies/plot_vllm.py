@@ -4,10 +4,12 @@ time per output token, so that higher is better in every panel), from ``bench_vl
 
     python studies/plot_vllm.py \
         --files benchmarks/results/vllm-20261206-h100-run8-qwen3-8b-throughput-32k.json \
+                benchmarks/results/vllm-20261206-h100-run10-qwen3-8b-turboquant.json \
                 benchmarks/results/vllm-20261206-h100-run9-qwen3-8b-longgen-10gib.json \
                 benchmarks/results/vllm-20261206-h100-run8-qwen3-8b-tpot.json \
-        --out docs/results/vllm-h100-run9/serving.png
+        --out docs/results/vllm-h100-run10/serving.png
 
+(Run 9's figure, ``docs/results/vllm-h100-run9/serving.png``: the same without the TurboQuant file.)
 (Run 8's figure, ``docs/results/vllm-h100-run8/serving.png``: the same with run 7's long-generation file. Run 7's figure, ``docs/results/vllm-h100-run7/serving.png``: its two files and run 6's two TPOT files.)
 
 A panel per (workload, file): capacity comes from the throughput file (the engine at ``gpu_memory_utilization``),

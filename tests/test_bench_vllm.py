@@ -308,6 +308,10 @@ def test_run_end_to_end_with_a_fake_vllm(tmp_path):
     assert "refuses fp8" in rows[("fp8", "capacity")]["log_tail"]
     assert rows[("turboquant_3bit_nc", "all")]["skipped"]
     assert [s["method"] for s in d["summary"]] == ["bf16"] * 4
+    # the file kept after each method (all a stopped run leaves) says where it ran, as the final one does
+    partial = json.loads(next((tmp_path / "logs").glob("vllm-partial-*.json")).read_text())
+    assert not partial["complete"] and partial["rows"] == d["rows"][:6]  # after fp8 (TurboQuant: skipped, no engine)
+    assert {k: partial[k] for k in ("commit", "gpu")} == {k: d[k] for k in ("commit", "gpu")} and partial["utc"]
 
 
 def test_throughput_times_the_phase_that_holds_the_prefills(tmp_path):

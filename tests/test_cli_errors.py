@@ -431,13 +431,18 @@ def test_bench_fails_when_a_method_fails_and_reports_cpu_memory(tiny, capsys, mo
     art = write_artifact(other, tmp_path / "oscar.safetensors")
     monkeypatch.setattr("rotkv.hf.models.load_model", lambda *a, **k: Loaded(tiny, ByteTokenizer(), "tiny"))
     out = tmp_path / "b.json"
+    from rotkv import switches
+
+    monkeypatch.setenv("ROTKV_TUNING", "refine_split=0")  # recorded: the JSON says which A/B side it is
     rc, stdout, err = run_cli(capsys, "bench", "--methods", "hf-dynamic", "rotkv:oscar-int2", "--artifact", art,
                               "--group-size", "16", "--batch", "1", "--context", "16", "--new-tokens", "2",
                               "--device", "cpu", "--out", str(out))
     assert rc == 1
     assert "rotkv bench: error: rotkv:oscar-int2 at batch 1 x 16:" in err and "made for another model" in err
-    rows = {r["method"]: r for r in json.load(open(out))["rows"]}
+    data = json.load(open(out))
+    rows = {r["method"]: r for r in data["rows"]}
     assert rows["hf-dynamic"]["peak_gb"] > 0.01  # the process's resident memory, not 0.0
+    assert data["meta"]["tuning"]["refine_split"] == "0" and set(data["meta"]["tuning"]) == set(switches.TUNING_FIELDS)
 
 
 def test_export_refuses_an_artifact_without_rotations(tiny, capsys, tmp_path):

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from rotkv import switches
 from rotkv.cli.common import add_cache_args, add_model_args, cache_overrides
 from rotkv.cli.errors import UsageError
 from rotkv.config import PRESETS
@@ -215,7 +216,7 @@ def run(args) -> int:
             "methods": methods, "overrides": cache_overrides(args), "prompts": "random token ids",
             "prefill_chunk": args.prefill_chunk, "prefill_tokens": prefill_tokens_of(model) if args.prefill_tokens == "auto"
             else args.prefill_tokens, "prefill_tokens_auto": args.prefill_tokens == "auto",
-            "memory_gb": args.memory_gb}
+            "memory_gb": args.memory_gb, "tuning": switches.tuning()}
     out = args.out  # checked before the model loaded
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     if args.max_batch:

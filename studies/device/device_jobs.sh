@@ -77,11 +77,11 @@ if want split; then stage split
 if gguf split; then
 for mode in 0 1; do
   ROTKV_TUNING=refine_split=$mode timeout 300 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" \
-    --batch 64 --context 8192 --new-tokens 32 --methods rotkv:oscar-refine+graph+compile \
+    --batch 64 --context 8160 --new-tokens 32 --methods rotkv:oscar-refine+graph+compile \
     --artifact artifacts/oscar-mix-long.safetensors --out "$R/generate-split$mode-refine-smollm2.json" >> "$R/split.log" 2>&1
   echo "split $mode oscar-refine rc=$?"; grep "^| 64 x" "$R/split.log" | tail -1
 done
-timeout 300 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --context 8192 --new-tokens 32 \
+timeout 300 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --context 8160 --new-tokens 32 \
   --methods rotkv:oscar-mix+graph+compile rotkv:bf16+graph+compile --artifact artifacts/oscar-mix.safetensors \
   --out "$R/generate-split-mix-smollm2.json" >> "$R/split.log" 2>&1
 echo "split oscar-mix bf16 rc=$?"; grep "^| 64 x" "$R/split.log" | tail -2
@@ -109,7 +109,7 @@ if want aquastep && gguf aquastep; then stage aquastep
 A=artifacts/oscar-mix-long+aqua.safetensors
 [ -f "$A" ] || timeout 300 python3 -m rotkv.cli calibrate --device cuda --method aqua \
   --base-artifact artifacts/oscar-mix-long.safetensors --out "$A" > "$R/aquastep.log" 2>&1
-timeout 420 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --context 8192 \
+timeout 420 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --context 8160 \
   --new-tokens 32 --methods rotkv:oscar-aqua rotkv:oscar-refine rotkv:oscar-refine+graph+compile rotkv:bf16+graph+compile \
   --artifact "$A" --out "$R/generate-aqua-smollm2.json" >> "$R/aquastep.log" 2>&1
 echo "aquastep rc=$?"; grep "^| 64 x" "$R/aquastep.log" | tail -4; fi
