@@ -46,6 +46,10 @@
 #   smol-kl       vllm_kl_compare.py, KL to the fp32 model over teacher-forced decode steps   GREEDY_METHODS
 #   suite-gpu2k   rotkv eval on the GPU over the CPU rows' windows of docs/results/test2k-2048 (SUITE_ROWS: refine,
 #                 mix, long, int4-w32; carry artifacts): issue 41's GPU = CPU
+#                 (row aqua4: oscar-aqua with artifacts/suite8k over 4 windows a domain, against the CPU run of
+#                 docs/results/aqua-gpu-cpu)
+#   suite-gpu8k   the suite's test split at 8K on the GPU, 16 windows x 128 tokens per domain: SUITE8K_ROWS (aqua, refine,
+#                 int4-w32), artifacts/suite8k (the default oscar-mix-long with its 4096 and 8192 fits, plus aqua's maps)
 #   smol-niah48   NIAH at 4-8K on SmolLM2 (noise, essay, multikey; 8 haystacks a cell: 96 questions a method), NIAH_METHODS
 #   gemma-kl      Gemma3-270M (gguf gemma3; carry artifacts/gemma3): the suite's test split at GEMMA_LENGTHS (2K, 8K, 16K)
 #   gemma-niah    Gemma3-270M NIAH at 1-3K and 4-8K, 96 questions a band and method (GEMMA_JOBS: queued when its GGUF is whole)
@@ -164,12 +168,24 @@ job() {  # one queued job
          --device cuda --window-batch "${WB:-16}")
       for r in ${SUITE_ROWS:-refine mix long int4-w32}; do
         case $r in
+          aqua4)  A=(--methods oscar-aqua --artifact-dir artifacts/suite8k --sink preset --window preset --windows 4) ;;
           refine) A=(--methods oscar-refine --artifact-dir artifacts) ;;
           mix)    A=(--methods oscar-mix --artifact-dir artifacts) ;;
           long)   A=(--methods oscar-mix-long --artifact-dir artifacts) ;;
           int4-w32) A=(--methods int4 --sink 16 --window 32) ;;
         esac
         t "suite-gpu2k $r"; timeout 900 "${S[@]}" "${A[@]}" --out "$RUN/gpu2k/$r" || echo "suite-gpu2k $r failed"
+      done ;;
+    suite-gpu8k)  # the suite's test split at 8K, 16 windows x 128 tokens per domain (issue 41's 2048), artifacts/suite8k
+      S=(python3 -m rotkv.cli eval --suite mixed --split test --profile full --lengths 8192 --windows 16 --new-tokens 128
+         --device cuda --window-batch "${WB:-16}")
+      for r in ${SUITE8K_ROWS:-aqua refine int4-w32}; do
+        case $r in
+          aqua)     A=(--methods oscar-aqua --artifact-dir artifacts/suite8k --sink preset --window preset) ;;
+          refine)   A=(--methods oscar-refine --artifact-dir artifacts/suite8k --sink preset --window preset) ;;
+          int4-w32) A=(--methods int4 --sink 16 --window 32) ;;
+        esac
+        t "suite-gpu8k $r"; timeout 1200 "${S[@]}" "${A[@]}" --out "$RUN/gpu8k/$r" || echo "suite-gpu8k $r failed"
       done ;;
     smol-niah48) timeout 1500 python3 -m rotkv.cli eval --device cuda --model "$GG/smollm2.gguf" --artifact-dir artifacts \
                 --methods "${NIAH_METHODS:-bf16,oscar-refine,int4}" --sink preset --window preset --tasks niah \
