@@ -14,6 +14,9 @@
 #   3b. carry [".whl/vllm/b4", "artifacts"]  bash studies/device/device_vllm.sh wheels .whl/vllm/b4   (installs, import check,
 #                                    the plugin's entry point, the Qwen3-8B dummy dir, the plugin's tests,
 #                                    then starts the Qwen3 queue in the background)
+#   Jobs that need no vLLM (rotkv-split, suite-gpu*, smol-niah48, gpu-eq, gemma-*) skip the wheels: carry
+#   ".whl/gguf" (the gguf wheel: mkdir -p .whl/gguf && cp .whl/vllm/b*/gguf-*.whl .whl/gguf/) with the first piece,
+#   and set ROTKV_JOBS="..." in the call that completes the SmolLM2 set (the runner starts there).
 #   4-7. carry [".gguf/smollm2.gguf.part-0N", ".gguf/smollm2.gguf.sha256"]   bash studies/device/device_vllm.sh gguf
 #                                    (the last cats the pieces, checks sha256, writes the SmolLM2 dir, queues its jobs;
 #                                    `gguf gemma3` the same for Gemma3-270M's pieces, queueing GEMMA_JOBS)
@@ -286,6 +289,10 @@ case "${1:-}" in
   gguf)  # gguf [NAME]: carries one piece per call; the call that completes the set cats them into $GG/NAME.gguf
     N=${2:-smollm2}
     mkdir -p "$GG"; cp -f .gguf/$N.gguf.part-* .gguf/$N.gguf.sha256 "$GG"/ 2>/dev/null
+    # without the vLLM wheels, transformers reads GGUF through the gguf package alone (carry .whl/gguf)
+    if [ ! -f "$VLLM_SITE/.vllm_set" ] && ! python3 -c "import gguf" 2>/dev/null && ls .whl/gguf/gguf-*.whl >/dev/null 2>&1; then
+      pip install -q --no-index --no-deps --target "$VLLM_SITE" .whl/gguf/gguf-*.whl && t "gguf package installed in $VLLM_SITE"
+    fi
     want=$(sed -n 2p "$GG/$N.gguf.sha256"); have=$(ls "$GG"/$N.gguf.part-* 2>/dev/null | wc -l)
     t "gguf: $have of $want pieces of $N in $GG"
     if [ "$have" = "$want" ]; then
@@ -299,6 +306,9 @@ case "${1:-}" in
       export ROTKV_GGUF=$GG/smollm2.gguf
       python3 benchmarks/bench_vllm.py prepare --root "$MODELS" --models smollm2 --gguf "$ROTKV_GGUF" 2>&1 | tail -2
       [ "${START:-1}" = 1 ] && enqueue ${SMOL_JOBS:-smol-greedy smol-cap-lat}
+    elif [ "$N" = smollm2 ] && [ -f "$GG/smollm2.gguf" ] && [ -n "${ROTKV_JOBS:-}" ]; then
+      # rotkv's own jobs (no vLLM): rotkv-split, suite-gpu2k, suite-gpu8k, smol-niah48, gpu-eq, gemma-kl, ...
+      [ "${START:-1}" = 1 ] && enqueue $ROTKV_JOBS
     fi
     collect ;;
   enqueue) shift; enqueue "$@"; collect ;;
