@@ -14,9 +14,10 @@ the body's own ``kv_indptr`` and ``kv_indices``: the main kernel then counts ``(
 launch keeps its fixed grid (a CUDA graph captures both).
 
 Which calls split is decided with the rest of the plan (``rotkv.kernels.plan``: ``DecodePlan.refine_split``,
-:func:`~rotkv.kernels.plan.plan_refine_split`) from the ``refine_split`` switch (``ROTKV_TUNING``): ``1`` (the default) splits where the main launch is
-the CUDA kernel, ``0`` never, ``reference`` splits everywhere with :func:`rest_partials_reference`, the PyTorch reference, in
-place of the main kernel: the CPU tests' stand-in. ``rotkv.kernels.decode.decode_attention`` runs the
+:func:`~rotkv.kernels.plan.plan_refine_split`) from the ``refine_split`` switch (``ROTKV_TUNING``): ``1``
+(the default) splits where the main launch is the CUDA kernel, ``0`` never, ``reference`` splits
+everywhere with :func:`rest_partials_reference`, the PyTorch reference, in place of the main kernel:
+the CPU tests' stand-in. ``rotkv.kernels.decode.decode_attention`` runs the
 plan's split; this module holds that reference.
 """
 
