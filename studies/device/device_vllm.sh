@@ -54,6 +54,7 @@
 #   suite-gpu8k   the suite's test split at 8K on the GPU, 16 windows x 128 tokens per domain: SUITE8K_ROWS (aqua, refine,
 #                 int4-w32), artifacts/suite8k (the default oscar-mix-long with its 4096 and 8192 fits, plus aqua's maps)
 #   smol-niah48   NIAH at 4-8K on SmolLM2 (noise, essay, multikey; 8 haystacks a cell: 96 questions a method), NIAH_METHODS
+#                 (NIAH_ART: the artifact folder, default artifacts; artifacts/suite8k has oscar-aqua's)
 #   gemma-kl      Gemma3-270M (gguf gemma3; carry artifacts/gemma3): the suite's test split at GEMMA_LENGTHS (2K, 8K, 16K)
 #   gemma-niah    Gemma3-270M NIAH at 1-3K and 4-8K, 96 questions a band and method (GEMMA_JOBS: queued when its GGUF is whole)
 #   smol-cap-lat  capacity and latency on the real SmolLM2              every method
@@ -190,7 +191,7 @@ job() {  # one queued job
         esac
         t "suite-gpu8k $r"; timeout 1200 "${S[@]}" "${A[@]}" --out "$RUN/gpu8k/$r" || echo "suite-gpu8k $r failed"
       done ;;
-    smol-niah48) timeout 1500 python3 -m rotkv.cli eval --device cuda --model "$GG/smollm2.gguf" --artifact-dir artifacts \
+    smol-niah48) timeout 1500 python3 -m rotkv.cli eval --device cuda --model "$GG/smollm2.gguf" --artifact-dir "${NIAH_ART:-artifacts}" \
                 --methods "${NIAH_METHODS:-bf16,oscar-refine,int4}" --sink preset --window preset --tasks niah \
                 --variants noise,essay,multikey --lengths niah=4096,6144,8192 --samples 8 --out "$RUN/niah48-smollm2" ;;
     gemma-kl)  # Gemma3-270M (carry artifacts/gemma3, send gemma3's pieces): the suite's test split at 2K, 8K and 16K
