@@ -103,6 +103,38 @@ def test_artifact_names_and_missing_artifact(tmp_path):
     assert why is None and m.artifact == str(tmp_path / "oscar-mix.safetensors")
 
 
+_ON_A_CUDA_MACHINE = """
+import torch
+from unittest import mock
+mock.patch("torch.cuda.is_available", return_value=True).start()
+mock.patch("torch.version.cuda", "12.8").start()
+"""
+
+
+@pytest.mark.skipif(peers.unavailable("hf-quanto-int4") is not None, reason="optimum-quanto is not installed")
+def test_quanto_on_a_cuda_machine_leaves_its_cuda_extension_out():
+    """On a machine that looks like a CUDA one, a plain import of optimum.quanto registers the CUDA kernel of
+    its bit unpacking (a JIT build with nvcc and ninja on first use); rotkv's import registers none, so CUDA
+    tensors take quanto's portable implementation. Each in a fresh interpreter (an import is once a process)."""
+    import subprocess
+    import sys
+
+    has = "\nprint(torch._C._dispatch_has_kernel_for_dispatch_key('quanto::unpack', 'CUDA'), " \
+          "torch._C._dispatch_has_kernel_for_dispatch_key('quanto::unpack', 'CompositeExplicitAutograd'))"
+    got = {}
+    for name, body in (("plain", "import optimum.quanto"),
+                       ("rotkv", "from rotkv.eval.peers import quanto_without_cuda_extension as f\nf()"),
+                       ("late", "import optimum.quanto\nfrom rotkv.eval.peers import quanto_without_cuda_extension as f\n"
+                                "try:\n    f()\nexcept RuntimeError as e:\n    print('refused', 'imported before' in str(e))")):
+        r = subprocess.run([sys.executable, "-c", _ON_A_CUDA_MACHINE + body + has], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        got[name] = r.stdout.split()
+    assert got["plain"] == ["True", "True"]  # the simulation reaches quanto's CUDA registration
+    assert got["rotkv"] == ["False", "True"]  # only the portable kernel: what CUDA tensors dispatch to
+    assert got["late"] == ["refused", "True", "True", "True"]  # too late to keep it out: said, not ignored
+
+
 def test_missing_peer_is_reported_with_install_hint(monkeypatch):
     real = peers.importlib.util.find_spec
     monkeypatch.setattr(peers.importlib.util, "find_spec", lambda n, *a: None if n.startswith("turboquant") else real(n, *a))

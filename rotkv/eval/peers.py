@@ -6,6 +6,12 @@
   and the whole cache re-quantized whenever the residual fills.
 - ``turboquant-int3``: ``turboquant.TurboQuantCache(bits=3)`` (``pip install turboquant``).
 
+On a CUDA model, optimum-quanto is imported so that its CUDA extension is not registered
+(:func:`quanto_without_cuda_extension`): that extension is a JIT build of quanto's own kernels (AWQ, Marlin, bit
+unpacking) with nvcc and ninja, minutes on first use and a failure where either is missing. CUDA tensors then run
+quanto's portable PyTorch implementation of the one op the KV cache uses from it, the bit unpacking, which is exact
+either way; the quantization itself is the same code on every device.
+
 turboquant 0.2.0 overrides ``Cache.update(k, v, layer_idx, cache_kwargs=None)``; transformers 5.24
 calls ``update(k, v, layer_idx, kwargs=...)`` and the package fails with ``update() got an
 unexpected keyword argument 'kwargs'``. :class:`_turboquant_adapter` is a subclass whose ``update``
@@ -70,12 +76,30 @@ def _turboquant_adapter(bits: int):
     return TurboQuantAdapter(bits=bits)
 
 
+def quanto_without_cuda_extension() -> None:
+    """Import optimum-quanto without registering its CUDA extension's kernels (see the module's docstring).
+    It has to come before anything else imports optimum.quanto; where something did, RuntimeError says so
+    if the CUDA kernels are registered by then."""
+    import sys
+
+    if "optimum.quanto" not in sys.modules:
+        from unittest import mock
+
+        with mock.patch("torch.cuda.is_available", return_value=False):
+            import optimum.quanto  # noqa: F401
+    if torch._C._dispatch_has_kernel_for_dispatch_key("quanto::unpack", "CUDA"):
+        raise RuntimeError("optimum.quanto was imported before rotkv could keep its CUDA extension out (a JIT build "
+                           "with nvcc and ninja): make rotkv build the hf-quanto cache first in this process")
+
+
 def make_peer(name: str, model):
     """A fresh cache of the peer ``name`` for ``model``; raises ImportError with the install hint."""
     why = unavailable(name)
     if why:
         raise ImportError(why)
     peer = PEERS[name]
+    if peer.backend == "quanto" and next(model.parameters()).device.type == "cuda":
+        quanto_without_cuda_extension()
     if peer.backend is not None:
         from transformers import QuantizedCache
 

@@ -15,8 +15,9 @@
 #                                    the plugin's entry point, the Qwen3-8B dummy dir, the plugin's tests,
 #                                    then starts the Qwen3 queue in the background)
 #   Jobs that need no vLLM (rotkv-split, suite-gpu*, smol-niah48, gpu-eq, gemma-*) skip the wheels: carry
-#   ".whl/gguf" (the gguf wheel: mkdir -p .whl/gguf && cp .whl/vllm/b*/gguf-*.whl .whl/gguf/) with the first piece,
-#   and set ROTKV_JOBS="..." in the call that completes the SmolLM2 set (the runner starts there).
+#   ".whl/rotkv" (gguf and optimum-quanto: mkdir -p .whl/rotkv && cp .whl/vllm/b*/gguf-*.whl .whl/rotkv/ &&
+#   pip download --no-deps optimum-quanto==0.2.7 -d .whl/rotkv) with the first piece, and set ROTKV_JOBS="..." in
+#   the call that completes the SmolLM2 set (the runner starts there).
 #   4-7. carry [".gguf/smollm2.gguf.part-0N", ".gguf/smollm2.gguf.sha256"]   bash studies/device/device_vllm.sh gguf
 #                                    (the last cats the pieces, checks sha256, writes the SmolLM2 dir, queues its jobs;
 #                                    `gguf gemma3` the same for Gemma3-270M's pieces, queueing GEMMA_JOBS)
@@ -53,7 +54,7 @@
 #                 (row aqua4: oscar-aqua with artifacts/suite8k over 4 windows a domain, against the CPU run of
 #                 docs/results/aqua-gpu-cpu)
 #   suite-gpu8k   the suite's test split at 8K on the GPU, 16 windows x 128 tokens per domain: SUITE8K_ROWS (aqua, refine,
-#                 int4-w32), artifacts/suite8k (the default oscar-mix-long with its 4096 and 8192 fits, plus aqua's maps)
+#                 int4-w32, quanto: HF quanto INT4 from .whl/rotkv), artifacts/suite8k (the default oscar-mix-long with its 4096 and 8192 fits, plus aqua's maps)
 #   smol-niah48   NIAH at 4-8K on SmolLM2 (noise, essay, multikey; 8 haystacks a cell: 96 questions a method), NIAH_METHODS
 #                 (NIAH_ART: the artifact folder, default artifacts; artifacts/suite8k has oscar-aqua's)
 #   gemma-kl      Gemma3-270M (gguf gemma3; carry artifacts/gemma3): the suite's test split at GEMMA_LENGTHS (2K, 8K, 16K)
@@ -186,8 +187,9 @@ job() {  # one queued job
     suite-gpu8k)  # the suite's test split at 8K, 16 windows x 128 tokens per domain (issue 41's 2048), artifacts/suite8k
       S=(python3 -m rotkv.cli eval --suite mixed --split test --profile full --lengths 8192 --windows 16 --new-tokens 128
          --device cuda --window-batch "${WB:-16}")
-      for r in ${SUITE8K_ROWS:-aqua refine int4-w32}; do
+      for r in ${SUITE8K_ROWS:-aqua refine int4-w32 quanto}; do
         case $r in
+          quanto)   A=(--methods hf-quanto-int4) ;;  # its CUDA extension left out: rotkv.eval.peers
           aqua)     A=(--methods oscar-aqua --artifact-dir artifacts/suite8k --sink preset --window preset) ;;
           refine)   A=(--methods oscar-refine --artifact-dir artifacts/suite8k --sink preset --window preset) ;;
           int4-w32) A=(--methods int4 --sink 16 --window 32) ;;
@@ -293,9 +295,11 @@ case "${1:-}" in
   gguf)  # gguf [NAME]: carries one piece per call; the call that completes the set cats them into $GG/NAME.gguf
     N=${2:-smollm2}
     mkdir -p "$GG"; cp -f .gguf/$N.gguf.part-* .gguf/$N.gguf.sha256 "$GG"/ 2>/dev/null
-    # without the vLLM wheels, transformers reads GGUF through the gguf package alone (carry .whl/gguf)
-    if [ ! -f "$VLLM_SITE/.vllm_set" ] && ! python3 -c "import gguf" 2>/dev/null && ls .whl/gguf/gguf-*.whl >/dev/null 2>&1; then
-      pip install -q --no-index --no-deps --target "$VLLM_SITE" .whl/gguf/gguf-*.whl && t "gguf package installed in $VLLM_SITE"
+    # the wheels rotkv's own jobs need beyond the machine's (carry .whl/rotkv): gguf (transformers reads GGUF with
+    # it; the vLLM set has it too) and optimum-quanto (the hf-quanto-int4 peer)
+    if [ ! -f "$VLLM_SITE/.rotkv_wheels" ] && ls .whl/rotkv/*.whl >/dev/null 2>&1; then
+      pip install -q --no-index --no-deps --target "$VLLM_SITE" .whl/rotkv/*.whl && touch "$VLLM_SITE/.rotkv_wheels" \
+        && t "installed in $VLLM_SITE: $(cd .whl/rotkv && ls *.whl | tr '\n' ' ')"
     fi
     want=$(sed -n 2p "$GG/$N.gguf.sha256"); have=$(ls "$GG"/$N.gguf.part-* 2>/dev/null | wc -l)
     t "gguf: $have of $want pieces of $N in $GG"
