@@ -25,6 +25,7 @@ all of that is resident and is counted by :func:`resident_bytes`.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -80,8 +81,6 @@ def quanto_without_cuda_extension() -> None:
     """Import optimum-quanto without registering its CUDA extension's kernels (see the module's docstring).
     It has to come before anything else imports optimum.quanto; where something did, RuntimeError says so
     if the CUDA kernels are registered by then."""
-    import sys
-
     if "optimum.quanto" not in sys.modules:
         from unittest import mock
 
