@@ -97,11 +97,11 @@ timeout 300 python3 -m rotkv.cli bench --random qwen3-8b --layers 8 --batch 16 -
   --out "$R/generate-split-plain-qwen8L.json" >> "$R/split.log" 2>&1
 echo "split qwen plain rc=$?"; grep "^| 16 x" "$R/split.log" | tail -2; fi
 if want stepprof; then stage stepprof
-timeout 240 python3 benchmarks/profile_step.py --shape smollm2 --requests 64 --context 8192 \
+timeout 240 python3 studies/profile_step.py --shape smollm2 --requests 64 --context 8192 \
   --presets quarot-int2+compile bf16+compile --out "$R/stepprof-flush-smollm2.json" > "$R/stepprof.log" 2>&1
 echo "stepprof shape rc=$?"; grep -E "flush|graph_ms" "$R/stepprof.log" | tail -6
 if gguf stepprof; then
-ROTKV_TUNING=refine_split=1 timeout 300 python3 benchmarks/profile_step.py --model "$ROTKV_GGUF" \
+ROTKV_TUNING=refine_split=1 timeout 300 python3 studies/profile_step.py --model "$ROTKV_GGUF" \
   --artifact-dir artifacts --requests 64 --context 8192 --presets oscar-refine+compile oscar-mix+compile \
   --out "$R/stepprof-flush-real.json" >> "$R/stepprof.log" 2>&1
 echo "stepprof real rc=$?"; grep -E "flush|graph_ms" "$R/stepprof.log" | tail -6; fi; fi
