@@ -48,6 +48,7 @@
 #                 job) for TQ_METHODS (default turboquant_k3v4_nc,turboquant_3bit_nc). vLLM runs them on FlashAttention-2,
 #                 which the slim wheel drops: make the batches with `FA2=1 bash scripts/vllm_wheels.sh` (6 batches)
 #   smol-kl       vllm_kl_compare.py, KL to the fp32 model over teacher-forced decode steps   GREEDY_METHODS
+#   rotkv-stepprof device_jobs.sh's stage stepprof alone (a later rotkv-split's stages are fixed when the runner starts)
 #   rotkv-jobqwen device_jobs.sh's stage jobqwen alone: issue 40's long-generation job at the Qwen3-8B shape (about 15 min)
 #   suite-gpu2k   rotkv eval on the GPU over the CPU rows' windows of docs/results/test2k-2048 (SUITE_ROWS: refine,
 #                 mix, long, int4-w32; carry artifacts): issue 41's GPU = CPU
@@ -165,6 +166,8 @@ job() {  # one queued job
                 --workloads "${TQ_WORKLOADS:-capacity}" --max-model-len 33792 --method-timeout 1100 \
                 --out "$RUN/vllm-qwen3-turboquant.json" ;;
     rotkv-split) STAGES="${SPLIT_STAGES:-tests split}" RES="$RUN/jobs" ROTKV_GGUF=$GG/smollm2.gguf timeout 900 \
+                bash studies/device/device_jobs.sh run ;;
+    rotkv-stepprof) STAGES=stepprof RES="$RUN/jobs" ROTKV_GGUF=$GG/smollm2.gguf timeout 900 \
                 bash studies/device/device_jobs.sh run ;;
     rotkv-jobqwen) STAGES=jobqwen RES="$RUN/jobs" ROTKV_GGUF=$GG/smollm2.gguf timeout 1500 \
                 bash studies/device/device_jobs.sh run ;;
