@@ -52,11 +52,11 @@
 #   rotkv-jobqwen device_jobs.sh's stage jobqwen alone: issue 40's long-generation job at the Qwen3-8B shape (about 15 min)
 #   suite-gpu2k   rotkv eval on the GPU over the CPU rows' windows of docs/results/test2k-2048 (SUITE_ROWS: refine,
 #                 mix, long, int4-w32; carry artifacts): issue 41's GPU = CPU
-#                 (row aqua4: oscar-aqua with artifacts/suite8k over 4 windows a domain, against the CPU run of
+#                 (rows aqua4 and refine4: oscar-aqua and oscar-refine with artifacts/suite8k over 4 windows a domain, against the CPU runs of
 #                 docs/results/aqua-gpu-cpu)
 #   suite-gpu8k   the suite's test split at 8K on the GPU, 16 windows x 128 tokens per domain: SUITE8K_ROWS (aqua, refine,
 #                 int4-w32, quanto: HF quanto INT4 from .whl/rotkv), artifacts/suite8k (the default oscar-mix-long with its 4096 and 8192 fits, plus aqua's maps)
-#   smol-niah48   NIAH at 4-8K on SmolLM2 (noise, essay, multikey; 8 haystacks a cell: 96 questions a method), NIAH_METHODS
+#   smol-niah48   NIAH at 4-8K on SmolLM2 (noise, essay, multikey; 8 haystacks a cell: 96 questions a method), NIAH_METHODS, NIAH_LENGTHS, NIAH_SAMPLES
 #                 (NIAH_ART: the artifact folder, default artifacts; artifacts/suite8k has oscar-aqua's)
 #   gemma-kl      Gemma3-270M (gguf gemma3; carry artifacts/gemma3): the suite's test split at GEMMA_LENGTHS (2K, 8K, 16K)
 #   gemma-niah    Gemma3-270M NIAH at 1-3K and 4-8K, 96 questions a band and method (GEMMA_JOBS: queued when its GGUF is whole)
@@ -180,6 +180,7 @@ job() {  # one queued job
       for r in ${SUITE_ROWS:-refine mix long int4-w32}; do
         case $r in
           aqua4)  A=(--methods oscar-aqua --artifact-dir artifacts/suite8k --sink preset --window preset --windows 4) ;;
+          refine4) A=(--methods oscar-refine --artifact-dir artifacts/suite8k --sink preset --window preset --windows 4) ;;
           refine) A=(--methods oscar-refine --artifact-dir artifacts) ;;
           mix)    A=(--methods oscar-mix --artifact-dir artifacts) ;;
           long)   A=(--methods oscar-mix-long --artifact-dir artifacts) ;;
@@ -201,7 +202,8 @@ job() {  # one queued job
       done ;;
     smol-niah48) timeout 1500 python3 -m rotkv.cli eval --device cuda --model "$GG/smollm2.gguf" --artifact-dir "${NIAH_ART:-artifacts}" \
                 --methods "${NIAH_METHODS:-bf16,oscar-refine,int4}" --sink preset --window preset --tasks niah \
-                --variants noise,essay,multikey --lengths niah=4096,6144,8192 --samples 8 --out "$RUN/niah48-smollm2" ;;
+                --variants noise,essay,multikey --lengths "niah=${NIAH_LENGTHS:-4096,6144,8192}" --samples "${NIAH_SAMPLES:-8}" \
+                --out "$RUN/niah48-smollm2" ;;
     gemma-kl)  # Gemma3-270M (carry artifacts/gemma3, send gemma3's pieces): the suite's test split at 2K, 8K and 16K
       for m in ${GEMMA_METHODS:-bf16 int4 oscar-refine oscar-mix-long}; do
         SW=(--sink 16 --window 32); [ "$m" = oscar-refine ] && SW=(--sink preset --window 32)
