@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from rotkv.kernels import nvcc as nvcc_build
-from rotkv.kernels.body import PagedBody
+from rotkv.kernels.body import PagedBody, RefineTier
 
 SOURCE = Path(__file__).parent / "cuda" / "int2_decode.cu"
 _nvcc = nvcc_build.nvcc_path
@@ -24,7 +24,7 @@ _arch = nvcc_build.arch
 cache_dir = nvcc_build.cache_dir
 
 
-VARIANT_MACROS = ("D", "NG", "TILES", "MINB", "PREFETCH", "VF16", "VFLUSH", "QF16", "VMETA8")
+VARIANT_MACROS = ("D", "NG", "TILES", "MINB", "PREFETCH", "VF16", "VFLUSH", "QF16", "VMETA8", "REFINE")
 
 
 def build(device: torch.device | None = None, variant: tuple = (128, 2, 2, 4, 0)) -> ctypes.CDLL:
@@ -32,7 +32,8 @@ def build(device: torch.device | None = None, variant: tuple = (128, 2, 2, 4, 0)
 
     variant = (head_dim, groups per head, tiles per softmax step, min blocks per SM, prefetch 0/1,
     fp16 value product 0/1, steps between value-offset flushes or 0, fp16 query scores 0 (int8) / 1 / 2,
-    e4m3 value metadata 0/1); missing trailing entries are 0.
+    e4m3 value metadata 0/1, reads the refine tier 0/1 (needs the fp16 value product)); missing trailing
+    entries are 0.
     """
     device = device or torch.device("cuda", torch.cuda.current_device())
     return nvcc_build.load(SOURCE, "int2_decode", _macros(variant), device, True, _setup)
@@ -56,7 +57,8 @@ def _setup(lib: ctypes.CDLL) -> None:
     fn = lib.rotkv_int2_decode
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_int] * 4 + [ctypes.c_void_p] * 13 + [ctypes.c_int] * 7
-                   + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p])
+                   + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                   + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
 
 
 MERGE_MAX_SLOTS = 512  # as in the source: the fused final merge keeps a weight per slot in shared memory
@@ -90,7 +92,8 @@ def body_partials(q: torch.Tensor, body: PagedBody, table: tuple, o_part: torch.
                   l_part: torch.Tensor, n_splits: int, tokens_per_split: int, qk_scale: float,
                   tiles: int = 2, min_blocks: int = 4, fuse: bool = False,
                   out: torch.Tensor | None = None, prefetch: bool = False, value_f16: bool = False,
-                  value_flush: int = 0, score_f16: int = 0) -> None:
+                  value_flush: int = 0, score_f16: int = 0, refine: RefineTier | None = None,
+                  refine_values: RefineTier | None = None) -> None:
     """Write partials ``[:, :, :n_splits]`` of ``o/m/l_part`` for the INT2 body.
 
     q ``[B, Hq, D]`` bf16 contiguous; ``tokens_per_split`` a multiple of ``16 * tiles``.
@@ -104,12 +107,19 @@ def body_partials(q: torch.Tensor, body: PagedBody, table: tuple, o_part: torch.
     ``s // 4`` (so the body fills ``[:n_splits // 4]``); with ``out`` (``[B, Hq, D]`` contiguous,
     float32/bf16/fp16) the last block of each (request, KV head) also merges every partial slot, the
     ones past the body's included (written by an earlier launch: the tier), into ``out``.
+    ``refine``, ``refine_values``: the refine tier's rings of the keys and of the values
+    (:class:`~rotkv.kernels.body.RefineTier`, ``ring uint8 [B, pages, H, P, D/4]`` contiguous; both, where
+    given, of one ``pages`` and ``every``): the kernel reads each request's refined pages with their 2 more
+    bits (the build ROTKV_REFINE, with ``value_f16``), as the Triton v1 kernel does.
     """
     b_sz, hq, d = q.shape
     h, p, ng = body.kv_heads, body.page_size, body.k.groups
     vmeta8 = int(body.v.meta == torch.float8_e4m3fn)  # the values' e4m3 metadata (oscar-mix): its own build
+    rings, rk, re = _rings(q, body, refine, refine_values)
+    if rings != (None, None) and not value_f16:
+        raise ValueError("the CUDA kernel reads the refine tier with the fp16 value product only (value_f16=True)")
     lib = build(q.device, (d, ng, tiles, min_blocks, int(prefetch), int(value_f16), int(value_flush), int(score_f16),
-                           vmeta8))
+                           vmeta8, int(rings != (None, None))))
     indptr, indices, last = (t.to(torch.int32).contiguous() for t in table)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     if fuse and n_splits % 4:
@@ -124,6 +134,30 @@ def body_partials(q: torch.Tensor, body: PagedBody, table: tuple, o_part: torch.
                                b_sz, h, hq, p, o_part.shape[2], n_splits, tokens_per_split, qk_scale,
                                int(fuse), cnt.data_ptr() if cnt is not None else None,
                                out.data_ptr() if out is not None else None,
-                               OUT_KINDS[out.dtype] if out is not None else 0, stream)
+                               OUT_KINDS[out.dtype] if out is not None else 0,
+                               *(r.data_ptr() if r is not None else None for r in rings), rk, re, stream)
     if rc != 0:
         raise RuntimeError(f"rotkv_int2_decode failed with code {rc}")
+
+
+def _rings(q: torch.Tensor, body: PagedBody, refine: RefineTier | None,
+           refine_values: RefineTier | None) -> tuple[tuple, int, int]:
+    """((key ring or None, value ring or None), pages, every as the kernel's RE >= 1), checked: each ring
+    ``uint8 [B, pages, H, P, D/4]``, contiguous and 16-byte aligned (the kernel's vector loads)."""
+    tiers = [RefineTier.of(t) if t is not None else None for t in (refine, refine_values)]
+    given = [t for t in tiers if t is not None]
+    if not given:
+        return (None, None), 1, 1
+    if len({t[1:] for t in given}) > 1:
+        raise ValueError(f"the key and value refine rings cover different pages (pages, every: "
+                         f"{[t[1:] for t in given]})")
+    b_sz, _, d = q.shape
+    rk, every = given[0].pages, given[0].every
+    want = (b_sz, rk, body.kv_heads, body.page_size, d // 4)
+    for t in given:
+        r = t.ring
+        if r.dtype != torch.uint8 or tuple(r.shape) != want or r.device != q.device:
+            raise ValueError(f"refine ring {tuple(r.shape)} {r.dtype} on {r.device} is not uint8 {want} on {q.device}")
+        if not r.is_contiguous() or r.data_ptr() % 16:
+            raise ValueError("the CUDA kernel reads contiguous, 16-byte aligned refine rings")
+    return tuple(t.ring if t is not None else None for t in tiers), rk, max(every, 1)

@@ -670,9 +670,10 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
     looked up here when not given); it says which kernel runs, this function only launches it.
     ``refine``: the refine tier of an INT2-key body (:class:`~rotkv.kernels.body.RefineTier`, or ``(ring [B,
     K, H, P, D/4] uint8, K[, every])``; :mod:`rotkv.cache.refine`), which the plan was made for (its
-    ``refine``: only the Triton v1 body kernel reads the tier: it reads every page, or, where the plan
+    ``refine``: the Triton v1 body kernel reads the tier: it reads every page, or, where the plan
     splits the call (``plan.refine_split``, :mod:`rotkv.kernels.refine_split`), the refined pages only
-    while the plan's launch reads the others). ``refine_values``: the same for the INT2 values
+    while the plan's launch reads the others; or the plan's CUDA launch reads it itself (``launch.refine``:
+    ``refine_split=kernel``). ``refine_values``: the same for the INT2 values
     (``CacheSpec.refine_values``); both cover the same pages.
     ``out_rotation``: a split matrix ``[H', 2 D, D]`` bf16 (``rotkv.rotations.base.bf16x2_matrix``, no shift
     rows; query head ``h`` uses ``h // (Hq / H')``) that the merge applies to each output row, with a bf16 ``out``
@@ -799,8 +800,8 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
                 TIER_STATIC_STEPS=tper // cfg.block_t if _interpreting() else 0, F16=_interpreting(),
                 V2=v2 and split is None, RP=max(4, triton.next_power_of_2(rep)), PB=min(p, lc.block_n),
                 K_BITS=bits[0], V_BITS=bits[1],
-                rf_ptr=ring if ring is not None else dummy, RK=rk, RE=max(re, 1), REFINE=ring is not None,
-                rv_ptr=vring if vring is not None else dummy, REFINE_V=vring is not None,
+                rf_ptr=ring if ring is not None else dummy, RK=rk, RE=max(re, 1), REFINE=ring is not None and triton_body,
+                rv_ptr=vring if vring is not None else dummy, REFINE_V=vring is not None and triton_body,
                 REF_ONLY=split is not None, rl_ptr=rest_last if rest_last is not None else dummy,
                 num_warps=lc.num_warps, num_stages=lc.num_stages,
             )
@@ -818,7 +819,9 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
             _, _, tiles, min_blocks, prefetch, vf16, vflush, qf16, _ = launch.cuda_variant
             body_partials(qb, body, table, o_part, m_part, l_part, n_int2, per, sm_scale * LOG2E,
                           tiles=tiles, min_blocks=min_blocks, fuse=fuse, out=out if merge_here else None,
-                          prefetch=bool(prefetch), value_f16=bool(vf16), value_flush=vflush, score_f16=qf16)
+                          prefetch=bool(prefetch), value_f16=bool(vf16), value_flush=vflush, score_f16=qf16,
+                          refine=refine if launch.refine else None,
+                          refine_values=refine_values if launch.refine else None)
             if merge_here:
                 return out
     chunk = min(cfg.merge_chunk, triton.next_power_of_2(ns))  # slots merged per step

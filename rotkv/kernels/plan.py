@@ -365,11 +365,12 @@ class Launch:
     v2: bool = False  # Triton: the (plane, head)-row kernel
     qk_int8: bool = False  # Triton: int8 query . codes for the scores
     cuda_variant: tuple | None = None
+    refine: bool = False  # CUDA: the kernel reads the refine tier itself (its ROTKV_REFINE build)
 
     @property
     def name(self) -> str:
         if self.kernel == "cuda":
-            return f"cuda {self.cuda_variant}"
+            return f"cuda {self.cuda_variant}{' +refine' if self.refine else ''}"
         return f"triton {'v2' if self.v2 else 'v1'} n{self.cfg.block_n} w{self.cfg.num_warps}"
 
 
@@ -391,13 +392,33 @@ class RefineSplit:
             raise ValueError(f"RefineSplit.rest has to be one of {list(REST_KERNELS)} but got {self.rest!r}")
 
 
+def cuda_refine_reason(variant: tuple) -> str | None:
+    """Why the CUDA body kernel's build ``variant`` (:func:`cuda_variant`) cannot read the refine tier, or None:
+    its merged 4-bit value codes need the fp16 value product (``cfg.cuda_value_f16``)."""
+    if not variant[5]:
+        return "the CUDA kernel reads the refine tier with the fp16 value product only (cuda_value_f16)"
+    return None
+
+
+def plan_refine_kernel(launch: Launch, mode: str) -> Launch | None:
+    """The launch that reads a refined body in one CUDA launch, no split: ``launch`` (the plain plan's, over
+    the body) reading the tier itself, where ``mode`` (the ``refine_split`` switch) is "kernel", ``launch``
+    is the CUDA kernel and its build can (:func:`cuda_refine_reason`); else None."""
+    if mode == "kernel" and launch.kernel == "cuda" and cuda_refine_reason(launch.cuda_variant) is None:
+        return dataclasses.replace(launch, refine=True)
+    return None
+
+
 def plan_refine_split(launch: Launch, mode: str, refined: Launch) -> RefineSplit | None:
     """The split of a call over a refined body whose plain plan runs ``launch`` over the body, or None
-    (``refined``, the v1 kernel, reads every page): ``mode``, the ``refine_split`` switch: "1" splits
-    where ``launch`` is the CUDA kernel, "reference" always, "0" never."""
+    (``refined``, the v1 kernel, reads every page, or the CUDA kernel reads them all itself:
+    :func:`plan_refine_kernel`): ``mode``, the ``refine_split`` switch: "1" splits where ``launch`` is the
+    CUDA kernel, "kernel" too where that kernel's build cannot read the tier, "reference" always, "0" never."""
     if mode == "reference":
         return RefineSplit("reference", refined)
     if mode == "1" and launch.kernel == "cuda":
+        return RefineSplit("cuda", refined)
+    if mode == "kernel" and launch.kernel == "cuda" and plan_refine_kernel(launch, mode) is None:
         return RefineSplit("cuda", refined)
     if mode not in switches.REFINE_SPLITS:
         raise ValueError(f"the refine split mode has to be one of {list(switches.REFINE_SPLITS)} but got {mode!r}")
@@ -416,10 +437,12 @@ class DecodePlan:
     choose (backend "auto" on CUDA), else ``main``. ``main`` is the CUDA body kernel where it
     covers the call and builds, else Triton; the CUDA library is built (or loaded) the first time
     ``main`` is asked for, once per plan. ``refine`` (keys, values): the body has a refine tier on
-    that side (``rotkv.cache.refine``); only the Triton v1 body kernel reads it, so a call with body
+    that side (``rotkv.cache.refine``); the Triton v1 body kernel reads it, so a call with body
     tokens runs that kernel (``refine_launch``), or none where the ``refine_kernel`` switch is off;
     or, where :meth:`refine_split` splits the call (the ``refine_split`` switch), that kernel reads
-    the refined pages and ``launch`` is the one that reads the others.
+    the refined pages and ``launch`` is the one that reads the others; or, with ``refine_split=kernel``
+    where the body kernel is the CUDA one (:func:`plan_refine_kernel`), that kernel reads every page, the
+    refined ones with their tier, in one launch (``launch(work).refine``).
     """
 
     def __init__(self, layout: BodyLayout | None, hq: int, head_dim: int, device: tuple, cfg: DecodeConfig,
@@ -465,6 +488,7 @@ class DecodePlan:
                                         num_warps=cfg.small_num_warps)
             self.small, self.small_below = self._triton(small, p), cfg.small_work
         self._main: Launch | None = None
+        self._refine_main: Launch | None = None  # main reading the refine tier (plan_refine_kernel)
         self._tier = self._triton(cfg, p)  # no body tokens: the tier kernel alone
         self.refine = tuple(refine) if layout is not None else (False, False)
         self.refine_launch: Launch | None = None
@@ -519,10 +543,17 @@ class DecodePlan:
 
     def launch(self, work: int) -> Launch:
         """The launch for a call over ``work`` token-heads of body (``B * H_kv * max_len``): with a
-        refine tier the one that reads it, unless the call splits (:meth:`refine_split`): then the
-        one that reads the unrefined pages."""
-        if work > 0 and self.refine_launch is not None and self.refine_split(work) is None:
-            return self.refine_launch
+        refine tier the one that reads it (the CUDA kernel itself where :func:`plan_refine_kernel` says so,
+        else v1), unless the call splits (:meth:`refine_split`): then the one that reads the unrefined pages."""
+        if work > 0 and self.refine_launch is not None:
+            plain = self._plain(work)
+            if plain.kernel == "cuda" and self.split_mode == "kernel":  # plain is main (the one CUDA launch)
+                if self._refine_main is None:
+                    self._refine_main = plan_refine_kernel(plain, self.split_mode) or plain
+                if self._refine_main.refine:
+                    return self._refine_main
+            if self.refine_split(work) is None:
+                return self.refine_launch
         return self._plain(work)
 
     def _plain(self, work: int) -> Launch:
@@ -549,6 +580,10 @@ class DecodePlan:
             if self.split_mode == "1":
                 return (f"{self.refine_launch.name} (reads the refine tier; over the refined pages only where the "
                         "body kernel is CUDA, which reads the others)")
+            if self.split_mode == "kernel":
+                return (f"{self.refine_launch.name} (reads the refine tier) where the body kernel is not CUDA; the "
+                        "CUDA kernel reads the tier itself where its build can (the fp16 value product), else "
+                        "over the unrefined pages beside v1")
             return f"{self.refine_launch.name} (reads the refine tier)"
         if self._main is not None:
             main = self._main.name

@@ -34,6 +34,16 @@
 // group (G % 32 == 0). Value rows of one m16 tile cover 16 dims of one plane inside 32 consecutive
 // dims, so they share a group too.
 //
+// ROTKV_REFINE: the refine tier (rotkv/cache/refine.py). Each request's newest min(RK, ceil(n / RE)) body
+// pages (n its page count, computed here in integers as rotkv.quant.refine.refined_pages) keep 2 more bits
+// per key (ring rk) and value (ring rv) element, in rings uint8 [B, RK, H, P, D/4] (slot = page index mod RK)
+// packed as the codes. A refined element reads lo + s (h + (j - 1.5) / 4) = (lo - 3 s / 8) + (s / 4) (4 h + j):
+// a refined tile (one page: P % 16 == 0, so the flag is warp-uniform) is a 4-bit tile with codes 4 h + j,
+// scale s / 4 and minimum lo - 3 s / 8. The merged codes take each product's operand as the 2-bit ones did:
+// int8 bytes 0..15; fp16 subnormals or 1024 + x for 4^i (4 h + j) <= 960 < 1024, every plane in place; so a
+// refined tile runs the same MMAs, with the ring's bits merged into the operand registers (the values need
+// the fp16 product, ROTKV_VF16). Unrefined tiles, and builds without ROTKV_REFINE, are unchanged.
+//
 // Layout (as Int2PagePool, tests/kernels/paged_fixture.py): codes [NP, H, P, D/4] u8, scale/lo [NP, H, P, D/G]
 // fp16 (the values' e4m3 with ROTKV_VMETA8, oscar-mix's layout: converted to fp16 exactly), page table kv_indptr [B+1], kv_indices, kv_last_page_len [B] (int32), P % 16 == 0.
 // Output: unnormalized partials o [B, HQ, NS, D] fp32, running max m and sum l [B, HQ, NS]
@@ -61,6 +71,10 @@
 #ifndef ROTKV_VMETA8  // 1: the values' scale and lo are e4m3 (one byte each), the keys' stay fp16
 #define ROTKV_VMETA8 0
 #endif
+#ifndef ROTKV_REFINE  // 1: the kernel reads the refine tier's rings (Params rk, rv; either may be null)
+#define ROTKV_REFINE 0
+#endif
+static_assert(!ROTKV_REFINE || ROTKV_VF16, "the refine tier's merged value codes need the fp16 value product");
 
 namespace {
 
@@ -88,7 +102,14 @@ struct Params {
   int* counters;   // [B * H] int32, zero between calls (or null: partials only)
   void* out;       // [B, HQ, D]
   int out_kind;    // 0 float32, 1 bfloat16, 2 float16
+  // the refine tier (ROTKV_REFINE): key and value rings uint8 [B, RK, H, P, D/4] (null: that side has
+  // none), RK slots per request, one refined page per RE body pages (RE >= 1)
+  const uint8_t* rk;
+  const uint8_t* rv;
+  int RK, RE;
 };
+
+template <bool B> struct Tag { static constexpr bool value = B; };
 
 DEVI uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t r;
@@ -469,6 +490,10 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
   const uint8_t* vs_t = reinterpret_cast<const uint8_t*>(p.vs) + g * VMETA_BYTES * NG;
   const uint8_t* vl_t = reinterpret_cast<const uint8_t*>(p.vl) + g * VMETA_BYTES * NG;
   int pslot = start + tok_lo / p.P, poff = tok_lo % p.P;  // page-table slot and offset of the next tile
+#if ROTKV_REFINE
+  // the request's first refined page (rotkv.quant.refine.refined_pages: its newest min(RK, ceil(n / RE)))
+  const int rfirst = npages - min(p.RK, (npages + p.RE - 1) / p.RE);
+#endif
 
   // one softmax step's registers: TILES tiles of 16 tokens (a tile never crosses a page: P % 16 == 0)
   struct Step {
@@ -476,6 +501,35 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
     uint32_t vw[TILES][4][VW];        // tokens 2t, 2t+1, 2t+8, 2t+9
     MetaT ksr[TILES][2], klr[TILES][2];    // raw fp16 metadata, tokens g, g+8
     VMetaT vsr[TILES][2], vlr[TILES][2];   // the values' (fp16 or e4m3)
+#if ROTKV_REFINE
+    uint32_t rkw[TILES][2][KW];       // the rings' words, as kw and vw (read only where rf says so)
+    uint32_t rvw[TILES][4][VW];
+    uint32_t rf;                      // bit 2 ti: tile ti's keys are refined, bit 2 ti + 1: its values
+#endif
+  };
+  // a tile's code words: keys (tokens g, g+8) and values (tokens 2t, 2t+1, 2t+8, 2t+9) at this thread's base
+  auto load_kw = [&](uint32_t (&kw)[2][KW], const uint8_t* kb) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if constexpr (KW == 1) {
+        kw[r][0] = *reinterpret_cast<const uint32_t*>(kb + 8 * r * NB);
+      } else {
+#pragma unroll
+        for (int w = 0; w < KW; w += 2) {
+          uint2 x = *reinterpret_cast<const uint2*>(kb + 8 * r * NB + 32 * (w >> 1));
+          kw[r][w] = x.x;
+          kw[r][w + 1] = x.y;
+        }
+      }
+    }
+  };
+  auto load_vw = [&](uint32_t (&vw)[4][VW], const uint8_t* vb) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+#pragma unroll
+      for (int w = 0; w < VW; ++w)
+        vw[u][w] = *reinterpret_cast<const uint32_t*>(vb + ((u & 1) + 8 * (u >> 1)) * NB + 32 * w);
+    }
   };
   // issue the loads of the step at blk (advances the page slot and offset)
   auto load = [&](Step& st, const int blk) {
@@ -485,6 +539,9 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
     auto& klr = st.klr;
     auto& vsr = st.vsr;
     auto& vlr = st.vlr;
+#if ROTKV_REFINE
+    st.rf = 0u;
+#endif
 #pragma unroll
     for (int ti = 0; ti < TILES; ++ti) {
       const int t0 = blk + 16 * ti;
@@ -498,18 +555,9 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
         const uint8_t* klb = kl_t + (uint64_t)row0 * (2 * NG);
         const uint8_t* vsb = vs_t + (uint64_t)row0 * (VMETA_BYTES * NG);
         const uint8_t* vlb = vl_t + (uint64_t)row0 * (VMETA_BYTES * NG);
+        load_kw(kw[ti], kb);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          if constexpr (KW == 1) {
-            kw[ti][r][0] = *reinterpret_cast<const uint32_t*>(kb + 8 * r * NB);
-          } else {
-#pragma unroll
-            for (int w = 0; w < KW; w += 2) {
-              uint2 x = *reinterpret_cast<const uint2*>(kb + 8 * r * NB + 32 * (w >> 1));
-              kw[ti][r][w] = x.x;
-              kw[ti][r][w + 1] = x.y;
-            }
-          }
           if (t0 + g + 8 * r < tok_hi) {  // beyond the split: zeros, so that p~ and p*lo stay 0
             const int mo = 8 * r * 2 * NG, vmo = 8 * r * VMETA_BYTES * NG;
             ksr[ti][r] = *reinterpret_cast<const MetaT*>(ksb + mo);
@@ -521,12 +569,23 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
             vsr[ti][r] = vlr[ti][r] = VMetaRaw<NG>::zero();
           }
         }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-#pragma unroll
-          for (int w = 0; w < VW; ++w)
-            vw[ti][u][w] = *reinterpret_cast<const uint32_t*>(vb + ((u & 1) + 8 * (u >> 1)) * NB + 32 * w);
+        load_vw(vw[ti], vb);
+#if ROTKV_REFINE
+        const int pidx = pslot - start;  // the tile's page index in its request
+        if (pidx >= rfirst) {            // a refined page: its ring slot pidx mod RK
+          // the tile's first ring row (the pointers and offsets recomputed here: no registers held)
+          const uint64_t rrow = (((uint64_t)b * (uint64_t)p.RK + (uint64_t)(pidx % p.RK)) * (uint64_t)p.H
+                                 + (uint64_t)h) * (uint64_t)p.P + (uint64_t)poff;
+          if (p.rk != nullptr) {  // this thread's words at K row g, as kc_t
+            load_kw(st.rkw[ti], p.rk + rrow * NB + (g * NB + KM::byte_off(t, 0)));
+            st.rf |= 1u << (2 * ti);
+          }
+          if (p.rv != nullptr) {  // at V row 2t, as vc_t
+            load_vw(st.rvw[ti], p.rv + rrow * NB + (2 * t * NB + VM::byte_off(g, 0)));
+            st.rf |= 2u << (2 * ti);
+          }
         }
+#endif
       }
       poff += 16;
       if (poff == p.P) poff = 0, ++pslot;
@@ -549,17 +608,31 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
       float d[NG][4];
 #pragma unroll
       for (int k = 0; k < NG; ++k) d[k][0] = d[k][1] = d[k][2] = d[k][3] = 0.f;
-      if (t0 < tok_hi) {
+      // the products of the tile's codes (R: refined, the ring's bits merged in: 4^i (4 h + j) <= 960, in place)
+      auto kdots = [&](auto rtag) {
+        constexpr bool R = decltype(rtag)::value;
 #pragma unroll
         for (int w = 0; w < KW; ++w) {
           // [byte 0, -, byte 1, -] and [byte 2, -, byte 3, -] of tokens g (r 0) and g+8 (r 1)
           const uint32_t x00 = prmt(kw[ti][0][w], 0u, 0x4140u), x10 = prmt(kw[ti][1][w], 0u, 0x4140u);
           const uint32_t x01 = prmt(kw[ti][0][w], 0u, 0x4342u), x11 = prmt(kw[ti][1][w], 0u, 0x4342u);
+          uint32_t y00 = 0u, y10 = 0u, y01 = 0u, y11 = 0u;  // the ring's, as x00..x11
+#if ROTKV_REFINE
+          if constexpr (R) {
+            y00 = prmt(st.rkw[ti][0][w], 0u, 0x4140u), y10 = prmt(st.rkw[ti][1][w], 0u, 0x4140u);
+            y01 = prmt(st.rkw[ti][0][w], 0u, 0x4342u), y11 = prmt(st.rkw[ti][1][w], 0u, 0x4342u);
+          }
+#endif
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             constexpr uint32_t M = 0x00030003u;
-            auto op = [&](uint32_t x) {
-              const uint32_t m = i == 0 ? x & M : i == 1 ? x & (M << 2) : i == 2 ? x & (M << 4) : x & (M << 6);
+            auto op = [&](uint32_t x, uint32_t y) {
+              uint32_t m = i == 0 ? x & M : i == 1 ? x & (M << 2) : i == 2 ? x & (M << 4) : x & (M << 6);
+              if constexpr (R) {  // 4^i (4 h + j): h two bits up, j in h's place
+                const uint32_t x4 = x << 2;
+                m = i == 0 ? and_or<M>(y, x4 & (M << 2)) : i == 1 ? and_or<(M << 2)>(y, x4 & (M << 4))
+                  : i == 2 ? and_or<(M << 4)>(y, x4 & (M << 6)) : and_or<(M << 6)>(y, x4 & (M << 8));
+              }
               if constexpr (ROTKV_QF16 == 1) {
                 return m;  // fp16 subnormal 4^i c * 2^-24
               } else {
@@ -568,38 +641,62 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
                 return *reinterpret_cast<const uint32_t*>(&z);  // 4^i c
               }
             };
-            mma_f16(d[(i * (D / 4) + KM::byte_off(0, w)) / G], op(x00), op(x10), op(x01), op(x11),
-                    qh0[4 * w + i], qh1[4 * w + i]);
+            mma_f16(d[(i * (D / 4) + KM::byte_off(0, w)) / G], op(x00, y00), op(x10, y10), op(x01, y01),
+                    op(x11, y11), qh0[4 * w + i], qh1[4 * w + i]);
           }
         }
-      }
+      };
 #else
       int d[NG][4];
 #pragma unroll
       for (int k = 0; k < NG; ++k) d[k][0] = d[k][1] = d[k][2] = d[k][3] = 0;
-      if (t0 < tok_hi) {
+      // the products of the tile's codes (R: refined, the ring's bits merged in: bytes 4 h + j)
+      auto kdots = [&](auto rtag) {
+        constexpr bool R = decltype(rtag)::value;
 #pragma unroll
         for (int cc = 0; cc < NCH; ++cc) {
           const int gi = (32 * cc) / G;
           const uint32_t lw0 = kw[ti][0][KM::lo_word(cc)], lw1 = kw[ti][1][KM::lo_word(cc)];
           const uint32_t hw0 = kw[ti][0][KM::hi_word(cc)], hw1 = kw[ti][1][KM::hi_word(cc)];
           const int pl = 2 * KM::lo_plane(cc), ph = 2 * KM::hi_plane(cc);  // constants once unrolled
-          const uint32_t a0 = (lw0 >> pl) & 0x03030303u, a1 = (lw1 >> pl) & 0x03030303u;
-          const uint32_t a2 = (hw0 >> ph) & 0x03030303u, a3 = (hw1 >> ph) & 0x03030303u;
+          uint32_t a0 = (lw0 >> pl) & 0x03030303u, a1 = (lw1 >> pl) & 0x03030303u;
+          uint32_t a2 = (hw0 >> ph) & 0x03030303u, a3 = (hw1 >> ph) & 0x03030303u;
+#if ROTKV_REFINE
+          if constexpr (R) {
+            const uint32_t rl0 = st.rkw[ti][0][KM::lo_word(cc)], rl1 = st.rkw[ti][1][KM::lo_word(cc)];
+            const uint32_t rh0 = st.rkw[ti][0][KM::hi_word(cc)], rh1 = st.rkw[ti][1][KM::hi_word(cc)];
+            a0 = and_or<0x03030303u>(rl0 >> pl, a0 << 2), a1 = and_or<0x03030303u>(rl1 >> pl, a1 << 2);
+            a2 = and_or<0x03030303u>(rh0 >> ph, a2 << 2), a3 = and_or<0x03030303u>(rh1 >> ph, a3 << 2);
+          }
+#endif
           mma_s8(d[gi], a0, a1, a2, a3, qb0[cc], qb1[cc]);
         }
-      }
+      };
 #endif
+      // a refined tile: scale s / 4 and minimum lo - 3 s / 8 (its products read 4 h + j)
+      bool rk_on = false;
+#if ROTKV_REFINE
+      rk_on = (st.rf >> (2 * ti)) & 1u;
+#endif
+      if (t0 < tok_hi) {
+        if (rk_on) kdots(Tag<ROTKV_REFINE != 0>{});
+        else kdots(Tag<false>{});
+      }
       float ksf[2][NG], lot[2][2];  // token scales; the lo term sum_g lo_g * sum(q_g) per (token, head)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
+        float klo[NG];
 #pragma unroll
-        for (int k = 0; k < NG; ++k) ksf[r][k] = meta_at<NG>(ksr[ti][r], k);
+        for (int k = 0; k < NG; ++k) {
+          ksf[r][k] = meta_at<NG>(ksr[ti][r], k);
+          klo[k] = meta_at<NG>(klr[ti][r], k);
+          if (rk_on) klo[k] -= 0.375f * ksf[r][k], ksf[r][k] *= 0.25f;
+        }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           float x = 0.f;
 #pragma unroll
-          for (int k = 0; k < NG; ++k) x += meta_at<NG>(klr[ti][r], k) * qsg[j][k];
+          for (int k = 0; k < NG; ++k) x += klo[k] * qsg[j][k];
           lot[r][j] = x;
         }
       }
@@ -654,14 +751,21 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
         l_run[j] += pr[e];
       }
       uint32_t pb0[NG], pb1[NG];
+      // a refined tile: P~ = p * s / 4 and minimum lo - 3 s / 8 (its value operands read 4 h + j)
+      bool rv_on = false;
+#if ROTKV_REFINE
+      rv_on = (st.rf >> (2 * ti + 1)) & 1u;
+#endif
 #if ROTKV_VF16
       // p rounded to fp16 once, then p * s_v per group by one HMUL2 per token row (s_v is fp16 already)
-      const __half2 p01 = __floats2half2_rn(pr[0], pr[1]), p23 = __floats2half2_rn(pr[2], pr[3]);
+      const float pq = rv_on ? 0.25f : 1.f;
+      const __half2 p01 = __floats2half2_rn(pr[0] * pq, pr[1] * pq), p23 = __floats2half2_rn(pr[2] * pq, pr[3] * pq);
 #endif
 #pragma unroll
       for (int k = 0; k < NG; ++k) {
         // P~[tok][head] for tokens g (row 0) and g+8 (row 1), heads 2t, 2t+1, then transposed
-        const float vl0 = vmeta_at<NG>(vlr[ti][0], k), vl1 = vmeta_at<NG>(vlr[ti][1], k);
+        float vl0 = vmeta_at<NG>(vlr[ti][0], k), vl1 = vmeta_at<NG>(vlr[ti][1], k);
+        if (rv_on) vl0 -= 0.375f * vmeta_at<NG>(vsr[ti][0], k), vl1 -= 0.375f * vmeta_at<NG>(vsr[ti][1], k);
 #if ROTKV_VF16
         const __half2 t0 = __hmul2(p01, __half2half2(vmeta_half<NG>(vsr[ti][0], k)));
         const __half2 t1 = __hmul2(p23, __half2half2(vmeta_half<NG>(vsr[ti][1], k)));
@@ -690,20 +794,50 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
 #pragma unroll
             for (int u2 = 0; u2 < 2; ++u2)
               wp[sl][bi][r][u2] = prmt(vw[ti][2 * u2][sl], vw[ti][2 * u2 + 1][sl], vsel[bi][r]);
+      // the products (R: refined, the ring's bits merged in: fp16 1024 + 4^i (4 h + j), every plane in place)
+      auto vdots = [&](auto rtag) {
+        constexpr bool R = decltype(rtag)::value;
+        uint32_t yp[VW][VM::BPS][2][2];  // the ring's, as wp (R only)
+#if ROTKV_REFINE
+        if constexpr (R) {
 #pragma unroll
-      for (int mt = 0; mt < NMT; ++mt) {
-        const int gi = VM::dim_base(mt) / G;
-        const int sl = VM::slot(mt), bi = VM::bpi(mt);
-        constexpr uint32_t M = 0x00030003u;
-        const int pl = VM::plane(mt);
-        auto op = [&](uint32_t w) {
-          return pl == 0 ? and_or<M>(w, F16_EXP) : pl == 1 ? and_or<(M << 2)>(w, F16_EXP)
-               : pl == 2 ? and_or<(M << 4)>(w, F16_EXP) : and_or<(M << 6)>(w, F16_EXP);
-        };
-        const uint32_t a0 = op(wp[sl][bi][0][0]), a1 = op(wp[sl][bi][1][0]);
-        const uint32_t a2 = op(wp[sl][bi][0][1]), a3 = op(wp[sl][bi][1][1]);
-        mma_v(acc[mt], a0, a1, a2, a3, pb0[gi], pb1[gi]);
-      }
+          for (int sl = 0; sl < VW; ++sl)
+#pragma unroll
+            for (int bi = 0; bi < VM::BPS; ++bi)
+#pragma unroll
+              for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int u2 = 0; u2 < 2; ++u2)
+                  yp[sl][bi][r][u2] = prmt(st.rvw[ti][2 * u2][sl], st.rvw[ti][2 * u2 + 1][sl], vsel[bi][r]);
+        }
+#endif
+#pragma unroll
+        for (int mt = 0; mt < NMT; ++mt) {
+          const int gi = VM::dim_base(mt) / G;
+          const int sl = VM::slot(mt), bi = VM::bpi(mt);
+          constexpr uint32_t M = 0x00030003u;
+          const int pl = VM::plane(mt);
+          auto op = [&](uint32_t w, uint32_t y) {
+            if constexpr (R) {  // h two bits up, j in h's place
+              const uint32_t w4 = w << 2;
+              return pl == 0 ? and_or<M>(y, and_or<(M << 2)>(w4, F16_EXP))
+                   : pl == 1 ? and_or<(M << 2)>(y, and_or<(M << 4)>(w4, F16_EXP))
+                   : pl == 2 ? and_or<(M << 4)>(y, and_or<(M << 6)>(w4, F16_EXP))
+                             : and_or<(M << 6)>(y, and_or<(M << 8)>(w4, F16_EXP));
+            } else {
+              return pl == 0 ? and_or<M>(w, F16_EXP) : pl == 1 ? and_or<(M << 2)>(w, F16_EXP)
+                   : pl == 2 ? and_or<(M << 4)>(w, F16_EXP) : and_or<(M << 6)>(w, F16_EXP);
+            }
+          };
+          const uint32_t a0 = op(wp[sl][bi][0][0], R ? yp[sl][bi][0][0] : 0u);
+          const uint32_t a1 = op(wp[sl][bi][1][0], R ? yp[sl][bi][1][0] : 0u);
+          const uint32_t a2 = op(wp[sl][bi][0][1], R ? yp[sl][bi][0][1] : 0u);
+          const uint32_t a3 = op(wp[sl][bi][1][1], R ? yp[sl][bi][1][1] : 0u);
+          mma_v(acc[mt], a0, a1, a2, a3, pb0[gi], pb1[gi]);
+        }
+      };
+      if (rv_on) vdots(Tag<ROTKV_REFINE != 0>{});
+      else vdots(Tag<false>{});
 #else
 #pragma unroll
       for (int mt = 0; mt < NMT; ++mt) {
@@ -905,7 +1039,8 @@ extern "C" int rotkv_int2_decode(int d, int ng, int tiles, int minb, const void*
                                  const void* kl, const void* vc, const void* vs, const void* vl, const void* indptr,
                                  const void* indices, const void* last, void* o, void* m, void* l, int n_batch, int H,
                                  int HQ, int P, int NS, int n_splits, int tokens_per_split, float qk_scale,
-                                 int fuse, void* counters, void* out, int out_kind, void* stream) {
+                                 int fuse, void* counters, void* out, int out_kind, const void* rk,
+                                 const void* rv, int RK, int RE, void* stream) {
   if (HQ % H) return -1;
   Params p;
   p.q = (const __nv_bfloat16*)q;
@@ -934,6 +1069,11 @@ extern "C" int rotkv_int2_decode(int d, int ng, int tiles, int minb, const void*
   p.counters = (int*)counters;
   p.out = out;
   p.out_kind = out_kind;
+  p.rk = (const uint8_t*)rk;
+  p.rv = (const uint8_t*)rv;
+  p.RK = RK;
+  p.RE = RE;
+  if ((rk || rv) && (!ROTKV_REFINE || RK < 1 || RE < 1)) return -4;
   if (fuse && (n_splits % 4 || (counters && (NS > MERGE_MAX_SLOTS || !out || out_kind < 0 || out_kind > 2)))) return -2;
   if (d != ROTKV_D || ng != ROTKV_NG || tiles != ROTKV_TILES || minb != ROTKV_MINB) return -3;
   if (p.rep > 8 || P % 16 || tokens_per_split % (16 * tiles)) return -1;
