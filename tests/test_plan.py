@@ -113,3 +113,57 @@ def test_build_lists_follow_the_plans():
     writes, note = P.write_builds_for(128, 64)
     assert note is None and [w[0] for w in writes] == [True, False]
     assert P.write_builds_for(128, 16) == ([], "write: group_size 16 is not a multiple of 32 (Triton runs)")
+
+
+def test_refine_split_kernel_runs_one_cuda_launch():
+    """``refine_split=kernel``: a refined body whose plain launch is the CUDA kernel runs that kernel reading the
+    tier itself (its ROTKV_REFINE build), no split; where its build cannot (the bf16 value product) the call
+    splits as with "1"; where the body kernel is Triton, v1 reads every page; the default "1" still splits."""
+    from rotkv import switches
+
+    cfg = P.DecodeConfig(small_work=0)
+    variant = P.cuda_variant(cfg, 64, 1)
+
+    def plan(mode, cfg=cfg, main="cuda", refine=(True, True)):
+        with switches.override(refine_split=mode):
+            p = P.DecodePlan(_layout(d=64), 6, 64, CUDA_DEV, cfg, refine)
+        # the plain plan's launch, set here (resolving it would build the CUDA library)
+        p._main = P.Launch("cuda", cfg, cuda_variant=P.cuda_variant(cfg, 64, 1)) if main == "cuda" \
+            else P.Launch("triton", cfg)
+        return p
+
+    own = plan("kernel")
+    launch = own.launch(10**6)
+    assert launch.kernel == "cuda" and launch.refine and launch.cuda_variant == variant and "+refine" in launch.name
+    assert own.refine_split(10**6) is None and own.launch(10**6) is launch  # one launch, cached
+    assert own.launch(0) == own._tier and not own.launch(0).refine  # no body tokens: the tier alone
+    for sides in ((True, False), (False, True)):
+        assert plan("kernel", refine=sides).launch(10**6).refine
+    assert not plan("kernel", refine=(False, False)).launch(10**6).refine  # no tier: the plain CUDA launch
+    assert "reads the tier itself" in own.describe()
+    # the default splits: v1 over the refined pages, the CUDA kernel (not reading the tier) over the others
+    split = plan("1")
+    assert not split.launch(10**6).refine and split.refine_split(10**6).rest == "cuda"
+    # the bf16 value product cannot take the merged codes: the split
+    bf16v = dataclasses_replace(cfg, cuda_value_f16=False)
+    p = plan("kernel", cfg=bf16v)
+    assert P.cuda_refine_reason(P.cuda_variant(bf16v, 64, 1)) is not None
+    assert not p.launch(10**6).refine and p.refine_split(10**6).rest == "cuda"
+    # a Triton body kernel: v1 reads every page
+    tri = plan("kernel", main="triton")
+    assert tri.refine_split(10**6) is None and tri.launch(10**6) is tri.refine_launch
+    # the pure functions
+    cuda = P.Launch("cuda", cfg, cuda_variant=variant)
+    assert P.plan_refine_kernel(cuda, "kernel").refine
+    assert all(P.plan_refine_kernel(cuda, m) is None for m in ("0", "1", "reference"))
+    assert P.plan_refine_kernel(P.Launch("triton", cfg), "kernel") is None
+    assert P.plan_refine_split(cuda, "kernel", P.Launch("triton", cfg)) is None
+    with pytest.raises(ValueError, match="refine_split"):
+        with switches.override(refine_split="split"):
+            pass
+
+
+def dataclasses_replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)

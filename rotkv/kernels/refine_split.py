@@ -17,7 +17,8 @@ Which calls split is decided with the rest of the plan (``rotkv.kernels.plan``: 
 :func:`~rotkv.kernels.plan.plan_refine_split`) from the ``refine_split`` switch (``ROTKV_TUNING``): ``1``
 (the default) splits where the main launch is the CUDA kernel, ``0`` never, ``reference`` splits
 everywhere with :func:`rest_partials_reference`, the PyTorch reference, in place of the main kernel:
-the CPU tests' stand-in. ``rotkv.kernels.decode.decode_attention`` runs the
+the CPU tests' stand-in; ``kernel`` splits nothing where the CUDA kernel can read the tier itself (its
+ROTKV_REFINE build, :func:`~rotkv.kernels.plan.plan_refine_kernel`): one launch over every page. ``rotkv.kernels.decode.decode_attention`` runs the
 plan's split; this module holds that reference.
 """
 
