@@ -78,7 +78,11 @@ DECODE_VARIANTS = [(*v, 1, 8) for v in [(64, 1, 1, 4, 1), (64, 2, 1, 4, 1), (128
                    # e4m3 value metadata (oscar-mix's INT2 layers): the defaults of each head_dim and group count
                    (64, 1, 1, 4, 1, 1, 8, 1, 1), (64, 2, 1, 4, 1, 1, 8, 1, 1), (128, 2, 1, 4, 1, 1, 8, 0, 1),
                    (128, 4, 1, 3, 1, 1, 8, 0, 1), (256, 4, 1, 2, 1, 1, 8, 0, 1), (256, 8, 1, 2, 0, 1, 8, 0, 1),
-                   (128, 2, 1, 4, 1, 0, 0, 0, 1)]
+                   (128, 2, 1, 4, 1, 0, 0, 0, 1)] + [
+                   # the refine builds (ROTKV_REFINE, refine_split=kernel) that fit: head_dim 64's defaults; at
+                   # head_dim 128 with 2 groups without prefetch or at 3 blocks per SM (the default spills)
+                   (64, 1, 1, 4, 1, 1, 8, 1, 1, 1), (64, 2, 1, 4, 1, 1, 8, 1, 1, 1), (64, 1, 1, 4, 1, 1, 8, 1, 0, 1),
+                   (128, 2, 1, 4, 0, 1, 8, 0, 1, 1), (128, 2, 1, 3, 1, 1, 8, 0, 1, 1)]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
