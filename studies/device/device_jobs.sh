@@ -13,7 +13,7 @@
 #             path and oscar-aqua, per-token distributions of the GPU kernel path and the GPU PyTorch path against the
 #             CPU PyTorch path, 2 windows of 2048 tokens then 256 teacher-forced, bounded by the KL of rounding every
 #             attention output to bf16 (small artifacts calibrated in the test; about 20 minutes: poll across calls)
-#   split     the step of oscar-refine +graph+compile without and with the split (ROTKV_TUNING=refine_split=0/1) beside
+#   split     the step of oscar-refine +graph+compile without and with the split (ROTKV_TUNING=refine_split=SPLIT_MODES, default "0 1"; "kernel": the CUDA kernel reads the tier) beside
 #             oscar-mix and bf16 +graph+compile: `rotkv bench`, real SmolLM2 64 x 8K; then the Qwen3-8B shape
 #             (random weights, 8 layers, 16 x 32K): quarot-int2 with oscar-refine's tiers (sink 4, window 32, share
 #             1/64, 224 refined tokens, keys and values, one page per 19) without and with the split, beside the same
@@ -67,7 +67,8 @@ REFINE_TIERS="sink=4,window=32,window_share=0.015625,meta_v=float8,refine_tokens
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 if want tests; then stage tests
 timeout 420 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_jobs.py tests/kernels/test_refine_split.py \
-  tests/kernels/test_refine_kernel.py tests/kernels/test_backend.py -k "job or split or refine or graph or flush" \
+  tests/kernels/test_refine_kernel.py tests/kernels/test_refine_cuda.py tests/kernels/test_cuda_build.py \
+  tests/kernels/test_backend.py -k "job or split or refine or graph or flush or cuda" \
   > "$R/tests-jobs.log" 2>&1
 echo "tests rc=$?"; tail -3 "$R/tests-jobs.log"; fi
 if want gpucpu; then stage gpucpu
@@ -75,7 +76,7 @@ timeout 2400 python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_gpu_
 echo "gpucpu rc=$?"; grep -E "own KL|passed|failed|Error" "$R/tests-gpucpu.log" | tail -14; fi
 if want split; then stage split
 if gguf split; then
-for mode in 0 1; do
+for mode in ${SPLIT_MODES:-0 1}; do
   ROTKV_TUNING=refine_split=$mode timeout 300 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" \
     --batch 64 --context 8160 --new-tokens 32 --methods rotkv:oscar-refine+graph+compile \
     --artifact artifacts/oscar-mix-long.safetensors --out "$R/generate-split$mode-refine-smollm2.json" >> "$R/split.log" 2>&1
@@ -86,7 +87,7 @@ timeout 300 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --contex
   --out "$R/generate-split-mix-smollm2.json" >> "$R/split.log" 2>&1
 echo "split oscar-mix bf16 rc=$?"; grep "^| 64 x" "$R/split.log" | tail -2
 fi
-for mode in 0 1; do
+for mode in ${SPLIT_MODES:-0 1}; do
   ROTKV_TUNING=refine_split=$mode timeout 300 python3 -m rotkv.cli bench --random qwen3-8b --layers 8 --batch 16 --context 32768 \
     --new-tokens 32 --methods rotkv:quarot-int2+graph+compile --sink 4 --window 32 --window-share 0.015625 --refine-tokens 224 \
     --refine-values --refine-every 19 --out "$R/generate-split$mode-refine-qwen8L.json" >> "$R/split.log" 2>&1
