@@ -8,7 +8,8 @@
 # SmolLM2) for gpucpu, split's and stepprof's real rows, aquastep, niah48 and jobsmol (without it those rows are skipped). Stages (results under ~/jobs, copied to $OUT by every poll):
 #   tests     the GPU tests of this work: the continuous-batching job in a CUDA graph against the eager job, the
 #             refine split with the CUDA kernel as the rest (tests/kernels/test_refine_split.py runs it against the
-#             PyTorch reference), the flush graph per bucket, the refine kernel's tests (about 4 minutes)
+#             PyTorch reference), the flush graph per bucket, the refine kernel's tests (about 4 minutes; TEST_FILES and
+#             TEST_K pick fewer)
 #   gpucpu    GPU = CPU on the real SmolLM2 (tests/kernels/test_gpu_equals_cpu.py): for every preset with a kernel
 #             path and oscar-aqua, per-token distributions of the GPU kernel path and the GPU PyTorch path against the
 #             CPU PyTorch path, 2 windows of 2048 tokens then 256 teacher-forced, bounded by the KL of rounding every
@@ -66,10 +67,9 @@ MIX_TIERS="sink=16,window=32,window_share=0.015625,meta_v=float8"  # as job_reas
 REFINE_TIERS="sink=4,window=32,window_share=0.015625,meta_v=float8,refine_tokens=224,refine_values=true,refine_every=19"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 if want tests; then stage tests
-timeout 420 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_jobs.py tests/kernels/test_refine_split.py \
-  tests/kernels/test_refine_kernel.py tests/kernels/test_refine_cuda.py \
-  tests/kernels/test_backend.py -k "job or split or refine or graph or flush or cuda" \
-  > "$R/tests-jobs.log" 2>&1
+timeout 420 python3 -m pytest -q -n 8 -p no:cacheprovider ${TEST_FILES:-tests/test_jobs.py tests/kernels/test_refine_split.py \
+  tests/kernels/test_refine_kernel.py tests/kernels/test_refine_cuda.py tests/kernels/test_backend.py} \
+  -k "${TEST_K:-job or split or refine or graph or flush or cuda}" > "$R/tests-jobs.log" 2>&1
 echo "tests rc=$?"; tail -3 "$R/tests-jobs.log"; fi
 if want gpucpu; then stage gpucpu
 timeout 2400 python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_gpu_equals_cpu.py > "$R/tests-gpucpu.log" 2>&1
