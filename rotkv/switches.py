@@ -28,7 +28,7 @@ BACKENDS = ("auto", "cuda", "triton")
 SCORES = ("auto", "bf16", "int8")
 OWN_BASES = ("gpu", "always", "never")
 ROTATION_MATHS = ("auto", "fp32", "bf16x2")
-REFINE_SPLITS = ("0", "1", "reference", "kernel")
+REFINE_SPLITS = ("0", "1", "reference", "kernel", "auto")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -53,8 +53,9 @@ class Switches:
     # the refine split (rotkv.kernels.refine_split): "1" the v1 kernel reads only the refined pages where the
     # body kernel is CUDA, "reference" everywhere with the PyTorch reference as the rest's kernel, "0" never;
     # "kernel": no split where the body kernel is CUDA, that kernel reads the refine tier itself in one launch
-    # (its ROTKV_REFINE build; where its build cannot, as "1"), elsewhere v1 reads every page
-    refine_split: str = "1"
+    # (its ROTKV_REFINE build; where its build cannot, as "1"), elsewhere v1 reads every page; "auto" (the
+    # default): "kernel" at the head dims of rotkv.kernels.plan.AUTO_REFINE_HEAD_DIMS, "1" at the others
+    refine_split: str = "auto"
     prefill_own_basis: str = "gpu"  # where a prefill chunk's own tokens attend in the model's basis
     rotation_math: str = "auto"  # auto: bf16x2 for bf16 CUDA tensors, else fp32; or always one of them
     # the vLLM backend's graphed decode step: q, k and v rotated in one launch, keys and values flushed in one
@@ -165,7 +166,7 @@ RETIRED = {
     "ROTKV_FP8_KERNELS": "fp8_kernels=<0|1>",
     "ROTKV_CUDA_WRITE_FP8": "cuda_write_fp8=<0|1>",
     "ROTKV_REFINE_KERNEL": "refine_kernel=<0|1>",
-    "ROTKV_REFINE_SPLIT": "refine_split=<0|1|reference|kernel>",
+    "ROTKV_REFINE_SPLIT": "refine_split=<0|1|reference|kernel|auto>",
     "ROTKV_PREFILL_OWN_BASIS": "prefill_own_basis=<gpu|always|never>",
     "ROTKV_ROTATION_MATH": "rotation_math=<auto|fp32|bf16x2>",
     "ROTKV_WRITE_REDUX": "write_redux=<0|1>",

@@ -163,6 +163,28 @@ def test_refine_split_kernel_runs_one_cuda_launch():
             pass
 
 
+def test_refine_split_auto_reads_the_tier_in_the_cuda_kernel_at_head_dim_64_only():
+    """The default, ``refine_split=auto``: the CUDA kernel reads the refine tier itself at the head dims of
+    ``AUTO_REFINE_HEAD_DIMS`` (64), and the call splits at head_dim 128 (whose refine build spills registers)."""
+    from rotkv import switches
+
+    assert switches.Switches().refine_split == "auto" and P.AUTO_REFINE_HEAD_DIMS == (64,)
+    cfg = P.DecodeConfig(small_work=0)
+    for d, reads in ((64, True), (128, False)):
+        variant = P.cuda_variant(cfg, d, d // 64)  # _layout's group size is 64
+        with switches.override(refine_split="auto"):
+            p = P.DecodePlan(_layout(d=d), 6, d, CUDA_DEV, cfg, (True, True))
+        p._main = P.Launch("cuda", cfg, cuda_variant=variant)  # set here: resolving it would build the library
+        launch = p.launch(10**6)
+        assert launch.kernel == "cuda" and launch.refine is reads, (d, launch)
+        split = p.refine_split(10**6)
+        assert (split is None) if reads else (split.rest == "cuda"), (d, split)
+        assert ("at head_dim 64" in p.describe()) and ("reads the tier itself" in p.describe())
+        # "kernel" reads it at every head dim, "1" at none
+        assert P.plan_refine_kernel(P.Launch("cuda", cfg, cuda_variant=variant), "kernel").refine
+        assert P.plan_refine_kernel(P.Launch("cuda", cfg, cuda_variant=variant), "1") is None
+
+
 def dataclasses_replace(cfg, **kw):
     import dataclasses
 

@@ -400,11 +400,19 @@ def cuda_refine_reason(variant: tuple) -> str | None:
     return None
 
 
+# head dims whose refine builds the default ("auto") gives the refine tier: their builds keep the plain build's
+# registers without spills; at head_dim 128 the default (prefetching) build spills and "auto" keeps the split
+AUTO_REFINE_HEAD_DIMS = (64,)
+
+
 def plan_refine_kernel(launch: Launch, mode: str) -> Launch | None:
     """The launch that reads a refined body in one CUDA launch, no split: ``launch`` (the plain plan's, over
-    the body) reading the tier itself, where ``mode`` (the ``refine_split`` switch) is "kernel", ``launch``
-    is the CUDA kernel and its build can (:func:`cuda_refine_reason`); else None."""
-    if mode == "kernel" and launch.kernel == "cuda" and cuda_refine_reason(launch.cuda_variant) is None:
+    the body) reading the tier itself, where ``launch`` is the CUDA kernel, its build can
+    (:func:`cuda_refine_reason`) and ``mode`` (the ``refine_split`` switch) asks for it: "kernel" at every
+    head_dim, "auto" (the default) at :data:`AUTO_REFINE_HEAD_DIMS`; else None."""
+    if launch.kernel != "cuda" or cuda_refine_reason(launch.cuda_variant) is not None:
+        return None
+    if mode == "kernel" or (mode == "auto" and launch.cuda_variant[0] in AUTO_REFINE_HEAD_DIMS):
         return dataclasses.replace(launch, refine=True)
     return None
 
@@ -413,12 +421,13 @@ def plan_refine_split(launch: Launch, mode: str, refined: Launch) -> RefineSplit
     """The split of a call over a refined body whose plain plan runs ``launch`` over the body, or None
     (``refined``, the v1 kernel, reads every page, or the CUDA kernel reads them all itself:
     :func:`plan_refine_kernel`): ``mode``, the ``refine_split`` switch: "1" splits where ``launch`` is the
-    CUDA kernel, "kernel" too where that kernel's build cannot read the tier, "reference" always, "0" never."""
+    CUDA kernel, "kernel" and "auto" too where that kernel does not read the tier itself, "reference" always,
+    "0" never."""
     if mode == "reference":
         return RefineSplit("reference", refined)
     if mode == "1" and launch.kernel == "cuda":
         return RefineSplit("cuda", refined)
-    if mode == "kernel" and launch.kernel == "cuda" and plan_refine_kernel(launch, mode) is None:
+    if mode in ("kernel", "auto") and launch.kernel == "cuda" and plan_refine_kernel(launch, mode) is None:
         return RefineSplit("cuda", refined)
     if mode not in switches.REFINE_SPLITS:
         raise ValueError(f"the refine split mode has to be one of {list(switches.REFINE_SPLITS)} but got {mode!r}")
@@ -547,7 +556,7 @@ class DecodePlan:
         else v1), unless the call splits (:meth:`refine_split`): then the one that reads the unrefined pages."""
         if work > 0 and self.refine_launch is not None:
             plain = self._plain(work)
-            if plain.kernel == "cuda" and self.split_mode == "kernel":  # plain is main (the one CUDA launch)
+            if plain.kernel == "cuda" and self.split_mode in ("kernel", "auto"):  # plain is main (one CUDA launch)
                 if self._refine_main is None:
                     self._refine_main = plan_refine_kernel(plain, self.split_mode) or plain
                 if self._refine_main.refine:
@@ -580,9 +589,10 @@ class DecodePlan:
             if self.split_mode == "1":
                 return (f"{self.refine_launch.name} (reads the refine tier; over the refined pages only where the "
                         "body kernel is CUDA, which reads the others)")
-            if self.split_mode == "kernel":
+            if self.split_mode in ("kernel", "auto"):
+                where = "" if self.split_mode == "kernel" else f" at head_dim {'/'.join(map(str, AUTO_REFINE_HEAD_DIMS))}"
                 return (f"{self.refine_launch.name} (reads the refine tier) where the body kernel is not CUDA; the "
-                        "CUDA kernel reads the tier itself where its build can (the fp16 value product), else "
+                        f"CUDA kernel reads the tier itself{where} where its build can (the fp16 value product), else "
                         "over the unrefined pages beside v1")
             return f"{self.refine_launch.name} (reads the refine tier)"
         if self._main is not None:

@@ -15,11 +15,12 @@ launch keeps its fixed grid (a CUDA graph captures both).
 
 Which calls split is decided with the rest of the plan (``rotkv.kernels.plan``: ``DecodePlan.refine_split``,
 :func:`~rotkv.kernels.plan.plan_refine_split`) from the ``refine_split`` switch (``ROTKV_TUNING``): ``1``
-(the default) splits where the main launch is the CUDA kernel, ``0`` never, ``reference`` splits
-everywhere with :func:`rest_partials_reference`, the PyTorch reference, in place of the main kernel:
-the CPU tests' stand-in; ``kernel`` splits nothing where the CUDA kernel can read the tier itself (its
-ROTKV_REFINE build, :func:`~rotkv.kernels.plan.plan_refine_kernel`): one launch over every page. ``rotkv.kernels.decode.decode_attention`` runs the
-plan's split; this module holds that reference.
+splits where the main launch is the CUDA kernel, ``0`` never, ``reference`` splits everywhere with
+:func:`rest_partials_reference`, the PyTorch reference, in place of the main kernel: the CPU tests'
+stand-in; ``kernel`` splits nothing where the CUDA kernel can read the tier itself (its ROTKV_REFINE
+build, :func:`~rotkv.kernels.plan.plan_refine_kernel`): one launch over every page; ``auto`` (the
+default) is ``kernel`` at the head dims of ``rotkv.kernels.plan.AUTO_REFINE_HEAD_DIMS`` and ``1`` at the
+others. ``rotkv.kernels.decode.decode_attention`` runs the plan's split; this module holds that reference.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ REST = rs.rest_partials_reference
 
 def test_plan_refine_split(setenv):
     """The split is the plan's: plan_refine_split of the launch the body would run without the tier, under
-    the ``refine_split`` switch (ROTKV_TUNING; off by default until it has run on a GPU)."""
+    the ``refine_split`` switch (ROTKV_TUNING)."""
     from rotkv.kernels.body import PagedBody
 
     v1 = Launch("triton", kplan.DecodeConfig())
