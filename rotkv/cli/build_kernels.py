@@ -60,6 +60,7 @@ def _arch(args) -> str:
 def run(args) -> int:
     from rotkv.kernels import nvcc as nvcc_build
     from rotkv.kernels import prebuild
+    from rotkv.quant.quantizer import META_DTYPES
 
     if args.jobs < 1:
         raise UsageError(f"--jobs has to be >= 1 but got {args.jobs}")
@@ -74,7 +75,9 @@ def run(args) -> int:
         raise UsageError(f"--arch {arch}: the CUDA kernels need compute capability 8.0 or newer")
     g = spec.resolved_group(d)
     try:
-        builds, notes = prebuild.builds(d, g, spec.bits, rotate=spec.rotation != "identity")
+        builds, notes = prebuild.builds(d, g, spec.bits, rotate=spec.rotation != "identity",
+                                        value_meta=META_DTYPES[spec.meta_v] if spec.meta_v else None,
+                                        refine=bool(spec.refine_tokens))
     except ValueError as e:
         raise UsageError(f"--head-dim / --group-size: {e}") from None
     if spec.k_bits is not None:

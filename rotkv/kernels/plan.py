@@ -792,12 +792,16 @@ def _write_plan(d, g, dtype, device, x_ok, part_ok, rotate, clipping, backend, r
 
 
 # ---- ahead-of-time builds ------------------------------------------------------------------------
-def decode_builds_for(head_dim: int, group_size: int, bits: int = 2,
-                      cfg: DecodeConfig | None = None) -> tuple[tuple | None, str | None]:
+def decode_builds_for(head_dim: int, group_size: int, bits: int = 2, cfg: DecodeConfig | None = None,
+                      value_meta: torch.dtype = torch.float16,
+                      refine: bool = False) -> tuple[tuple | None, str | None]:
     """(CUDA decode variant, None) where the default plan runs the CUDA body kernel for a body of
-    this shape (page size 16, GQA group <= 8, on an sm_80+ GPU), else (None, a note on what runs)."""
+    this shape (page size 16, GQA group <= 8, on an sm_80+ GPU), else (None, a note on what runs).
+    ``value_meta``: the values' metadata dtype (e4m3: its own build); ``refine``: the body has a refine
+    tier, and the variant is the build that reads it where the ``refine_split`` switch has the CUDA kernel
+    read it (:func:`plan_refine_kernel`; else the plain build, beside the Triton v1 kernel)."""
     cfg = cfg or DecodeConfig()
-    layout = BodyLayout(head_dim, 1, 16, 1, (bits, bits), (group_size, group_size), (torch.float16,) * 2,
+    layout = BodyLayout(head_dim, 1, 16, 1, (bits, bits), (group_size, group_size), (torch.float16, value_meta),
                         ("token", "token"), True, "cuda")
     score = resolve_score(cfg, head_dim)
     if bits not in CUDA_DECODE_WIDTHS:
@@ -805,7 +809,10 @@ def decode_builds_for(head_dim: int, group_size: int, bits: int = 2,
     why = cuda_decode_reason(layout, 1, score)
     if why:
         return None, f"decode: {why} (Triton runs)"
-    return cuda_variant(cfg, head_dim, head_dim // group_size, score), None
+    variant = cuda_variant(cfg, head_dim, head_dim // group_size, score, value_meta)
+    if refine and plan_refine_kernel(Launch("cuda", cfg, cuda_variant=variant), _switches().refine_split):
+        variant = (*variant, 1)  # cuda_decode.VARIANT_MACROS: ROTKV_REFINE
+    return variant, None
 
 
 def write_builds_for(head_dim: int, group_size: int, rotate: bool = True,

@@ -37,21 +37,27 @@ class Build:
         return nvcc_build.cache_dir() / f"{self.stem}-{tag}-{self.key(arch)}-sm{arch}.so"
 
 
-def builds(head_dim: int, group_size: int, bits: int = 2, rotate: bool = True) -> tuple[list[Build], list[str]]:
+def builds(head_dim: int, group_size: int, bits: int = 2, rotate: bool = True, value_meta=None,
+           refine: bool = False) -> tuple[list[Build], list[str]]:
     """The CUDA builds that the default decode and write plans (``rotkv.kernels.plan``) run at this
     shape, and notes on the paths that take Triton kernels instead (Triton compiles on the GPU at
     first use; nothing to do here).
 
     ``bits``: the body's width; ``rotate``: whether the preset rotates keys or values (the write
     kernel then runs the rotating variant as well as the plain one, which flushes tiers that were
-    rotated when they were written)."""
+    rotated when they were written); ``value_meta``: the values' metadata dtype (default float16;
+    e4m3 has its own decode build); ``refine``: the preset keeps a refine tier (the decode build that
+    reads it, where the plan has the CUDA kernel read it)."""
     from rotkv.kernels import cuda_decode, cuda_write
     from rotkv.kernels.plan import decode_builds_for, write_builds_for
 
     if head_dim <= 0 or group_size <= 0 or head_dim % group_size:
         raise ValueError(f"group_size ({group_size}) has to divide head_dim ({head_dim})")
     out, notes = [], []
-    variant, note = decode_builds_for(head_dim, group_size, bits)
+    import torch
+
+    variant, note = decode_builds_for(head_dim, group_size, bits, value_meta=value_meta or torch.float16,
+                                      refine=refine)
     if variant is not None:
         out.append(Build(cuda_decode.SOURCE, "int2_decode", tuple(cuda_decode._macros(variant).items()), True,
                          f"decode body, variant {variant}"))

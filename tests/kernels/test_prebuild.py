@@ -33,6 +33,39 @@ def test_plan_follows_the_default_paths():
         prebuild.builds(100, 64)
 
 
+def test_builds_follow_the_value_metadata_and_the_refine_tier():
+    """oscar-refine's decode build: e4m3 value metadata (ROTKV_VMETA8) and, where the ``refine_split`` switch has
+    the CUDA kernel read the refine tier (``auto``: head_dim 64), the build that reads it (ROTKV_REFINE)."""
+    from rotkv import switches
+
+    def decode(d, **kw):
+        return dict(prebuild.builds(d, 64, **kw)[0][0].macros)
+
+    assert decode(64)["ROTKV_VMETA8"] == 0 and decode(64)["ROTKV_REFINE"] == 0
+    assert decode(64, value_meta=torch.float8_e4m3fn)["ROTKV_VMETA8"] == 1
+    assert decode(64, value_meta=torch.float8_e4m3fn, refine=True)["ROTKV_REFINE"] == 1  # auto: head_dim 64
+    assert decode(128, refine=True)["ROTKV_REFINE"] == 0  # auto: the split at head_dim 128, the plain build
+    with switches.override(refine_split="kernel"):
+        assert decode(128, refine=True)["ROTKV_REFINE"] == 1
+    with switches.override(refine_split="1"):
+        assert decode(64, refine=True)["ROTKV_REFINE"] == 0
+    # the loader's key: a variant without the refine entry is the same build as one with REFINE 0
+    v = _cuda_variant(DecodeConfig(), 64, 1)
+    assert cuda_decode._macros(v) == cuda_decode._macros((*v, 0))
+
+
+def test_build_kernels_builds_what_the_preset_runs(monkeypatch, capsys):
+    """`rotkv build-kernels --preset oscar-refine`: the decode build with e4m3 value metadata and the refine tier."""
+    from rotkv.cli import main
+
+    seen = []
+    monkeypatch.setattr(prebuild, "build", lambda builds, arch, jobs=4, progress=True: seen.extend(builds) or [])
+    monkeypatch.setattr(nvcc_build, "nvcc_path", lambda: "/bin/true")
+    assert main(["build-kernels", "--head-dim", "64", "--arch", "90", "--preset", "oscar-refine"]) == 0
+    macros = dict(seen[0].macros)
+    assert seen[0].stem == "int2_decode" and macros["ROTKV_VMETA8"] == 1 and macros["ROTKV_REFINE"] == 1
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 def test_loaders_find_the_prebuilt_libraries(tmp_path, monkeypatch, setenv):
     setenv("ROTKV_CACHE_DIR", str(tmp_path))
