@@ -6,7 +6,7 @@
 #   FA2=1 bash scripts/vllm_wheels.sh           # -> b1 .. b6, with FlashAttention-2 for TurboQuant (job qwen-tq)
 #   bash studies/device/device_vllm.sh split-gguf   # -> .gguf/smollm2.gguf.part-00 .. -03 (25 MB each) + .sha256
 #   GGUF_PIECE=30000000 bash studies/device/device_vllm.sh split-gguf /tmp/gemma3.gguf gemma3   # Gemma3-270M: 9 pieces
-#   (a piece and the tracked tree, about 30 MiB, have to stay under a call's 64 MiB)
+#   (a piece and the tracked tree, about 24 MiB, have to stay under a call's 64 MiB)
 # Then one device call each (every call carries at most one batch: a batch plus the ~10 MB working tree
 # stays under 64 MiB), back to back so that the machine stays warm (30 s):
 #   1. carry [".whl/vllm/b1"]        bash studies/device/device_vllm.sh wheels .whl/vllm/b1
