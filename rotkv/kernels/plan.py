@@ -449,9 +449,9 @@ class DecodePlan:
     that side (``rotkv.cache.refine``); the Triton v1 body kernel reads it, so a call with body
     tokens runs that kernel (``refine_launch``), or none where the ``refine_kernel`` switch is off;
     or, where :meth:`refine_split` splits the call (the ``refine_split`` switch), that kernel reads
-    the refined pages and ``launch`` is the one that reads the others; or, with ``refine_split=kernel``
-    where the body kernel is the CUDA one (:func:`plan_refine_kernel`), that kernel reads every page, the
-    refined ones with their tier, in one launch (``launch(work).refine``).
+    the refined pages and ``launch`` is the one that reads the others; or, with ``refine_split=kernel`` (or
+    ``auto``, the default, at its head dims) where the body kernel is the CUDA one (:func:`plan_refine_kernel`),
+    that kernel reads every page, the refined ones with their tier, in one launch (``launch(work).refine``).
     """
 
     def __init__(self, layout: BodyLayout | None, hq: int, head_dim: int, device: tuple, cfg: DecodeConfig,
