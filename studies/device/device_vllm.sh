@@ -53,7 +53,8 @@
 #   rotkv-jobqwen device_jobs.sh's stage jobqwen alone: issue 40's long-generation job at the Qwen3-8B shape (about 15 min)
 #   suite-gpu2k   rotkv eval on the GPU over the CPU rows' windows of docs/results/test2k-2048 (SUITE_ROWS: refine,
 #                 mix, long, int4-w32; carry artifacts): issue 41's GPU = CPU
-#                 (rows aqua4 and refine4: oscar-aqua and oscar-refine with artifacts/suite8k over 4 windows a domain, against the CPU runs of
+#                 (rows aqua4, refine4, long4 and int4p4: oscar-aqua, oscar-refine, oscar-mix-long with artifacts/suite8k and int4,
+#                 each at its own sink and window, over 4 windows a domain, against the CPU runs of docs/results/gpu-cpu-2k; earlier:
 #                 docs/results/aqua-gpu-cpu)
 #   suite-gpu8k   the suite's test split at 8K on the GPU, 16 windows x 128 tokens per domain: SUITE8K_ROWS (aqua, refine,
 #                 int4-w32, quanto: HF quanto INT4 from .whl/rotkv), artifacts/suite8k (the default oscar-mix-long with its 4096 and 8192 fits, plus aqua's maps)
@@ -182,6 +183,8 @@ job() {  # one queued job
         case $r in
           aqua4)  A=(--methods oscar-aqua --artifact-dir artifacts/suite8k --sink preset --window preset --windows 4) ;;
           refine4) A=(--methods oscar-refine --artifact-dir artifacts/suite8k --sink preset --window preset --windows 4) ;;
+          long4)  A=(--methods oscar-mix-long --artifact-dir artifacts/suite8k --sink preset --window preset --windows 4) ;;
+          int4p4) A=(--methods int4 --sink preset --window preset --windows 4) ;;
           refine) A=(--methods oscar-refine --artifact-dir artifacts) ;;
           mix)    A=(--methods oscar-mix --artifact-dir artifacts) ;;
           long)   A=(--methods oscar-mix-long --artifact-dir artifacts) ;;
