@@ -405,14 +405,20 @@ def cuda_refine_reason(variant: tuple) -> str | None:
 AUTO_REFINE_HEAD_DIMS = (64,)
 
 
+def cuda_reads_refine(variant: tuple, mode: str) -> bool:
+    """Whether the CUDA body kernel's build ``variant`` reads a refine tier itself: its build can
+    (:func:`cuda_refine_reason`) and ``mode`` (the ``refine_split`` switch) asks for it: "kernel" at every
+    head_dim, "auto" (the default) at :data:`AUTO_REFINE_HEAD_DIMS`."""
+    if cuda_refine_reason(variant) is not None:
+        return False
+    return mode == "kernel" or (mode == "auto" and variant[0] in AUTO_REFINE_HEAD_DIMS)
+
+
 def plan_refine_kernel(launch: Launch, mode: str) -> Launch | None:
     """The launch that reads a refined body in one CUDA launch, no split: ``launch`` (the plain plan's, over
-    the body) reading the tier itself, where ``launch`` is the CUDA kernel, its build can
-    (:func:`cuda_refine_reason`) and ``mode`` (the ``refine_split`` switch) asks for it: "kernel" at every
-    head_dim, "auto" (the default) at :data:`AUTO_REFINE_HEAD_DIMS`; else None."""
-    if launch.kernel != "cuda" or cuda_refine_reason(launch.cuda_variant) is not None:
-        return None
-    if mode == "kernel" or (mode == "auto" and launch.cuda_variant[0] in AUTO_REFINE_HEAD_DIMS):
+    the body) reading the tier itself, where ``launch`` is the CUDA kernel and :func:`cuda_reads_refine`;
+    else None."""
+    if launch.kernel == "cuda" and cuda_reads_refine(launch.cuda_variant, mode):
         return dataclasses.replace(launch, refine=True)
     return None
 
@@ -427,7 +433,7 @@ def plan_refine_split(launch: Launch, mode: str, refined: Launch) -> RefineSplit
         return RefineSplit("reference", refined)
     if mode == "1" and launch.kernel == "cuda":
         return RefineSplit("cuda", refined)
-    if mode in ("kernel", "auto") and launch.kernel == "cuda" and plan_refine_kernel(launch, mode) is None:
+    if mode in ("kernel", "auto") and launch.kernel == "cuda" and not cuda_reads_refine(launch.cuda_variant, mode):
         return RefineSplit("cuda", refined)
     if mode not in switches.REFINE_SPLITS:
         raise ValueError(f"the refine split mode has to be one of {list(switches.REFINE_SPLITS)} but got {mode!r}")
@@ -793,14 +799,15 @@ def _write_plan(d, g, dtype, device, x_ok, part_ok, rotate, clipping, backend, r
 
 # ---- ahead-of-time builds ------------------------------------------------------------------------
 def decode_builds_for(head_dim: int, group_size: int, bits: int = 2, cfg: DecodeConfig | None = None,
-                      value_meta: torch.dtype = torch.float16,
+                      value_meta: torch.dtype | None = None,
                       refine: bool = False) -> tuple[tuple | None, str | None]:
     """(CUDA decode variant, None) where the default plan runs the CUDA body kernel for a body of
     this shape (page size 16, GQA group <= 8, on an sm_80+ GPU), else (None, a note on what runs).
-    ``value_meta``: the values' metadata dtype (e4m3: its own build); ``refine``: the body has a refine
-    tier, and the variant is the build that reads it where the ``refine_split`` switch has the CUDA kernel
-    read it (:func:`plan_refine_kernel`; else the plain build, beside the Triton v1 kernel)."""
+    ``value_meta``: the values' metadata dtype (None: float16; e4m3 has its own build); ``refine``: the body
+    has a refine tier, and the variant is the build that reads it where the ``refine_split`` switch has the
+    CUDA kernel read it (:func:`cuda_reads_refine`; else the plain build, beside the Triton v1 kernel)."""
     cfg = cfg or DecodeConfig()
+    value_meta = value_meta or torch.float16
     layout = BodyLayout(head_dim, 1, 16, 1, (bits, bits), (group_size, group_size), (torch.float16, value_meta),
                         ("token", "token"), True, "cuda")
     score = resolve_score(cfg, head_dim)
@@ -810,7 +817,7 @@ def decode_builds_for(head_dim: int, group_size: int, bits: int = 2, cfg: Decode
     if why:
         return None, f"decode: {why} (Triton runs)"
     variant = cuda_variant(cfg, head_dim, head_dim // group_size, score, value_meta)
-    if refine and plan_refine_kernel(Launch("cuda", cfg, cuda_variant=variant), _switches().refine_split):
+    if refine and cuda_reads_refine(variant, _switches().refine_split):
         variant = (*variant, 1)  # cuda_decode.VARIANT_MACROS: ROTKV_REFINE
     return variant, None
 

@@ -45,7 +45,7 @@ def builds(head_dim: int, group_size: int, bits: int = 2, rotate: bool = True, v
 
     ``bits``: the body's width; ``rotate``: whether the preset rotates keys or values (the write
     kernel then runs the rotating variant as well as the plain one, which flushes tiers that were
-    rotated when they were written); ``value_meta``: the values' metadata dtype (default float16;
+    rotated when they were written); ``value_meta``: the values' metadata dtype (None: float16;
     e4m3 has its own decode build); ``refine``: the preset keeps a refine tier (the decode build that
     reads it, where the plan has the CUDA kernel read it)."""
     from rotkv.kernels import cuda_decode, cuda_write
@@ -54,10 +54,7 @@ def builds(head_dim: int, group_size: int, bits: int = 2, rotate: bool = True, v
     if head_dim <= 0 or group_size <= 0 or head_dim % group_size:
         raise ValueError(f"group_size ({group_size}) has to divide head_dim ({head_dim})")
     out, notes = [], []
-    import torch
-
-    variant, note = decode_builds_for(head_dim, group_size, bits, value_meta=value_meta or torch.float16,
-                                      refine=refine)
+    variant, note = decode_builds_for(head_dim, group_size, bits, value_meta=value_meta, refine=refine)
     if variant is not None:
         out.append(Build(cuda_decode.SOURCE, "int2_decode", tuple(cuda_decode._macros(variant).items()), True,
                          f"decode body, variant {variant}"))
