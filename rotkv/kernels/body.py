@@ -194,3 +194,25 @@ class RefineTier(NamedTuple):
         if t.pages < 1 or t.every < 0:
             raise ValueError(f"a refine tier needs pages >= 1 and every >= 0, got pages={t.pages}, every={t.every}")
         return t
+
+
+def check_refine_tiers(refine, refine_values, requests: int,
+                       body: PagedBody) -> tuple[RefineTier | None, RefineTier | None]:
+    """The key and value sides of a body's refine tier (each a :class:`RefineTier`, a ``(ring, pages[, every])``
+    tuple or None) as RefineTiers, checked against ``requests`` rows of ``body``: a side refines INT2 only,
+    its ring is ``uint8 [requests, pages, H, P, D/4]``, and the two sides cover the same pages."""
+    tiers = tuple(RefineTier.of(t) if t is not None else None for t in (refine, refine_values))
+    h, p, d = body.kv_heads, body.page_size, body.k.head_dim
+    for side, t, width in (("keys", tiers[0], body.bits[0]), ("values", tiers[1], body.bits[1])):
+        if t is None:
+            continue
+        if width != 2:
+            raise ValueError(f"the refine tier refines INT2 {side}, not INT{width}")
+        r = t.ring
+        if r.dtype != torch.uint8 or r.shape[:2] != (requests, t.pages) or r.shape[2:] != (h, p, d // 4):
+            raise ValueError(f"refine ring {tuple(r.shape)} {r.dtype} does not match {requests} requests x {t.pages} "
+                             f"pages x ({h}, {p}, {d // 4}) uint8")
+    if None not in tiers and tiers[0][1:] != tiers[1][1:]:
+        raise ValueError(f"the key and value refine rings cover different pages (pages, every: {tiers[0][1:]}, "
+                         f"{tiers[1][1:]})")
+    return tiers

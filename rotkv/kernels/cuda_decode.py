@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from rotkv.kernels import nvcc as nvcc_build
-from rotkv.kernels.body import PagedBody, RefineTier
+from rotkv.kernels.body import PagedBody, RefineTier, check_refine_tiers
 
 SOURCE = Path(__file__).parent / "cuda" / "int2_decode.cu"
 _nvcc = nvcc_build.nvcc_path
@@ -142,22 +142,17 @@ def body_partials(q: torch.Tensor, body: PagedBody, table: tuple, o_part: torch.
 
 def _rings(q: torch.Tensor, body: PagedBody, refine: RefineTier | None,
            refine_values: RefineTier | None) -> tuple[tuple, int, int]:
-    """((key ring or None, value ring or None), pages, every as the kernel's RE >= 1), checked: each ring
-    ``uint8 [B, pages, H, P, D/4]``, contiguous and 16-byte aligned (the kernel's vector loads)."""
-    tiers = [RefineTier.of(t) if t is not None else None for t in (refine, refine_values)]
+    """((key ring or None, value ring or None), pages, every as the kernel's RE >= 1), checked
+    (:func:`~rotkv.kernels.body.check_refine_tiers`), and each ring on the query's device, contiguous and
+    16-byte aligned (the kernel's vector loads)."""
+    tiers = check_refine_tiers(refine, refine_values, q.shape[0], body)
     given = [t for t in tiers if t is not None]
     if not given:
         return (None, None), 1, 1
-    if len({t[1:] for t in given}) > 1:
-        raise ValueError(f"the key and value refine rings cover different pages (pages, every: "
-                         f"{[t[1:] for t in given]})")
-    b_sz, _, d = q.shape
-    rk, every = given[0].pages, given[0].every
-    want = (b_sz, rk, body.kv_heads, body.page_size, d // 4)
     for t in given:
         r = t.ring
-        if r.dtype != torch.uint8 or tuple(r.shape) != want or r.device != q.device:
-            raise ValueError(f"refine ring {tuple(r.shape)} {r.dtype} on {r.device} is not uint8 {want} on {q.device}")
+        if r.device != q.device:
+            raise ValueError(f"refine ring on {r.device}, the query on {q.device}")
         if not r.is_contiguous() or r.data_ptr() % 16:
             raise ValueError("the CUDA kernel reads contiguous, 16-byte aligned refine rings")
-    return tuple(t.ring if t is not None else None for t in tiers), rk, max(every, 1)
+    return tuple(t.ring if t is not None else None for t in tiers), given[0].pages, max(given[0].every, 1)

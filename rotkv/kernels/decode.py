@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rotkv.kernels.body import PagedBody, RefineTier
+from rotkv.kernels.body import PagedBody, RefineTier, check_refine_tiers
 from rotkv.kernels.plan import DecodeConfig, DecodePlan, merge_rotates, plan_decode, resolve_fuse  # noqa: F401 (DecodeConfig: re-exported)
 from rotkv.kernels.plan import interpreting as _interpreting
 
@@ -713,20 +713,8 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
         raise ValueError(f"the plan reads refine tiers {plan.refine} (keys, values), the call gives {given}: "
                          "plan_decode(q, body, cfg, refine)")
     if has_int2 and (refine is not None or refine_values is not None):
-        refine = RefineTier.of(refine) if refine is not None else None
-        refine_values = RefineTier.of(refine_values) if refine_values is not None else None
-        for side, given, width in (("keys", refine, bits[0]), ("values", refine_values, bits[1])):
-            if given is None:
-                continue
-            if width != 2:
-                raise ValueError(f"the refine tier refines INT2 {side}, not INT{width}")
-            r, rk, re = given
-            if r.dtype != torch.uint8 or r.shape[:2] != (b_sz, rk) or r.shape[2:] != (h, body.page_size, d // 4):
-                raise ValueError(f"refine ring {tuple(r.shape)} {r.dtype} does not match {b_sz} requests x {rk} pages "
-                                 f"x ({h}, {body.page_size}, {d // 4}) uint8")
-        if refine is not None and refine_values is not None and refine[1:] != refine_values[1:]:
-            raise ValueError(f"the key and value refine rings cover different pages (pages, every: {refine[1:]}, "
-                             f"{refine_values[1:]})")
+        refine, refine_values = check_refine_tiers(refine, refine_values, b_sz, body)
+        rk, re = (refine or refine_values)[1:]
         ring = refine.ring if refine is not None else None
         vring = refine_values.ring if refine_values is not None else None
     # the refine split (the plan's): v1 reads the refined pages (its own launch), ``launch`` the others
