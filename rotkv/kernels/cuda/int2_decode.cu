@@ -782,34 +782,28 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
       }
       // token pairs (2t, 2t+1) -> u 0/1, (2t+8, 2t+9) -> u 2/3
 #if ROTKV_VF16
-      // wp[slot][bp][row][pair]: token 2t's (2t+8's) byte in the low half, 2t+1's (2t+9's) in the high
-      // half; each operand register is then (wp & plane mask) | fp16 1024, one LOP3
+      // out[slot][bp][row][pair] of a tile's value words w (the codes, or the ring's): token 2t's (2t+8's)
+      // byte in the low half, 2t+1's (2t+9's) in the high half
+      auto pair_words = [&](const uint32_t (&w)[4][VW], uint32_t (&out)[VW][VM::BPS][2][2]) {
+#pragma unroll
+        for (int sl = 0; sl < VW; ++sl)
+#pragma unroll
+          for (int bi = 0; bi < VM::BPS; ++bi)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+              for (int u2 = 0; u2 < 2; ++u2)
+                out[sl][bi][r][u2] = prmt(w[2 * u2][sl], w[2 * u2 + 1][sl], vsel[bi][r]);
+      };
+      // each operand register is then (wp & plane mask) | fp16 1024, one LOP3
       uint32_t wp[VW][VM::BPS][2][2];
-#pragma unroll
-      for (int sl = 0; sl < VW; ++sl)
-#pragma unroll
-        for (int bi = 0; bi < VM::BPS; ++bi)
-#pragma unroll
-          for (int r = 0; r < 2; ++r)
-#pragma unroll
-            for (int u2 = 0; u2 < 2; ++u2)
-              wp[sl][bi][r][u2] = prmt(vw[ti][2 * u2][sl], vw[ti][2 * u2 + 1][sl], vsel[bi][r]);
+      pair_words(vw[ti], wp);
       // the products (R: refined, the ring's bits merged in: fp16 1024 + 4^i (4 h + j), every plane in place)
       auto vdots = [&](auto rtag) {
         constexpr bool R = decltype(rtag)::value;
         uint32_t yp[VW][VM::BPS][2][2];  // the ring's, as wp (R only)
 #if ROTKV_REFINE
-        if constexpr (R) {
-#pragma unroll
-          for (int sl = 0; sl < VW; ++sl)
-#pragma unroll
-            for (int bi = 0; bi < VM::BPS; ++bi)
-#pragma unroll
-              for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int u2 = 0; u2 < 2; ++u2)
-                  yp[sl][bi][r][u2] = prmt(st.rvw[ti][2 * u2][sl], st.rvw[ti][2 * u2 + 1][sl], vsel[bi][r]);
-        }
+        if constexpr (R) pair_words(st.rvw[ti], yp);
 #endif
 #pragma unroll
         for (int mt = 0; mt < NMT; ++mt) {
