@@ -562,7 +562,7 @@ class DecodePlan:
         else v1), unless the call splits (:meth:`refine_split`): then the one that reads the unrefined pages."""
         if work > 0 and self.refine_launch is not None:
             plain = self._plain(work)
-            if plain.kernel == "cuda" and self.split_mode in ("kernel", "auto"):  # plain is main (one CUDA launch)
+            if plain.kernel == "cuda":  # plain is main (the one CUDA launch)
                 if self._refine_main is None:
                     self._refine_main = plan_refine_kernel(plain, self.split_mode) or plain
                 if self._refine_main.refine:
