@@ -51,6 +51,9 @@ CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is
     "cuda-t1-block": DecodeConfig(backend="cuda", cuda_prefetch=False),
     "cuda-pf-t2-mb3": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_min_blocks=3),
     "cuda-pf-t1-w4k": DecodeConfig(backend="cuda", cuda_target_warps=4096),
+    # more bytes in flight per SM (the H200's higher bandwidth): more splits, or 32-token steps with more splits
+    "cuda-pf-t1-w8k": DecodeConfig(backend="cuda", cuda_target_warps=8192),
+    "cuda-pf-t2-w4k": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_target_warps=4096),
     "cuda-vf16": DecodeConfig(backend="cuda", cuda_value_f16=True, cuda_value_flush=0),
     "cuda-bf16v": DecodeConfig(backend="cuda", cuda_value_f16=False, cuda_value_flush=0),  # default before 2026-12-02 pm
     "cuda-bf16v-f8": DecodeConfig(backend="cuda", cuda_value_f16=False, cuda_value_flush=8),
