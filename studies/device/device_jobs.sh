@@ -14,7 +14,8 @@
 #             path and oscar-aqua, per-token distributions of the GPU kernel path and the GPU PyTorch path against the
 #             CPU PyTorch path, 2 windows of 2048 tokens then 256 teacher-forced, bounded by the KL of rounding every
 #             attention output to bf16 (small artifacts calibrated in the test; about 20 minutes: poll across calls)
-#   split     the step of oscar-refine +graph+compile without and with the split (ROTKV_TUNING=refine_split=SPLIT_MODES, default "0 1"; "kernel": the CUDA kernel reads the tier) beside
+#   split     the step of oscar-refine +graph+compile without and with the split (ROTKV_TUNING=refine_split=SPLIT_MODES, default "0 1"; "kernel": the CUDA kernel reads the tier; a mode may add
+#             DecodeConfig fields: "kernel,cuda_prefetch=0") beside
 #             oscar-mix and bf16 +graph+compile: `rotkv bench`, real SmolLM2 64 x 8K; then the Qwen3-8B shape
 #             (random weights, 8 layers, 16 x 32K): quarot-int2 with oscar-refine's tiers (sink 4, window 32, share
 #             1/64, 224 refined tokens, keys and values, one page per 19) without and with the split, beside the same
@@ -75,7 +76,7 @@ if want gpucpu; then stage gpucpu
 timeout 2400 python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_gpu_equals_cpu.py > "$R/tests-gpucpu.log" 2>&1
 echo "gpucpu rc=$?"; grep -E "own KL|passed|failed|Error" "$R/tests-gpucpu.log" | tail -14; fi
 if want split; then stage split
-if gguf split; then
+if [ "${SPLIT_REAL:-1}" = 1 ] && gguf split; then  # SPLIT_REAL=0: the Qwen3-8B shape's rows only
 for mode in ${SPLIT_MODES:-0 1}; do
   ROTKV_TUNING=refine_split=$mode timeout 300 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" \
     --batch 64 --context 8160 --new-tokens 32 --methods rotkv:oscar-refine+graph+compile \
