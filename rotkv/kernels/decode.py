@@ -804,7 +804,7 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
 
             qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
             merge_here = fuse_mode == "all" and merges_into(out, q, ns) and out_rotation is None
-            _, _, tiles, min_blocks, prefetch, vf16, vflush, qf16, _ = launch.cuda_variant
+            tiles, min_blocks, prefetch, vf16, vflush, qf16 = launch.cuda_variant[2:8]
             body_partials(qb, body, table, o_part, m_part, l_part, n_int2, per, sm_scale * LOG2E,
                           tiles=tiles, min_blocks=min_blocks, fuse=fuse, out=out if merge_here else None,
                           prefetch=bool(prefetch), value_f16=bool(vf16), value_flush=vflush, score_f16=qf16,

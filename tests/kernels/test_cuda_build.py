@@ -40,7 +40,7 @@ def test_build_and_load_the_library(tmp_path, setenv):
     setenv("ROTKV_CACHE_DIR", str(tmp_path))
     lib = cuda_decode._compile_and_load(NVCC, "90", "64-1-2-4", "test", (64, 1, 2, 4))
     assert lib.rotkv_int2_decode.restype is not None
-    assert len(list(tmp_path.glob("int2_decode-64-1-2-4-0-0-0-0-0-0-test-sm90.so"))) == 1
+    assert len(list(tmp_path.glob("int2_decode-64-1-2-4-0-0-0-0-0-0-0-test-sm90.so"))) == 1
     # a second call loads the cached library without compiling (no temp file left either)
     cuda_decode._compile_and_load(NVCC, "90", "64-1-2-4", "test", (64, 1, 2, 4))
     assert not list(tmp_path.glob("*.tmp"))
