@@ -1,7 +1,8 @@
 """Split-K decode attention over INT2 pages plus a bf16 tier, merged by log-sum-exp (Triton).
 
 K and V may each be INT4 instead (``K_BITS``, ``V_BITS``; the v1 body kernel, see
-``_quarter_bf16``); the CUDA kernel (``cuda_decode``) serves INT2 K and V with int8 scores.
+``_quarter_bf16``); the CUDA kernel (``cuda_decode``) serves INT2 K and V with int8 or bf16 scores, and
+INT4 K with INT2 V in its ROTKV_K4 build (the ``cuda_key4`` switch).
 
 Launch 1, grid ``(B * H_kv, n_int2_splits + n_tier_splits)``: a program takes one KV head of
 one request and all ``n_rep`` query heads that read it (rows padded to ``HPAD >= 16`` for
