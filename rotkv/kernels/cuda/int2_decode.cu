@@ -1083,8 +1083,9 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
 #endif
 
 extern "C" int rotkv_int2_decode(int d, int ng, int tiles, int minb, int kbits, const void* q, const void* kc,
-                                 const void* ks, const void* kl, const void* vc, const void* vs, const void* vl, const void* indptr,
-                                 const void* indices, const void* last, void* o, void* m, void* l, int n_batch, int H,
+                                 const void* ks, const void* kl, const void* vc, const void* vs, const void* vl,
+                                 const void* indptr, const void* indices, const void* last, void* o, void* m, void* l,
+                                 int n_batch, int H,
                                  int HQ, int P, int NS, int n_splits, int tokens_per_split, float qk_scale,
                                  int fuse, void* counters, void* out, int out_kind, const void* rk,
                                  const void* rv, int RK, int RE, void* stream) {
