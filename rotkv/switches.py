@@ -50,6 +50,8 @@ class Switches:
     fp8_kernels: bool = True  # the GPU kernels read and write e4m3 metadata (else those caches run PyTorch)
     cuda_write_fp8: bool = False  # the CUDA write kernel stores e4m3 metadata (else the Triton write does)
     refine_kernel: bool = True  # the Triton v1 decode kernel reads the refine tier (else the PyTorch path)
+    # the CUDA decode kernel reads layers with INT4 keys and INT2 values (its ROTKV_K4 build; else Triton v1)
+    cuda_key4: bool = False
     # the refine split (rotkv.kernels.refine_split): "1" the v1 kernel reads only the refined pages where the
     # body kernel is CUDA, "reference" everywhere with the PyTorch reference as the rest's kernel, "0" never;
     # "kernel": no split where the body kernel is CUDA, that kernel reads the refine tier itself in one launch
@@ -157,7 +159,7 @@ VARIABLES = {
 TUNING = "ROTKV_TUNING"
 COMMIT = "ROTKV_COMMIT"
 # tuning fields of Switches (set by ROTKV_TUNING by name, next to the DecodeConfig fields)
-TUNING_FIELDS = ("decode_score", "fp8_kernels", "cuda_write_fp8", "refine_kernel", "refine_split",
+TUNING_FIELDS = ("decode_score", "fp8_kernels", "cuda_write_fp8", "refine_kernel", "cuda_key4", "refine_split",
                  "prefill_own_basis", "rotation_math", "graph_fusion", "write_redux", "write_fastdiv")
 # variables that earlier versions read: refused, naming their replacement
 RETIRED = {

@@ -17,7 +17,7 @@ DECIDERS = {"kernels_enabled", "have_triton", "part_reason", "triton_decode_reas
             "DecodePlan", "v1_launch", "plan_refine_split", "RefineSplit"}
 # the switches that pick a kernel (rotkv.switches fields), read by plan.py only
 KERNEL_SWITCHES = {"kernels", "decode_backend", "write_backend", "decode_score", "fp8_kernels", "cuda_write_fp8",
-                   "refine_kernel", "refine_split", "rotation_math", "decode"}
+                   "refine_kernel", "refine_split", "rotation_math", "decode", "cuda_key4"}
 
 
 def decisions(source: str) -> list[str]:

@@ -189,3 +189,62 @@ def dataclasses_replace(cfg, **kw):
     import dataclasses
 
     return dataclasses.replace(cfg, **kw)
+
+
+def test_int4_keys_run_the_cuda_kernel_with_the_cuda_key4_switch(monkeypatch):
+    """A layer with INT4 keys and INT2 values (oscar-mix's 4-bit-key layers): Triton v1 as before with the
+    ``cuda_key4`` switch off (the default); with it on, the CUDA kernel's ROTKV_K4 build."""
+    from rotkv import switches
+    from rotkv.kernels import cuda_decode
+
+    assert switches.Switches().cuda_key4 is False
+    assert switches.from_environ({"ROTKV_TUNING": "cuda_key4=1"}).cuda_key4 is True
+    assert "cuda_key4" in switches.TUNING_FIELDS
+    cfg = P.DecodeConfig(small_work=0)
+    off = P.DecodePlan(_layout(d=64, bits=(4, 2)), 6, 64, CUDA_DEV, cfg)
+    assert "cuda_key4=1" in off.cuda_why and off.cuda_expected  # an expected reason: no warning
+    assert off.launch(10**6).kernel == "triton" and not off.launch(10**6).v2
+    built = []
+    monkeypatch.setattr(cuda_decode, "build", lambda device, variant: built.append(variant))
+    monkeypatch.setattr(P, "_nvcc_path", lambda: "/usr/bin/nvcc")
+    for d, ng, score in ((64, 1, "bf16"), (128, 2, "int8"), (256, 4, "int8")):
+        with switches.override(cuda_key4=True):
+            on = P.DecodePlan(_layout(d=d, g=d // ng, bits=(4, 2)), 6, d, CUDA_DEV, cfg)
+            launch = on.launch(10**6)
+        want = P.cuda_variant(cfg, d, ng, score, key_bits=4)
+        assert on.cuda_why is None and launch.kernel == "cuda" and launch.cuda_variant == want == built[-1]
+        assert len(want) == 11 and want[P.VARIANT_K4] == 1 and want[P.VARIANT_REFINE] == 0
+        assert P.variant_key_bits(want) == 4 and P.variant_key_bits(P.cuda_variant(cfg, d, ng, score)) == 2
+        assert cuda_decode._macros(want)["ROTKV_K4"] == 1 and cuda_decode._macros(want[:9])["ROTKV_K4"] == 0
+    # the INT4-key build's min blocks per SM: where 4 would spill (nvcc -Xptxas -v)
+    assert [P.min_blocks(P.DecodeConfig(), d, ng, 4) for d, ng in ((64, 1), (64, 2), (128, 1), (128, 2), (128, 4),
+                                                                    (256, 4))] == [4, 4, 4, 3, 2, 2]
+    with switches.override(cuda_key4=True):
+        # INT4 values, INT8 keys, INT2 keys with INT4 values: still Triton (or none)
+        for bits in ((4, 4), (2, 4), (8, 2)):
+            assert "INT2 K and V" in P.cuda_decode_reason(_layout(bits=bits), 4, "int8")
+        assert P.cuda_decode_reason(_layout(bits=(4, 2)), 4, "int8") is None
+        # the values' refine ring (4-bit keys have none): read by the K4 build at head_dim 64 with one group
+        k4 = P.cuda_variant(cfg, 64, 1, key_bits=4)
+        assert P.cuda_reads_refine(k4, "auto") and P.with_refine(k4)[P.VARIANT_REFINE] == 1
+        assert P.with_refine(k4)[P.VARIANT_K4] == 1 and P.with_refine(k4[:9]) == (*k4[:9], 1)
+        assert not P.cuda_reads_refine(P.cuda_variant(cfg, 64, 2, key_bits=4), "auto")  # its build spills
+        assert P.cuda_reads_refine(P.cuda_variant(cfg, 64, 2, key_bits=4), "kernel")
+        p = P.DecodePlan(_layout(d=64, bits=(4, 2)), 6, 64, CUDA_DEV, cfg, (False, True))
+        launch = p.launch(10**6)
+        assert launch.kernel == "cuda" and launch.refine and P.variant_key_bits(launch.cuda_variant) == 4
+
+
+def test_build_lists_name_the_int4_key_build():
+    from rotkv import switches
+
+    e4m3 = torch.float8_e4m3fn
+    variant, note = P.decode_builds_for(64, 64, value_meta=e4m3, refine=True, key_bits=4)
+    assert variant is None and "cuda_key4=1" in note
+    with switches.override(cuda_key4=True):
+        variant, note = P.decode_builds_for(64, 64, value_meta=e4m3, refine=True, key_bits=4)
+        assert note is None and variant == P.with_refine(P.cuda_variant(P.DecodeConfig(), 64, 1, "bf16", e4m3, 4))
+        assert P.decode_builds_for(128, 64, key_bits=4) == (P.cuda_variant(P.DecodeConfig(), 128, 2, key_bits=4),
+                                                             None)
+        assert P.decode_builds_for(128, 64, bits=4)[1] == "decode: INT4 pages run the Triton kernel"
+        assert P.decode_builds_for(128, 64, key_bits=8)[1] == "decode: INT8 keys with INT2 values run the Triton kernel"

@@ -57,6 +57,18 @@ def _arch(args) -> str:
     return f"{major}{minor}"
 
 
+def _key_bits(spec) -> tuple[int, ...]:
+    """The key widths of the preset's layers other than its bits: ``k_bits``'s, or for ``"artifact"`` the 4-bit
+    keys that ``rotkv calibrate --method oscar-mix`` gives its most sensitive layers."""
+    from rotkv.config import parse_layer_bits
+
+    if spec.k_bits is None:
+        return ()
+    if spec.k_bits == "artifact":
+        return (4,)
+    return tuple(sorted(set(parse_layer_bits(spec.k_bits).values()) - {spec.bits}))
+
+
 def run(args) -> int:
     from rotkv.kernels import nvcc as nvcc_build
     from rotkv.kernels import prebuild
@@ -77,7 +89,7 @@ def run(args) -> int:
     try:
         builds, notes = prebuild.builds(d, g, spec.bits, rotate=spec.rotation != "identity",
                                         value_meta=META_DTYPES[spec.meta_v] if spec.meta_v else None,
-                                        refine=bool(spec.refine_tokens))
+                                        refine=bool(spec.refine_tokens), key_bits=_key_bits(spec))
     except ValueError as e:
         raise UsageError(f"--head-dim / --group-size: {e}") from None
     if spec.k_bits is not None:

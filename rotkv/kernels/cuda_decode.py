@@ -24,7 +24,7 @@ _arch = nvcc_build.arch
 cache_dir = nvcc_build.cache_dir
 
 
-VARIANT_MACROS = ("D", "NG", "TILES", "MINB", "PREFETCH", "VF16", "VFLUSH", "QF16", "VMETA8", "REFINE")
+VARIANT_MACROS = ("D", "NG", "TILES", "MINB", "PREFETCH", "VF16", "VFLUSH", "QF16", "VMETA8", "REFINE", "K4")
 
 
 def build(device: torch.device | None = None, variant: tuple = (128, 2, 2, 4, 0)) -> ctypes.CDLL:
@@ -32,8 +32,8 @@ def build(device: torch.device | None = None, variant: tuple = (128, 2, 2, 4, 0)
 
     variant = (head_dim, groups per head, tiles per softmax step, min blocks per SM, prefetch 0/1,
     fp16 value product 0/1, steps between value-offset flushes or 0, fp16 query scores 0 (int8) / 1 / 2,
-    e4m3 value metadata 0/1, reads the refine tier 0/1 (needs the fp16 value product)); missing trailing
-    entries are 0.
+    e4m3 value metadata 0/1, reads the refine tier 0/1 (needs the fp16 value product), INT4 keys 0/1); missing
+    trailing entries are 0.
     """
     device = device or torch.device("cuda", torch.cuda.current_device())
     return nvcc_build.load(SOURCE, "int2_decode", _macros(variant), device, True, _setup)
@@ -56,7 +56,7 @@ def _compile_and_load(nvcc: str, arch: str, tag: str, key: str, variant: tuple) 
 def _setup(lib: ctypes.CDLL) -> None:
     fn = lib.rotkv_int2_decode
     fn.restype = ctypes.c_int
-    fn.argtypes = ([ctypes.c_int] * 4 + [ctypes.c_void_p] * 13 + [ctypes.c_int] * 7
+    fn.argtypes = ([ctypes.c_int] * 5 + [ctypes.c_void_p] * 13 + [ctypes.c_int] * 7
                    + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
                    + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
 
@@ -102,7 +102,8 @@ def body_partials(q: torch.Tensor, body: PagedBody, table: tuple, o_part: torch.
     operand register instead of the bf16 path's byte permutes). ``value_flush``: steps between the
     subtractions of the value accumulators' offset (0: once, at the end). ``score_f16``: 0 scores with
     the int8 query, 1 or 2 with the fp16 query (the source's ROTKV_QF16). The values' metadata dtype
-    (fp16 or e4m3) picks the build (ROTKV_VMETA8).
+    (fp16 or e4m3) picks the build (ROTKV_VMETA8), and so does the keys' width: INT2, or INT4 beside INT2
+    values (ROTKV_K4; 4-bit keys have no refine ring).
     ``fuse``: ``n_splits`` is a multiple of 4 and the 4 splits of a block are merged into partial
     ``s // 4`` (so the body fills ``[:n_splits // 4]``); with ``out`` (``[B, Hq, D]`` contiguous,
     float32/bf16/fp16) the last block of each (request, KV head) also merges every partial slot, the
@@ -115,11 +116,14 @@ def body_partials(q: torch.Tensor, body: PagedBody, table: tuple, o_part: torch.
     b_sz, hq, d = q.shape
     h, p, ng = body.kv_heads, body.page_size, body.k.groups
     vmeta8 = int(body.v.meta == torch.float8_e4m3fn)  # the values' e4m3 metadata (oscar-mix): its own build
+    kbits = body.k.bits
+    if kbits not in (2, 4) or body.v.bits != 2:
+        raise ValueError(f"the CUDA decode kernel reads INT2 or INT4 keys with INT2 values, got bits {body.bits}")
     rings, rk, re = _rings(q, body, refine, refine_values)
     if rings != (None, None) and not value_f16:
         raise ValueError("the CUDA kernel reads the refine tier with the fp16 value product only (value_f16=True)")
     lib = build(q.device, (d, ng, tiles, min_blocks, int(prefetch), int(value_f16), int(value_flush), int(score_f16),
-                           vmeta8, int(rings != (None, None))))
+                           vmeta8, int(rings != (None, None)), int(kbits == 4)))
     indptr, indices, last = (t.to(torch.int32).contiguous() for t in table)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     if fuse and n_splits % 4:
@@ -128,7 +132,7 @@ def body_partials(q: torch.Tensor, body: PagedBody, table: tuple, o_part: torch.
         raise ValueError(f"out needs fuse=True, a contiguous [B, Hq, D] float32/bf16/fp16 tensor and at most "
                          f"{MERGE_MAX_SLOTS} partial slots (got {o_part.shape[2]})")
     cnt = counters(q.device, b_sz * h) if out is not None else None
-    rc = lib.rotkv_int2_decode(d, ng, tiles, min_blocks, q.data_ptr(), *(t.data_ptr() for t in body.tensors()),
+    rc = lib.rotkv_int2_decode(d, ng, tiles, min_blocks, kbits, q.data_ptr(), *(t.data_ptr() for t in body.tensors()),
                                indptr.data_ptr(), indices.data_ptr(), last.data_ptr(),
                                o_part.data_ptr(), m_part.data_ptr(), l_part.data_ptr(),
                                b_sz, h, hq, p, o_part.shape[2], n_splits, tokens_per_split, qk_scale,

@@ -1,7 +1,8 @@
 """Split-K decode attention over INT2 pages plus a bf16 tier, merged by log-sum-exp (Triton).
 
 K and V may each be INT4 instead (``K_BITS``, ``V_BITS``; the v1 body kernel, see
-``_quarter_bf16``); the CUDA kernel (``cuda_decode``) serves INT2 K and V with int8 scores.
+``_quarter_bf16``); the CUDA kernel (``cuda_decode``) serves INT2 K and V with int8 or bf16 scores, and
+INT4 K with INT2 V in its ROTKV_K4 build (the ``cuda_key4`` switch).
 
 Launch 1, grid ``(B * H_kv, n_int2_splits + n_tier_splits)``: a program takes one KV head of
 one request and all ``n_rep`` query heads that read it (rows padded to ``HPAD >= 16`` for
@@ -804,7 +805,7 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
 
             qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
             merge_here = fuse_mode == "all" and merges_into(out, q, ns) and out_rotation is None
-            _, _, tiles, min_blocks, prefetch, vf16, vflush, qf16, _ = launch.cuda_variant
+            tiles, min_blocks, prefetch, vf16, vflush, qf16 = launch.cuda_variant[2:8]
             body_partials(qb, body, table, o_part, m_part, l_part, n_int2, per, sm_scale * LOG2E,
                           tiles=tiles, min_blocks=min_blocks, fuse=fuse, out=out if merge_here else None,
                           prefetch=bool(prefetch), value_f16=bool(vf16), value_flush=vflush, score_f16=qf16,

@@ -35,7 +35,7 @@ import torch
 from rotkv import switches
 from rotkv.kernels.body import BodyLayout, PagedBody, TokenPart
 from rotkv.kernels.decode_config import DecodeConfig
-from rotkv.quant.widths import CUDA_DECODE_WIDTHS, KERNEL_WIDTHS
+from rotkv.quant.widths import CUDA_DECODE_KEY_WIDTHS, CUDA_DECODE_WIDTHS, KERNEL_WIDTHS
 
 CUDA_HEAD_DIMS = (64, 128, 256)  # the CUDA kernels' instantiations
 CUDA_MIN_CAPABILITY = (8, 0)  # mma.sync int8 m16n8k32, movmatrix, redux.sync, bf16 mma.sync
@@ -192,26 +192,45 @@ def resolve_fuse(cfg: DecodeConfig, head_dim: int) -> str:
     return "none" if head_dim <= 64 else "block"
 
 
-def min_blocks(cfg: DecodeConfig, d: int, ng: int) -> int:
-    """4 blocks of 4 warps per SM (128 registers) where that does not spill (nvcc -Xptxas -v)."""
+def min_blocks(cfg: DecodeConfig, d: int, ng: int, key_bits: int = 2) -> int:
+    """4 blocks of 4 warps per SM (128 registers) where that does not spill (nvcc -Xptxas -v); the INT4-key
+    build (``key_bits`` 4) holds twice the key words, and at head_dim 128 with 2 groups (4) takes 3 (2)."""
     if cfg.cuda_min_blocks is not None:
         return cfg.cuda_min_blocks
+    if key_bits == 4 and d == 128 and ng >= 2:
+        return 3 if ng == 2 else 2
     if d <= 128 and ng <= 2:
         return 4
     return 3 if d <= 128 else 2
 
 
+# the CUDA variant's entries past cuda_variant's nine (rotkv.kernels.cuda_decode.VARIANT_MACROS)
+VARIANT_REFINE, VARIANT_K4 = 9, 10
+
+
 def cuda_variant(cfg: DecodeConfig, d: int, ng: int, score: str | None = None,
-                 value_meta: torch.dtype = torch.float16) -> tuple[int, ...]:
+                 value_meta: torch.dtype = torch.float16, key_bits: int = 2) -> tuple[int, ...]:
     """The CUDA kernel build a call runs: (head_dim, groups, tiles, min blocks, prefetch, fp16 values,
     value flush, fp16 query, e4m3 value metadata); prefetch as cfg.cuda_prefetch, except at head_dim
     256 with 8 groups, where the second buffer spills; fp16 query (cfg.cuda_score_f16) where the score
     is "bf16" (``score`` None: :func:`resolve_score`), else 0 (int8 query); the last 1 where the
-    values' metadata is e4m3 (``value_meta``)."""
+    values' metadata is e4m3 (``value_meta``). INT4 keys (``key_bits`` 4): two more entries, reads the
+    refine tier 0 and INT4 keys 1 (the ROTKV_K4 build)."""
     score = score or resolve_score(cfg, d)
-    return (d, ng, cfg.cuda_tiles, min_blocks(cfg, d, ng), int(cfg.cuda_prefetch and not (d >= 256 and ng >= 8)),
-            int(cfg.cuda_value_f16), cfg.cuda_value_flush, cfg.cuda_score_f16 if score == "bf16" else 0,
-            int(value_meta == torch.float8_e4m3fn))
+    variant = (d, ng, cfg.cuda_tiles, min_blocks(cfg, d, ng, key_bits),
+               int(cfg.cuda_prefetch and not (d >= 256 and ng >= 8)), int(cfg.cuda_value_f16), cfg.cuda_value_flush,
+               cfg.cuda_score_f16 if score == "bf16" else 0, int(value_meta == torch.float8_e4m3fn))
+    return (*variant, 0, 1) if key_bits == 4 else variant
+
+
+def variant_key_bits(variant: tuple) -> int:
+    """The key width a CUDA build ``variant`` reads: 4 for the ROTKV_K4 build, else 2."""
+    return 4 if len(variant) > VARIANT_K4 and variant[VARIANT_K4] else 2
+
+
+def with_refine(variant: tuple) -> tuple:
+    """The build ``variant`` that reads the refine tier (ROTKV_REFINE)."""
+    return (*variant[:VARIANT_REFINE], 1, *variant[VARIANT_REFINE + 1:])
 
 
 def shape_reason(head_dim: int, group_size: int) -> str | None:
@@ -258,10 +277,15 @@ def triton_decode_reason(layout: BodyLayout, capability: tuple[int, int] | None 
 
 
 def cuda_decode_reason(layout: BodyLayout, rep: int, score: str, capability: tuple[int, int] = (9, 0)) -> str | None:
-    """Why the CUDA decode body kernel does not read this body, or None (nvcc and the build aside)."""
-    if any(b not in CUDA_DECODE_WIDTHS for b in layout.bits) or score not in ("int8", "bf16"):
+    """Why the CUDA decode body kernel does not read this body, or None (nvcc and the build aside): INT2 K
+    and V, or INT4 K and INT2 V (its ROTKV_K4 build) where the ``cuda_key4`` switch is on."""
+    kb, vb = layout.bits
+    if kb not in CUDA_DECODE_KEY_WIDTHS or vb not in CUDA_DECODE_WIDTHS or score not in ("int8", "bf16"):
         return (f"the CUDA decode kernel reads INT2 K and V with int8 or bf16 scores, got bits {layout.bits}, "
                 f"score {score!r}")
+    if kb not in CUDA_DECODE_WIDTHS and not switches.get().cuda_key4:
+        return (f"the CUDA decode kernel reads INT2 K and V; its INT{kb}-key build is off (ROTKV_TUNING cuda_key4=1 "
+                "turns it on)")
     if capability < CUDA_MIN_CAPABILITY:
         return "needs compute capability 8.0+ (mma.sync int8 m16n8k32, movmatrix)"
     gk, gv = layout.group_sizes
@@ -401,17 +425,19 @@ def cuda_refine_reason(variant: tuple) -> str | None:
 
 
 # head dims whose refine builds the default ("auto") gives the refine tier: their builds keep the plain build's
-# registers without spills; at head_dim 128 the default (prefetching) build spills and "auto" keeps the split
+# registers without spills; at head_dim 128 the default (prefetching) build spills and "auto" keeps the split.
+# The INT4-key build reading the values' ring spills with 2 or more groups at head_dim 64: "auto" splits there.
 AUTO_REFINE_HEAD_DIMS = (64,)
 
 
 def cuda_reads_refine(variant: tuple, mode: str) -> bool:
     """Whether the CUDA body kernel's build ``variant`` reads a refine tier itself: its build can
     (:func:`cuda_refine_reason`) and ``mode`` (the ``refine_split`` switch) asks for it: "kernel" at every
-    head_dim, "auto" (the default) at :data:`AUTO_REFINE_HEAD_DIMS`."""
+    head_dim, "auto" (the default) at :data:`AUTO_REFINE_HEAD_DIMS` (the INT4-key build: with one group)."""
     if cuda_refine_reason(variant) is not None:
         return False
-    return mode == "kernel" or (mode == "auto" and variant[0] in AUTO_REFINE_HEAD_DIMS)
+    auto = variant[0] in AUTO_REFINE_HEAD_DIMS and (variant_key_bits(variant) == 2 or variant[1] == 1)
+    return mode == "kernel" or (mode == "auto" and auto)
 
 
 def plan_refine_kernel(launch: Launch, mode: str) -> Launch | None:
@@ -539,7 +565,7 @@ class DecodePlan:
         why = self.cuda_why
         if why is None:
             variant = cuda_variant(cfg, self.head_dim, self.head_dim // layout.group_sizes[0], self.score,
-                                   layout.metas[1])
+                                   layout.metas[1], layout.bits[0])
             try:
                 from rotkv.kernels import cuda_decode
 
@@ -605,7 +631,9 @@ class DecodePlan:
             main = self._main.name
         elif self.cuda_why is None:
             lay = self.layout
-            main = f"cuda {cuda_variant(self.cfg, self.head_dim, self.head_dim // lay.group_sizes[0], self.score, lay.metas[1])}"
+            variant = cuda_variant(self.cfg, self.head_dim, self.head_dim // lay.group_sizes[0], self.score,
+                                   lay.metas[1], lay.bits[0])
+            main = f"cuda {variant}"
         else:
             main = f"{self._tier.name} ({self.cuda_why})"
         if self.small is not None:
@@ -799,26 +827,30 @@ def _write_plan(d, g, dtype, device, x_ok, part_ok, rotate, clipping, backend, r
 
 # ---- ahead-of-time builds ------------------------------------------------------------------------
 def decode_builds_for(head_dim: int, group_size: int, bits: int = 2, cfg: DecodeConfig | None = None,
-                      value_meta: torch.dtype | None = None,
-                      refine: bool = False) -> tuple[tuple | None, str | None]:
+                      value_meta: torch.dtype | None = None, refine: bool = False,
+                      key_bits: int | None = None) -> tuple[tuple | None, str | None]:
     """(CUDA decode variant, None) where the default plan runs the CUDA body kernel for a body of
     this shape (page size 16, GQA group <= 8, on an sm_80+ GPU), else (None, a note on what runs).
     ``value_meta``: the values' metadata dtype (None: float16; e4m3 has its own build); ``refine``: the body
     has a refine tier, and the variant is the build that reads it where the ``refine_split`` switch has the
-    CUDA kernel read it (:func:`cuda_reads_refine`; else the plain build, beside the Triton v1 kernel)."""
+    CUDA kernel read it (:func:`cuda_reads_refine`; else the plain build, beside the Triton v1 kernel);
+    ``key_bits``: the keys' width where it differs from ``bits`` (INT4 keys beside INT2 values: the ROTKV_K4
+    build, with the ``cuda_key4`` switch on)."""
     cfg = cfg or DecodeConfig()
     value_meta = value_meta or torch.float16
-    layout = BodyLayout(head_dim, 1, 16, 1, (bits, bits), (group_size, group_size), (torch.float16, value_meta),
+    kb = bits if key_bits is None else key_bits
+    layout = BodyLayout(head_dim, 1, 16, 1, (kb, bits), (group_size, group_size), (torch.float16, value_meta),
                         ("token", "token"), True, "cuda")
     score = resolve_score(cfg, head_dim)
-    if bits not in CUDA_DECODE_WIDTHS:
-        return None, f"decode: INT{bits} pages run the Triton kernel"
+    if bits not in CUDA_DECODE_WIDTHS or (kb != bits and kb not in CUDA_DECODE_KEY_WIDTHS):
+        what = f"INT{bits} pages" if kb == bits else f"INT{kb} keys with INT{bits} values"
+        return None, f"decode: {what} run the Triton kernel"
     why = cuda_decode_reason(layout, 1, score)
     if why:
         return None, f"decode: {why} (Triton runs)"
-    variant = cuda_variant(cfg, head_dim, head_dim // group_size, score, value_meta)
+    variant = cuda_variant(cfg, head_dim, head_dim // group_size, score, value_meta, kb)
     if refine and cuda_reads_refine(variant, _switches().refine_split):
-        variant = (*variant, 1)  # cuda_decode.VARIANT_MACROS: ROTKV_REFINE
+        variant = with_refine(variant)  # cuda_decode.VARIANT_MACROS: ROTKV_REFINE
     return variant, None
 
 

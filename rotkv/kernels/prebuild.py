@@ -38,7 +38,7 @@ class Build:
 
 
 def builds(head_dim: int, group_size: int, bits: int = 2, rotate: bool = True, value_meta=None,
-           refine: bool = False) -> tuple[list[Build], list[str]]:
+           refine: bool = False, key_bits: tuple[int, ...] = ()) -> tuple[list[Build], list[str]]:
     """The CUDA builds that the default decode and write plans (``rotkv.kernels.plan``) run at this
     shape, and notes on the paths that take Triton kernels instead (Triton compiles on the GPU at
     first use; nothing to do here).
@@ -47,7 +47,9 @@ def builds(head_dim: int, group_size: int, bits: int = 2, rotate: bool = True, v
     kernel then runs the rotating variant as well as the plain one, which flushes tiers that were
     rotated when they were written); ``value_meta``: the values' metadata dtype (None: float16;
     e4m3 has its own decode build); ``refine``: the preset keeps a refine tier (the decode build that
-    reads it, where the plan has the CUDA kernel read it)."""
+    reads it, where the plan has the CUDA kernel read it); ``key_bits``: the other key widths of the preset's
+    layers (``k_bits``), whose decode builds are listed where the plan runs the CUDA kernel for them (INT4 keys:
+    the ``cuda_key4`` switch)."""
     from rotkv.kernels import cuda_decode, cuda_write
     from rotkv.kernels.plan import decode_builds_for, write_builds_for
 
@@ -60,6 +62,13 @@ def builds(head_dim: int, group_size: int, bits: int = 2, rotate: bool = True, v
                          f"decode body, variant {variant}"))
     else:
         notes.append(note)
+    for kb in sorted(set(key_bits) - {bits}):
+        variant, note = decode_builds_for(head_dim, group_size, bits, value_meta=value_meta, refine=refine, key_bits=kb)
+        if variant is not None:
+            out.append(Build(cuda_decode.SOURCE, "int2_decode", tuple(cuda_decode._macros(variant).items()), True,
+                             f"decode body, INT{kb} keys, variant {variant}"))
+        else:
+            notes.append(f"{note} (the INT{kb}-key layers)")
     writes, note = write_builds_for(head_dim, group_size, rotate)
     if note:
         notes.append(note)

@@ -16,15 +16,18 @@ class Width:
     key: bool  # a per-layer key width (`k_bits`)
     kernels: bool  # the paged Triton kernels (write, decode, dequant) and the CUDA write kernel read it
     cuda_decode: bool  # the CUDA decode body kernel reads it (K and V)
+    # the CUDA decode kernel reads it as keys beside INT2 values (4: its ROTKV_K4 build, behind the cuda_key4 switch)
+    cuda_key: bool
     meta: str  # the default metadata dtype of scale and lo
 
 
 TABLE = (
-    Width(2, body=True, key=True, kernels=True, cuda_decode=True, meta="float16"),
-    Width(3, body=False, key=True, kernels=False, cuda_decode=False, meta="float16"),  # bit-sliced (quant.packing)
-    Width(4, body=True, key=True, kernels=True, cuda_decode=False, meta="float16"),
+    Width(2, body=True, key=True, kernels=True, cuda_decode=True, cuda_key=True, meta="float16"),
+    # bit-sliced (quant.packing)
+    Width(3, body=False, key=True, kernels=False, cuda_decode=False, cuda_key=False, meta="float16"),
+    Width(4, body=True, key=True, kernels=True, cuda_decode=False, cuda_key=True, meta="float16"),
     # fp16 `lo` alone would move INT8 values by many steps: fp32 metadata
-    Width(8, body=True, key=True, kernels=False, cuda_decode=False, meta="float32"),
+    Width(8, body=True, key=True, kernels=False, cuda_decode=False, cuda_key=False, meta="float32"),
 )
 BY_BITS = {w.bits: w for w in TABLE}
 
@@ -33,6 +36,7 @@ WIDTHS = tuple(w.bits for w in TABLE if w.body)  # (2, 4, 8)
 KEY_WIDTHS = tuple(w.bits for w in TABLE if w.key)  # (2, 3, 4, 8)
 KERNEL_WIDTHS = tuple(w.bits for w in TABLE if w.kernels)  # (2, 4)
 CUDA_DECODE_WIDTHS = tuple(w.bits for w in TABLE if w.cuda_decode)  # (2,)
+CUDA_DECODE_KEY_WIDTHS = tuple(w.bits for w in TABLE if w.cuda_key)  # (2, 4)
 
 
 def check_width(bits: int, name: str = "bits", allowed: tuple[int, ...] = WIDTHS) -> int:

@@ -40,10 +40,28 @@ def test_build_and_load_the_library(tmp_path, setenv):
     setenv("ROTKV_CACHE_DIR", str(tmp_path))
     lib = cuda_decode._compile_and_load(NVCC, "90", "64-1-2-4", "test", (64, 1, 2, 4))
     assert lib.rotkv_int2_decode.restype is not None
-    assert len(list(tmp_path.glob("int2_decode-64-1-2-4-0-0-0-0-0-0-test-sm90.so"))) == 1
+    assert len(list(tmp_path.glob("int2_decode-64-1-2-4-0-0-0-0-0-0-0-test-sm90.so"))) == 1
     # a second call loads the cached library without compiling (no temp file left either)
     cuda_decode._compile_and_load(NVCC, "90", "64-1-2-4", "test", (64, 1, 2, 4))
     assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_the_int4_key_build_checks_its_launch_on_the_host(tmp_path, setenv):
+    """The K4 build's launcher (no GPU: it returns before any CUDA call): the key width must be the build's
+    (-3), 4-bit keys take no key refine ring (-4), and an empty batch launches nothing (0)."""
+    from rotkv.kernels import cuda_decode
+
+    setenv("ROTKV_CACHE_DIR", str(tmp_path))
+    variant = (64, 1, 1, 4, 1, 1, 8, 1, 1, 1, 1)
+    lib = cuda_decode._compile_and_load(NVCC, "90", "-".join(map(str, variant)), "k4", variant)
+
+    def call(kbits, n_batch=0, rk=None, rv=None):
+        return lib.rotkv_int2_decode(64, 1, 1, 4, kbits, *[None] * 13, n_batch, 3, 9, 16, 4, 4, 64, 1.0, 0, None,
+                                     None, 0, rk, rv, 2, 1, None)
+
+    assert call(4) == 0 and call(4, rv=8) == 0
+    assert call(2) == -3 and call(4, rk=8) == -4
 
 
 # (head_dim, group, bits, rotation split, warps): the write kernel's variants the dispatcher builds
@@ -82,7 +100,16 @@ DECODE_VARIANTS = [(*v, 1, 8) for v in [(64, 1, 1, 4, 1), (64, 2, 1, 4, 1), (128
                    # the refine builds (ROTKV_REFINE, refine_split=kernel) that fit: head_dim 64's defaults; at
                    # head_dim 128 with 2 groups without prefetch or at 3 blocks per SM (the default spills)
                    (64, 1, 1, 4, 1, 1, 8, 1, 1, 1), (64, 2, 1, 4, 1, 1, 8, 1, 1, 1), (64, 1, 1, 4, 1, 1, 8, 1, 0, 1),
-                   (128, 2, 1, 4, 0, 1, 8, 0, 1, 1), (128, 2, 1, 3, 1, 1, 8, 0, 1, 1)]
+                   (128, 2, 1, 4, 0, 1, 8, 0, 1, 1), (128, 2, 1, 3, 1, 1, 8, 0, 1, 1)] + [
+                   # the INT4-key builds (ROTKV_K4, the cuda_key4 switch) the plan runs at head_dim 64 with one group
+                   # and 128 with two (3 blocks per SM: at 4 they spill): int8 and fp16 query, fp16 and e4m3 value
+                   # metadata, with and without the values' refine ring
+                   (d, ng, 1, minb, 1, 1, 8, qf16, vm8, ref, 1) for d, ng, minb in ((64, 1, 4), (128, 2, 3))
+                   for qf16 in (0, 1) for vm8 in (0, 1) for ref in (0, 1)] + [
+                   (64, 1, 1, 4, 1, 1, 8, 2, 1, 1, 1), (64, 2, 1, 4, 1, 1, 8, 1, 1, 0, 1),
+                   (64, 2, 1, 4, 1, 1, 8, 0, 1, 1, 1), (64, 1, 2, 4, 0, 1, 0, 1, 0, 0, 1),
+                   (128, 1, 1, 4, 1, 1, 8, 0, 1, 0, 1), (128, 4, 1, 2, 1, 1, 8, 0, 0, 0, 1),
+                   (256, 4, 1, 2, 1, 1, 8, 0, 1, 0, 1)]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

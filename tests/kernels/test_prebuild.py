@@ -84,3 +84,30 @@ def test_loaders_find_the_prebuilt_libraries(tmp_path, monkeypatch, setenv):
         cuda_write.build(dev, 128, 64, 2, split, cuda_write.default_warps(128, "bf16x2", split == 2))
     assert sorted(tmp_path.iterdir()) == files
     assert [fresh for *_, fresh in prebuild.build(builds, "90", progress=False)] == [False] * 3
+
+
+def test_build_kernels_lists_the_int4_key_build_with_the_cuda_key4_switch(monkeypatch, capsys, setenv):
+    """oscar-refine's 4-bit-key layers (``k_bits="artifact"``): their decode build (ROTKV_K4, the values' refine
+    ring at head_dim 64) is listed with the ``cuda_key4`` switch on, a note says Triton runs them without it."""
+    from rotkv import switches
+    from rotkv.cli import main
+
+    builds, notes = prebuild.builds(64, 64, value_meta=torch.float8_e4m3fn, refine=True, key_bits=(4,))
+    assert [dict(b.macros)["ROTKV_K4"] for b in builds if b.stem == "int2_decode"] == [0]
+    assert any("cuda_key4=1" in n and "INT4-key layers" in n for n in notes)
+    with switches.override(cuda_key4=True):
+        builds, notes = prebuild.builds(64, 64, value_meta=torch.float8_e4m3fn, refine=True, key_bits=(4, 2))
+    decode = [dict(b.macros) for b in builds if b.stem == "int2_decode"]
+    assert [(m["ROTKV_K4"], m["ROTKV_REFINE"], m["ROTKV_VMETA8"]) for m in decode] == [(0, 1, 1), (1, 1, 1)]
+    assert notes == []
+    seen = []
+    monkeypatch.setattr(prebuild, "build", lambda builds, arch, jobs=4, progress=True: seen.extend(builds) or [])
+    monkeypatch.setattr(nvcc_build, "nvcc_path", lambda: "/bin/true")
+    setenv("ROTKV_TUNING", "cuda_key4=1")  # the command reads the switches from the environment
+    assert main(["build-kernels", "--head-dim", "64", "--arch", "90", "--preset", "oscar-refine"]) == 0
+    assert [dict(b.macros)["ROTKV_K4"] for b in seen if b.stem == "int2_decode"] == [0, 1]
+    seen.clear()
+    setenv("ROTKV_TUNING", "")
+    assert main(["build-kernels", "--head-dim", "64", "--arch", "90", "--preset", "oscar-refine"]) == 0
+    assert [dict(b.macros)["ROTKV_K4"] for b in seen if b.stem == "int2_decode"] == [0]
+    assert "cuda_key4=1" in capsys.readouterr().out

@@ -44,7 +44,19 @@
 // refined tile runs the same MMAs, with the ring's bits merged into the operand registers (the values need
 // the fp16 product, ROTKV_VF16). Unrefined tiles, and builds without ROTKV_REFINE, are unchanged.
 //
-// Layout (as Int2PagePool, tests/kernels/paged_fixture.py): codes [NP, H, P, D/4] u8, scale/lo [NP, H, P, D/G]
+// ROTKV_K4: the keys are INT4 (codes [NP, H, P, D/2], rotkv.quant.packing: byte j holds dims j (bits 0-3) and
+// j + D/2 (bits 4-7)), the values INT2 as above; element lo + s c with the page's own scale and minimum, c 0..15.
+// The thread loads, for each INT2-layout code word at byte offset o (0 <= o < D/4), the INT4 row's words at o
+// (dims o.. of planes 0 and 2: a) and at o + D/4 (planes 1 and 3: b). Plane i's 4 codes are then one nibble
+// of every byte: a & 0x0F (i 0), b & 0x0F (1), a >> 4 (2), b >> 4 (3). Such a word is the refined tile's
+// merged code 4 h + j with h the high and j the low 2 bits (H = ((a >> 2) & 0x33333333) | (b & 0xCCCCCCCC),
+// L = (a & 0x33333333) | ((b << 2) & 0xCCCCCCCC) as INT2 words), so every key tile takes the refined tile's
+// operands (int8 bytes 0..15, fp16 4^i c <= 960 < 1024 in place) straight from the nibbles, one or two
+// instructions each, and keeps its page's scale and minimum. 4-bit keys have no refine ring (rk null); with
+// ROTKV_REFINE the values' ring (rv) is read as in the INT2 build.
+//
+// Layout (as Int2PagePool, tests/kernels/paged_fixture.py): codes [NP, H, P, D/4] u8 (the keys' [NP, H, P, D/2]
+// with ROTKV_K4), scale/lo [NP, H, P, D/G]
 // fp16 (the values' e4m3 with ROTKV_VMETA8, oscar-mix's layout: converted to fp16 exactly), page table kv_indptr [B+1], kv_indices, kv_last_page_len [B] (int32), P % 16 == 0.
 // Output: unnormalized partials o [B, HQ, NS, D] fp32, running max m and sum l [B, HQ, NS]
 // (base 2: the query scale carries log2 e), merged by the Triton merge kernel.
@@ -74,7 +86,11 @@
 #ifndef ROTKV_REFINE  // 1: the kernel reads the refine tier's rings (Params rk, rv; either may be null)
 #define ROTKV_REFINE 0
 #endif
+#ifndef ROTKV_K4  // 1: the keys are INT4 (code rows of D/2 bytes), the values INT2
+#define ROTKV_K4 0
+#endif
 static_assert(!ROTKV_REFINE || ROTKV_VF16, "the refine tier's merged value codes need the fp16 value product");
+#define ROTKV_KREF (ROTKV_REFINE && !ROTKV_K4)  // the keys may have a refine ring (INT2 keys only)
 
 namespace {
 
@@ -103,7 +119,7 @@ struct Params {
   void* out;       // [B, HQ, D]
   int out_kind;    // 0 float32, 1 bfloat16, 2 float16
   // the refine tier (ROTKV_REFINE): key and value rings uint8 [B, RK, H, P, D/4] (null: that side has
-  // none), RK slots per request, one refined page per RE body pages (RE >= 1)
+  // none; rk always with ROTKV_K4), RK slots per request, one refined page per RE body pages (RE >= 1)
   const uint8_t* rk;
   const uint8_t* rv;
   int RK, RE;
@@ -332,6 +348,7 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
   using KM = KMap<D>;
   using VM = VMap<D>;
   constexpr int NB = D / 4, G = D / NG, NCH = D / 32, NMT = VM::NMT, KW = KM::KW, VW = VM::VW;
+  constexpr int NBK = ROTKV_K4 ? D / 2 : NB;  // bytes of a key code row
   static_assert(G % 32 == 0, "group_size must be a multiple of 32");
   const int warp = blockIdx.x * 4 + (threadIdx.x >> 5);
   if (warp >= p.n_work) return;
@@ -477,7 +494,7 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
   // loop-invariant byte offsets of this thread's words inside a 16-token tile
   int koff[2], voff[4];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) koff[r] = (g + 8 * r) * NB + KM::byte_off(t, 0);
+  for (int r = 0; r < 2; ++r) koff[r] = (g + 8 * r) * NBK + KM::byte_off(t, 0);
 #pragma unroll
   for (int u = 0; u < 4; ++u) voff[u] = (2 * t + (u & 1) + 8 * (u >> 1)) * NB + VM::byte_off(g, 0);
   using MetaT = typename MetaRaw<NG>::T;
@@ -497,26 +514,32 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
 
   // one softmax step's registers: TILES tiles of 16 tokens (a tile never crosses a page: P % 16 == 0)
   struct Step {
-    uint32_t kw[TILES][2][KW];        // tokens g, g+8
+    uint32_t kw[TILES][2][KW];        // tokens g, g+8 (ROTKV_K4: the INT4 row's words at o, planes 0 and 2)
+#if ROTKV_K4
+    uint32_t kx[TILES][2][KW];        // and at o + D/4 (planes 1 and 3)
+#endif
     uint32_t vw[TILES][4][VW];        // tokens 2t, 2t+1, 2t+8, 2t+9
     MetaT ksr[TILES][2], klr[TILES][2];    // raw fp16 metadata, tokens g, g+8
     VMetaT vsr[TILES][2], vlr[TILES][2];   // the values' (fp16 or e4m3)
 #if ROTKV_REFINE
+#if ROTKV_KREF
     uint32_t rkw[TILES][2][KW];       // the rings' words, as kw and vw (read only where rf says so)
+#endif
     uint32_t rvw[TILES][4][VW];
     uint32_t rf;                      // bit 2 ti: tile ti's keys are refined, bit 2 ti + 1: its values
 #endif
   };
-  // a tile's code words: keys (tokens g, g+8) and values (tokens 2t, 2t+1, 2t+8, 2t+9) at this thread's base
-  auto load_kw = [&](uint32_t (&kw)[2][KW], const uint8_t* kb) {
+  // a tile's code words: keys (tokens g, g+8; rows of rs bytes) and values (tokens 2t, 2t+1, 2t+8, 2t+9) at
+  // this thread's base
+  auto load_kw = [&](uint32_t (&kw)[2][KW], const uint8_t* kb, const int rs) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if constexpr (KW == 1) {
-        kw[r][0] = *reinterpret_cast<const uint32_t*>(kb + 8 * r * NB);
+        kw[r][0] = *reinterpret_cast<const uint32_t*>(kb + 8 * r * rs);
       } else {
 #pragma unroll
         for (int w = 0; w < KW; w += 2) {
-          uint2 x = *reinterpret_cast<const uint2*>(kb + 8 * r * NB + 32 * (w >> 1));
+          uint2 x = *reinterpret_cast<const uint2*>(kb + 8 * r * rs + 32 * (w >> 1));
           kw[r][w] = x.x;
           kw[r][w + 1] = x.y;
         }
@@ -549,13 +572,16 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
         // 32-bit row index (the loader checks NP * H * P < 2^32); one wide multiply-add per tensor
         // onto this thread's loop-invariant base, the rest are immediate offsets
         const uint32_t row0 = ((uint32_t)p.indices[pslot] * (uint32_t)p.H + (uint32_t)h) * (uint32_t)p.P + poff;
-        const uint8_t* kb = kc_t + (uint64_t)row0 * NB;
+        const uint8_t* kb = kc_t + (uint64_t)row0 * NBK;
         const uint8_t* vb = vc_t + (uint64_t)row0 * NB;
         const uint8_t* ksb = ks_t + (uint64_t)row0 * (2 * NG);
         const uint8_t* klb = kl_t + (uint64_t)row0 * (2 * NG);
         const uint8_t* vsb = vs_t + (uint64_t)row0 * (VMETA_BYTES * NG);
         const uint8_t* vlb = vl_t + (uint64_t)row0 * (VMETA_BYTES * NG);
-        load_kw(kw[ti], kb);
+        load_kw(kw[ti], kb, NBK);
+#if ROTKV_K4
+        load_kw(st.kx[ti], kb + D / 4, NBK);
+#endif
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           if (t0 + g + 8 * r < tok_hi) {  // beyond the split: zeros, so that p~ and p*lo stay 0
@@ -576,10 +602,12 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
           // the tile's first ring row (the pointers and offsets recomputed here: no registers held)
           const uint64_t rrow = (((uint64_t)b * (uint64_t)p.RK + (uint64_t)(pidx % p.RK)) * (uint64_t)p.H
                                  + (uint64_t)h) * (uint64_t)p.P + (uint64_t)poff;
+#if ROTKV_KREF
           if (p.rk != nullptr) {  // this thread's words at K row g, as kc_t
-            load_kw(st.rkw[ti], p.rk + rrow * NB + (g * NB + KM::byte_off(t, 0)));
+            load_kw(st.rkw[ti], p.rk + rrow * NB + (g * NB + KM::byte_off(t, 0)), NB);
             st.rf |= 1u << (2 * ti);
           }
+#endif
           if (p.rv != nullptr) {  // at V row 2t, as vc_t
             load_vw(st.rvw[ti], p.rv + rrow * NB + (2 * t * NB + VM::byte_off(g, 0)));
             st.rf |= 2u << (2 * ti);
@@ -617,17 +645,23 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
           const uint32_t x00 = prmt(kw[ti][0][w], 0u, 0x4140u), x10 = prmt(kw[ti][1][w], 0u, 0x4140u);
           const uint32_t x01 = prmt(kw[ti][0][w], 0u, 0x4342u), x11 = prmt(kw[ti][1][w], 0u, 0x4342u);
           uint32_t y00 = 0u, y10 = 0u, y01 = 0u, y11 = 0u;  // the ring's, as x00..x11
-#if ROTKV_REFINE
+#if ROTKV_KREF
           if constexpr (R) {
             y00 = prmt(st.rkw[ti][0][w], 0u, 0x4140u), y10 = prmt(st.rkw[ti][1][w], 0u, 0x4140u);
             y01 = prmt(st.rkw[ti][0][w], 0u, 0x4342u), y11 = prmt(st.rkw[ti][1][w], 0u, 0x4342u);
           }
 #endif
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
+          for (int ii = 0; ii < 4; ++ii) {
+            const int i = ROTKV_K4 ? 2 * (ii & 1) + (ii >> 1) : ii;  // ROTKV_K4: planes 0, 2 (kw), then 1, 3 (kx)
             constexpr uint32_t M = 0x00030003u;
             auto op = [&](uint32_t x, uint32_t y) {
-              uint32_t m = i == 0 ? x & M : i == 1 ? x & (M << 2) : i == 2 ? x & (M << 4) : x & (M << 6);
+              uint32_t m;
+              if constexpr (ROTKV_K4) {  // 4^i c: plane i's nibble, its lanes two bits up for planes 1 and 3
+                m = i == 0 ? x & 0x000F000Fu : i == 1 ? x & 0x003C003Cu : i == 2 ? x & 0x00F000F0u : x & 0x03C003C0u;
+              } else {
+                m = i == 0 ? x & M : i == 1 ? x & (M << 2) : i == 2 ? x & (M << 4) : x & (M << 6);
+              }
               if constexpr (R) {  // 4^i (4 h + j): h two bits up, j in h's place
                 const uint32_t x4 = x << 2;
                 m = i == 0 ? and_or<M>(y, x4 & (M << 2)) : i == 1 ? and_or<(M << 2)>(y, x4 & (M << 4))
@@ -641,8 +675,18 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
                 return *reinterpret_cast<const uint32_t*>(&z);  // 4^i c
               }
             };
+#if ROTKV_K4
+            // the plane's word (kw: planes 0 and 2, kx: 1 and 3) as x00..x11, planes 1 and 3 two bits up
+            auto lanes = [&](const int r, const uint32_t sel) {
+              const uint32_t v = prmt(i & 1 ? st.kx[ti][r][w] : kw[ti][r][w], 0u, sel);
+              return i & 1 ? v << 2 : v;
+            };
+            mma_f16(d[(i * (D / 4) + KM::byte_off(0, w)) / G], op(lanes(0, 0x4140u), 0u), op(lanes(1, 0x4140u), 0u),
+                    op(lanes(0, 0x4342u), 0u), op(lanes(1, 0x4342u), 0u), qh0[4 * w + i], qh1[4 * w + i]);
+#else
             mma_f16(d[(i * (D / 4) + KM::byte_off(0, w)) / G], op(x00, y00), op(x10, y10), op(x01, y01),
                     op(x11, y11), qh0[4 * w + i], qh1[4 * w + i]);
+#endif
           }
         }
       };
@@ -661,7 +705,16 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
           const int pl = 2 * KM::lo_plane(cc), ph = 2 * KM::hi_plane(cc);  // constants once unrolled
           uint32_t a0 = (lw0 >> pl) & 0x03030303u, a1 = (lw1 >> pl) & 0x03030303u;
           uint32_t a2 = (hw0 >> ph) & 0x03030303u, a3 = (hw1 >> ph) & 0x03030303u;
-#if ROTKV_REFINE
+#if ROTKV_K4
+          {  // plane i's nibbles: planes 0 and 2 in kw (low, high nibbles), 1 and 3 in kx
+            auto nib = [&](const int r, const int w, const int i) {
+              return ((i & 1 ? st.kx[ti][r][w] : kw[ti][r][w]) >> (4 * (i >> 1))) & 0x0F0F0F0Fu;
+            };
+            a0 = nib(0, KM::lo_word(cc), KM::lo_plane(cc)), a1 = nib(1, KM::lo_word(cc), KM::lo_plane(cc));
+            a2 = nib(0, KM::hi_word(cc), KM::hi_plane(cc)), a3 = nib(1, KM::hi_word(cc), KM::hi_plane(cc));
+          }
+#endif
+#if ROTKV_KREF
           if constexpr (R) {
             const uint32_t rl0 = st.rkw[ti][0][KM::lo_word(cc)], rl1 = st.rkw[ti][1][KM::lo_word(cc)];
             const uint32_t rh0 = st.rkw[ti][0][KM::hi_word(cc)], rh1 = st.rkw[ti][1][KM::hi_word(cc)];
@@ -675,11 +728,11 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
 #endif
       // a refined tile: scale s / 4 and minimum lo - 3 s / 8 (its products read 4 h + j)
       bool rk_on = false;
-#if ROTKV_REFINE
+#if ROTKV_KREF
       rk_on = (st.rf >> (2 * ti)) & 1u;
 #endif
       if (t0 < tok_hi) {
-        if (rk_on) kdots(Tag<ROTKV_REFINE != 0>{});
+        if (rk_on) kdots(Tag<ROTKV_KREF != 0>{});
         else kdots(Tag<false>{});
       }
       float ksf[2][NG], lot[2][2];  // token scales; the lo term sum_g lo_g * sum(q_g) per (token, head)
@@ -1022,16 +1075,17 @@ __global__ void __launch_bounds__(128, MINB) int2_decode_kernel(const Params p) 
 
 }  // namespace
 
-#ifndef ROTKV_D  // the Python loader builds one library per (D, NG, TILES, MINB, PREFETCH)
+#ifndef ROTKV_D  // the Python loader builds one library per variant (rotkv.kernels.cuda_decode.VARIANT_MACROS)
 #define ROTKV_D 128
 #define ROTKV_NG 2
 #define ROTKV_TILES 2
 #define ROTKV_MINB 4
 #endif
 
-extern "C" int rotkv_int2_decode(int d, int ng, int tiles, int minb, const void* q, const void* kc, const void* ks,
-                                 const void* kl, const void* vc, const void* vs, const void* vl, const void* indptr,
-                                 const void* indices, const void* last, void* o, void* m, void* l, int n_batch, int H,
+extern "C" int rotkv_int2_decode(int d, int ng, int tiles, int minb, int kbits, const void* q, const void* kc,
+                                 const void* ks, const void* kl, const void* vc, const void* vs, const void* vl,
+                                 const void* indptr, const void* indices, const void* last, void* o, void* m, void* l,
+                                 int n_batch, int H,
                                  int HQ, int P, int NS, int n_splits, int tokens_per_split, float qk_scale,
                                  int fuse, void* counters, void* out, int out_kind, const void* rk,
                                  const void* rv, int RK, int RE, void* stream) {
@@ -1068,8 +1122,10 @@ extern "C" int rotkv_int2_decode(int d, int ng, int tiles, int minb, const void*
   p.RK = RK;
   p.RE = RE;
   if ((rk || rv) && (!ROTKV_REFINE || RK < 1 || RE < 1)) return -4;
+  if (rk && ROTKV_K4) return -4;  // 4-bit keys have no refine ring
   if (fuse && (n_splits % 4 || (counters && (NS > MERGE_MAX_SLOTS || !out || out_kind < 0 || out_kind > 2)))) return -2;
-  if (d != ROTKV_D || ng != ROTKV_NG || tiles != ROTKV_TILES || minb != ROTKV_MINB) return -3;
+  if (d != ROTKV_D || ng != ROTKV_NG || tiles != ROTKV_TILES || minb != ROTKV_MINB || kbits != (ROTKV_K4 ? 4 : 2))
+    return -3;
   if (p.rep > 8 || P % 16 || tokens_per_split % (16 * tiles)) return -1;
   if (p.n_work == 0) return 0;
   int2_decode_kernel<ROTKV_D, ROTKV_NG, ROTKV_TILES, ROTKV_MINB><<<(p.n_work + 3) / 4, 128, 0, (cudaStream_t)stream>>>(p);
