@@ -15,7 +15,8 @@
 #             CPU PyTorch path, 2 windows of 2048 tokens then 256 teacher-forced, bounded by the KL of rounding every
 #             attention output to bf16 (small artifacts calibrated in the test; about 20 minutes: poll across calls)
 #   split     the step of oscar-refine +graph+compile without and with the split (ROTKV_TUNING=refine_split=SPLIT_MODES, default "0 1"; "kernel": the CUDA kernel reads the tier; a mode may add
-#             DecodeConfig fields: "kernel,cuda_prefetch=0") beside
+#             DecodeConfig fields or switches: "kernel,cuda_prefetch=0", "auto,cuda_key4=1"; SPLIT_QWEN_MODES: the
+#             Qwen3-8B rows' own list) beside
 #             oscar-mix and bf16 +graph+compile: `rotkv bench`, real SmolLM2 64 x 8K; then the Qwen3-8B shape
 #             (random weights, 8 layers, 16 x 32K): quarot-int2 with oscar-refine's tiers (sink 4, window 32, share
 #             1/64, 224 refined tokens, keys and values, one page per 19) without and with the split, beside the same
@@ -88,7 +89,7 @@ timeout 300 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --contex
   --out "$R/generate-split-mix-smollm2.json" >> "$R/split.log" 2>&1
 echo "split oscar-mix bf16 rc=$?"; grep "^| 64 x" "$R/split.log" | tail -2
 fi
-for mode in ${SPLIT_MODES:-0 1}; do
+for mode in ${SPLIT_QWEN_MODES:-${SPLIT_MODES:-0 1}}; do
   ROTKV_TUNING=refine_split=$mode timeout 300 python3 -m rotkv.cli bench --random qwen3-8b --layers 8 --batch 16 --context 32768 \
     --new-tokens 32 --methods rotkv:quarot-int2+graph+compile --sink 4 --window 32 --window-share 0.015625 --refine-tokens 224 \
     --refine-values --refine-every 19 --out "$R/generate-split$mode-refine-qwen8L.json" >> "$R/split.log" 2>&1
