@@ -51,7 +51,7 @@ class Switches:
     cuda_write_fp8: bool = False  # the CUDA write kernel stores e4m3 metadata (else the Triton write does)
     refine_kernel: bool = True  # the Triton v1 decode kernel reads the refine tier (else the PyTorch path)
     # the CUDA decode kernel reads layers with INT4 keys and INT2 values (its ROTKV_K4 build; else Triton v1)
-    cuda_key4: bool = False
+    cuda_key4: bool = True
     # the refine split (rotkv.kernels.refine_split): "1" the v1 kernel reads only the refined pages where the
     # body kernel is CUDA, "reference" everywhere with the PyTorch reference as the rest's kernel, "0" never;
     # "kernel": no split where the body kernel is CUDA, that kernel reads the refine tier itself in one launch

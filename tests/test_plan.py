@@ -66,8 +66,9 @@ def test_cuda_plan_names_its_launches():
     # what the CUDA body kernel does not take, and why
     for layout, rep, why in ((_layout(page=8), 4, "page size 8"), (_layout(), 12, "GQA group 12"),
                              (_layout(d=96, g=32), 4, "head_dim 96"), (_layout(aligned=False), 4, "aligned"),
-                             (_layout(bits=(4, 2)), 4, "INT2 K and V")):
+                             (_layout(bits=(4, 4)), 4, "INT2 K and V")):
         assert why in P.cuda_decode_reason(layout, rep, "int8")
+    assert P.cuda_decode_reason(_layout(bits=(4, 2)), 4, "int8") is None  # the INT4-key build (cuda_key4)
     assert "compute capability" in P.cuda_decode_reason(_layout(), 4, "int8", (7, 5))
     assert P.cuda_decode_reason(_layout(), 4, "bf16") is None  # the fp16-query build
     assert P.cuda_decode_reason(_layout(), 4, "fp8").startswith("the CUDA decode kernel reads")
@@ -193,15 +194,16 @@ def dataclasses_replace(cfg, **kw):
 
 def test_int4_keys_run_the_cuda_kernel_with_the_cuda_key4_switch(monkeypatch):
     """A layer with INT4 keys and INT2 values (oscar-mix's 4-bit-key layers): Triton v1 as before with the
-    ``cuda_key4`` switch off (the default); with it on, the CUDA kernel's ROTKV_K4 build."""
+    ``cuda_key4`` switch off; with it on (the default), the CUDA kernel's ROTKV_K4 build."""
     from rotkv import switches
     from rotkv.kernels import cuda_decode
 
-    assert switches.Switches().cuda_key4 is False
-    assert switches.from_environ({"ROTKV_TUNING": "cuda_key4=1"}).cuda_key4 is True
+    assert switches.Switches().cuda_key4 is True
+    assert switches.from_environ({"ROTKV_TUNING": "cuda_key4=0"}).cuda_key4 is False
     assert "cuda_key4" in switches.TUNING_FIELDS
     cfg = P.DecodeConfig(small_work=0)
-    off = P.DecodePlan(_layout(d=64, bits=(4, 2)), 6, 64, CUDA_DEV, cfg)
+    with switches.override(cuda_key4=False):
+        off = P.DecodePlan(_layout(d=64, bits=(4, 2)), 6, 64, CUDA_DEV, cfg)
     assert "cuda_key4=1" in off.cuda_why and off.cuda_expected  # an expected reason: no warning
     assert off.launch(10**6).kernel == "triton" and not off.launch(10**6).v2
     built = []
@@ -239,7 +241,8 @@ def test_build_lists_name_the_int4_key_build():
     from rotkv import switches
 
     e4m3 = torch.float8_e4m3fn
-    variant, note = P.decode_builds_for(64, 64, value_meta=e4m3, refine=True, key_bits=4)
+    with switches.override(cuda_key4=False):
+        variant, note = P.decode_builds_for(64, 64, value_meta=e4m3, refine=True, key_bits=4)
     assert variant is None and "cuda_key4=1" in note
     with switches.override(cuda_key4=True):
         variant, note = P.decode_builds_for(64, 64, value_meta=e4m3, refine=True, key_bits=4)

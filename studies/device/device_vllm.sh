@@ -183,7 +183,7 @@ job() {  # one queued job
                 tests/kernels/test_lse_merge.py \
                 -k "rotate_many or flush_pages or turns_its_output or rotate_kernel or caps_the_tokens or merge or reasons" ;;
     suite-gpu2k)  # the CPU rows of docs/results/test2k-2048 on the GPU: the same windows, artifacts and settings
-      S=(python3 -m rotkv.cli eval --suite mixed --split test --profile full --lengths 2048 --windows 16 --new-tokens 128
+      S=(python3 -m rotkv.cli eval --model "$GG/smollm2.gguf" --suite mixed --split test --profile full --lengths 2048 --windows 16 --new-tokens 128
          --device cuda --window-batch "${WB:-16}")
       for r in ${SUITE_ROWS:-refine mix long int4-w32}; do
         case $r in
@@ -199,7 +199,7 @@ job() {  # one queued job
         t "suite-gpu2k $r"; timeout 900 "${S[@]}" "${A[@]}" --out "$RUN/gpu2k/$r" || echo "suite-gpu2k $r failed"
       done ;;
     suite-gpu8k)  # the suite's test split at 8K, 16 windows x 128 tokens per domain (issue 41's 2048), artifacts/suite8k
-      S=(python3 -m rotkv.cli eval --suite mixed --split test --profile full --lengths 8192 --windows 16 --new-tokens 128
+      S=(python3 -m rotkv.cli eval --model "$GG/smollm2.gguf" --suite mixed --split test --profile full --lengths 8192 --windows 16 --new-tokens 128
          --device cuda --window-batch "${WB:-16}")
       for r in ${SUITE8K_ROWS:-aqua refine int4-w32 quanto}; do
         case $r in

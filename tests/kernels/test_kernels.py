@@ -440,8 +440,8 @@ def test_decode_mixed_bits_matches_reference(lens, tier_lens, h, rep, d, g, p, i
 def test_decode_fp8_value_metadata_matches_reference(lens, tier_lens, h, rep, d, g, p, int8, bits, device,
                                                     fp8_kernels):
     """oscar-mix's layout (e4m3 value scale and lo, INT2 or INT4 keys with fp16): the Triton kernel
-    reads it; the CUDA kernel claims the INT2 layers (ROTKV_VMETA8) and leaves INT4 keys to Triton
-    with an expected reason (no warning); e4m3 key metadata is not its."""
+    reads it; the CUDA kernel claims them (ROTKV_VMETA8; INT4 keys with its ROTKV_K4 build, the cuda_key4
+    switch) where the group is a multiple of 32; e4m3 key metadata is not its."""
     import dataclasses
 
     from rotkv.kernels.plan import cuda_decode_reason
@@ -451,7 +451,7 @@ def test_decode_fp8_value_metadata_matches_reference(lens, tier_lens, h, rep, d,
     _check_decode(lens, tier_lens, h, rep, d, g, p, int8, device, cfg=cfg, bits=bits, v_meta=torch.float8_e4m3fn)
     body = _build(lens, tier_lens, h, d, g, p, 16, device, bits=bits, v_meta=torch.float8_e4m3fn)[0]
     why = cuda_decode_reason(body.layout, rep, "bf16")
-    if bits == (2, 2) and g % 32 == 0:
+    if g % 32 == 0:
         assert why is None
     else:
         assert why is not None and why.startswith("the CUDA decode kernel reads")

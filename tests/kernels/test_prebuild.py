@@ -88,11 +88,13 @@ def test_loaders_find_the_prebuilt_libraries(tmp_path, monkeypatch, setenv):
 
 def test_build_kernels_lists_the_int4_key_build_with_the_cuda_key4_switch(monkeypatch, capsys, setenv):
     """oscar-refine's 4-bit-key layers (``k_bits="artifact"``): their decode build (ROTKV_K4, the values' refine
-    ring at head_dim 64) is listed with the ``cuda_key4`` switch on, a note says Triton runs them without it."""
+    ring at head_dim 64) is listed with the ``cuda_key4`` switch on (the default), a note says Triton runs them
+    without it."""
     from rotkv import switches
     from rotkv.cli import main
 
-    builds, notes = prebuild.builds(64, 64, value_meta=torch.float8_e4m3fn, refine=True, key_bits=(4,))
+    with switches.override(cuda_key4=False):
+        builds, notes = prebuild.builds(64, 64, value_meta=torch.float8_e4m3fn, refine=True, key_bits=(4,))
     assert [dict(b.macros)["ROTKV_K4"] for b in builds if b.stem == "int2_decode"] == [0]
     assert any("cuda_key4=1" in n and "INT4-key layers" in n for n in notes)
     with switches.override(cuda_key4=True):
@@ -107,7 +109,7 @@ def test_build_kernels_lists_the_int4_key_build_with_the_cuda_key4_switch(monkey
     assert main(["build-kernels", "--head-dim", "64", "--arch", "90", "--preset", "oscar-refine"]) == 0
     assert [dict(b.macros)["ROTKV_K4"] for b in seen if b.stem == "int2_decode"] == [0, 1]
     seen.clear()
-    setenv("ROTKV_TUNING", "")
+    setenv("ROTKV_TUNING", "cuda_key4=0")
     assert main(["build-kernels", "--head-dim", "64", "--arch", "90", "--preset", "oscar-refine"]) == 0
     assert [dict(b.macros)["ROTKV_K4"] for b in seen if b.stem == "int2_decode"] == [0]
     assert "cuda_key4=1" in capsys.readouterr().out
