@@ -247,6 +247,7 @@ def test_long_artifact_keeps_or_reranks_the_base_key_layers(tmp_path):
     assert calibrate_mix_long(loaded, ranked, layers=1, **kw)[0]["k_bits"].tolist() == [2, 4]
     tensors, meta = calibrate_mix_long(loaded, ranked, layers=2, **kw)
     assert tensors["k_bits"].tolist() == [4, 4] and meta["keybits_layers"] == "0,1"
+    assert meta["base_artifact"] == f"{ranked.kind} {ranked.identity}"  # the given artifact, not its in-memory copy
     bare = load_artifact(write_artifact(model, tmp_path / "b.safetensors",
                                         tensors={"k_bits": torch.tensor([2, 4], dtype=torch.int32)}, **base))
     with pytest.raises(ValueError, match="no k_gain ranking"):

@@ -159,6 +159,7 @@ def calibrate_mix_long(loaded, base=None, seq_len: int | list[int] | tuple[int, 
     from rotkv.rotations.artifact import Artifact, load_artifact
 
     art = load_artifact(base) if isinstance(base, str) else base
+    given = art  # the artifact on disk (or given), which the result names as its base
     if layers is not None:
         check_layers(layers, loaded.model.config.num_hidden_layers, "--key-layers")
     if art is not None and "k_bits" in art.tensors and art.kind not in ("oscar-mix", "oscar-mix-long"):
@@ -176,5 +177,8 @@ def calibrate_mix_long(loaded, base=None, seq_len: int | list[int] | tuple[int, 
         log(f"4-bit keys in {layers} layers by the base's k_gain: {meta['keybits_layers']}")
         art = Artifact(tensors, {k: str(v) for k, v in meta.items()})
     seq_lens = [seq_len] if isinstance(seq_len, int) else list(seq_len)
-    return refit_lengths(loaded.model, loaded.tokenizer, art, seq_lens, sequences, files=files, log=log,
-                         key_scale=key_scale)
+    tensors, meta = refit_lengths(loaded.model, loaded.tokenizer, art, seq_lens, sequences, files=files, log=log,
+                                  key_scale=key_scale)
+    if given is not None and art is not given:  # re-ranked in memory: name the base it was made from, not that copy
+        meta["base_artifact"] = f"{given.kind} {given.identity}"
+    return tensors, meta
