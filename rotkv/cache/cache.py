@@ -233,9 +233,12 @@ class RotkvCache(Cache):
             nb = int(src.state.body_count[src_row])
             counts = st.body_count.copy()
             ids = st.adopt(row, src.state, src_row)
+            on = {}  # the page ids on each layer's device, copied there once per row (not once per layer)
             for a, b in zip(mine, theirs):
                 a.pools.fit(st.tier_free.capacity, st.body_free.capacity)
-                a.pools.copy_from(b.pools, *(torch.as_tensor(i, device=a.device) for i in ids))
+                if a.device not in on:
+                    on[a.device] = tuple(torch.as_tensor(i, device=a.device) for i in ids)
+                a.pools.copy_from(b.pools, *on[a.device])
                 a.pools.adopt_tiers(b.pools, row, src_row, counts, nb)
 
     def reset(self) -> None:
