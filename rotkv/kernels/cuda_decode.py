@@ -17,6 +17,7 @@ import torch
 
 from rotkv.kernels import nvcc as nvcc_build
 from rotkv.kernels.body import PagedBody, RefineTier, check_refine_tiers
+from rotkv.quant.widths import CUDA_DECODE_KEY_WIDTHS, CUDA_DECODE_WIDTHS
 
 SOURCE = Path(__file__).parent / "cuda" / "int2_decode.cu"
 _nvcc = nvcc_build.nvcc_path
@@ -117,7 +118,7 @@ def body_partials(q: torch.Tensor, body: PagedBody, table: tuple, o_part: torch.
     h, p, ng = body.kv_heads, body.page_size, body.k.groups
     vmeta8 = int(body.v.meta == torch.float8_e4m3fn)  # the values' e4m3 metadata (oscar-mix): its own build
     kbits = body.k.bits
-    if kbits not in (2, 4) or body.v.bits != 2:
+    if kbits not in CUDA_DECODE_KEY_WIDTHS or body.v.bits not in CUDA_DECODE_WIDTHS:
         raise ValueError(f"the CUDA decode kernel reads INT2 or INT4 keys with INT2 values, got bits {body.bits}")
     rings, rk, re = _rings(q, body, refine, refine_values)
     if rings != (None, None) and not value_f16:

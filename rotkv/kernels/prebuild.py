@@ -56,19 +56,14 @@ def builds(head_dim: int, group_size: int, bits: int = 2, rotate: bool = True, v
     if head_dim <= 0 or group_size <= 0 or head_dim % group_size:
         raise ValueError(f"group_size ({group_size}) has to divide head_dim ({head_dim})")
     out, notes = [], []
-    variant, note = decode_builds_for(head_dim, group_size, bits, value_meta=value_meta, refine=refine)
-    if variant is not None:
-        out.append(Build(cuda_decode.SOURCE, "int2_decode", tuple(cuda_decode._macros(variant).items()), True,
-                         f"decode body, variant {variant}"))
-    else:
-        notes.append(note)
-    for kb in sorted(set(key_bits) - {bits}):
+    for kb in [bits, *sorted(set(key_bits) - {bits})]:  # the body's width, then the other key widths' layers
         variant, note = decode_builds_for(head_dim, group_size, bits, value_meta=value_meta, refine=refine, key_bits=kb)
+        keys = "" if kb == bits else f"INT{kb} keys, "
         if variant is not None:
             out.append(Build(cuda_decode.SOURCE, "int2_decode", tuple(cuda_decode._macros(variant).items()), True,
-                             f"decode body, INT{kb} keys, variant {variant}"))
+                             f"decode body, {keys}variant {variant}"))
         else:
-            notes.append(f"{note} (the INT{kb}-key layers)")
+            notes.append(note if kb == bits else f"{note} (the INT{kb}-key layers)")
     writes, note = write_builds_for(head_dim, group_size, rotate)
     if note:
         notes.append(note)
