@@ -22,8 +22,9 @@ max_batch (requests in the batch per step: what the method sustained), tok_per_s
 over the whole job, prefills included), tpot_ms (time per output token, mean over finished
 requests), step_ms (decode time per step; step_ms_median, and step_ms_flush / step_ms_no_flush: the median of
 the steps that flushed window pages into the body or not, flush_steps their share, flushed_per_step the
-pages a step flushed: the decode-time write), prefill_s, decode_s, wall_s, generated, finished,
-peak_gb, kv_budget_gb, pool pages, complete, and job_speedup_vs_bf16 against the best rotkv bf16 row.
+pages a step flushed: the decode-time write), prefill_s (and its parts prefill_cache_s, prefill_model_s and
+prefill_adopt_s: making each group's cache, the model calls, moving the pages into the rows), decode_s, wall_s,
+generated, finished, peak_gb, kv_budget_gb, pool pages, complete, and job_speedup_vs_bf16 against the best rotkv bf16 row.
 
     python benchmarks/bench_job.py --workload reasoning --shape qwen3-8b --requests 256 --max-seconds 150
     python benchmarks/bench_job.py --workload reasoning --model $ROTKV_GGUF --artifact-dir artifacts
@@ -173,6 +174,7 @@ def run_rotkv(model, method: str, requests, budget: int, a) -> dict:
     return dict(method=method, preset=preset, rows=sizes["rows"], mean_batch=round(run.mean_batch, 2),
                 max_batch=max(run.active, default=0), tok_per_s=round(run.tok_per_s, 1), tpot_ms=round(run.tpot_ms, 3),
                 step_ms=round(1e3 * run.decode_s / max(run.steps, 1), 3), prefill_s=round(run.prefill_s, 3),
+                **{f"prefill_{k}_s": round(v, 3) for k, v in run.admit_s.items()},
                 decode_s=round(run.decode_s, 3), wall_s=round(run.wall_s, 3), steps=run.steps, generated=run.generated,
                 step_ms_median=round(run.step_ms(), 3), step_ms_flush=round(run.step_ms(True), 3),
                 step_ms_no_flush=round(run.step_ms(False), 3),

@@ -57,7 +57,9 @@ class JobRun:
     (its prefill ran before that step) and left. first_s / done_s: when its first and last token were
     ready. active: requests in the batch at every decode step; flushed and step_s: the pages each step
     flushed into the body (every row one page in P steps) and its time. prefill_s: time in admissions
-    (prefills and page copies); decode_s: time in decode steps; wall_s: the whole job.
+    (prefills and page copies), and admit_s its parts: ``cache`` (making each group's own cache),
+    ``model`` (the prefill's model calls, the cache's writes in them) and ``adopt`` (moving the group's pages
+    into the batch's rows); decode_s: time in decode steps; wall_s: the whole job.
     """
 
     tokens: list
@@ -69,6 +71,7 @@ class JobRun:
     flushed: list = field(default_factory=list)  # pages each decode step moved from the windows to the body
     step_s: list = field(default_factory=list)  # each decode step's time
     prefill_s: float = 0.0
+    admit_s: dict = field(default_factory=dict)  # prefill_s by part: cache, model, adopt
     decode_s: float = 0.0
     wall_s: float = 0.0
     generated: int = 0  # tokens generated, the unfinished requests' included
@@ -179,7 +182,7 @@ def run_job(model, make_cache, requests: list[Request], rows: int, tier_pages: i
     col = torch.zeros(rows, dtype=torch.long, device=dev)
     ar = torch.arange(rows, device=dev)
     graph = None
-    nxt, step, spans = 0, 0, {"prefill": [], "decode": []}
+    nxt, step, spans = 0, 0, {"prefill": [], "decode": [], "cache": [], "model": [], "adopt": []}
 
     def finish(row: int) -> None:
         i = int(owner[row])
@@ -209,10 +212,14 @@ def run_job(model, make_cache, requests: list[Request], rows: int, tier_pages: i
             mask = torch.zeros(len(reqs), longest, dtype=torch.long)
             for j, r in enumerate(reqs):
                 ids[j, longest - len(r.ids):], mask[j, longest - len(r.ids):] = r.ids, 1
+            m0 = clock.mark()
             side = make_cache()
+            m1 = clock.mark()
             logits = prefill(model, ids, side, mask if not bool(mask.all()) else None)
+            m2 = clock.mark()
             cache.adopt_rows([row for row, _ in group], side, list(range(len(reqs))))
             del side
+            spans["cache"].append((m0, m1)), spans["model"].append((m1, m2)), spans["adopt"].append((m2, clock.mark()))
             rws = torch.tensor([row for row, _ in group], device=dev)
             first = logits.argmax(-1)
             tok[rws], out[rws, 0], col[rws] = first, first, 1
@@ -268,6 +275,7 @@ def run_job(model, make_cache, requests: list[Request], rows: int, tier_pages: i
     secs = clock.seconds()
     run.wall_s = secs[end] - secs[start]
     run.prefill_s = sum(secs[b] - secs[a] for a, b in spans["prefill"])
+    run.admit_s = {k: sum(secs[b] - secs[a] for a, b in spans[k]) for k in ("cache", "model", "adopt")}
     run.step_s = [secs[b] - secs[a] for a, b in spans["decode"]]
     run.decode_s = sum(run.step_s)
     run.first_s = [secs[m] if m is not None else None for m in firsts]

@@ -65,6 +65,9 @@ def test_job_matches_each_request_alone(model, name):
         assert run.finished_step[i] - run.admitted_step[i] == r.new_tokens - 1
     assert run.generated == sum(r.new_tokens for r in reqs)
     assert 0 < run.mean_batch <= 3 and run.tpot_ms > 0
+    # the admission's parts (the group's cache, the model calls, the adoption) lie inside its time
+    assert sorted(run.admit_s) == ["adopt", "cache", "model"] and min(run.admit_s.values()) > 0
+    assert sum(run.admit_s.values()) <= run.prefill_s
 
 
 def test_job_rejects_a_request_the_pools_cannot_hold(model):
@@ -118,6 +121,8 @@ def test_reasoning_bench_writes_rows(tmp_path):
     assert [r["method"] for r in rows] == ["rotkv:quarot-int2", "rotkv:bf16", "hf-static-compile"]
     for r in rows:
         assert r["complete"] and r["finished"] == 4 and r["tok_per_s"] > 0 and 1 <= r["max_batch"] <= r["rows"], r
+    for r in rows[:2]:
+        assert 0 < r["prefill_model_s"] <= r["prefill_s"] and r["prefill_adopt_s"] >= 0 and r["prefill_cache_s"] >= 0
     assert rows[1]["job_speedup_vs_bf16"] == 1.0 and rows[2]["compiled"] is False  # StaticCache's waves, uncompiled here
 
 
