@@ -51,6 +51,8 @@
 #   smol-kl       vllm_kl_compare.py, KL to the fp32 model over teacher-forced decode steps   GREEDY_METHODS
 #   rotkv-stepprof device_jobs.sh's stage stepprof alone (a later rotkv-split's stages are fixed when the runner starts)
 #   rotkv-jobqwen device_jobs.sh's stage jobqwen alone: issue 40's long-generation job at the Qwen3-8B shape (about 15 min)
+#   admit-prof    studies/profile_admission.py at the Qwen3-8B shape, 36 layers: one admission group's parts and profile
+#                 (INT2 with oscar-refine's tiers, bf16): what bounds the long-generation job's admission
 #   decode-sweep  bench_decode.py at the Qwen3-8B heads, B 8 and 32 x 32K and 128K, DECODE_CONFIGS (issue 40's kernel gap)
 #   suite-gpu2k   rotkv eval on the GPU over the CPU rows' windows of docs/results/test2k-2048 (SUITE_ROWS: refine,
 #                 mix, long, int4-w32; carry artifacts): issue 41's GPU = CPU
@@ -179,6 +181,9 @@ job() {  # one queued job
       mkdir -p "$RUN/jobs"; timeout 900 python3 benchmarks/bench_decode.py --batch 8 32 --context 32768 131072 \
         --configs ${DECODE_CONFIGS:-default cuda-pf-t1-w4k cuda-pf-t1-w8k cuda-pf-t2-w4k cuda-pf-t2-mb3} \
         --out "$RUN/jobs/decode-sweep.json" ;;
+    admit-prof)  # issue 40's job bound: where one admission's time goes, INT2 (oscar-refine's tiers) and bf16, Qwen3-8B 36 layers
+      mkdir -p "$RUN/jobs"; timeout 600 python3 studies/profile_admission.py --shape qwen3-8b \
+        --out "$RUN/jobs/prof-admission.txt" > "$RUN/jobs/prof-admission.log" 2>&1; grep -E "^(##|median)" "$RUN/jobs/prof-admission.txt" ;;
     kern-fusion) timeout 600 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_rotate.py tests/kernels/test_kernels.py \
                 tests/kernels/test_lse_merge.py \
                 -k "rotate_many or flush_pages or turns_its_output or rotate_kernel or caps_the_tokens or merge or reasons" ;;
