@@ -59,7 +59,7 @@ class JobRun:
     flushed into the body (every row one page in P steps) and its time. prefill_s: time in admissions
     (prefills and page copies), and admit_s its parts: ``cache`` (making each group's own cache),
     ``model`` (the prefill's model calls, the cache's writes in them) and ``adopt`` (moving the group's pages
-    into the batch's rows); decode_s: time in decode steps; wall_s: the whole job.
+    into the batch's rows), group_s each group's; decode_s: time in decode steps; wall_s: the whole job.
     """
 
     tokens: list
@@ -72,6 +72,7 @@ class JobRun:
     step_s: list = field(default_factory=list)  # each decode step's time
     prefill_s: float = 0.0
     admit_s: dict = field(default_factory=dict)  # prefill_s by part: cache, model, adopt
+    group_s: list = field(default_factory=list)  # each prefill group's time (its cache, model calls, adoption)
     decode_s: float = 0.0
     wall_s: float = 0.0
     generated: int = 0  # tokens generated, the unfinished requests' included
@@ -276,6 +277,7 @@ def run_job(model, make_cache, requests: list[Request], rows: int, tier_pages: i
     run.wall_s = secs[end] - secs[start]
     run.prefill_s = sum(secs[b] - secs[a] for a, b in spans["prefill"])
     run.admit_s = {k: sum(secs[b] - secs[a] for a, b in spans[k]) for k in ("cache", "model", "adopt")}
+    run.group_s = [secs[b] - secs[a] for (a, _), (_, b) in zip(spans["cache"], spans["adopt"])]
     run.step_s = [secs[b] - secs[a] for a, b in spans["decode"]]
     run.decode_s = sum(run.step_s)
     run.first_s = [secs[m] if m is not None else None for m in firsts]
