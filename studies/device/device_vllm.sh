@@ -53,6 +53,8 @@
 #   rotkv-jobqwen device_jobs.sh's stage jobqwen alone: issue 40's long-generation job at the Qwen3-8B shape (about 15 min)
 #   admit-prof    studies/profile_admission.py at the Qwen3-8B shape, 36 layers: one admission group's parts and profile
 #                 (INT2 with oscar-refine's tiers, bf16): what bounds the long-generation job's admission
+#   prefill-cmp   the prefill against HF StaticCache + compile, real SmolLM2 64 x 8160 (bf16, oscar-refine; carry
+#                 artifacts/oscar-mix-long.safetensors): the default chunk, then one 8192-token call per row
 #   decode-sweep  bench_decode.py at the Qwen3-8B heads, B 8 and 32 x 32K and 128K, DECODE_CONFIGS (issue 40's kernel gap)
 #   suite-gpu2k   rotkv eval on the GPU over the CPU rows' windows of docs/results/test2k-2048 (SUITE_ROWS: refine,
 #                 mix, long, int4-w32; carry artifacts): issue 41's GPU = CPU
@@ -184,6 +186,15 @@ job() {  # one queued job
     admit-prof)  # issue 40's job bound: where one admission's time goes, INT2 (oscar-refine's tiers) and bf16, Qwen3-8B 36 layers
       mkdir -p "$RUN/jobs"; timeout 600 python3 studies/profile_admission.py --shape qwen3-8b \
         --out "$RUN/jobs/prof-admission.txt" > "$RUN/jobs/prof-admission.log" 2>&1; grep -E "^(##|median)" "$RUN/jobs/prof-admission.txt" ;;
+    prefill-cmp)  # issue 40's prefill target (<= 1.2x HF StaticCache + compile), real SmolLM2 64 x 8160: the default
+                  # chunk (4096 tokens a row per call at this batch), then one 8192-token call per row (PREFILL_TOKENS)
+      mkdir -p "$RUN/jobs"; P=(python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 --new-tokens 32
+         --artifact artifacts/oscar-mix-long.safetensors)
+      timeout 420 "${P[@]}" --methods hf-static-compile rotkv:bf16+graph rotkv:oscar-refine+graph \
+        --out "$RUN/jobs/generate-prefill-smollm2.json" > "$RUN/jobs/prefill-cmp.log" 2>&1
+      timeout 300 "${P[@]}" --methods rotkv:bf16+graph rotkv:oscar-refine+graph --prefill-chunk 8192 \
+        --prefill-tokens "${PREFILL_TOKENS:-524288}" --out "$RUN/jobs/generate-prefill8k-smollm2.json" >> "$RUN/jobs/prefill-cmp.log" 2>&1
+      grep "^| 64 x" "$RUN/jobs/prefill-cmp.log" ;;
     kern-fusion) timeout 600 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_rotate.py tests/kernels/test_kernels.py \
                 tests/kernels/test_lse_merge.py \
                 -k "rotate_many or flush_pages or turns_its_output or rotate_kernel or caps_the_tokens or merge or reasons" ;;
