@@ -229,17 +229,25 @@ class RotkvCache(Cache):
         if src.spec != self.spec or len(mine) != len(theirs):
             raise ValueError("adopt_rows needs a cache of the same spec over the same model")
         st = self.state
-        for row, src_row in zip(np.atleast_1d(rows).tolist(), np.atleast_1d(src_rows).tolist()):
-            nb = int(src.state.body_count[src_row])
+        rows, src_rows = np.atleast_1d(rows).tolist(), np.atleast_1d(src_rows).tolist()
+        if len(rows) != len(src_rows) or len(set(rows)) != len(rows):
+            raise ValueError(f"adopt_rows needs distinct rows, one per source row: got {rows} and {src_rows}")
+        # the state first, row by row (pages from the free lists); then every layer copies all the rows'
+        # pages at once, and its tiers take the rows in the same order (each at the body counts before it)
+        moves, ids = [], ([], [], [], [])
+        for row, src_row in zip(rows, src_rows):
             counts = st.body_count.copy()
-            ids = st.adopt(row, src.state, src_row)
-            on = {}  # the page ids on each layer's device, copied there once per row (not once per layer)
-            for a, b in zip(mine, theirs):
-                a.pools.fit(st.tier_free.capacity, st.body_free.capacity)
-                if a.device not in on:
-                    on[a.device] = tuple(torch.as_tensor(i, device=a.device) for i in ids)
-                a.pools.copy_from(b.pools, *on[a.device])
-                a.pools.adopt_tiers(b.pools, row, src_row, counts, nb)
+            for part, i in zip(ids, st.adopt(row, src.state, src_row)):
+                part.append(i)
+            moves.append((row, src_row, counts, int(src.state.body_count[src_row])))
+        ids = tuple(np.concatenate(part) for part in ids)
+        on = {}  # the page ids on each layer's device, copied there once
+        for a, b in zip(mine, theirs):
+            a.pools.fit(st.tier_free.capacity, st.body_free.capacity)
+            if a.device not in on:
+                on[a.device] = tuple(torch.as_tensor(i, device=a.device) for i in ids)
+            a.pools.copy_from(b.pools, *on[a.device])
+            a.pools.adopt_tiers(b.pools, moves)
 
     def reset(self) -> None:
         """Forget every token; the pools keep their memory for the next batch."""

@@ -272,11 +272,12 @@ class LayerPools:
         for tier in self.tiers:
             tier.select(index)
 
-    def adopt_tiers(self, src: "LayerPools", row: int, src_row: int, counts, body_pages: int) -> None:
-        """Give ``row`` (rows of ``counts`` body pages here before) what ``src``'s tiers hold for its row
-        ``src_row``, a row of ``body_pages`` body pages."""
+    def adopt_tiers(self, src: "LayerPools", moves) -> None:
+        """Give rows what ``src``'s tiers hold for its rows: ``moves``, in order, are ``(row, src_row, counts,
+        body_pages)``: ``row`` here (rows of ``counts`` body pages before it) takes ``src_row``, a row of
+        ``body_pages`` body pages."""
         for mine, theirs in zip(self.tiers, src.tiers):
-            mine.adopt(theirs, row, src_row, counts, body_pages)
+            mine.adopt(theirs, moves)
 
     def read_tiers(self, k: torch.Tensor | None, v: torch.Tensor | None, nb: int, counts, pages, r0: int = 0,
                    start: int = 0, memo=None) -> None:

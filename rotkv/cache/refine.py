@@ -216,20 +216,30 @@ class RefineRings:
         for ring in self.rings:
             ring.select(index)
 
-    def adopt(self, src: "RefineRings", row: int, src_row: int, counts, body_pages: int) -> None:
-        """Give ``row`` (rows of ``counts`` body pages before) the refinements of ``src``'s row ``src_row``,
-        a row of ``body_pages`` body pages: the rings grow for it, then each page ``src`` holds (its newest,
-        up to what the size rule reads there) moves from its slot there to its slot here (``index % K``).
-        Only those: ``src`` may hold more slots than such a row reads (its other rows longer)."""
-        self.grow(counts, body_pages)
+    def adopt(self, src: "RefineRings", moves) -> None:
+        """Give rows the refinements of ``src``'s rows: ``moves``, in order, are ``(row, src_row, counts,
+        body_pages)``, ``row`` (rows of ``counts`` body pages before it) taking ``src_row``, a row of
+        ``body_pages`` body pages. The rings grow for each in turn; then each page ``src`` holds (its
+        newest, up to what the size rule reads there) moves from its slot there to its slot here
+        (``index % K``), every row's at once. Only those: ``src`` may hold more slots than such a row
+        reads (its other rows longer)."""
+        for _, _, counts, body_pages in moves:
+            self.grow(counts, body_pages)
         for mine, theirs in zip(self.rings, src.rings):
-            held = refined_pages(body_pages, theirs.pages, theirs.every)
-            if not held:
-                continue
-            if mine.pages < held:
-                raise ValueError(f"the refine ring holds {mine.pages} pages per row, the adopted row {held}")
-            idx = torch.arange(body_pages - held, body_pages, device=mine.data.device)
-            mine.data[row, idx % mine.pages] = theirs.data[src_row, idx.to(theirs.data.device) % theirs.pages]
+            dst, got = [], []
+            for row, src_row, _, body_pages in moves:
+                held = refined_pages(body_pages, theirs.pages, theirs.every)
+                if not held:
+                    continue
+                if mine.pages < held:
+                    raise ValueError(f"the refine ring holds {mine.pages} pages per row, the adopted row {held}")
+                idx = np.arange(body_pages - held, body_pages)
+                dst.append(np.stack([np.full(held, row), idx % mine.pages]))
+                got.append(np.stack([np.full(held, src_row), idx % theirs.pages]))
+            if dst:
+                d = torch.as_tensor(np.concatenate(dst, 1), device=mine.data.device)
+                g = torch.as_tensor(np.concatenate(got, 1), device=theirs.data.device)
+                mine.data[d[0], d[1]] = theirs.data[g[0], g[1]].to(mine.data.device)
 
     # ---- write -----------------------------------------------------------------------------------
     def flush_target(self, pages, device) -> tuple:

@@ -44,8 +44,9 @@ class Tier(Protocol):
     def select(self, index: torch.Tensor) -> None:
         """Rows become ``index`` (beam search, row removal)."""
 
-    def adopt(self, src: "Tier", row: int, src_row: int, counts: np.ndarray, body_pages: int) -> None:
-        """Give ``row`` what ``src`` (the same kind, another cache's layer) holds for its row ``src_row``."""
+    def adopt(self, src: "Tier", moves) -> None:
+        """Give rows what ``src`` (the same kind, another cache's layer) holds for its rows: ``moves``, in
+        order, ``(row, src_row, counts, body_pages)`` (:meth:`rotkv.cache.pools.LayerPools.adopt_tiers`)."""
 
     def flush_target(self, pages, device):
         """Where a flush writes: ``pages`` is the layer's Step, or ``(rows, index)`` device tensors."""
