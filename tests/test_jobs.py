@@ -142,6 +142,35 @@ def test_a_short_request_prefilled_beside_a_longer_one_keeps_its_refine_size_rul
         assert torch.equal(run.tokens[i], alone), f"request {i}"
 
 
+def test_adopt_rows_moves_several_rows_at_once_as_stored(model):
+    """adopt_rows takes a group's rows in one copy per layer: each adopted row reads back (sink, dequantized
+    body with its refine bits, window) exactly as its source row, rows of different lengths into rows that
+    are not the sources' order; repeated rows are refused before anything moves."""
+    from rotkv.generation import prefill
+
+    spec = dict(sink=4, window=8, page_size=4, prefill_chunk=64, refine_tokens=16, refine_values=True, refine_every=2)
+    make = lambda: RotkvCache(model, "quarot-int2", check_finite=False, **spec)  # noqa: E731
+    reqs = _requests(model.config.vocab_size, [(41, 1), (23, 1), (57, 1)], seed=5)
+    longest = max(len(r.ids) for r in reqs)
+    ids = torch.zeros(3, longest, dtype=torch.long)
+    mask = torch.zeros(3, longest, dtype=torch.long)
+    for j, r in enumerate(reqs):
+        ids[j, longest - len(r.ids):], mask[j, longest - len(r.ids):] = r.ids, 1
+    side = make()
+    prefill(model, ids, side, mask)
+    cache = make()
+    cache.open_rows(4, 20, 40, model.device)
+    with pytest.raises(ValueError, match="distinct rows"):
+        cache.adopt_rows([1, 1], side, [0, 1])
+    assert cache.free_pages()["body_used"] == 0  # nothing moved
+    cache.adopt_rows([3, 0, 2], side, [1, 2, 0])
+    for row, src_row in ((3, 1), (0, 2), (2, 0)):
+        for mine, theirs in zip(cache.layers, side.layers):
+            for a, b in zip(mine.read(row), theirs.read(src_row)):
+                assert torch.equal(a, b), (row, src_row)
+    assert int(cache.state.body_count[1]) == 0 and cache.state.lengths()[1] == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("preset, extra", [("quarot-int2", {}), ("bf16", {}),
                                            ("quarot-int2", dict(refine_tokens=64, refine_values=True, refine_every=2))])
