@@ -245,7 +245,7 @@ class RotkvCache(Cache):
         for a, b in zip(mine, theirs):
             a.pools.fit(st.tier_free.capacity, st.body_free.capacity)
             if a.device not in on:
-                on[a.device] = tuple(torch.as_tensor(i, device=a.device) for i in ids)
+                on[a.device] = tuple(torch.from_numpy(i).to(a.device, non_blocking=True) for i in ids)
             a.pools.copy_from(b.pools, *on[a.device])
             a.pools.adopt_tiers(b.pools, moves)
 

@@ -408,7 +408,7 @@ class HybridLayer(RotkvLayer):
         positions of ``out``'s buffers if given)."""
         dev = self.device
         sub = step.body_pages[r0:r1, :nb]
-        pages = step.cached(("body_pages", dev, r0, r1), lambda: torch.from_numpy(np.ascontiguousarray(sub)).to(dev))
+        pages = step.cached(("body_pages", dev, r0, r1), lambda: torch.from_numpy(np.ascontiguousarray(sub)).to(dev, non_blocking=True))
         table = None
         if self.pools.dequant_kernel:
             from rotkv.cache.plan import page_table
@@ -425,7 +425,7 @@ class HybridLayer(RotkvLayer):
         with the tiers added (the PyTorch reader's scratch: one such chunk)."""
         dev, b, nb = self.device, len(step.body_count), int(step.body_count.max(initial=0))
         pages = step.cached(("body_pages", dev, 0, b),
-                            lambda: torch.from_numpy(np.ascontiguousarray(step.body_pages[:, :nb])).to(dev))
+                            lambda: torch.from_numpy(np.ascontiguousarray(step.body_pages[:, :nb])).to(dev, non_blocking=True))
         x = self.pools.decode_pages(pages[:, c0:c1], side, cdt, start=c0, counts=step.body_count)
         self.pools.read_tiers(*((x, None) if side == 0 else (None, x)), c1 - c0, step.body_count, step.body_pages,
                               start=c0, memo=step.cached)
@@ -600,7 +600,7 @@ def _mask(step: Step, page: int, body_pages: int, tier_len: int, device, own: in
     if alike and (step.query_count == c).all() and step.body_count[0] == body_pages \
             and step.tier_tokens[0] == tier_len and (own or step.tier_tokens[0] == step.tier_before[0] + c):
         return None
-    small = lambda a: torch.as_tensor(a, device=device)  # noqa: E731
+    small = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)  # noqa: E731
     body_len = body_pages * page
     keys = torch.arange(body_len + tier_len + own, device=device)
     j = torch.arange(c, device=device)

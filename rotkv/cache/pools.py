@@ -255,7 +255,7 @@ class LayerPools:
             raise ValueError("a flush of predicted keys needs the pages' rows and body indices")
         if isinstance(pages, tuple):
             return pages[1].to(device)
-        return torch.from_numpy(np.ascontiguousarray(pages.flush.index)).to(device)
+        return torch.from_numpy(np.ascontiguousarray(pages.flush.index)).to(device, non_blocking=True)
 
     # ---- tiers: every hook over every tier (rotkv.cache.tiers) -------------------------------------
     def tier_bytes(self, counts) -> int:

@@ -97,7 +97,7 @@ class RefineRing:
         self.data = torch.zeros(old.shape[0], *self.shape, dtype=torch.uint8, device=old.device)
         rows, idx = newest_pages(np.asarray(counts, dtype=np.int64)[: old.shape[0]], k_old)
         if len(rows):
-            r, i = torch.from_numpy(rows).to(old.device), torch.from_numpy(idx).to(old.device)
+            r, i = _dev(rows, old.device), _dev(idx, old.device)
             self.data[r, i % need] = old[r, i % k_old]
 
     @property
@@ -237,8 +237,7 @@ class RefineRings:
                 dst.append(np.stack([np.full(held, row), idx % mine.pages]))
                 got.append(np.stack([np.full(held, src_row), idx % theirs.pages]))
             if dst:
-                d = torch.as_tensor(np.concatenate(dst, 1), device=mine.data.device)
-                g = torch.as_tensor(np.concatenate(got, 1), device=theirs.data.device)
+                d, g = _dev(np.concatenate(dst, 1), mine.data.device), _dev(np.concatenate(got, 1), theirs.data.device)
                 mine.data[d[0], d[1]] = theirs.data[g[0], g[1]].to(mine.data.device)
 
     # ---- write -----------------------------------------------------------------------------------

@@ -62,7 +62,8 @@ class LayerRotation:
     _split: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def to(self, device: torch.device) -> "LayerRotation":
-        mv = lambda t: None if t is None else t.to(device=device, dtype=torch.float32)  # noqa: E731
+        # no stream sync (a CUDA cache's layers move theirs inside the first forward, between its kernels)
+        mv = lambda t: None if t is None else t.to(device=device, dtype=torch.float32, non_blocking=True)  # noqa: E731
         r = LayerRotation(mv(self.R_K), mv(self.R_V), mv(self.k_mean), self.clip_k, self.clip_v, mv(self.R_Q))
         if torch.device(device).type == "cuda":
             for which in ("keys", "values", "queries", "outputs"):
@@ -188,7 +189,8 @@ class LayerRotation:
         if which == "outputs":
             mats = mats.transpose(-1, -2)
         a = bf16x2_matrix(mats, self.k_mean if which == "keys" else None)
-        ones = torch.tensor([1, 1, 0, 0, 0, 0, 0, 0], dtype=torch.bfloat16, device=mats.device)
+        ones = torch.zeros(8, dtype=torch.bfloat16, device=mats.device)  # [1, 1, 0, ..., 0], made on the device
+        ones[:2] = 1
         self._split[which] = got = (a, ones)
         return got
 
