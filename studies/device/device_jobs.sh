@@ -33,7 +33,8 @@
 #             150 s (a first request ends after 8K steps: at about 30 ms a step the cut measures the batch each
 #             method holds and its tokens/s; JOB_SECONDS=600 and one method at a time see rows refilled):
 #             quarot-int2 with oscar-mix's tiers, with oscar-refine's (split on), rotkv bf16, all +graph+compile, and
-#             HF StaticCache + compile (waves) (about 15 minutes: poll across calls; JOBQWEN_METHODS picks others)
+#             HF StaticCache + compile (waves) (about 15 minutes: poll across calls; JOBQWEN_METHODS picks others;
+#             JOB_PREFILL_ROWS: requests prefilled together, default 4)
 #   niah48    NIAH at 4, 6 and 8K (noise, essay, multikey; 8 haystacks per cell: 96 questions per method) for
 #             NIAH_METHODS (default bf16,oscar-refine) at their own sink and window, `rotkv eval --device cuda`
 #             (not a default stage: STAGES=niah48)
@@ -118,7 +119,7 @@ timeout 420 python3 -m rotkv.cli bench --model "$ROTKV_GGUF" --batch 64 --contex
 echo "aquastep rc=$?"; grep "^| 64 x" "$R/aquastep.log" | tail -4; fi
 if want jobqwen; then stage jobqwen
 ROTKV_TUNING=refine_split=1 timeout 1500 python3 benchmarks/bench_job.py --workload reasoning --shape qwen3-8b --requests 512 \
-  --max-seconds "$JOB_SECONDS" --methods ${JOBQWEN_METHODS:-"rotkv:quarot-int2+graph+compile@$MIX_TIERS" \
+  --prefill-rows "${JOB_PREFILL_ROWS:-4}" --max-seconds "$JOB_SECONDS" --methods ${JOBQWEN_METHODS:-"rotkv:quarot-int2+graph+compile@$MIX_TIERS" \
   "rotkv:quarot-int2+graph+compile@$REFINE_TIERS" rotkv:bf16+graph+compile hf-static-compile} \
   --out "$R/jobreason-qwen3-8b-36l.json" > "$R/jobqwen.log" 2>&1
 echo "jobqwen rc=$?"; grep "tok/s" "$R/jobqwen.log" | tail -4; fi
