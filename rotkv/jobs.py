@@ -6,7 +6,8 @@ decode step keeps its shapes and can stay captured in a CUDA graph (``rotkv.cach
 pools never grow). A request is admitted when a row is empty and the pools hold its pages: the
 pages of its prompt and of every token it will generate (``prompt + new_tokens``, reserved at
 admission, so a running request never waits for a page). It is prefilled in a cache of its own
-(:func:`rotkv.generation.prefill`, with the other requests admitted at the same step, left padded)
+(:func:`rotkv.generation.prefill`, in groups of ``prefill_rows`` of the requests admitted at the same step,
+those of like prompt lengths together, left padded)
 and moved into its row (:meth:`RotkvCache.adopt_rows`); its first token comes from the prefill's
 logits, the others from the batch's decode steps (greedy). When it has its tokens, its pages go
 back to the free lists (:meth:`RotkvCache.release_rows`). An empty row still runs in the step (the
@@ -205,6 +206,8 @@ def run_job(model, make_cache, requests: list[Request], rows: int, tier_pages: i
         if not take:
             return
         t0 = clock.mark()
+        # prefilled in groups of like prompt lengths: the least left padding (computed for nothing) per group
+        take.sort(key=lambda t: len(requests[t[1]].ids))
         for g in range(0, len(take), prefill_rows):
             group = take[g: g + prefill_rows]
             reqs = [requests[i] for _, i in group]

@@ -142,6 +142,22 @@ def test_a_short_request_prefilled_beside_a_longer_one_keeps_its_refine_size_rul
         assert torch.equal(run.tokens[i], alone), f"request {i}"
 
 
+def test_admission_prefills_like_lengths_together(model, monkeypatch):
+    """Requests admitted at one step are prefilled in groups of like prompt lengths (the least left padding);
+    each request's tokens stay its own run's."""
+    import rotkv.jobs as jobs
+
+    widths = []
+    real = jobs.prefill
+    monkeypatch.setattr(jobs, "prefill", lambda m, ids, *a, **k: (widths.append(ids.shape[1]), real(m, ids, *a, **k))[1])
+    reqs = _requests(model.config.vocab_size, [(30, 3), (5, 4), (28, 2), (6, 3)], seed=6)
+    make = lambda: RotkvCache(model, "quarot-int2", check_finite=False, **SPECS["quarot-int2"])  # noqa: E731
+    run = run_job(model, make, reqs, rows=4, tier_pages=40, body_pages=60, prefill_rows=2)
+    assert sorted(widths) == [6, 30]  # {5, 6} and {28, 30}, not {30, 5} and {28, 6}
+    for i, r in enumerate(reqs):
+        assert torch.equal(run.tokens[i], _alone(model, "quarot-int2", r)), f"request {i}"
+
+
 def test_adopt_rows_moves_several_rows_at_once_as_stored(model):
     """adopt_rows takes a group's rows in one copy per layer: each adopted row reads back (sink, dequantized
     body with its refine bits, window) exactly as its source row, rows of different lengths into rows that
