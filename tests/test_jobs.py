@@ -180,6 +180,10 @@ def test_adopt_rows_moves_several_rows_at_once_as_stored(model):
         cache.adopt_rows([1, 1], side, [0, 1])
     assert cache.free_pages()["body_used"] == 0  # nothing moved
     cache.adopt_rows([3, 0, 2], side, [1, 2, 0])
+    used = cache.free_pages()["body_used"]
+    with pytest.raises(ValueError, match=r"rows \[2\] hold tokens"):
+        cache.adopt_rows([1, 2], side, [0, 1])
+    assert cache.free_pages()["body_used"] == used and int(cache.state.body_count[1]) == 0  # row 1 untouched
     for row, src_row in ((3, 1), (0, 2), (2, 0)):
         for mine, theirs in zip(cache.layers, side.layers):
             for a, b in zip(mine.read(row), theirs.read(src_row)):

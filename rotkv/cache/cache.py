@@ -232,6 +232,9 @@ class RotkvCache(Cache):
         rows, src_rows = np.atleast_1d(rows).tolist(), np.atleast_1d(src_rows).tolist()
         if len(rows) != len(src_rows) or len(set(rows)) != len(rows):
             raise ValueError(f"adopt_rows needs distinct rows, one per source row: got {rows} and {src_rows}")
+        busy = [r for r in rows if st.tier_tokens[r] or st.body_count[r]]
+        if busy:
+            raise ValueError(f"rows {busy} hold tokens: release them first")
         # the state first, row by row (pages from the free lists); then every layer copies all the rows'
         # pages at once, and its tiers take the rows in the same order (each at the body counts before it)
         moves, ids = [], ([], [], [], [])
