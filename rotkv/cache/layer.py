@@ -408,7 +408,8 @@ class HybridLayer(RotkvLayer):
         positions of ``out``'s buffers if given)."""
         dev = self.device
         sub = step.body_pages[r0:r1, :nb]
-        pages = step.cached(("body_pages", dev, r0, r1), lambda: torch.from_numpy(np.ascontiguousarray(sub)).to(dev, non_blocking=True))
+        pages = step.cached(("body_pages", dev, r0, r1),
+                            lambda: torch.from_numpy(np.ascontiguousarray(sub)).to(dev, non_blocking=True))
         table = None
         if self.pools.dequant_kernel:
             from rotkv.cache.plan import page_table
@@ -425,7 +426,8 @@ class HybridLayer(RotkvLayer):
         with the tiers added (the PyTorch reader's scratch: one such chunk)."""
         dev, b, nb = self.device, len(step.body_count), int(step.body_count.max(initial=0))
         pages = step.cached(("body_pages", dev, 0, b),
-                            lambda: torch.from_numpy(np.ascontiguousarray(step.body_pages[:, :nb])).to(dev, non_blocking=True))
+                            lambda: torch.from_numpy(np.ascontiguousarray(step.body_pages[:, :nb])).to(
+                                dev, non_blocking=True))
         x = self.pools.decode_pages(pages[:, c0:c1], side, cdt, start=c0, counts=step.body_count)
         self.pools.read_tiers(*((x, None) if side == 0 else (None, x)), c1 - c0, step.body_count, step.body_pages,
                               start=c0, memo=step.cached)
