@@ -14,7 +14,7 @@ from rotkv import switches
 from rotkv.cache.assembly import CachePlan, build_layer, plan_cache, resolve_spec
 from rotkv.cache.base import RotkvLayer
 from rotkv.cache.layer import HybridLayer
-from rotkv.cache.plan import PageState
+from rotkv.cache.plan import PageState, to_device
 from rotkv.cache.progressive import ProgressiveLayer
 from rotkv.config import CacheSpec, RotkvWarning
 from rotkv.hf.attention import install
@@ -232,7 +232,7 @@ class RotkvCache(Cache):
         rows, src_rows = np.atleast_1d(rows).tolist(), np.atleast_1d(src_rows).tolist()
         if len(rows) != len(src_rows) or len(set(rows)) != len(rows):
             raise ValueError(f"adopt_rows needs distinct rows, one per source row: got {rows} and {src_rows}")
-        busy = [r for r in rows if st.tier_tokens[r] or st.body_count[r]]
+        busy = st.busy_rows(rows)
         if busy:
             raise ValueError(f"rows {busy} hold tokens: release them first")
         # the state first, row by row (pages from the free lists); then every layer copies all the rows'
@@ -248,7 +248,7 @@ class RotkvCache(Cache):
         for a, b in zip(mine, theirs):
             a.pools.fit(st.tier_free.capacity, st.body_free.capacity)
             if a.device not in on:
-                on[a.device] = tuple(torch.from_numpy(i).to(a.device, non_blocking=True) for i in ids)
+                on[a.device] = tuple(to_device(i, a.device) for i in ids)
             a.pools.copy_from(b.pools, *on[a.device])
             a.pools.adopt_tiers(b.pools, moves)
 

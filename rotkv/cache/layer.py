@@ -32,7 +32,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from rotkv import switches
 from rotkv.cache.base import RotkvLayer
-from rotkv.cache.plan import PageState, Step
+from rotkv.cache.plan import PageState, Step, to_device
 from rotkv.cache.pools import READ_PAGES, LayerPools
 from rotkv.cache.tiers import build_tiers
 from rotkv.config import CacheSpec
@@ -113,7 +113,7 @@ class HybridLayer(RotkvLayer):
         lt = max(int(tokens.max(initial=0)), 1)
         pos = pad + np.minimum(np.arange(lt)[None, :], np.maximum(tokens[:, None] - 1, 0))
         pg = np.take_along_axis(pages, pos // p, 1) if pages.shape[1] else np.zeros_like(pos)
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)  # noqa: E731
+        t = lambda a: to_device(a, self.device)  # noqa: E731
         return t(pg), t(pos % p)
 
     # ---- attention -----------------------------------------------------------------------------
@@ -408,8 +408,7 @@ class HybridLayer(RotkvLayer):
         positions of ``out``'s buffers if given)."""
         dev = self.device
         sub = step.body_pages[r0:r1, :nb]
-        pages = step.cached(("body_pages", dev, r0, r1),
-                            lambda: torch.from_numpy(np.ascontiguousarray(sub)).to(dev, non_blocking=True))
+        pages = step.cached(("body_pages", dev, r0, r1), lambda: to_device(sub, dev))
         table = None
         if self.pools.dequant_kernel:
             from rotkv.cache.plan import page_table
@@ -426,8 +425,7 @@ class HybridLayer(RotkvLayer):
         with the tiers added (the PyTorch reader's scratch: one such chunk)."""
         dev, b, nb = self.device, len(step.body_count), int(step.body_count.max(initial=0))
         pages = step.cached(("body_pages", dev, 0, b),
-                            lambda: torch.from_numpy(np.ascontiguousarray(step.body_pages[:, :nb])).to(
-                                dev, non_blocking=True))
+                            lambda: to_device(step.body_pages[:, :nb], dev))
         x = self.pools.decode_pages(pages[:, c0:c1], side, cdt, start=c0, counts=step.body_count)
         self.pools.read_tiers(*((x, None) if side == 0 else (None, x)), c1 - c0, step.body_count, step.body_pages,
                               start=c0, memo=step.cached)
@@ -602,7 +600,7 @@ def _mask(step: Step, page: int, body_pages: int, tier_len: int, device, own: in
     if alike and (step.query_count == c).all() and step.body_count[0] == body_pages \
             and step.tier_tokens[0] == tier_len and (own or step.tier_tokens[0] == step.tier_before[0] + c):
         return None
-    small = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)  # noqa: E731
+    small = lambda a: to_device(a, device)  # noqa: E731
     body_len = body_pages * page
     keys = torch.arange(body_len + tier_len + own, device=device)
     j = torch.arange(c, device=device)

@@ -160,32 +160,32 @@ class Step:
     def device_write(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(batch row, call position, tier slot) of every written token, int64 on ``device``."""
         return self.cached(("write", device), lambda: tuple(
-            _dev(a, device) for a in (self.write_rows, self.write_pos, self.write_slots)))
+            to_device(a, device) for a in (self.write_rows, self.write_pos, self.write_slots)))
 
     def device_query(self, device) -> torch.Tensor:
         """``[B, C]`` call positions of the step's queries (past a row's real queries: unused)."""
-        return self.cached(("query", device), lambda: _dev(self.query_pos, device))
+        return self.cached(("query", device), lambda: to_device(self.query_pos, device))
 
     def device_query_out(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(batch row, query index in the step, call position) of every real query of the step."""
         def make():
             rows, j = np.nonzero(np.arange(self.query_pos.shape[1])[None, :] < self.query_count[:, None])
-            return _dev(rows, device), _dev(j, device), _dev(self.query_pos[rows, j], device)
+            return to_device(rows, device), to_device(j, device), to_device(self.query_pos[rows, j], device)
         return self.cached(("query_out", device), make)
 
     def device_flush(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(tier pages, body pages) of a decode step's flush, int64 on ``device``."""
-        return self.cached(("flush", device), lambda: (_dev(self.flush.src, device), _dev(self.flush.dst, device)))
+        return self.cached(("flush", device), lambda: (to_device(self.flush.src, device), to_device(self.flush.dst, device)))
 
     def device_flush_rows(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(batch row, index in that row's body) of every flushed page, int64 on ``device``."""
-        return self.cached(("flush_rows", device), lambda: (_dev(self.flush.rows, device), _dev(self.flush.index, device)))
+        return self.cached(("flush_rows", device), lambda: (to_device(self.flush.rows, device), to_device(self.flush.index, device)))
 
     def device_flush_tokens(self, device) -> tuple[torch.Tensor, ...]:
         """A prefill step's flush on ``device``: (old_slots, old_at, new_rows, new_pos, new_at, dst)."""
         f = self.flush
         return self.cached(("flush_tokens", device), lambda: tuple(
-            _dev(a, device) for a in (f.old_slots, f.old_at, f.new_rows, f.new_pos, f.new_at, f.dst)))
+            to_device(a, device) for a in (f.old_slots, f.old_at, f.new_rows, f.new_pos, f.new_at, f.dst)))
 
     def device_tables(self, device, state: "PageState") -> "Tables":
         """The page tables of the body and the tier (int32, flashinfer's vocabulary) on ``device``."""
@@ -203,7 +203,9 @@ class Tables:
     tier_max: int
 
 
-def _dev(a: np.ndarray, device) -> torch.Tensor:
+def to_device(a: np.ndarray, device) -> torch.Tensor:
+    """A host array on ``device`` without a stream sync (a blocking host-to-device copy would drain the GPU's
+    queue between the kernels of a forward)."""
     return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
 
 
@@ -484,6 +486,10 @@ class PageState:
         self.tier_pages[rows] = 0
         self.body_pages[rows] = 0
 
+    def busy_rows(self, rows) -> list[int]:
+        """Those of ``rows`` that hold tokens (a row takes a request only when empty)."""
+        return [r for r in rows if self.tier_tokens[r] or self.body_count[r]]
+
     def adopt(self, row: int, src: "PageState", src_row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Make the empty ``row`` hold ``src``'s row ``src_row`` (a request prefilled in a cache of its
         own, same sink, window and page size): pages from this state's free lists, the same token
@@ -491,7 +497,7 @@ class PageState:
         from ``src``'s pools into this state's (:meth:`rotkv.cache.pools.LayerPools.copy_from`)."""
         if (src.sink, src.window, src.page, src.quantized) != (self.sink, self.window, self.page, self.quantized):
             raise ValueError("adopt needs a state of the same sink, window, page size and quantization")
-        if self.tier_tokens[row] or self.body_count[row]:
+        if self.busy_rows([row]):
             raise ValueError(f"row {row} holds tokens: release it first")
         self._undo = None
         nt = int(src.tier_used_pages()[src_row])

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from rotkv.cache.codecs import TokenCodec
+from rotkv.cache.plan import to_device
 from rotkv.cache.tiers import published
 from rotkv.kernels import plan
 from rotkv.kernels.body import PagedBody, TokenPart
@@ -255,7 +256,7 @@ class LayerPools:
             raise ValueError("a flush of predicted keys needs the pages' rows and body indices")
         if isinstance(pages, tuple):
             return pages[1].to(device)
-        return torch.from_numpy(np.ascontiguousarray(pages.flush.index)).to(device, non_blocking=True)
+        return to_device(pages.flush.index, device)
 
     # ---- tiers: every hook over every tier (rotkv.cache.tiers) -------------------------------------
     def tier_bytes(self, counts) -> int:

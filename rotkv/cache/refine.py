@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from rotkv.cache.codecs import TokenCodec
+from rotkv.cache.plan import to_device
 from rotkv.kernels.body import RefineTier
 from rotkv.quant.packing import pack, unpack
 from rotkv.quant.refine import refine_codes, refine_delta, refined_pages
@@ -97,7 +98,7 @@ class RefineRing:
         self.data = torch.zeros(old.shape[0], *self.shape, dtype=torch.uint8, device=old.device)
         rows, idx = newest_pages(np.asarray(counts, dtype=np.int64)[: old.shape[0]], k_old)
         if len(rows):
-            r, i = _dev(rows, old.device), _dev(idx, old.device)
+            r, i = to_device(rows, old.device), to_device(idx, old.device)
             self.data[r, i % need] = old[r, i % k_old]
 
     @property
@@ -140,10 +141,6 @@ class RefineRing:
         view = k[:, :, : nb * p].view(b, h, nb, p, d)
         delta = refine_delta(unpack(self.data[rows, index % self.pages], 2), scale, self.group_size)
         view[local, :, index - start] += delta.to(k.dtype)
-
-
-def _dev(a: np.ndarray, device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
 
 
 class RefineRings:
@@ -237,7 +234,8 @@ class RefineRings:
                 dst.append(np.stack([np.full(held, row), idx % mine.pages]))
                 got.append(np.stack([np.full(held, src_row), idx % theirs.pages]))
             if dst:
-                d, g = _dev(np.concatenate(dst, 1), mine.data.device), _dev(np.concatenate(got, 1), theirs.data.device)
+                d = to_device(np.concatenate(dst, 1), mine.data.device)
+                g = to_device(np.concatenate(got, 1), theirs.data.device)
                 mine.data[d[0], d[1]] = theirs.data[g[0], g[1]].to(mine.data.device)
 
     # ---- write -----------------------------------------------------------------------------------
@@ -260,7 +258,7 @@ class RefineRings:
             f = step.flush
             sel = ring_writes(f.rows, f.index, k)
             rows, index = (f.rows, f.index) if sel is None else (f.rows[sel], f.index[sel])
-            return _dev(rows, device), _dev(index, device), None if sel is None else _dev(sel, device)
+            return to_device(rows, device), to_device(index, device), None if sel is None else to_device(sel, device)
         return step.cached(("refine_at", device, k), make)
 
     def write(self, side: int, x: torch.Tensor, dst: torch.Tensor, stored: dict | None, parts: dict, codec,
@@ -296,7 +294,7 @@ class RefineRings:
 
         def make():
             rows, idx = newest_pages(counts, self.pages, self.every)
-            return _dev(rows + r0, device), _dev(rows, device), _dev(idx, device), _dev(pages[rows, idx], device)
+            return to_device(rows + r0, device), to_device(rows, device), to_device(idx, device), to_device(pages[rows, idx], device)
         key = ("refined", device, r0, r0 + len(counts), self.pages, self.every)
         rows, local, idx, ids = memo(key, make) if memo is not None else make()
         if start or nb < int(np.max(counts, initial=0)):  # the pages of this chunk only
