@@ -115,6 +115,19 @@ def reservation(state, length: int) -> tuple[int, int]:
     return tier, body
 
 
+ADMIT_PARTS = ("cache", "model", "adopt")  # an admission group's parts (JobRun.admit_s)
+
+
+def left_padded(requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The requests' prompts as one batch ``[n, longest]``, left padded with zeros, and its attention mask."""
+    longest = max(len(r.ids) for r in requests)
+    ids = torch.zeros(len(requests), longest, dtype=torch.long)
+    mask = torch.zeros(len(requests), longest, dtype=torch.long)
+    for j, r in enumerate(requests):
+        ids[j, longest - len(r.ids):], mask[j, longest - len(r.ids):] = r.ids, 1
+    return ids, mask
+
+
 class _Clock:
     """Marks on the device's stream (CUDA events) or the host clock, read after the job (one sync)."""
 
@@ -184,7 +197,7 @@ def run_job(model, make_cache, requests: list[Request], rows: int, tier_pages: i
     col = torch.zeros(rows, dtype=torch.long, device=dev)
     ar = torch.arange(rows, device=dev)
     graph = None
-    nxt, step, spans = 0, 0, {"prefill": [], "decode": [], "cache": [], "model": [], "adopt": []}
+    nxt, step, spans = 0, 0, {k: [] for k in ("prefill", "decode", *ADMIT_PARTS)}
 
     def finish(row: int) -> None:
         i = int(owner[row])
@@ -211,11 +224,7 @@ def run_job(model, make_cache, requests: list[Request], rows: int, tier_pages: i
         for g in range(0, len(take), prefill_rows):
             group = take[g: g + prefill_rows]
             reqs = [requests[i] for _, i in group]
-            longest = max(len(r.ids) for r in reqs)
-            ids = torch.zeros(len(reqs), longest, dtype=torch.long)
-            mask = torch.zeros(len(reqs), longest, dtype=torch.long)
-            for j, r in enumerate(reqs):
-                ids[j, longest - len(r.ids):], mask[j, longest - len(r.ids):] = r.ids, 1
+            ids, mask = left_padded(reqs)
             m0 = clock.mark()
             side = make_cache()
             m1 = clock.mark()
@@ -223,7 +232,8 @@ def run_job(model, make_cache, requests: list[Request], rows: int, tier_pages: i
             m2 = clock.mark()
             cache.adopt_rows([row for row, _ in group], side, list(range(len(reqs))))
             del side
-            spans["cache"].append((m0, m1)), spans["model"].append((m1, m2)), spans["adopt"].append((m2, clock.mark()))
+            for part, span in zip(ADMIT_PARTS, ((m0, m1), (m1, m2), (m2, clock.mark()))):
+                spans[part].append(span)
             rws = torch.tensor([row for row, _ in group], device=dev)
             first = logits.argmax(-1)
             tok[rws], out[rws, 0], col[rws] = first, first, 1
@@ -279,7 +289,7 @@ def run_job(model, make_cache, requests: list[Request], rows: int, tier_pages: i
     secs = clock.seconds()
     run.wall_s = secs[end] - secs[start]
     run.prefill_s = sum(secs[b] - secs[a] for a, b in spans["prefill"])
-    run.admit_s = {k: sum(secs[b] - secs[a] for a, b in spans[k]) for k in ("cache", "model", "adopt")}
+    run.admit_s = {k: sum(secs[b] - secs[a] for a, b in spans[k]) for k in ADMIT_PARTS}
     run.group_s = [secs[b] - secs[a] for (a, _), (_, b) in zip(spans["cache"], spans["adopt"])]
     run.step_s = [secs[b] - secs[a] for a, b in spans["decode"]]
     run.decode_s = sum(run.step_s)

@@ -29,6 +29,7 @@ from rotkv.bench import device_name, parse_method  # noqa: E402
 from rotkv.cache import RotkvCache  # noqa: E402
 from rotkv.cli.bench import RANDOM_SHAPES  # noqa: E402
 from rotkv.generation import prefill  # noqa: E402
+from rotkv.jobs import left_padded  # noqa: E402
 
 
 def sync(dev) -> None:
@@ -36,17 +37,8 @@ def sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
-def group_inputs(reqs):
-    longest = max(len(r.ids) for r in reqs)
-    ids = torch.zeros(len(reqs), longest, dtype=torch.long)
-    mask = torch.zeros(len(reqs), longest, dtype=torch.long)
-    for j, r in enumerate(reqs):
-        ids[j, longest - len(r.ids):], mask[j, longest - len(r.ids):] = r.ids, 1
-    return ids, mask
-
-
 def admit(model, make, cache, reqs, rows, dev, times=None):
-    ids, mask = group_inputs(reqs)
+    ids, mask = left_padded(reqs)
     t0 = time.perf_counter()
     side = make()
     sync(dev)
