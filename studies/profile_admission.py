@@ -1,5 +1,5 @@
-"""Where an admission's time goes (issue 40's long-generation job: INT2's admission prefill took 0.77 s per
-group of 4 requests against bf16's 0.27 s on the Qwen3-8B shape): one group of ``--group`` requests, prompts
+"""Where an admission's time goes (issue 40's long-generation job, whose INT2 admission was its measured bound in
+docs/results/gpu-h100-run12): one group of ``--group`` requests, prompts
 uniform in ``--prompt-tokens``, prefilled into a cache of their own and adopted into a batch's rows, as
 :func:`rotkv.jobs.run_job` does it, for each method (``rotkv:<preset>@overrides`` as in
 ``bench_job.py --workload reasoning``).
