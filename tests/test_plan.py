@@ -135,7 +135,8 @@ def test_refine_split_kernel_runs_one_cuda_launch():
 
     own = plan("kernel")
     launch = own.launch(10**6)
-    assert launch.kernel == "cuda" and launch.refine and launch.cuda_variant == variant and "+refine" in launch.name
+    assert launch.kernel == "cuda" and launch.refine and launch.cuda_variant == P.with_refine(variant, cfg)
+    assert "+refine" in launch.name
     assert own.refine_split(10**6) is None and own.launch(10**6) is launch  # one launch, cached
     assert own.launch(0) == own._tier and not own.launch(0).refine  # no body tokens: the tier alone
     for sides in ((True, False), (False, True)):
@@ -231,6 +232,11 @@ def test_int4_keys_run_the_cuda_kernel_with_the_cuda_key4_switch(monkeypatch):
         assert P.cuda_reads_refine(k4, "auto") and P.with_refine(k4)[P.VARIANT_REFINE] == 1
         assert P.with_refine(k4)[P.VARIANT_K4] == 1 and P.with_refine(k4[:9]) == (*k4[:9], 1)
         assert not P.cuda_reads_refine(P.cuda_variant(cfg, 64, 2, key_bits=4), "auto")  # its build spills
+        # at head_dim 128 the refine build takes one block per SM fewer than the plain one, unless the config pins it
+        plain128 = P.cuda_variant(cfg, 128, 2)
+        assert P.with_refine(plain128, cfg)[3] == plain128[3] - 1 and P.with_refine(k4, cfg)[3] == k4[3]
+        pinned = P.DecodeConfig(cuda_min_blocks=4)
+        assert P.with_refine(P.cuda_variant(pinned, 128, 2), pinned)[3] == 4
         assert P.cuda_reads_refine(P.cuda_variant(cfg, 64, 2, key_bits=4), "kernel")
         p = P.DecodePlan(_layout(d=64, bits=(4, 2)), 6, 64, CUDA_DEV, cfg, (False, True))
         launch = p.launch(10**6)

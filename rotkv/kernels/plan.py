@@ -228,9 +228,18 @@ def variant_key_bits(variant: tuple) -> int:
     return 4 if len(variant) > VARIANT_K4 and variant[VARIANT_K4] else 2
 
 
-def with_refine(variant: tuple) -> tuple:
-    """The build ``variant`` that reads the refine tier (ROTKV_REFINE)."""
-    return (*variant[:VARIANT_REFINE], 1, *variant[VARIANT_REFINE + 1:])
+# head dims whose refine build takes one block per SM fewer than the plain build: it holds the rings' words beside
+# the prefetch buffer, and at head_dim 128 the plain build's register bound spills (nvcc -Xptxas -v)
+REFINE_FEWER_BLOCKS = (128,)
+
+
+def with_refine(variant: tuple, cfg: DecodeConfig | None = None) -> tuple:
+    """The build ``variant`` that reads the refine tier (ROTKV_REFINE); at :data:`REFINE_FEWER_BLOCKS` with one
+    block per SM fewer, unless ``cfg`` sets ``cuda_min_blocks``."""
+    minb = variant[3]
+    if variant[0] in REFINE_FEWER_BLOCKS and (cfg is None or cfg.cuda_min_blocks is None):
+        minb = max(1, minb - 1)
+    return (*variant[:3], minb, *variant[4:VARIANT_REFINE], 1, *variant[VARIANT_REFINE + 1:])
 
 
 def shape_reason(head_dim: int, group_size: int) -> str | None:
@@ -445,7 +454,7 @@ def plan_refine_kernel(launch: Launch, mode: str) -> Launch | None:
     the body) reading the tier itself, where ``launch`` is the CUDA kernel and :func:`cuda_reads_refine`;
     else None."""
     if launch.kernel == "cuda" and cuda_reads_refine(launch.cuda_variant, mode):
-        return dataclasses.replace(launch, refine=True)
+        return dataclasses.replace(launch, refine=True, cuda_variant=with_refine(launch.cuda_variant, launch.cfg))
     return None
 
 
@@ -850,7 +859,7 @@ def decode_builds_for(head_dim: int, group_size: int, bits: int = 2, cfg: Decode
         return None, f"decode: {why} (Triton runs)"
     variant = cuda_variant(cfg, head_dim, head_dim // group_size, score, value_meta, kb)
     if refine and cuda_reads_refine(variant, _switches().refine_split):
-        variant = with_refine(variant)  # cuda_decode.VARIANT_MACROS: ROTKV_REFINE
+        variant = with_refine(variant, cfg)  # cuda_decode.VARIANT_MACROS: ROTKV_REFINE
     return variant, None
 
 

@@ -123,6 +123,21 @@ def test_cuda_decode_kernel_compiles_without_spills(variant, tmp_path):
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("d,ng,key_bits", [(64, 1, 2), (64, 2, 2), (128, 1, 2), (128, 2, 2), (128, 4, 2), (64, 1, 4),
+                                           (128, 1, 4), (128, 2, 4)])
+def test_the_refine_builds_the_plan_picks_compile_without_spills(d, ng, key_bits, tmp_path):
+    """The build that reads the refine tier, as the plan makes it from the plain build (``with_refine``: at
+    head_dim 128 one block per SM fewer) for oscar-refine's e4m3 value metadata and the default score."""
+    from rotkv.kernels.cuda_decode import _macros
+    from rotkv.kernels.plan import DecodeConfig, cuda_variant, with_refine
+
+    cfg = DecodeConfig()
+    variant = with_refine(cuda_variant(cfg, d, ng, None, torch.float8_e4m3fn, key_bits), cfg)
+    spills = _spills(SOURCE, [f"-D{n}={v}" for n, v in _macros(variant).items()], tmp_path / "r.cubin", fast_math=True)
+    assert spills and max(spills) == 0, (variant, spills)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 def test_cuda_write_e4m3_rounding_matches_the_reference_on_the_host(tmp_path):
     """The CUDA write's e4m3 rounding (``e4m3_dir`` in quant_write.cu, host and device), run on the CPU
     through nvcc's host compiler: every byte and value equals rotkv.quant.quantizer's directed rounding
