@@ -232,9 +232,10 @@ def test_int4_keys_run_the_cuda_kernel_with_the_cuda_key4_switch(monkeypatch):
         assert P.cuda_reads_refine(k4, "auto") and P.with_refine(k4)[P.VARIANT_REFINE] == 1
         assert P.with_refine(k4)[P.VARIANT_K4] == 1 and P.with_refine(k4[:9]) == (*k4[:9], 1)
         assert not P.cuda_reads_refine(P.cuda_variant(cfg, 64, 2, key_bits=4), "auto")  # its build spills
-        # at head_dim 128 the refine build takes one block per SM fewer than the plain one, unless the config pins it
-        plain128 = P.cuda_variant(cfg, 128, 2)
-        assert P.with_refine(plain128, cfg)[3] == plain128[3] - 1 and P.with_refine(k4, cfg)[3] == k4[3]
+        # at head_dim 128 the refine build takes fewer blocks per SM than the plain one, unless the config pins it
+        assert [P.with_refine(P.cuda_variant(cfg, 128, ng, key_bits=kb), cfg)[3]
+                for ng, kb in ((1, 2), (2, 2), (4, 2), (1, 4), (2, 4))] == [3, 3, 2, 3, 3]
+        assert P.with_refine(k4, cfg)[3] == k4[3] == 4
         pinned = P.DecodeConfig(cuda_min_blocks=4)
         assert P.with_refine(P.cuda_variant(pinned, 128, 2), pinned)[3] == 4
         assert P.cuda_reads_refine(P.cuda_variant(cfg, 64, 2, key_bits=4), "kernel")

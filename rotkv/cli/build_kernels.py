@@ -26,6 +26,9 @@ def register(sub) -> None:
     p.add_argument("--arch", default=None,
                    help="compute capability without the dot, e.g. 90 for Hopper (default: the visible GPU's)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 4, help="nvcc runs at once")
+    p.add_argument("--registers", action="store_true",
+                   help="report what ptxas says of each build (registers, stack, spills, shared memory) instead of "
+                        "building into the kernel cache")
     p.set_defaults(func=run)
 
 
@@ -103,9 +106,28 @@ def run(args) -> int:
     if nvcc_build.nvcc_path() is None:
         raise UsageError("nvcc not found: set ROTKV_NVCC or CUDA_HOME, or put it on PATH")
     t0 = time.time()
+    if args.registers:
+        return _report_registers(builds, arch, args.jobs)
     done = prebuild.build(builds, arch, jobs=args.jobs)
     for b, path, fresh in done:
         print(f"  {'built ' if fresh else 'cached'} {b.why}: {path}")
     print(f"{sum(f for *_, f in done)} built, {sum(not f for *_, f in done)} already cached, sm_{arch}, "
           f"head_dim {d}, group {g}, {spec.bits}-bit, in {time.time() - t0:.0f} s")
+    return 0
+
+
+def _report_registers(builds, arch: str, jobs: int) -> int:
+    """One line per build: ptxas's registers, stack frame, spill bytes and shared memory (sm_``arch``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rotkv.kernels import prebuild
+
+    with ThreadPoolExecutor(max(1, jobs)) as ex:
+        found = list(ex.map(lambda b: prebuild.resources(b, arch), builds))
+    print(f"  {'registers':>9} {'stack':>5} {'spill st/ld':>11} {'smem':>6}  build (sm_{arch}, ptxas -v)")
+    for b, r in zip(builds, found):
+        print(f"  {r.registers:>9} {r.stack:>5} {f'{r.spill_stores}/{r.spill_loads}':>11} {r.smem:>6}  {b.why}"
+              f"{'  SPILLS' if r.spills else ''}")
+    spilled = sum(r.spills for r in found)
+    print(f"{len(found)} builds, {spilled} with spills")
     return 0

@@ -228,17 +228,18 @@ def variant_key_bits(variant: tuple) -> int:
     return 4 if len(variant) > VARIANT_K4 and variant[VARIANT_K4] else 2
 
 
-# head dims whose refine build takes one block per SM fewer than the plain build: it holds the rings' words beside
-# the prefetch buffer, and at head_dim 128 the plain build's register bound spills (nvcc -Xptxas -v)
-REFINE_FEWER_BLOCKS = (128,)
+# (head_dim, groups, key bits) -> the most blocks per SM of the build that reads the refine tier: it holds the
+# rings' words beside the prefetch buffer, and at the plain build's register bound these builds spill (nvcc
+# -Xptxas -v, sm_90; tests/kernels/test_cuda_build.py compiles each)
+REFINE_MAX_BLOCKS = {(128, 1, 2): 3, (128, 2, 2): 3, (128, 4, 2): 2, (128, 1, 4): 3}
 
 
 def with_refine(variant: tuple, cfg: DecodeConfig | None = None) -> tuple:
-    """The build ``variant`` that reads the refine tier (ROTKV_REFINE); at :data:`REFINE_FEWER_BLOCKS` with one
-    block per SM fewer, unless ``cfg`` sets ``cuda_min_blocks``."""
+    """The build ``variant`` that reads the refine tier (ROTKV_REFINE), with at most :data:`REFINE_MAX_BLOCKS`
+    blocks per SM, unless ``cfg`` sets ``cuda_min_blocks``."""
     minb = variant[3]
-    if variant[0] in REFINE_FEWER_BLOCKS and (cfg is None or cfg.cuda_min_blocks is None):
-        minb = max(1, minb - 1)
+    if cfg is None or cfg.cuda_min_blocks is None:
+        minb = min(minb, REFINE_MAX_BLOCKS.get((variant[0], variant[1], variant_key_bits(variant)), minb))
     return (*variant[:3], minb, *variant[4:VARIANT_REFINE], 1, *variant[VARIANT_REFINE + 1:])
 
 

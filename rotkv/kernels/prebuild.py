@@ -11,6 +11,9 @@ architecture: with ``arch`` given no GPU is needed (e.g. while building a contai
 from __future__ import annotations
 
 import dataclasses
+import re
+import subprocess
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -92,3 +95,47 @@ def build(builds: list[Build], arch: str, jobs: int = 4, progress: bool = True) 
     with ThreadPoolExecutor(max(1, jobs)) as ex:
         it = ex.map(one, builds)
         return list(tqdm(it, total=len(builds), desc="nvcc", unit="build", disable=not progress))
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    """What ``ptxas -v`` reports for one build, the largest over its kernels: registers per thread, stack frame
+    and spill bytes per thread, static shared memory per block."""
+
+    registers: int
+    stack: int
+    spill_stores: int
+    spill_loads: int
+    smem: int
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_stores > 0 or self.spill_loads > 0
+
+
+def parse_ptxas(log: str) -> Resources:
+    """:class:`Resources` from ``nvcc -Xptxas -v``'s report (the largest value of each field over the kernels);
+    ValueError where the log reports no kernel."""
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
+    if not regs:
+        raise ValueError(f"no 'Used N registers' line in ptxas's report: {log[-500:]!r}")
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    smem = [int(x) for x in re.findall(r"(\d+) bytes smem", log)]
+    return Resources(max(regs), max((int(f[0]) for f in frames), default=0), max((int(f[1]) for f in frames), default=0),
+                     max((int(f[2]) for f in frames), default=0), max(smem, default=0))
+
+
+def resources(b: Build, arch: str) -> Resources:
+    """Compile ``b`` to a cubin for ``arch`` with ``-Xptxas -v`` (into a temporary folder; the kernel cache is not
+    touched) and return what ptxas reports. RuntimeError without ``nvcc`` or with its message when it fails."""
+    nvcc = nvcc_build.nvcc_path()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (set ROTKV_NVCC or CUDA_HOME, or put it on PATH)")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [nvcc, "-O3", "-std=c++17", *(["-use_fast_math"] if b.fast_math else []), "-cubin",
+               f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v",
+               *(f"-D{n}={v}" for n, v in b.macros), "-o", str(Path(tmp) / "k.cubin"), str(b.source)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stderr[-2000:]}")
+    return parse_ptxas(res.stderr + res.stdout)

@@ -25,6 +25,33 @@ def _spills(source, macros: list[str], cubin, fast_math: bool) -> list[int]:
     return [int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr)]
 
 
+def test_parse_ptxas_takes_the_largest_of_each_field():
+    from rotkv.kernels.prebuild import parse_ptxas
+
+    log = ("ptxas info    : Compiling entry function 'a' for 'sm_90'\n"
+           "ptxas info    : Function properties for a\n    104 bytes stack frame, 140 bytes spill stores, 196 bytes spill loads\n"
+           "ptxas info    : Used 128 registers, used 1 barriers, 104 bytes cumulative stack size, 16676 bytes smem\n"
+           "ptxas info    : Function properties for b\n    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+           "ptxas info    : Used 167 registers, used 1 barriers, 33060 bytes smem\n")
+    r = parse_ptxas(log)
+    assert (r.registers, r.stack, r.spill_stores, r.spill_loads, r.smem, r.spills) == (167, 104, 140, 196, 33060, True)
+    with pytest.raises(ValueError, match="no 'Used N registers'"):
+        parse_ptxas("nvcc warning only")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_build_kernels_reports_registers_without_touching_the_cache(tmp_path, setenv, capsys):
+    """`rotkv build-kernels --registers`: one line per build of the preset's plan, from ptxas, and nothing in the
+    kernel cache."""
+    from rotkv.cli import main
+
+    setenv("ROTKV_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["build-kernels", "--head-dim", "128", "--arch", "90", "--registers", "--preset", "oscar-refine"]) == 0
+    out = capsys.readouterr().out
+    assert "decode body, variant (128, 2, 1, 4," in out and "write, rotating" in out
+    assert "4 builds, 0 with spills" in out and not (tmp_path / "cache").exists()
+
+
 def test_min_blocks_table_matches_the_config():
     from rotkv.kernels.plan import DecodeConfig, min_blocks
 
