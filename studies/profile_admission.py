@@ -103,7 +103,7 @@ def main() -> None:
             lines.append(f"\n### top {a.top} ops by {title}\n")
             lines.append(ev.table(sort_by=key, row_limit=a.top, max_name_column_width=60))
         aten = sum(e.count for e in ev if e.key.startswith("aten::"))
-        launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+        launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"))
         lines.append(f"\nops in the profiled group: {aten} aten calls (nested included), {launches} kernel launches")
         syncs = [(e.key, e.count, e.cpu_time_total / 1e3) for e in ev
                  if "Synchronize" in e.key or "Memcpy" in e.key or "local_scalar" in e.key or "nonzero" in e.key]
