@@ -53,6 +53,7 @@
 #   rotkv-jobqwen device_jobs.sh's stage jobqwen alone: issue 40's long-generation job at the Qwen3-8B shape (about 15 min)
 #   admit-prof    studies/profile_admission.py at the Qwen3-8B shape, 36 layers: one admission group's parts and profile
 #                 (INT2 with oscar-refine's tiers, bf16): what bounds the long-generation job's admission
+#   layer-step    issue 41's layer trade (13 INT4-key layers, carry artifacts/kl13) beside oscar-refine: rotkv bench, SmolLM2 64 x 8160
 #   prefill-cmp   the prefill against HF StaticCache + compile, real SmolLM2 64 x 8160 (bf16, oscar-refine; carry
 #                 artifacts/oscar-mix-long.safetensors): the default chunk, then one 8192-token call per row
 #   decode-sweep  bench_decode.py at the Qwen3-8B heads, B 8 and 32 x 32K and 128K, DECODE_CONFIGS (issue 40's kernel gap)
@@ -195,6 +196,16 @@ job() {  # one queued job
       timeout 300 "${P[@]}" --methods rotkv:bf16+graph rotkv:oscar-refine+graph --prefill-chunk 8192 \
         --prefill-tokens "${PREFILL_TOKENS:-524288}" --out "$RUN/jobs/generate-prefill8k-smollm2.json" >> "$RUN/jobs/prefill-cmp.log" 2>&1
       grep "^| 64 x" "$RUN/jobs/prefill-cmp.log" ;;
+    layer-step)  # issue 41's layer trade at speed: oscar-refine with 13 INT4-key layers (carry artifacts/kl13, the
+                 # artifact of `rotkv calibrate --method oscar-mix-long --key-layers 13`), window 16 + share 1/128,
+                 # beside oscar-refine with its own artifact and window, real SmolLM2 64 x 8160, compiled
+      mkdir -p "$RUN/jobs"; L=(python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 --new-tokens 32
+         --methods rotkv:oscar-refine+graph+compile)
+      timeout 420 "${L[@]}" --artifact artifacts/oscar-mix-long.safetensors \
+        --out "$RUN/jobs/layer-step-refine.json" > "$RUN/jobs/layer-step.log" 2>&1
+      timeout 420 "${L[@]}" --artifact artifacts/kl13/oscar-mix-long.safetensors --window 16 --window-share 0.0078125 \
+        --out "$RUN/jobs/layer-step-kl13.json" >> "$RUN/jobs/layer-step.log" 2>&1
+      grep "^| 64 x" "$RUN/jobs/layer-step.log" ;;
     kern-fusion) timeout 600 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_rotate.py tests/kernels/test_kernels.py \
                 tests/kernels/test_lse_merge.py \
                 -k "rotate_many or flush_pages or turns_its_output or rotate_kernel or caps_the_tokens or merge or reasons" ;;
