@@ -97,7 +97,7 @@ mkdir -p "$OUT" "$RUN"
 t() { echo "[$(date -u +%T)] $*"; }
 
 collect() {  # what is done so far -> $OUT (a tarball under 16 MiB, the summary and the runner's log tail)
-  tar -czf "$OUT/vllmrun.tgz" -C "$RUN" --exclude='*.spec.json' --exclude='*.pt.trace.json*' . 2>/dev/null
+  tar -czf "$OUT/vllmrun.tgz" -C "$RUN" --exclude='*.pt' --exclude='*.spec.json' --exclude='*.pt.trace.json*' . 2>/dev/null
   [ -f "$RUN/runner.log" ] && tail -n 40 "$RUN/runner.log" > "$OUT/runner-tail.log"
   python3 - "$RUN" > "$OUT/summary.md" <<'EOF'
 import glob, json, os, sys
