@@ -67,7 +67,7 @@
 #   smol-niah48   NIAH at 4-8K on SmolLM2 (noise, essay, multikey; 8 haystacks a cell: 96 questions a method), NIAH_METHODS, NIAH_LENGTHS, NIAH_SAMPLES
 #                 (NIAH_ART: the artifact folder, default artifacts; artifacts/suite8k has oscar-aqua's)
 #   gemma-kl      Gemma3-270M (gguf gemma3; carry artifacts/gemma3): the suite's test split at GEMMA_LENGTHS (2K, 8K, 16K)
-#   gemma-niah    Gemma3-270M NIAH at 1-3K and 4-8K, 96 questions a band and method (GEMMA_JOBS: queued when its GGUF is whole)
+#   gemma-niah    Gemma3-270M NIAH at 1-3K and 4-8K (GEMMA_NIAH_LENGTHS), 96 questions a band and method (GEMMA_JOBS: queued when its GGUF is whole)
 #   smol-cap-lat  capacity and latency on the real SmolLM2              every method
 #   serve         `vllm serve` on SmolLM2 with rotkv's backend (SERVE_CONFIG, default oscar-mix) and with bf16
 #                 (SERVE_METHODS, default "rotkv bf16"):
@@ -251,7 +251,7 @@ job() {  # one queued job
       done ;;
     gemma-niah) timeout 1800 python3 -m rotkv.cli eval --device cuda --model "$GG/gemma3.gguf" --artifact-dir artifacts/gemma3 \
                 --methods "${NIAH_METHODS:-bf16,oscar-refine,int4}" --sink preset --window 32 --tasks niah \
-                --variants noise,essay,multikey --lengths niah=1024,2048,3072,4096,6144,8192 --samples 8 \
+                --variants noise,essay,multikey --lengths "niah=${GEMMA_NIAH_LENGTHS:-1024,2048,3072,4096,6144,8192}" --samples 8 \
                 --out "$RUN/niah-gemma3" ;;
     gpu-eq)   ROTKV_GGUF=$GG/smollm2.gguf timeout 420 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_equals_cpu.py \
                 tests/kernels/test_refine_split.py ;;
