@@ -27,7 +27,8 @@ L, H, D = 4, 2, 16
 K_BITS = [2, 4, 2, 2]  # one layer with 4-bit keys, as the real artifacts have
 
 
-def _artifact(model, path, maps=True, map_shape=None, kind="oscar-mix-long+aqua"):
+def _artifact(model, path, maps=True, map_shape=None, kind="oscar-mix-long+aqua", layers=None, listed=None):
+    """``layers``: the layers that get a map (default: 1 .. L-1); ``listed``: the artifact's ``aqua_layers``."""
     g = torch.Generator().manual_seed(1)
     t = {}
     for i in range(L):
@@ -39,7 +40,7 @@ def _artifact(model, path, maps=True, map_shape=None, kind="oscar-mix-long+aqua"
     if maps:
         n = H * D
         shape = map_shape or (n + 1, n)
-        for i in range(1, L):
+        for i in (layers if layers is not None else range(1, L)):
             # a map that predicts part of the keys: scaled near-identity plus noise, and a bias
             m = 0.1 * torch.randn(*shape, generator=g)
             if shape == (n + 1, n):
@@ -47,6 +48,8 @@ def _artifact(model, path, maps=True, map_shape=None, kind="oscar-mix-long+aqua"
             t[map_name(i)] = m.half()
     meta = model_meta(model, "tiny") | {"method": "oscar", "bits": 2, "group_size": D, "kind": kind,
                                         "clip_k": ",".join(["0.96"] * L)}
+    if listed is not None:
+        meta["aqua_layers"] = listed
     save_artifact(str(path), t, meta)
     return str(path)
 
@@ -143,9 +146,9 @@ def _record_flushes(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-def test_reads_give_back_what_flushes_stored(tiny, tmp_path, monkeypatch, rows):
-    path = _artifact(tiny, tmp_path / "a.safetensors")
+@pytest.mark.parametrize("rows,odd", [(1, False), (2, False), (2, True)])
+def test_reads_give_back_what_flushes_stored(tiny, tmp_path, monkeypatch, rows, odd):
+    path = _artifact(tiny, tmp_path / "a.safetensors", **(dict(layers=[1, 3], listed="1,3") if odd else {}))
     seen = _record_flushes(monkeypatch)
     # no refine tier: a read is then the prediction plus the decoded residual alone
     cache = RotkvCache(tiny, "oscar-aqua", path, prefill_chunk=64, refine_tokens=0, refine_values=False,
@@ -197,6 +200,45 @@ def test_layer0_stores_what_oscar_refine_stores(tiny, tmp_path):
     # layer 1 stores residuals: other codes
     a1, b1 = (c.layers[1] for c in caches)
     assert not torch.equal(a1.pools.body[0]["codes"][pages], b1.pools.body[0]["codes"][pages])
+
+
+def test_odd_layers_predict_from_plain_ones(tiny, tmp_path, monkeypatch):
+    """An artifact that maps layers 1 and 3 only (``--aqua-layers odd``): layers 0 and 2 store their keys plainly
+    (nothing subtracted), 1 and 3 predict; the maps' bytes count two maps; the cache is neither oscar-refine nor the
+    chain."""
+    path = _artifact(tiny, tmp_path / "odd.safetensors", layers=[1, 3], listed="1,3")
+    seen = []
+    residual = KeyPredictor.residual
+
+    def res(self, x, ids, index):
+        r, state = residual(self, x, ids, index)
+        seen.append((self.layer, bool(torch.equal(r, x.float()))))
+        return r, state
+
+    monkeypatch.setattr(KeyPredictor, "residual", res)
+    ids = _ids(300, seed=4)
+    odd = RotkvCache(tiny, "oscar-aqua", path, prefill_chunk=64)
+    logp = _run(tiny, odd, ids, new=20)
+    assert [layer.predict.A is None for layer in odd.layers] == [True, False, True, False]
+    assert {layer: plain for layer, plain in seen} == {0: True, 1: False, 2: True, 3: False}
+    assert odd.stats()["key_map_bytes"] == 2 * (H * D + 1) * H * D * 2
+    monkeypatch.undo()
+    full = _artifact(tiny, tmp_path / "all.safetensors")
+    for name, other in (("oscar-aqua", full), ("oscar-refine", path)):
+        d = (logp - _run(tiny, RotkvCache(tiny, name, other, prefill_chunk=64), ids, new=20)).abs().max()
+        assert d > 5e-4, name
+
+
+@pytest.mark.parametrize("layers,listed,match", [
+    ([1, 3], "1,2,3", "without the inter-layer key maps"),
+    ([1, 2, 3], "1,3", "leaves out"),
+    ([1, 3], "1,x", "comma-separated"),
+    ([1, 3], "0,1,3", "outside 1..3"),
+])
+def test_odd_layer_artifacts_are_checked(tiny, tmp_path, layers, listed, match):
+    path = _artifact(tiny, tmp_path / "a.safetensors", layers=layers, listed=listed)
+    with pytest.raises(ArtifactMismatch, match=match):
+        RotkvCache(tiny, "oscar-aqua", path)
 
 
 def test_artifact_without_maps_is_refused(tiny, tmp_path):
@@ -277,3 +319,19 @@ def test_calibrate_writes_maps_the_preset_reads(tmp_path, capsys):
     cache = RotkvCache(model, "oscar-aqua", str(out))
     _run(model, cache, _ids(200), new=4)
     assert cache.stats()["key_map_bytes"] == (L - 1) * (H * D + 1) * H * D * 2
+    # --aqua-layers odd: maps for layers 1 and 3, named in the artifact
+    odd = tmp_path / "odd.safetensors"
+    assert main(["calibrate", "--method", "aqua", "--aqua-layers", "odd", "--model", folder, "--base-artifact", base,
+                 "--tokens", "4096", "--out", str(odd)]) == 0
+    art = load_artifact(str(odd))
+    assert art.meta["aqua_layers"] == "1,3" and sorted(n for n in art.tensors if n.startswith("aqua_map")) == [
+        map_name(1), map_name(3)]
+    # layer 1 predicts from layer 0 in both: the same fit
+    assert torch.equal(art.tensors[map_name(1)], load_artifact(str(out)).tensors[map_name(1)])
+    cache = RotkvCache(model, "oscar-aqua", str(odd))
+    _run(model, cache, _ids(200), new=4)
+    assert cache.stats()["key_map_bytes"] == 2 * (H * D + 1) * H * D * 2
+    capsys.readouterr()
+    assert main(["calibrate", "--method", "oscar-mix-long", "--aqua-layers", "odd", "--model", folder,
+                 "--base-artifact", base, "--out", str(tmp_path / "x.safetensors")]) == 2
+    assert "--aqua-layers" in capsys.readouterr().err

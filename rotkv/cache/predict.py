@@ -13,7 +13,9 @@ it ages, so a prediction from them would drift under the stored residual): its o
 residual; layer 0 stores and reads its keys as the plain format does. The maps act before RoPE: both layers'
 pre-RoPE keys are linear images of the same token's hidden state, so one map serves every position, and unRoPE is
 exact given the position. ``A_l`` and ``b_l`` are the artifact's ``aqua_map.{l}``, ``[H D + 1, H D]`` fp16 (the
-last row is ``b_l``; ``rotkv calibrate --method aqua``, :mod:`rotkv.calibrate.aqua`).
+last row is ``b_l``; ``rotkv calibrate --method aqua``, :mod:`rotkv.calibrate.aqua`). An artifact may map only some layers (its
+``aqua_layers``, e.g. the odd ones: ``--aqua-layers odd``); the others store and read their keys as layer 0 does,
+and a predicted layer then reads a plain one, with no chain behind it.
 
 Nothing is kept beyond the format's bytes. Within one forward the layers run in order; each leaves
 ``unRoPE(k^_l)`` of every body page it decodes or writes in a transient buffer (:class:`KeyChain`, float32, by body
@@ -70,14 +72,15 @@ def load_key_maps(artifact, spec_name: str, num_layers: int, kv_heads: int, head
         raise ArtifactMismatch(f"artifact {artifact.path} scales its keys (k_scale); preset {spec_name!r} "
                                "(`predict_keys`) needs orthogonal key rotations")
     n = kv_heads * head_dim
-    missing = [layer for layer in range(1, num_layers) if map_name(layer) not in artifact.tensors]
+    want = predicted_layers(artifact.meta, num_layers, str(artifact.path))
+    missing = [layer for layer in want if map_name(layer) not in artifact.tensors]
     if missing:
-        have = "" if len(missing) == num_layers - 1 else f" (missing for layers {missing[:8]})"
+        have = "" if len(missing) == len(want) else f" (missing for layers {missing[:8]})"
         raise ArtifactMismatch(
             f"artifact {artifact.path} is {artifact.describe()} without the inter-layer key maps{have} that preset "
             f"{spec_name!r} (`predict_keys`) reads; make them with `{make_command('oscar-mix-long+aqua', artifact)}`")
-    maps = [None]
-    for layer in range(1, num_layers):
+    maps = [None] * num_layers
+    for layer in want:
         m = artifact.tensors[map_name(layer)]
         if tuple(m.shape) != (n + 1, n) or not m.dtype.is_floating_point:
             raise ArtifactMismatch(
@@ -85,13 +88,33 @@ def load_key_maps(artifact, spec_name: str, num_layers: int, kv_heads: int, head
                 f"{spec_name!r} needs ({n + 1}, {n}) floats for a model of {kv_heads} KV heads of {head_dim} dims")
         if not bool(torch.isfinite(m).all()):
             raise ArtifactMismatch(f"artifact {artifact.path}: tensor {map_name(layer)!r} holds non-finite values")
-        maps.append(m)
+        maps[layer] = m
     extra = [name for name in artifact.tensors if name.partition(".")[0] == MAP_PREFIX
              and not (name.partition(".")[2].isdigit() and 1 <= int(name.partition(".")[2]) < num_layers)]
+    unlisted = [name for name in artifact.tensors if name.partition(".")[0] == MAP_PREFIX and name not in extra
+                and int(name.partition(".")[2]) not in want]
+    if unlisted:
+        raise ArtifactMismatch(f"artifact {artifact.path}: tensor {unlisted[0]!r} is a map of a layer that its "
+                               f"`aqua_layers` ({artifact.meta.get('aqua_layers')}) leaves out")
     if extra:
         raise ArtifactMismatch(f"artifact {artifact.path}: tensor {extra[0]!r} names no layer 1..{num_layers - 1} of "
                                f"this model (maps for another model?)")
     return maps
+
+
+def predicted_layers(meta: dict, num_layers: int, where: str = "artifact") -> list[int]:
+    """The layers an artifact's maps predict: its ``aqua_layers`` (``rotkv calibrate --method aqua --aqua-layers``;
+    the other layers store their keys as the plain format does), else every layer ``1 .. L - 1``."""
+    text = meta.get("aqua_layers")
+    if not text:
+        return list(range(1, num_layers))
+    try:
+        layers = sorted({int(x) for x in text.split(",")})
+    except ValueError:
+        raise ArtifactMismatch(f"{where}: aqua_layers {text!r} is not a comma-separated list of layer indices") from None
+    if not layers or layers[0] < 1 or layers[-1] >= num_layers:
+        raise ArtifactMismatch(f"{where}: aqua_layers {text!r} names layers outside 1..{num_layers - 1}")
+    return layers
 
 
 def rotary_of(model):

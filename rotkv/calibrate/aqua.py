@@ -8,6 +8,9 @@ to layer ``l``'s, fitted by ridge least squares on the calibration corpus (rotkv
 layers before it, so it learns to predict from what a cache reads. The first ``SKIP`` tokens of each chunk (the
 sink) are left out of the fit. The result is the base artifact plus ``aqua_map.{l}``, of kind
 ``oscar-mix-long+aqua``.
+
+``layers="odd"`` maps the odd layers only (``aqua_layers`` in the artifact): each predicts from the plain layer
+before it, so no read needs more than one other layer's keys (no chain).
 """
 
 from __future__ import annotations
@@ -40,9 +43,21 @@ def apply_map(A: torch.Tensor, prev: torch.Tensor, cos: torch.Tensor, sin: torch
     return rope(_unflat(x @ A, prev.shape[0]), cos, sin)
 
 
+LAYER_SETS = ("all", "odd")
+
+
+def layer_set(name: str, num_layers: int) -> list[int]:
+    """The layers that ``--aqua-layers NAME`` maps."""
+    if name not in LAYER_SETS:
+        raise ValueError(f"aqua layers {name!r}: one of {', '.join(LAYER_SETS)}")
+    return list(range(1, num_layers, 2 if name == "odd" else 1))
+
+
 def fit_maps(model, tokenizer, artifact, tokens: int = 16384, chunk: int = 2048, ridge: float = 1e-3,
-             files: list[str] | None = None, progress: bool = True) -> list[torch.Tensor | None]:
-    """``[None, A_1, ..., A_{L-1}]`` (fp16) for ``model`` on top of ``artifact`` (see the module docstring)."""
+             files: list[str] | None = None, progress: bool = True,
+             layers: str = "all") -> list[torch.Tensor | None]:
+    """``[None, A_1, ..., A_{L-1}]`` (fp16; None for a layer that ``layers`` leaves out) for ``model`` on top of
+    ``artifact`` (see the module docstring)."""
     from tqdm.auto import tqdm
 
     from rotkv.calibrate.capture import capturing
@@ -81,7 +96,12 @@ def fit_maps(model, tokenizer, artifact, tokens: int = 16384, chunk: int = 2048,
     rec = [store(c[0].double() - mu[0][:, None], 0) + mu[0][:, None] for c in calib]
     maps: list[torch.Tensor | None] = [None]
     ones = torch.ones(chunk - SKIP, 1, dtype=torch.float64)
+    mapped = set(layer_set(layers, nl))
     for i in tqdm(range(1, nl), desc="aqua: maps", unit="layer", disable=not progress):
+        if i not in mapped:  # a plain layer: what its body holds, as layer 0's
+            maps.append(None)
+            rec = [store(c[i].double() - mu[i][:, None], i) + mu[i][:, None] for c in calib]
+            continue
         x = torch.cat([torch.cat([_flat(unrope(r, cos, sin))[SKIP:], ones], -1) for r in rec])
         y = torch.cat([_flat(unrope(c[i].double(), cos, sin))[SKIP:] for c in calib])
         gram = x.T @ x
@@ -99,12 +119,13 @@ def fit_maps(model, tokenizer, artifact, tokens: int = 16384, chunk: int = 2048,
 
 
 def calibrate_aqua(loaded, base, tokens: int = 16384, chunk: int = 2048, ridge: float = 1e-3,
-                   files: list[str] | None = None, progress: bool = True) -> tuple[dict, dict]:
-    """(tensors, meta) of an ``oscar-mix-long+aqua`` artifact: ``base`` (an oscar-mix-long Artifact) plus the maps."""
+                   files: list[str] | None = None, progress: bool = True, layers: str = "all") -> tuple[dict, dict]:
+    """(tensors, meta) of an ``oscar-mix-long+aqua`` artifact: ``base`` (an oscar-mix-long Artifact) plus the maps
+    (of ``layers``: ``all`` or ``odd``)."""
     from rotkv.contract import kind_meta
 
     t0 = time.time()
-    maps = fit_maps(loaded.model, loaded.tokenizer, base, tokens, chunk, ridge, files, progress)
+    maps = fit_maps(loaded.model, loaded.tokenizer, base, tokens, chunk, ridge, files, progress, layers)
     tensors = dict(base.tensors)
     for i, m in enumerate(maps):
         if m is not None:
@@ -114,4 +135,6 @@ def calibrate_aqua(loaded, base, tokens: int = 16384, chunk: int = 2048, ridge: 
         "aqua_files": ",".join(files) if files else "default", "aqua_seconds": str(round(time.time() - t0)),
         "aqua_map_bytes": str(sum(m.numel() * 2 for m in maps if m is not None)),
     }
+    if layers != "all":
+        meta["aqua_layers"] = ",".join(str(i) for i, m in enumerate(maps) if m is not None)
     return tensors, meta

@@ -60,6 +60,10 @@ def register(sub) -> None:
                      help=f"{MIX_LONG}: also fit a key scaling in the query eigenbasis (the artifact's k_scale, "
                           "rotkv.rotations.keyscale) with exponent ALPHA in [0, 1]; 0 is OSCAR's rotation alone "
                           "(default: none)")
+    aq = p.add_argument_group("aqua (inter-layer key maps, preset oscar-aqua)")
+    aq.add_argument("--aqua-layers", choices=["all", "odd"], default="all",
+                    help="the layers that get a map: all (default; each predicts from the one before, a chain) or "
+                         "odd (each predicts from the plain even layer before it: no chain)")
     p.set_defaults(func=run)
 
 
@@ -156,6 +160,8 @@ def check_args(args):
         from rotkv.cli.errors import read_text_file
 
         read_text_file(path, "--data")
+    if args.aqua_layers != "all" and args.method != AQUA:
+        raise UsageError(f"--aqua-layers picks the layers of --method {AQUA}'s key maps, not of --method {args.method}")
     if args.key_scale is not None and (args.method != MIX_LONG or not 0.0 <= args.key_scale <= 1.0):
         raise UsageError(f"--key-scale is an exponent in [0, 1] for --method {MIX_LONG} but got "
                          f"{args.key_scale} with --method {args.method}")
@@ -359,7 +365,8 @@ def aqua(args, base) -> int:
         validate_artifact(base, loaded.model)
     except ArtifactMismatch as e:
         raise UsageError(f"--base-artifact: {e}") from None
-    tensors, meta = calibrate_aqua(loaded, base, tokens=args.tokens or 16384, chunk=AQUA_CHUNK, files=args.data)
+    tensors, meta = calibrate_aqua(loaded, base, tokens=args.tokens or 16384, chunk=AQUA_CHUNK, files=args.data,
+                                   layers=args.aqua_layers)
     save_artifact(args.out, tensors, meta)
     print(f"wrote {args.out}: {AQUA} (base {args.base_artifact}; key maps of {meta['aqua_map_bytes']} bytes fitted on "
           f"{meta['aqua_tokens']} tokens in {time.time() - t0:.0f} s)")
