@@ -37,8 +37,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from rotkv.cache.predict import unrope  # noqa: E402
-from rotkv.calibrate.aqua import SKIP, _flat, _unflat, apply_map  # noqa: E402
-from rotkv.quant.quantizer import fake_quantize  # noqa: E402
+from rotkv.calibrate.aqua import SKIP, KeyStore, _flat, apply_map  # noqa: E402
 
 DOMAINS = ("prose", "code", "docs", "dialogue")
 
@@ -119,19 +118,9 @@ def main(argv=None) -> int:
     m = load_model(a.model)
     model, tok = m.model, m.tokenizer
     art = load_artifact(a.artifact)
-    cfg = model.config
-    nl, h = cfg.num_hidden_layers, cfg.num_key_value_heads
-    d = int(art.meta["head_dim"])
-    g = int(art.meta.get("group_size", 64))
-    kb = art.tensors["k_bits"].tolist()
-    clip = [float(x) for x in art.meta["clip_k"].split(",")]
-    rk = [art.tensors[f"R_K.{i}"].double().expand(h, d, d) for i in range(nl)]
-    mu = [art.tensors[f"k_mean.{i}"].double()[:, None] for i in range(nl)]
-
-    def store(x, i):  # what layer i's body holds of x [H, T, D], turned back
-        xr = torch.einsum("htd,hde->hte", x, rk[i])
-        xq = fake_quantize(xr.float(), kb[i], g, clip[i] if kb[i] == 2 else 1.0).double()
-        return torch.einsum("hte,hde->htd", xq, rk[i])
+    ks = KeyStore(model.config, art)
+    nl, h, d, kb, store = ks.layers, model.config.num_key_value_heads, ks.head_dim, ks.k_bits, ks.store
+    mu = [m[:, None] for m in ks.mu]
 
     fit = capture(model, token_chunks(tok, None, a.fit_tokens, a.chunk))
     here = os.path.join(os.path.dirname(__file__), "..", "rotkv", "data", "suite")

@@ -43,6 +43,26 @@ def apply_map(A: torch.Tensor, prev: torch.Tensor, cos: torch.Tensor, sin: torch
     return rope(_unflat(x @ A, prev.shape[0]), cos, sin)
 
 
+class KeyStore:
+    """What each layer's body holds of a key, in float64: the artifact's rotation ``R_K``, key width and clip ratio."""
+
+    def __init__(self, config, artifact):
+        self.layers, h = config.num_hidden_layers, config.num_key_value_heads
+        self.head_dim = d = int(artifact.meta["head_dim"])
+        self.group = int(artifact.meta.get("group_size", 64))
+        self.k_bits = artifact.tensors["k_bits"].tolist()
+        self.clip = [float(x) for x in artifact.meta["clip_k"].split(",")]
+        self.rk = [artifact.tensors[f"R_K.{i}"].double().expand(h, d, d) for i in range(self.layers)]
+        self.mu = [artifact.tensors[f"k_mean.{i}"].double() for i in range(self.layers)]  # [H, D]
+
+    def store(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """What layer ``i``'s body holds of ``x [H, T, D]`` (a centred key or a residual), turned back."""
+        b = self.k_bits[i]
+        xr = torch.einsum("htd,hde->hte", x, self.rk[i])
+        xq = fake_quantize(xr.float(), b, self.group, self.clip[i] if b == 2 else 1.0).double()
+        return torch.einsum("hte,hde->htd", xq, self.rk[i])
+
+
 LAYER_SETS = ("all", "odd")
 
 
@@ -63,20 +83,8 @@ def fit_maps(model, tokenizer, artifact, tokens: int = 16384, chunk: int = 2048,
     from rotkv.calibrate.capture import capturing
     from rotkv.calibrate.corpus import token_chunks
 
-    cfg = model.config
-    nl, h = cfg.num_hidden_layers, cfg.num_key_value_heads
-    d = int(artifact.meta["head_dim"])
-    g = int(artifact.meta.get("group_size", 64))
-    kb = artifact.tensors["k_bits"].tolist()
-    clip = [float(x) for x in artifact.meta["clip_k"].split(",")]
-    rk = [artifact.tensors[f"R_K.{i}"].double().expand(h, d, d) for i in range(nl)]
-    mu = [artifact.tensors[f"k_mean.{i}"].double() for i in range(nl)]
-
-    def store(x, i):  # what layer i's body holds of x [H, T, D] (a centred key or a residual), turned back
-        xr = torch.einsum("htd,hde->hte", x, rk[i])
-        xq = fake_quantize(xr.float(), kb[i], g, clip[i] if kb[i] == 2 else 1.0).double()
-        return torch.einsum("hte,hde->htd", xq, rk[i])
-
+    ks = KeyStore(model.config, artifact)
+    nl, d, mu, store = ks.layers, ks.head_dim, ks.mu, ks.store
     chunks = token_chunks(tokenizer, files, tokens, chunk)
     if any(c.shape[1] != chunk for c in chunks) or chunk <= SKIP:
         raise ValueError(f"the calibration chunks have to hold {chunk} > {SKIP} tokens")
