@@ -146,8 +146,8 @@ def main(argv=None) -> int:
         c = torch.einsum("htd,hte->hde", e, e) / e.shape[1]
         return float(torch.einsum("hde,hed->", M, c))
 
-    plain_fit = [[store(k[i] - mu[i], i) + mu[i] for i in range(nl)] for k, _ in fit]
-    plain_ev = [[store(k[i] - mu[i], i) + mu[i] for i in range(nl)] for k, _ in ev]
+    plain_fit = [[ks.plain(k[i], i) for i in range(nl)] for k, _ in fit]
+    plain_ev = [[ks.plain(k[i], i) for i in range(nl)] for k, _ in ev]
     rows = []
     chain_fit, chain_ev = [p[0] for p in plain_fit], [p[0] for p in plain_ev]
     for i in range(1, nl):
@@ -155,15 +155,6 @@ def main(argv=None) -> int:
         true = [k[i] for k, _ in ev]
         row = {"layer": i, "k_bits": kb[i],
                "plain": sum(energy(p[i] - t, M) for p, t in zip(plain_ev, true))}
-
-        def run(pred_fit_src, pred_ev_src, fitter, applier, name):
-            A = fitter([s for s in pred_fit_src], [k[i] - mu[i] for k, _ in fit])
-            errs = 0.0
-            for src, t in zip(pred_ev_src, true):
-                p = applier(A, src)
-                errs += energy(p + store(t - mu[i] - p, i) + mu[i] - t, M)
-            row[name] = errs
-            return A
 
         # aqua's chain: a dense pre-RoPE map from the previous layer's reconstruction (itself predicted)
         A = fit_dense(chain_fit, [k[i] for k, _ in fit], cos, sin)
@@ -181,16 +172,15 @@ def main(argv=None) -> int:
         # no chain: from the previous layer's plain reconstruction (centred), three map classes
         pf = [p[i - 1] - mu[i - 1] for p in plain_fit]
         pe = [p[i - 1] - mu[i - 1] for p in plain_ev]
-        run(pf, pe, lambda s, t: fit_complex(torch.cat([to_complex(x[:, SKIP:]) for x in s]),
-                                             torch.cat([to_complex(x[:, SKIP:]) for x in t]), diag=False),
-            apply_complex, "plain_cross")
-        run(pf, pe, lambda s, t: fit_complex(torch.cat([to_complex(x[:, SKIP:]) for x in s]),
-                                             torch.cat([to_complex(x[:, SKIP:]) for x in t]), diag=True),
-            apply_complex, "plain_diag")
+        src = torch.cat([to_complex(x[:, SKIP:]) for x in pf])
+        dst = torch.cat([to_complex((k[i] - mu[i])[:, SKIP:]) for k, _ in fit])
+        for name, diag in (("plain_cross", False), ("plain_diag", True)):
+            C = fit_complex(src, dst, diag=diag)
+            row[name] = sum(energy(p + store(t - mu[i] - p, i) + mu[i] - t, M)
+                            for p, t in ((apply_complex(C, x), t) for x, t in zip(pe, true)))
         Ad = fit_dense([p[i - 1] for p in plain_fit], [k[i] for k, _ in fit], cos, sin)
-        row["plain_dense"] = sum(energy(apply_map(Ad, p[i - 1], cos, sin)
-                                        + store(t - apply_map(Ad, p[i - 1], cos, sin), i) - t, M)
-                                 for p, t in zip(plain_ev, true))
+        row["plain_dense"] = sum(energy(p + store(t - p, i) - t, M)
+                                 for p, t in ((apply_map(Ad, x[i - 1], cos, sin), t) for x, t in zip(plain_ev, true)))
         rows.append(row)
         print(f"layer {i:2d} ({kb[i]} bits): " + ", ".join(
             f"{k} {row[k] / row['plain']:.3f}" for k in ("chain_dense", "plain_dense", "plain_cross", "plain_diag")),

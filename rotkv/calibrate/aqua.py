@@ -62,6 +62,11 @@ class KeyStore:
         xq = fake_quantize(xr.float(), b, self.group, self.clip[i] if b == 2 else 1.0).double()
         return torch.einsum("hte,hde->htd", xq, self.rk[i])
 
+    def plain(self, k: torch.Tensor, i: int) -> torch.Tensor:
+        """What layer ``i``'s body holds of its keys ``k [H, T, D]`` stored plainly (centred, no prediction)."""
+        mu = self.mu[i][:, None]
+        return self.store(k - mu, i) + mu
+
 
 LAYER_SETS = ("all", "odd")
 
@@ -101,14 +106,14 @@ def fit_maps(model, tokenizer, artifact, tokens: int = 16384, chunk: int = 2048,
     with torch.no_grad():
         cos, sin = rot(torch.zeros(1, chunk, d, device=rdev), torch.arange(chunk, device=rdev)[None])
     cos, sin = cos[0].double().cpu(), sin[0].double().cpu()
-    rec = [store(c[0].double() - mu[0][:, None], 0) + mu[0][:, None] for c in calib]
+    rec = [ks.plain(c[0].double(), 0) for c in calib]
     maps: list[torch.Tensor | None] = [None]
     ones = torch.ones(chunk - SKIP, 1, dtype=torch.float64)
     mapped = set(layer_set(layers, nl))
     for i in tqdm(range(1, nl), desc="aqua: maps", unit="layer", disable=not progress):
         if i not in mapped:  # a plain layer: what its body holds, as layer 0's
             maps.append(None)
-            rec = [store(c[i].double() - mu[i][:, None], i) + mu[i][:, None] for c in calib]
+            rec = [ks.plain(c[i].double(), i) for c in calib]
             continue
         x = torch.cat([torch.cat([_flat(unrope(r, cos, sin))[SKIP:], ones], -1) for r in rec])
         y = torch.cat([_flat(unrope(c[i].double(), cos, sin))[SKIP:] for c in calib])
