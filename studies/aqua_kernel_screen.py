@@ -1,9 +1,9 @@
 """Offline screen: which inter-layer key prediction could a one-layer decode kernel afford?
 
 oscar-aqua predicts each layer's keys from the previous layer's reconstructed keys through a dense map that acts
-before RoPE (``rotkv.cache.predict``). That halves the KL at equal bits, but a layer's read needs every earlier
-layer's keys (a chain), and the map needs unRoPE / RoPE per token: no decode kernel reads it
-(docs/results/gpu-h100-run14: 647 ms a step against 4.1 ms). This screen measures, on held-out text, how much of
+before RoPE (``rotkv.cache.predict``). It lowers the KL at equal bits, but a layer's read needs every earlier
+layer's keys (a chain), and the map needs unRoPE / RoPE per token: no decode kernel reads it (its step:
+docs/results/gpu-h100-run14). This screen measures, on held-out text, how much of
 the chain's gain survives two restrictions a kernel could afford:
 
 - **no chain**: even layers store their keys plainly; an odd layer predicts from the layer before it, a plain one
