@@ -191,9 +191,9 @@ job() {  # one queued job
                   # chunk (4096 tokens a row per call at this batch), then one 8192-token call per row (PREFILL_TOKENS)
       mkdir -p "$RUN/jobs"; P=(python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 --new-tokens 32
          --artifact artifacts/oscar-mix-long.safetensors)
-      timeout 420 "${P[@]}" --methods hf-static-compile rotkv:bf16+graph rotkv:oscar-refine+graph \
+      timeout 600 "${P[@]}" --methods ${PREFILL_METHODS:-hf-static-compile rotkv:bf16+graph rotkv:oscar-refine+graph} \
         --out "$RUN/jobs/generate-prefill-smollm2.json" > "$RUN/jobs/prefill-cmp.log" 2>&1
-      timeout 300 "${P[@]}" --methods rotkv:bf16+graph rotkv:oscar-refine+graph --prefill-chunk 8192 \
+      [ "${PREFILL_8K:-1}" = 1 ] && timeout 300 "${P[@]}" --methods rotkv:bf16+graph rotkv:oscar-refine+graph --prefill-chunk 8192 \
         --prefill-tokens "${PREFILL_TOKENS:-524288}" --out "$RUN/jobs/generate-prefill8k-smollm2.json" >> "$RUN/jobs/prefill-cmp.log" 2>&1
       grep "^| 64 x" "$RUN/jobs/prefill-cmp.log" ;;
     layer-step)  # issue 41's layer trade at speed: oscar-refine with 13 INT4-key layers (carry artifacts/kl13, the
@@ -232,15 +232,17 @@ job() {  # one queued job
         case $r in
           quanto)   A=(--methods hf-quanto-int4) ;;  # its CUDA extension left out: rotkv.eval.peers
           aqua)     A=(--methods oscar-aqua --artifact-dir artifacts/suite8k --sink preset --window preset) ;;
+          aquaodd)  A=(--methods oscar-aqua --artifact-dir artifacts/aquaodd --sink preset --window preset) ;;  # --aqua-layers odd
           refine)   A=(--methods oscar-refine --artifact-dir artifacts/suite8k --sink preset --window preset) ;;
           int4-w32) A=(--methods int4 --sink 16 --window 32) ;;
+          int4p)    A=(--methods int4 --sink preset --window preset) ;;
         esac
         t "suite-gpu8k $r"; timeout 1200 "${S[@]}" "${A[@]}" --out "$RUN/gpu8k/$r" || echo "suite-gpu8k $r failed"
       done ;;
     smol-niah48) timeout 1500 python3 -m rotkv.cli eval --device cuda --model "$GG/smollm2.gguf" --artifact-dir "${NIAH_ART:-artifacts}" \
                 --methods "${NIAH_METHODS:-bf16,oscar-refine,int4}" --sink preset --window preset --tasks niah \
                 --variants noise,essay,multikey --lengths "niah=${NIAH_LENGTHS:-4096,6144,8192}" --samples "${NIAH_SAMPLES:-8}" \
-                --out "$RUN/niah48-smollm2" ;;
+                --out "$RUN/${NIAH_OUT:-niah48-smollm2}" ;;
     gemma-kl)  # Gemma3-270M (carry artifacts/gemma3, send gemma3's pieces): the suite's test split at 2K, 8K and 16K
       for m in ${GEMMA_METHODS:-bf16 int4 oscar-refine oscar-mix-long}; do
         SW=(--sink 16 --window 32); [ "$m" = oscar-refine ] && SW=(--sink preset --window 32)
