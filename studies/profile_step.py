@@ -26,6 +26,9 @@ norms and elementwise, copies), so that what costs INT2 more than bf16 is read o
     python studies/profile_step.py --shape smollm2 --presets bf16 bf16+compile quarot-int2 quarot-int2+compile
     # a real model (a GGUF or a model directory) and presets that need an artifact (the artifact folder, named as rotkv eval names them)
     python studies/profile_step.py --model $ROTKV_GGUF --artifact-dir artifacts --presets bf16 quarot-int2 oscar-mix
+    # a preset's layout as CacheSpec overrides (random weights have no artifact): PRESET[+compile]@field=value,...
+    python studies/profile_step.py --shape qwen3-8b --layers 8 --requests 16 --context 32768 \
+        --presets "quarot-int2+compile@sink=4,window=32,refine_tokens=224,refine_values=true,refine_every=19"
 
 Writes benchmarks/results/stepprof-<UTC time>-<shape>.json.
 """
@@ -44,6 +47,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # profile_prefill.py
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))  # bench_job.py, results_io.py
 from bench_job import build_model, fill_synthetic  # noqa: E402
+from job_reasoning import split_overrides  # noqa: E402
 from profile_prefill import preset_artifact  # noqa: E402
 from results_io import write_results  # noqa: E402
 
@@ -117,10 +121,11 @@ def profile_preset(model, preset: str, rows: int, context: int, chunk: int, step
     from rotkv.hf.compat import cache_kwarg
 
     name = preset
+    preset, overrides = split_overrides(preset)
     preset, plus, flag = preset.partition("+")
     if plus and flag != "compile":
         raise ValueError(f"{name!r}: the one suffix is +compile (the model's layers compiled into the graph)")
-    cache = RotkvCache(model, preset, artifact=preset_artifact(preset, artifact_dir), check_finite=False)
+    cache = RotkvCache(model, preset, artifact=preset_artifact(preset, artifact_dir), check_finite=False, **overrides)
     fill_synthetic(model, cache, rows, context, chunk)
     dev = model.device
     p = cache.spec.page_size

@@ -196,6 +196,22 @@ job() {  # one queued job
       [ "${PREFILL_8K:-1}" = 1 ] && timeout 300 "${P[@]}" --methods rotkv:bf16+graph rotkv:oscar-refine+graph --prefill-chunk 8192 \
         --prefill-tokens "${PREFILL_TOKENS:-524288}" --out "$RUN/jobs/generate-prefill8k-smollm2.json" >> "$RUN/jobs/prefill-cmp.log" 2>&1
       grep "^| 64 x" "$RUN/jobs/prefill-cmp.log" ;;
+    prefill-all)  # issue 40's prefill target for every INT2 preset (<= 1.2x HF StaticCache + compile), real SmolLM2
+                  # 64 x 8160, the default chunk; oscar-mix reads its own artifact (carry artifacts/oscar-mix.safetensors)
+      mkdir -p "$RUN/jobs"; P=(python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 --new-tokens 32)
+      timeout 600 "${P[@]}" --artifact artifacts/oscar-mix-long.safetensors --methods hf-static-compile rotkv:quarot-int2+graph \
+        rotkv:oscar-mix-long+graph rotkv:oscar-refine+graph --out "$RUN/jobs/generate-prefill-all-smollm2.json" > "$RUN/jobs/prefill-all.log" 2>&1
+      timeout 420 "${P[@]}" --artifact artifacts/oscar-mix.safetensors --methods hf-static-compile rotkv:oscar-mix+graph \
+        --out "$RUN/jobs/generate-prefill-mix-smollm2.json" >> "$RUN/jobs/prefill-all.log" 2>&1
+      grep "^| 64 x" "$RUN/jobs/prefill-all.log" ;;
+    refine-prof)  # issue 40's refine tier at the Qwen3-8B shape (8 layers, 16 x 32K, +compile): where the split's time
+                  # goes, per kernel category, beside the same tiers unrefined
+      mkdir -p "$RUN/jobs"; T="sink=4,window=32,window_share=0.015625,meta_v=float8"
+      ROTKV_TUNING=refine_split=${REFINE_PROF_SPLIT:-1} timeout 600 python3 studies/profile_step.py --shape qwen3-8b --layers 8 \
+        --requests 16 --context 32768 --presets "quarot-int2+compile@$T" \
+        "quarot-int2+compile@$T,refine_tokens=224,refine_values=true,refine_every=19" \
+        --out "$RUN/jobs/stepprof-refine-qwen8L.json" > "$RUN/jobs/refine-prof.log" 2>&1
+      grep -E "^\|" "$RUN/jobs/refine-prof.log" ;;
     layer-step)  # issue 41's layer trade at speed: oscar-refine with 13 INT4-key layers (carry artifacts/kl13, the
                  # artifact of `rotkv calibrate --method oscar-mix-long --key-layers 13`), window 16 + share 1/128,
                  # beside oscar-refine with its own artifact and window, real SmolLM2 64 x 8160, compiled
