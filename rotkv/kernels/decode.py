@@ -752,7 +752,7 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
     if split is not None:  # the refined pages' splits, slots [body_slots, body_slots + n_ref): at most rk pages a request
         rcfg = ref_launch.cfg
         per_ref, n_ref = _splits(min(rk * p, max_len), b_sz * h, rcfg.block_n, rcfg.target_programs,
-                                 rcfg.min_split_tokens)
+                                 rcfg.refine_min_split_tokens)
         rest_last = torch.empty(b_sz, dtype=torch.int32, device=q.device)  # written by the refined launch
     ns = max(1, body_slots + n_ref + n_tier)
     v2 = launch.v2

@@ -19,6 +19,10 @@ class DecodeConfig:
     block_t: int = 32  # bf16 tokens per inner step
     target_programs: int = 1024  # split so that B * H_kv * splits reaches about this many
     min_split_tokens: int = 256
+    # a split call's refined pages (rotkv.kernels.refine_split: the v1 launch beside the body kernel, at most
+    # the ring's pages a request) take splits of at least this many tokens, as the bf16 tier beside a body
+    # takes 64, so that one program's serial loop over them does not outlast the body kernel
+    refine_min_split_tokens: int = 64
     qk_int8: bool = True  # int8 query . codes for the scores; used when head_dim >= 128 (int8 MMA K >= 32)
     use_asm: bool | None = None  # None: inline PTX on a GPU, portable code under the interpreter
     num_warps: int = 1  # warps per program of the Triton body kernels

@@ -67,6 +67,37 @@ def test_split_matches_the_reference(lens, tier_lens, h, rep, d, g, p, int8, k, 
     assert ((out.float() - whole.float()).norm() / ref.norm()).item() < 2 * err + 1e-3
 
 
+@pytest.mark.parametrize("least", [16, 256])
+def test_refined_pages_take_their_own_split_size(least, device, monkeypatch):
+    """The refined pages' launch splits at ``refine_min_split_tokens`` (not the body's ``min_split_tokens``):
+    160 refined tokens a request in several splits or one, each matching the reference."""
+    from rotkv.kernels import decode as kdecode
+
+    lens, tier_lens, h, rep, d, g, p, k = [90, 17], [2, 3], 2, 2, 64, 16, 8, 20
+    body, table, tier, ttable, ml, tml = _build(lens, tier_lens, h, d, g, p, 16, device, seed=k)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(len(lens), h * rep, d, generator=gen).to(device, torch.bfloat16)
+    ring = RefineTier(torch.randint(0, 256, (len(lens), k, h, p, d // 4), generator=gen, dtype=torch.uint8)
+                      .to(device), k, 0)
+    cfg = DecodeConfig(block_n=16, block_t=16, target_programs=8, min_split_tokens=128, small_work=0,
+                       refine_min_split_tokens=least, score="bf16", qk_int8=False)
+    seen = []
+    real = kdecode._splits
+
+    def spy(max_len, *args):
+        out = real(max_len, *args)
+        seen.append((max_len, args[3], out[1]))  # args: (bh, block, target, min_tokens[, cap])
+        return out
+
+    monkeypatch.setattr(kdecode, "_splits", spy)
+    with switches.override(refine_split=_mode(device)):
+        out = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg, refine=ring)
+    ref = decode_reference(q.float(), body, table, tier[0], tier[1], ttable, refine=ring)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    refined = [n for max_len, m, n in seen if m == least and max_len == min(k * p, ml)]
+    assert refined == ([2] if least == 16 else [1])  # the longest row's 90 refined tokens: 2 x 48, or 1 x 256
+
+
 def test_split_writes_the_rest_table(device, monkeypatch):
     """The refined launch's second table: every request ends where its refined pages start, (n - rn) * P
     tokens (the reference reads that table; a request without body pages keeps 0)."""
