@@ -8,6 +8,8 @@ the chain's gain survives two restrictions a kernel could afford:
 
 - **no chain**: even layers store their keys plainly; an odd layer predicts from the layer before it, a plain one
   (its kernel reads one more layer's key codes, no recursion);
+- **a map per KV head** (``head``): aqua's dense map before RoPE restricted to each head from the same head, a
+  ``D x D`` map per head (``H D^2`` multiply-adds a token against ``(H D)^2``);
 - **a map that commutes with RoPE**: post-RoPE, per frequency pair, a complex H x H matrix across the KV heads
   (``cross``) or one complex number per head (``diag``). RoPE multiplies pair ``i`` of position ``s`` by
   ``exp(j theta_i s)``, and a complex-linear map at one frequency commutes with that, so the kernel applies it to
@@ -101,6 +103,19 @@ def fit_dense(src, dst, cos, sin, ridge: float = 1e-3):
     return torch.linalg.solve(g + reg, x.T @ y)
 
 
+def fit_head_dense(src, dst, cos, sin, ridge: float = 1e-3):
+    """aqua's map restricted to one KV head at a time (``[D + 1, D]`` per head, before RoPE, with bias), as the
+    block-diagonal ``[H D + 1, H D]`` that :func:`apply_map` applies: each head predicted from the same head of
+    the previous layer, ``H D^2`` multiply-adds a token where the dense map costs ``(H D)^2``."""
+    h, _, d = src[0].shape
+    out = torch.zeros(h * d + 1, h * d, dtype=src[0].dtype)
+    for i in range(h):
+        A = fit_dense([s[i:i + 1] for s in src], [t[i:i + 1] for t in dst], cos, sin, ridge)
+        out[i * d:(i + 1) * d, i * d:(i + 1) * d] = A[:-1]
+        out[-1, i * d:(i + 1) * d] = A[-1]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
@@ -181,12 +196,16 @@ def main(argv=None) -> int:
         Ad = fit_dense([p[i - 1] for p in plain_fit], [k[i] for k, _ in fit], cos, sin)
         row["plain_dense"] = sum(energy(p + store(t - p, i) - t, M)
                                  for p, t in ((apply_map(Ad, x[i - 1], cos, sin), t) for x, t in zip(plain_ev, true)))
+        Ah = fit_head_dense([p[i - 1] for p in plain_fit], [k[i] for k, _ in fit], cos, sin)
+        row["plain_head"] = sum(energy(p + store(t - p, i) - t, M)
+                                for p, t in ((apply_map(Ah, x[i - 1], cos, sin), t) for x, t in zip(plain_ev, true)))
         rows.append(row)
         print(f"layer {i:2d} ({kb[i]} bits): " + ", ".join(
-            f"{k} {row[k] / row['plain']:.3f}" for k in ("chain_dense", "plain_dense", "plain_cross", "plain_diag")),
+            f"{k} {row[k] / row['plain']:.3f}" for k in ("chain_dense", "plain_dense", "plain_head", "plain_cross",
+                                                          "plain_diag")),
             flush=True)
 
-    keys = ("chain_dense", "plain_dense", "plain_cross", "plain_diag")
+    keys = ("chain_dense", "plain_dense", "plain_head", "plain_cross", "plain_diag")
     tot = {k: sum(r[k] for r in rows) / sum(r["plain"] for r in rows) for k in keys}
     odd = [r for r in rows if r["layer"] % 2 == 1]
     alt = {k: (sum(r[k] for r in odd) + sum(r["plain"] for r in rows if r["layer"] % 2 == 0))
