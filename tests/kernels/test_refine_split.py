@@ -70,7 +70,8 @@ def test_split_matches_the_reference(lens, tier_lens, h, rep, d, g, p, int8, k, 
 @pytest.mark.parametrize("least", [16, 256])
 def test_refined_pages_take_their_own_split_size(least, device, monkeypatch):
     """The refined pages' launch splits at ``refine_min_split_tokens`` (not the body's ``min_split_tokens``):
-    160 refined tokens a request in several splits or one, each matching the reference."""
+    a ring of 20 pages over rows of 90 and 17 tokens, every page refined, so the longest row's 90 refined tokens
+    go in two splits or one, each matching the reference."""
     from rotkv.kernels import decode as kdecode
 
     lens, tier_lens, h, rep, d, g, p, k = [90, 17], [2, 3], 2, 2, 64, 16, 8, 20
