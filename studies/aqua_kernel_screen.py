@@ -193,12 +193,10 @@ def main(argv=None) -> int:
             C = fit_complex(src, dst, diag=diag)
             row[name] = sum(energy(p + store(t - mu[i] - p, i) + mu[i] - t, M)
                             for p, t in ((apply_complex(C, x), t) for x, t in zip(pe, true)))
-        Ad = fit_dense([p[i - 1] for p in plain_fit], [k[i] for k, _ in fit], cos, sin)
-        row["plain_dense"] = sum(energy(p + store(t - p, i) - t, M)
-                                 for p, t in ((apply_map(Ad, x[i - 1], cos, sin), t) for x, t in zip(plain_ev, true)))
-        Ah = fit_head_dense([p[i - 1] for p in plain_fit], [k[i] for k, _ in fit], cos, sin)
-        row["plain_head"] = sum(energy(p + store(t - p, i) - t, M)
-                                for p, t in ((apply_map(Ah, x[i - 1], cos, sin), t) for x, t in zip(plain_ev, true)))
+        for name, fitter in (("plain_dense", fit_dense), ("plain_head", fit_head_dense)):
+            A = fitter([p[i - 1] for p in plain_fit], [k[i] for k, _ in fit], cos, sin)
+            row[name] = sum(energy(p + store(t - p, i) - t, M)
+                            for p, t in ((apply_map(A, x[i - 1], cos, sin), t) for x, t in zip(plain_ev, true)))
         rows.append(row)
         print(f"layer {i:2d} ({kb[i]} bits): " + ", ".join(
             f"{k} {row[k] / row['plain']:.3f}" for k in ("chain_dense", "plain_dense", "plain_head", "plain_cross",

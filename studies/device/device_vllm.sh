@@ -191,9 +191,9 @@ job() {  # one queued job
                   # chunk (4096 tokens a row per call at this batch), then one 8192-token call per row (PREFILL_TOKENS)
       mkdir -p "$RUN/jobs"; P=(python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 --new-tokens 32
          --artifact artifacts/oscar-mix-long.safetensors)
-      timeout 600 "${P[@]}" --methods ${PREFILL_METHODS:-hf-static-compile rotkv:bf16+graph rotkv:oscar-refine+graph} \
+      timeout 420 "${P[@]}" --methods hf-static-compile rotkv:bf16+graph rotkv:oscar-refine+graph \
         --out "$RUN/jobs/generate-prefill-smollm2.json" > "$RUN/jobs/prefill-cmp.log" 2>&1
-      [ "${PREFILL_8K:-1}" = 1 ] && timeout 300 "${P[@]}" --methods rotkv:bf16+graph rotkv:oscar-refine+graph --prefill-chunk 8192 \
+      timeout 300 "${P[@]}" --methods rotkv:bf16+graph rotkv:oscar-refine+graph --prefill-chunk 8192 \
         --prefill-tokens "${PREFILL_TOKENS:-524288}" --out "$RUN/jobs/generate-prefill8k-smollm2.json" >> "$RUN/jobs/prefill-cmp.log" 2>&1
       grep "^| 64 x" "$RUN/jobs/prefill-cmp.log" ;;
     prefill-all)  # issue 40's prefill target for every INT2 preset (<= 1.2x HF StaticCache + compile), real SmolLM2
@@ -251,7 +251,6 @@ job() {  # one queued job
           aquaodd)  A=(--methods oscar-aqua --artifact-dir artifacts/aquaodd --sink preset --window preset) ;;  # --aqua-layers odd
           refine)   A=(--methods oscar-refine --artifact-dir artifacts/suite8k --sink preset --window preset) ;;
           int4-w32) A=(--methods int4 --sink 16 --window 32) ;;
-          int4p)    A=(--methods int4 --sink preset --window preset) ;;
         esac
         t "suite-gpu8k $r"; timeout 1200 "${S[@]}" "${A[@]}" --out "$RUN/gpu8k/$r" || echo "suite-gpu8k $r failed"
       done ;;
