@@ -78,7 +78,7 @@ def fill_synthetic(model, cache, rows: int, context: int, chunk: int, seed: int 
     vbuf = torch.randn(rows, h, chunk, d, generator=g, device=dev).to(ref.tier_dtype)
     take = lambda r, pos: (kbuf[r, :, pos % chunk], vbuf[r, :, pos % chunk])  # noqa: E731
     for layer in tqdm(layers, desc="fill", leave=False):
-        layer.pools.fit(st.tier_free.capacity, st.body_free.capacity)
+        layer.pools.fit(st.tier_free.capacity, st.body_free.capacity, st.rows)  # the tiers hold every row
         for step in steps:
             layer.store(step, take)
     st.plan_steps = []

@@ -300,3 +300,20 @@ def test_static_decode_keeps_pools_sized_by_memory(model):
         assert torch.equal(static.body[0], torch.from_numpy(body[0])) and torch.equal(static.body[1][:n], torch.from_numpy(body[1]))
         cache.release_rows([1])
     assert [flush_bucket(n, 64) for n in (1, 2, 3, 5, 64)] == [1, 2, 4, 8, 64] and flush_bucket(9, 12) == 12
+
+
+def test_synthetic_fill_refines_every_row_as_a_prefill_does(model):
+    """benchmarks/bench_job.py's synthetic fill (profile_step.py's) writes a refined cache's rings for every row:
+    they hold the rows, and each row's newest refined page holds codes (the fill once left the rings empty)."""
+    from rotkv_testing import load_benchmark
+
+    fill = load_benchmark("bench_job").fill_synthetic
+    cache = RotkvCache(model, "quarot-int2", check_finite=False, **SPECS["refine"])
+    fill(model, cache, rows=3, context=40, chunk=16)
+    layer = cache.layers[0]
+    counts = cache.state.body_count[:3]
+    assert (counts > 0).all()
+    for ring in layer.pools.refine_rings:
+        assert ring.data.shape[0] == 3
+        newest = ring.data[np.arange(3), (counts - 1) % ring.pages]
+        assert all(bool(newest[r].any()) for r in range(3))
