@@ -64,6 +64,10 @@ class CacheSpec:
         page_size), ceil(n / refine_every))`` pages refined, one per ``refine_every`` body pages, so that
         the tier's cost in bits per element stays constant at short contexts (at 1K, 224 refined tokens are a
         fifth of the body) and ``refine_tokens`` caps it at long ones. 0: always ``refine_tokens``.
+    refine_salient: pages per row and KV head that the refine tier also refines beyond its newest: the body
+        pages a prefill call's last queries read most (``rotkv.cache.salient``; a question at the end of a
+        long prompt reads its answer's tokens). 0: none. Read by the PyTorch paths only: no decode kernel
+        reads them, so a cache with them decodes on the PyTorch path and refuses CUDA graphs.
     page_size: tokens leave the window in blocks of this many (the GPU pool's page size).
     prefill_chunk: a prefill longer than this is processed in chunks, each attending to the
         quantized cache of the earlier ones (its own tokens at tier precision); also the tokens
@@ -120,6 +124,7 @@ class CacheSpec:
     refine_tokens: int = 0
     refine_values: bool = False
     refine_every: int = 0
+    refine_salient: int = 0
     page_size: int = 16
     prefill_chunk: int = 4096
     rotation: str = "identity"
@@ -144,7 +149,7 @@ class CacheSpec:
 
     def __post_init__(self) -> None:
         self._check_types()
-        for f in ("group_size", "sink", "window", "refine_tokens", "refine_every", "page_size", "prefill_chunk",
+        for f in ("group_size", "sink", "window", "refine_tokens", "refine_every", "refine_salient", "page_size", "prefill_chunk",
                   "budget_tokens", "seed"):
             v = getattr(self, f)
             if v is not None and abs(v) > INT_MAX:
@@ -153,7 +158,7 @@ class CacheSpec:
             raise ValueError(f"`bits` has to be one of {list(WIDTHS)} or None (no quantization) but got {self.bits}")
         if self.group_size is not None and self.group_size <= 0:
             raise ValueError(f"`group_size` has to be a positive divisor of head_dim or None but got {self.group_size}")
-        for field in ("sink", "window", "refine_tokens", "refine_every"):
+        for field in ("sink", "window", "refine_tokens", "refine_every", "refine_salient"):
             if getattr(self, field) < 0:
                 raise ValueError(f"`{field}` has to be >= 0 but got {getattr(self, field)}")
         if not 0.0 <= self.window_share < 1.0:
@@ -213,6 +218,10 @@ class CacheSpec:
             raise ValueError("`refine_values` refines the refine tier's values: needs `refine_tokens` > 0")
         if self.refine_every and not self.refine_tokens:
             raise ValueError("`refine_every` sizes the refine tier: needs `refine_tokens` > 0 (its cap)")
+        if self.refine_salient and not self.refine_tokens:
+            raise ValueError("`refine_salient` adds pages to the refine tier: needs `refine_tokens` > 0")
+        if self.refine_salient and self.predict_keys:
+            raise ValueError("`refine_salient` scores exact keys, and `predict_keys` stores residuals: use one of them")
         self._check_progressive()
 
     def window_at(self, tokens: int) -> int:

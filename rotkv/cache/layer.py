@@ -140,6 +140,7 @@ class HybridLayer(RotkvLayer):
         rot = self.rotation
         # rotated straight into the tier dtype (on CUDA from bf16 on tensor cores: LayerRotation)
         kr, vr = rot.keys(k_new, self.tier_dtype), rot.values(v_new, self.tier_dtype)
+        self.pools.observe_tiers(query, kr, real, scaling, rot)
         if not output:
             for step in steps:
                 self._step(step, query, kr, vr, scaling, output=False)

@@ -263,6 +263,11 @@ class LayerPools:
         """Bytes the tiers add to rows of ``counts`` body pages now."""
         return sum(tier.stored_bytes(counts) for tier in self.tiers)
 
+    def observe_tiers(self, query: torch.Tensor, keys: torch.Tensor, real, scaling: float, rotation) -> None:
+        """Show the tiers a call's queries and rotated keys before its steps (``Tier.observe``)."""
+        for tier in self.tiers:
+            tier.observe(query, keys, real, scaling, rotation)
+
     def grow_tiers(self, counts, upto: int) -> None:
         """Make the tiers hold a row of ``upto`` body pages (rows of ``counts`` pages now)."""
         for tier in self.tiers:

@@ -239,6 +239,9 @@ class RefineRings:
                 mine.data[d[0], d[1]] = theirs.data[g[0], g[1]].to(mine.data.device)
 
     # ---- write -----------------------------------------------------------------------------------
+    def observe(self, query, keys, real, scaling, rotation) -> None:
+        """The newest pages need no look at the queries."""
+
     def flush_target(self, pages, device) -> tuple:
         """Where a flush's pages go in the rings: ``(rows, index, sel)``, the batch row and body index of the
         pages the rings keep and their positions ``sel`` in the flush (None: all, in order). ``pages``: the

@@ -1,6 +1,7 @@
 """Storage tiers: features that ride on a layer's body pages, composed by the cache without naming them.
 
-A tier (the refine tier, :class:`rotkv.cache.refine.RefineRings`, is the one there is) declares in its own
+A tier (the refine tier, :class:`rotkv.cache.refine.RefineRings`, and the salient pages,
+:class:`rotkv.cache.salient.SalientPages`) declares in its own
 module everything about its storage: the pages it keeps beside the body's, its bytes, its write (when body
 pages are flushed) and its read (added to dequantized body pages by the PyTorch paths; the decode kernels read
 it through the arguments it gives them, and its kernel parts sit beside the kernels). The pools
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from rotkv.cache.refine import RefineRings
+from rotkv.cache.salient import SalientPages
 
 
 class Tier(Protocol):
@@ -48,6 +50,11 @@ class Tier(Protocol):
         """Give rows what ``src`` (the same kind, another cache's layer) holds for its rows: ``moves``, in
         order, ``(row, src_row, counts, body_pages)`` (:meth:`rotkv.cache.pools.LayerPools.adopt_tiers`)."""
 
+    def observe(self, query: torch.Tensor, keys: torch.Tensor, real: torch.Tensor | None, scaling: float,
+                rotation) -> None:
+        """See a call's queries ``[B, Hq, q, D]`` (the model's basis) and rotated keys ``[B, H, q, D]`` before its
+        steps run (``real``: False at padding, or None)."""
+
     def flush_target(self, pages, device):
         """Where a flush writes: ``pages`` is the layer's Step, or ``(rows, index)`` device tensors."""
 
@@ -66,7 +73,7 @@ class Tier(Protocol):
         """Keyword arguments of the decode kernel (``rotkv.kernels.decode.decode_attention``) for the tier."""
 
 
-KINDS: tuple[type, ...] = (RefineRings,)
+KINDS: tuple[type, ...] = (RefineRings, SalientPages)
 
 
 def build_tiers(spec, codecs, kv_heads: int, page: int, head_dim: int, device) -> tuple[Tier, ...]:

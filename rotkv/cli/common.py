@@ -9,6 +9,7 @@ from rotkv.config import DEFAULT_PRESET, PRESETS
 
 FLAGS = {"sink": "--sink", "window": "--window", "window_share": "--window-share",
          "refine_tokens": "--refine-tokens", "refine_values": "--refine-values", "refine_every": "--refine-every",
+         "refine_salient": "--refine-salient",
          "group_size": "--group-size", "meta_k": "--meta-k"}  # CacheSpec field -> flag
 
 
@@ -38,6 +39,9 @@ def add_cache_args(p: argparse.ArgumentParser, preset: bool = True) -> None:
     p.add_argument("--refine-every", type=int, default=None,
                    help="the refine tier's size: one refined page per this many body pages, at most --refine-tokens "
                         "(overrides the preset; 0: always --refine-tokens)")
+    p.add_argument("--refine-salient", type=int, default=None,
+                   help="pages per row and KV head that the refine tier also refines: the body pages a prompt's last "
+                        "queries read most (PyTorch decode path only; needs the refine tier; overrides the preset; 0: none)")
     p.add_argument("--group-size", type=int, default=None, help="quantization group size (overrides the preset)")
     p.add_argument("--meta-k", default=None, choices=["float16", "float8", "float32"],
                    help="the dtype of the key groups' scale and minimum (float8: e4m3, 0.12 bits per element less at "
@@ -48,7 +52,7 @@ def cache_overrides(args) -> dict:
     """The preset overrides given on the command line (flags left out keep the preset's values)."""
     given = {"sink": args.sink, "window": getattr(args, "window", None), "window_share": getattr(args, "window_share", None),
              "refine_tokens": getattr(args, "refine_tokens", None), "refine_values": getattr(args, "refine_values", None),
-             "refine_every": getattr(args, "refine_every", None),
+             "refine_every": getattr(args, "refine_every", None), "refine_salient": getattr(args, "refine_salient", None),
              "group_size": getattr(args, "group_size", None), "meta_k": getattr(args, "meta_k", None)}
     return {k: v for k, v in given.items() if v is not None}
 

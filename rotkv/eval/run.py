@@ -92,7 +92,7 @@ def _spec_key(method: Method) -> dict:
     from rotkv.config import get_preset
 
     spec = get_preset(method.name, **method.overrides)
-    later = ("window_share", "refine_tokens", "refine_values", "refine_every", "meta_k")
+    later = ("window_share", "refine_tokens", "refine_values", "refine_every", "refine_salient", "meta_k")
     return {f: getattr(spec, f) for f in later if getattr(spec, f)}
 
 

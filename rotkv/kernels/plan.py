@@ -367,19 +367,23 @@ def refine_reason() -> str | None:
 
 
 def plan_step(q: torch.Tensor, body: PagedBody | None, cfg: DecodeConfig | None, readable: bool,
-              refine: tuple[bool, bool] = (False, False)) -> "DecodePlan | None":
+              refine: tuple[bool, bool] = (False, False), salient: bool = False) -> "DecodePlan | None":
     """The decode plan of one of the cache's decode steps with queries ``q [B, Hq, D]`` over ``body``,
     or None where the cache runs its PyTorch reader: the kernels off for q's device, a body no kernel
-    reads (``readable`` False), or a plan that covers nothing (:func:`plan_decode`)."""
-    if not (readable and kernels_enabled(q)):
+    reads (``readable`` False), salient pages (``rotkv.cache.salient``: no kernel reads them), or a plan
+    that covers nothing (:func:`plan_decode`)."""
+    if salient or not (readable and kernels_enabled(q)):
         return None
     p = plan_decode(q, body, cfg, refine)
     return p if p.covered else None
 
 
-def check_graph(refine: bool) -> None:
+def check_graph(refine: bool, salient: bool = False) -> None:
     """A ValueError where a CUDA-graph decode cannot run a cache (it runs the decode kernels only);
-    ``refine``: the cache has a refine tier."""
+    ``refine``: the cache has a refine tier; ``salient``: salient pages, which no decode kernel reads."""
+    if salient:
+        raise ValueError("CUDA-graph decode runs the decode kernels, and no decode kernel reads salient pages "
+                         "(refine_salient): run without cuda_graph, or without refine_salient")
     why = refine_reason() if refine else None
     if why:
         raise ValueError(f"CUDA-graph decode runs the decode kernels, and {why}: turn it on, or run without cuda_graph")
