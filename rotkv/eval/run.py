@@ -84,6 +84,10 @@ def unit_settings(cfg: EvalConfig, unit: tuple, text_sha: str, hay_sha: str) -> 
     return s
 
 
+# cache fields that came after results were first cached: in a record's fingerprint only when set (_spec_key)
+SPEC_KEYED = ("window_share", "refine_tokens", "refine_values", "refine_every", "refine_salient", "meta_k")
+
+
 def _spec_key(method: Method) -> dict:
     """Cache fields that came after results were first cached, in the fingerprint only when set (older
     caches stay valid; a preset that gains one, like oscar-mix's window_share, is not served stale results)."""
@@ -92,8 +96,7 @@ def _spec_key(method: Method) -> dict:
     from rotkv.config import get_preset
 
     spec = get_preset(method.name, **method.overrides)
-    later = ("window_share", "refine_tokens", "refine_values", "refine_every", "refine_salient", "meta_k")
-    return {f: getattr(spec, f) for f in later if getattr(spec, f)}
+    return {f: getattr(spec, f) for f in SPEC_KEYED if getattr(spec, f)}
 
 
 def _fingerprint(settings: dict, method: Method) -> str:
