@@ -97,6 +97,8 @@ def test_resolve_widths_reads_every_source():
 
 # ---- the tier seam ---------------------------------------------------------------------------------------
 TIER_MODULE = RK / "cache" / "refine.py"  # the refine tier's one module on the cache side
+# the salient pages ride on the refine tier's grid and size rule: a tier module of the same family
+TIER_MODULES = (TIER_MODULE, RK / "cache" / "salient.py")
 TIER_NAME = r"(?i)refine|(^|_)rings?($|_)|newest_pages"  # an identifier of the refine tier's storage
 
 
@@ -143,7 +145,7 @@ def test_the_cache_composes_tiers_without_naming_the_refine_tier():
     the cache, its plan and its CUDA graph call the tier hooks (rotkv.cache.tiers), which registers the kind."""
     named = {}
     for path in sorted((RK / "cache").glob("*.py")):
-        if path == TIER_MODULE:
+        if path in TIER_MODULES:
             continue
         found = tier_names(path.read_text())
         if found:
@@ -187,6 +189,9 @@ class CountingTier:
     def adopt(self, src, row, src_row, counts, body_pages):
         self.calls.append("adopt")
 
+    def observe(self, query, keys, real, scaling, rotation):
+        self.calls.append("observe")
+
     def flush_target(self, pages, device):
         return len(pages.flush)
 
@@ -225,7 +230,7 @@ def test_a_new_tier_kind_is_composed_by_the_hooks_alone(monkeypatch):
     pools = layer.pools
     counting = pools.counting
     assert [type(t) for t in pools.tiers] == [tiers.RefineRings, CountingTier] and pools.refine is not None
-    assert {"write0", "write1", "read"} <= set(counting.calls) and counting.rows == 2
+    assert {"observe", "write0", "write1", "read"} <= set(counting.calls) and counting.rows == 2
     stats = layer.stats()
     assert stats["body_bytes"] == (int(layer.state.body_count.sum()) * (pools.body_page_bytes + 7)
                                    + pools.refine_rings[0].stored_bytes(layer.state.body_count))
