@@ -196,15 +196,18 @@ class SalientPages:
             return
         idx = self.index[r0:r0 + b]  # [b, H, S]
         dev = idx.device
-        counts_t = to_device(np.asarray(counts, dtype=np.int64), dev)
-        newest = to_device(np.asarray(refined_pages(np.asarray(counts, dtype=np.int64), self.refine_cap,
-                                                    self.refine_every), dtype=np.int64), dev)
-        ok = (idx >= start) & (idx < start + nb) & (idx < (counts_t - newest)[:, None, None])
+
+        def make():  # each row's pages below the refine tier's newest, and the page ids: once a step for every layer
+            c = np.asarray(counts, dtype=np.int64)
+            return to_device(c - refined_pages(c, self.refine_cap, self.refine_every), dev), to_device(pages, dev)
+        key = ("salient_read", dev, r0, b, self.refine_cap, self.refine_every)
+        below, pages_t = memo(key, make) if memo is not None else make()
+        ok = (idx >= start) & (idx < start + nb) & (idx < below[:, None, None])
         local, head, slot = torch.nonzero(ok, as_tuple=True)
         if not len(local):
             return
         at = idx[local, head, slot]
-        ids = to_device(np.asarray(pages), dev)[local, at]
+        ids = pages_t[local, at]
         for t, codes, parts in zip((k, v), self.codes, body):
             if t is None or codes is None:
                 continue

@@ -50,10 +50,7 @@ def add_cache_args(p: argparse.ArgumentParser, preset: bool = True) -> None:
 
 def cache_overrides(args) -> dict:
     """The preset overrides given on the command line (flags left out keep the preset's values)."""
-    given = {"sink": args.sink, "window": getattr(args, "window", None), "window_share": getattr(args, "window_share", None),
-             "refine_tokens": getattr(args, "refine_tokens", None), "refine_values": getattr(args, "refine_values", None),
-             "refine_every": getattr(args, "refine_every", None), "refine_salient": getattr(args, "refine_salient", None),
-             "group_size": getattr(args, "group_size", None), "meta_k": getattr(args, "meta_k", None)}
+    given = {field: getattr(args, field, None) for field in FLAGS}
     return {k: v for k, v in given.items() if v is not None}
 
 
