@@ -56,6 +56,9 @@
 #   layer-step    issue 41's layer trade (13 INT4-key layers, carry artifacts/kl13) beside oscar-refine: rotkv bench, SmolLM2 64 x 8160
 #   prefill-cmp   the prefill against HF StaticCache + compile, real SmolLM2 64 x 8160 (bf16, oscar-refine; carry
 #                 artifacts/oscar-mix-long.safetensors): the default chunk, then one 8192-token call per row
+#   prefill-base  the same for the research baselines (naive-int2, kivi-2, pmkvq; oscar-int2, optr-int2 and oscar-pmkvq
+#                 with artifacts/base/{oscar,optr,oscar+pmkvq}.safetensors), eager decode of 4 tokens (the prefill is the
+#                 same path as +graph's), each artifact's call with its own StaticCache row
 #   decode-sweep  bench_decode.py at the Qwen3-8B heads, B 8 and 32 x 32K and 128K, DECODE_CONFIGS (issue 40's kernel gap)
 #   suite-gpu2k   rotkv eval on the GPU over the CPU rows' windows of docs/results/test2k-2048 (SUITE_ROWS: refine,
 #                 mix, long, int4-w32; carry artifacts): issue 41's GPU = CPU
@@ -183,7 +186,9 @@ job() {  # one queued job
                    # 32 x 32K and 128K, for DECODE_CONFIGS (every config logged; the INT2 row reports the best)
       mkdir -p "$RUN/jobs"; timeout 900 python3 benchmarks/bench_decode.py --batch 8 32 --context 32768 131072 \
         --configs ${DECODE_CONFIGS:-default cuda-pf-t1-w4k cuda-pf-t1-w8k cuda-pf-t2-w4k cuda-pf-t2-mb3} \
-        --out "$RUN/jobs/decode-sweep.json" ;;
+        --out "$RUN/jobs/decode-sweep.json"
+      # where the 8 x 32K call's time goes: the body kernel, the tier kernel and the merge, timed apart
+      timeout 300 python3 studies/decode_breakdown.py --batch 8 --context 32768 --out "$RUN/jobs/breakdown-8x32k.json" ;;
     admit-prof)  # issue 40's job bound: where one admission's time goes, INT2 (oscar-refine's tiers) and bf16, Qwen3-8B 36 layers
       mkdir -p "$RUN/jobs"; timeout 600 python3 studies/profile_admission.py --shape qwen3-8b \
         --out "$RUN/jobs/prof-admission.txt" > "$RUN/jobs/prof-admission.log" 2>&1; grep -E "^(##|median)" "$RUN/jobs/prof-admission.txt" ;;
@@ -204,6 +209,16 @@ job() {  # one queued job
       timeout 420 "${P[@]}" --artifact artifacts/oscar-mix.safetensors --methods hf-static-compile rotkv:oscar-mix+graph \
         --out "$RUN/jobs/generate-prefill-mix-smollm2.json" >> "$RUN/jobs/prefill-all.log" 2>&1
       grep "^| 64 x" "$RUN/jobs/prefill-all.log" ;;
+    prefill-base)  # issue 40's prefill target for the research baselines, real SmolLM2 64 x 8160, the default chunk:
+                   # one bench call per artifact, each with its own StaticCache + compile row (carry artifacts/base)
+      mkdir -p "$RUN/jobs"; P=(python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 --new-tokens 4)
+      timeout 600 "${P[@]}" --methods hf-static-compile rotkv:quarot-int2 rotkv:naive-int2 rotkv:kivi-2 rotkv:pmkvq \
+        --out "$RUN/jobs/generate-prefill-base-smollm2.json" > "$RUN/jobs/prefill-base.log" 2>&1
+      for a in oscar:oscar-int2 optr:optr-int2 oscar+pmkvq:oscar-pmkvq; do
+        timeout 420 "${P[@]}" --artifact "artifacts/base/${a%%:*}.safetensors" --methods hf-static-compile "rotkv:${a#*:}" \
+          --out "$RUN/jobs/generate-prefill-${a#*:}-smollm2.json" >> "$RUN/jobs/prefill-base.log" 2>&1
+      done
+      grep "^| 64 x" "$RUN/jobs/prefill-base.log" ;;
     refine-prof)  # issue 40's refine tier at the Qwen3-8B shape (8 layers, 16 x 32K, +compile): where the split's time
                   # goes, per kernel category, beside the same tiers unrefined
       mkdir -p "$RUN/jobs"; T="sink=4,window=32,window_share=0.015625,meta_v=float8"
