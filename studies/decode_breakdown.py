@@ -59,7 +59,8 @@ def pieces(q, body, table, body_n, tier, ttab, tier_n, cfg):
     def merge_only():
         chunk = min(64, triton.next_power_of_2(ns))
         db = d if b_sz * hq >= 1024 else 32
-        dk._merge_kernel[(b_sz * hq, d // db)](o, m, l_, out, ns, D=d, DB=db, CHUNK=chunk, STATIC_STEPS=0)
+        dk._merge_kernel[(b_sz * hq, d // db)](o, m, l_, out, ns, o, hq, D=d, DB=db, CHUNK=chunk, STATIC_STEPS=0,
+                                                ROT=False, GROUP=1, K=0)
 
     return {"body": body_only, "tier": tier_only, "merge": merge_only}, dict(n_int2=n_int2, n_tier=n_tier)
 
