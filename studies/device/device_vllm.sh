@@ -58,7 +58,7 @@
 #                 artifacts/oscar-mix-long.safetensors): the default chunk, then one 8192-token call per row
 #   prefill-base  the same for the research baselines (naive-int2, kivi-2, pmkvq; oscar-int2, optr-int2 and oscar-pmkvq
 #                 with artifacts/base/{oscar,optr,oscar+pmkvq}.safetensors), eager decode of 4 tokens (the prefill is the
-#                 same path as +graph's), each artifact's call with its own StaticCache row
+#                 same path as +graph's), against the first call's StaticCache row
 #   decode-sweep  bench_decode.py at the Qwen3-8B heads, B 8 and 32 x 32K and 128K, DECODE_CONFIGS (issue 40's kernel gap)
 #   suite-gpu2k   rotkv eval on the GPU over the CPU rows' windows of docs/results/test2k-2048 (SUITE_ROWS: refine,
 #                 mix, long, int4-w32; carry artifacts): issue 41's GPU = CPU
@@ -210,12 +210,12 @@ job() {  # one queued job
         --out "$RUN/jobs/generate-prefill-mix-smollm2.json" >> "$RUN/jobs/prefill-all.log" 2>&1
       grep "^| 64 x" "$RUN/jobs/prefill-all.log" ;;
     prefill-base)  # issue 40's prefill target for the research baselines, real SmolLM2 64 x 8160, the default chunk:
-                   # one bench call per artifact, each with its own StaticCache + compile row (carry artifacts/base)
+                   # the first call's StaticCache + compile row, then one call per artifact (carry artifacts/base)
       mkdir -p "$RUN/jobs"; P=(python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 --new-tokens 4)
       timeout 600 "${P[@]}" --methods hf-static-compile rotkv:quarot-int2 rotkv:naive-int2 rotkv:kivi-2 rotkv:pmkvq \
         --out "$RUN/jobs/generate-prefill-base-smollm2.json" > "$RUN/jobs/prefill-base.log" 2>&1
       for a in oscar:oscar-int2 optr:optr-int2 oscar+pmkvq:oscar-pmkvq; do
-        timeout 420 "${P[@]}" --artifact "artifacts/base/${a%%:*}.safetensors" --methods hf-static-compile "rotkv:${a#*:}" \
+        timeout 420 "${P[@]}" --artifact "artifacts/base/${a%%:*}.safetensors" --methods "rotkv:${a#*:}" \
           --out "$RUN/jobs/generate-prefill-${a#*:}-smollm2.json" >> "$RUN/jobs/prefill-base.log" 2>&1
       done
       grep "^| 64 x" "$RUN/jobs/prefill-base.log" ;;
