@@ -51,6 +51,10 @@ CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is
     "cuda-t1-block": DecodeConfig(backend="cuda", cuda_prefetch=False),
     "cuda-pf-t2-mb3": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_min_blocks=3),
     "cuda-pf-t1-w4k": DecodeConfig(backend="cuda", cuda_target_warps=4096),
+    # the tier's launch on a second stream beside the body kernel instead of before it
+    "tier-beside": DecodeConfig(tier_stream=True),
+    "tier-beside-w1792": DecodeConfig(tier_stream=True, cuda_target_warps=1792),
+    "w1792": DecodeConfig(cuda_target_warps=1792),
     # more bytes in flight per SM (the H200's higher bandwidth): more splits, or 32-token steps with more splits
     "cuda-pf-t1-w8k": DecodeConfig(backend="cuda", cuda_target_warps=8192),
     "cuda-pf-t2-w4k": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_target_warps=4096),

@@ -653,6 +653,17 @@ def _splits(max_len: int, bh: int, block: int, target: int, min_tokens: int,
     return per, -(-max_len // per)
 
 
+_SIDE: dict = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """One second stream per (device, current stream): the tier's launch beside the body kernel."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(device)
+    return _SIDE[key]
+
+
 def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | None, max_len: int,
                      tier: tuple | None = None, tier_table: tuple | None = None, tier_max_len: int = 0,
                      sm_scale: float | None = None, cfg: DecodeConfig | None = None,
@@ -778,7 +789,8 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
         s0 = body_slots if (use_cuda or split is not None) else 0
         lc = ref_launch.cfg if split is not None else cfg  # the refined pages': v1's config (block_t the same)
         lper = per_ref if split is not None else per
-        if not use_cuda or n_tier > 0 or split is not None:
+
+        def launch_split():
             _split_kernel[(b_sz * h, body_slots + n_ref + n_tier - s0)](
                 q, *bt, *tb, *tt, *ttb, o_part, m_part, l_part, h, hq, ns, body_slots + n_ref, s0, sm_scale * LOG2E,
                 lper, tper, tier_start, REP=rep, HPAD=hpad, D=d, G=g, P=p, PT=pt, BLOCK_N=lc.block_n, BLOCK_T=cfg.block_t,
@@ -794,6 +806,19 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
                 REF_ONLY=split is not None, rl_ptr=rest_last if rest_last is not None else dummy,
                 num_warps=lc.num_warps, num_stages=lc.num_stages,
             )
+
+        # the tier beside the CUDA body kernel (cfg.tier_stream): launched after it on a second stream, forked
+        # before it and joined before the merge, so that its programs take the SMs the body's grid leaves free
+        # instead of running before it; not with a refine split (the body reads the rest's table that launch
+        # writes) or the merge inside the body kernel (its last block merges the tier's partials too)
+        beside = (use_cuda and split is None and n_tier > 0 and cfg.tier_stream and fuse_mode != "all"
+                  and q.is_cuda and not _interpreting())
+        if beside:
+            main = torch.cuda.current_stream(dev)
+            side = _side_stream(dev)
+            side.wait_stream(main)  # fork: the tier waits for what came before the body, not for the body
+        elif not use_cuda or n_tier > 0 or split is not None:
+            launch_split()
         if rest_ref:
             from rotkv.kernels.refine_split import rest_partials_reference
 
@@ -813,6 +838,10 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
                           refine_values=refine_values if launch.refine else None)
             if merge_here:
                 return out
+        if beside:
+            with torch.cuda.stream(side):
+                launch_split()
+            main.wait_stream(side)  # join: the merge reads the tier's partials
     chunk = min(cfg.merge_chunk, triton.next_power_of_2(ns))  # slots merged per step
     final, rot = out, out_rotation
     if rot is not None and not merge_rotates(b_sz * hq, cfg):  # the plain merge, then one rotation launch

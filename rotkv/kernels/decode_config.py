@@ -48,6 +48,9 @@ class DecodeConfig:
     # head merges every partial and the tier's, launched first, into the output: no merge launch),
     # or "auto": "none" at head_dim <= 64, "block" above (docs/kernels.md)
     cuda_fuse: str = "auto"
+    # CUDA kernel with a bf16 tier: the tier's launch on a second stream beside the body kernel (forked before it,
+    # joined before the merge; in a captured graph, two parallel branches) instead of before it on the same stream
+    tier_stream: bool = False
     # merge kernel: partial slots per step, and dims per program where B * Hq < 1024 (else all D)
     merge_chunk: int = 128
     merge_slice: int = 32

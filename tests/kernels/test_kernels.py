@@ -617,6 +617,39 @@ def test_decode_cuda_fused_merge_matches_unfused_and_survives_graph_replays(dtyp
 
 
 @cuda_only
+@pytest.mark.parametrize("fuse", ["none", "block"])
+def test_decode_tier_beside_the_body_kernel_matches_before_it_eager_and_in_a_graph(fuse):
+    """The tier's launch on a second stream beside the CUDA body kernel (``tier_stream``) gives the output of
+    the default order (tier first, one stream), bit for bit: the same kernels write the same partial slots.
+    Captured in a CUDA graph (two parallel branches, joined before the merge), every replay gives it too,
+    also after the query changes."""
+    body, table, tier, ttable, ml, tml = _build([3000, 77, 0, 1200], [64, 320, 5, 0], 2, 64, 64, 16, 16, "cuda", seed=7)
+    q = torch.randn(4, 6, 64, generator=torch.Generator().manual_seed(8)).to("cuda", torch.bfloat16)
+    base = DecodeConfig(backend="cuda", score="int8", cuda_target_warps=512, cuda_fuse=fuse)
+    beside = dataclasses.replace(base, tier_stream=True)
+    run = lambda cfg: decode_attention(q, body, table, ml, tier, ttable, tml, cfg=cfg)  # noqa: E731
+    want = run(base)
+    assert torch.equal(run(beside), want)
+    ref = decode_reference(q.float(), body, table, tier[0], tier[1], ttable)
+    assert ((want.float() - ref).norm() / ref.norm()).item() < 2e-2
+    out = torch.empty_like(q)
+    decode_attention(q, body, table, ml, tier, ttable, tml, cfg=beside, out=out)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, body, table, ml, tier, ttable, tml, cfg=beside, out=out)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+    q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, run(base))
+
+
+@cuda_only
 def test_decode_cuda_fused_merge_falls_back_past_512_slots():
     """More partial slots than the fused merge holds: the kernel pre-merges blocks and the Triton
     merge runs (same result as the unfused path)."""
