@@ -5,7 +5,8 @@ domain and over all four (bars, with the 95% interval over windows), its measure
     python studies/plot_suite.py --out docs/results/test2k-2048/kl_domains.png \\
         --panel 2048 docs/results/test2k-2048/t2k/suite.json docs/results/test2k-2048/refine/suite.json \\
                      docs/results/test2k-2048/int4-w32/suite.json \\
-        --panel 8192 docs/results/aqua-test-8k/t8k/suite.json docs/results/aqua-test-8k/t8k-int4-w32/suite.json
+        --panel 8192 docs/results/test8k-2048/aqua/suite.json docs/results/test8k-2048/refine/suite.json \\
+                     docs/results/test8k-2048/int4-w32/suite.json docs/results/test8k-2048/quanto/suite.json
 
 A method present in several files of a panel is taken from the first. ``plain-fp32`` (the reference, KL 0) is
 left out. The "all" bar is the suite's mean over domains with its interval as
@@ -80,7 +81,9 @@ def plot(panels: list[tuple[str, list[str]]], out: str) -> dict:
         e0 = methods[names[0]]
         ax.set_title(f"test split at {int(length) // 1024}K tokens: {e0['windows']} windows, "
                      f"{e0['tokens']} scored tokens per domain")
-        ax.legend(fontsize=8)
+        top = max(v[0] + v[1] for e in methods.values() for v in [*e["per_domain"].values(), e["all"]])
+        ax.set_ylim(0, top * 1.35)  # room above the bars for the legend
+        ax.legend(fontsize=8, ncols=2, loc="upper center")
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle("SmolLM2-135M-Instruct on text rotkv never saw: KL per domain (bars: 95% interval over windows)")
     fig.tight_layout()
