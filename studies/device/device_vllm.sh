@@ -62,7 +62,7 @@
 #   decode-sweep  bench_decode.py at the Qwen3-8B heads, B 8 and 32 x 32K and 128K, DECODE_CONFIGS (issue 40's kernel gap)
 #   suite-gpu2k   rotkv eval on the GPU over the CPU rows' windows of docs/results/test2k-2048 (SUITE_ROWS: refine,
 #                 mix, long, int4-w32; carry artifacts): issue 41's GPU = CPU
-#                 (rows aqua4, refine4, long4 and int4p4: oscar-aqua, oscar-refine, oscar-mix-long with artifacts/suite8k and int4,
+#                 (rows aqua4, refine4, long4, int4p4 and quarot4: oscar-aqua, oscar-refine, oscar-mix-long with artifacts/suite8k and int4,
 #                 each at its own sink and window, over 4 windows a domain, against the CPU runs of docs/results/gpu-cpu-2k; earlier:
 #                 docs/results/aqua-gpu-cpu)
 #   suite-gpu8k   the suite's test split at 8K on the GPU, 16 windows x 128 tokens per domain: SUITE8K_ROWS (aqua, refine,
@@ -249,6 +249,7 @@ job() {  # one queued job
           refine4) A=(--methods oscar-refine --artifact-dir artifacts/suite8k --sink preset --window preset --windows 4) ;;
           long4)  A=(--methods oscar-mix-long --artifact-dir artifacts/suite8k --sink preset --window preset --windows 4) ;;
           int4p4) A=(--methods int4 --sink preset --window preset --windows 4) ;;
+          quarot4) A=(--methods quarot-int2 --sink preset --window preset --windows 4) ;;  # no artifact: the Hadamard
           refine) A=(--methods oscar-refine --artifact-dir artifacts) ;;
           mix)    A=(--methods oscar-mix --artifact-dir artifacts) ;;
           long)   A=(--methods oscar-mix-long --artifact-dir artifacts) ;;
