@@ -657,11 +657,11 @@ _SIDE: dict = {}
 
 
 def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One second stream per (device, current stream): the tier's launch beside the body kernel."""
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    if key not in _SIDE:
-        _SIDE[key] = torch.cuda.Stream(device)
-    return _SIDE[key]
+    """One second stream per device, made at its first use (a warm-up call before a capture makes it
+    outside the capture): the tier's launch beside the body kernel."""
+    if device.index not in _SIDE:
+        _SIDE[device.index] = torch.cuda.Stream(device)
+    return _SIDE[device.index]
 
 
 def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | None, max_len: int,
