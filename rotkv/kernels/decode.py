@@ -814,8 +814,9 @@ def decode_attention(q: torch.Tensor, body: PagedBody | None, table: tuple | Non
         beside = (use_cuda and split is None and n_tier > 0 and cfg.tier_stream and fuse_mode != "all"
                   and q.is_cuda and not _interpreting())
         if beside:
-            main = torch.cuda.current_stream(dev)
-            side = _side_stream(dev)
+            main, side = torch.cuda.current_stream(dev), _side_stream(dev)
+            beside = side.cuda_stream != main.cuda_stream  # a caller already on the side stream: one stream
+        if beside:
             side.wait_stream(main)  # fork: the tier waits for what came before the body, not for the body
         elif not use_cuda or n_tier > 0 or split is not None:
             launch_split()
