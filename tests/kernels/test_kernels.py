@@ -580,6 +580,26 @@ def test_decode_cuda_fp16_query_matches_reference(lens, tier_lens, h, rep, d, g,
     assert f16 <= i8 * 1.05, (f16, i8)
 
 
+def _graph_replays(q, call, want):
+    """``call(out)`` warmed up, captured in a CUDA graph and replayed 3 times, each replay's output equal to
+    ``want``; then ``q`` takes new values and the graph replays once more: that output is returned."""
+    out = torch.empty_like(q)
+    call(out)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(out)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+    q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_decode_cuda_fused_merge_matches_unfused_and_survives_graph_replays(dtype):
@@ -599,19 +619,7 @@ def test_decode_cuda_fused_merge_matches_unfused_and_survives_graph_replays(dtyp
     assert ((c.float() - b.float()).norm() / b.float().norm()).item() < tol
     ref = decode_reference(q.float(), body, table, tier[0], tier[1], ttable)
     assert ((a.float() - ref).norm() / ref.norm()).item() < 2e-2
-    out = torch.empty_like(q)
-    decode_attention(q, body, table, ml, tier, ttable, tml, cfg=fused, out=out)  # warm-up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        decode_attention(q, body, table, ml, tier, ttable, tml, cfg=fused, out=out)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, a)
-    q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(q))
-    graph.replay()
+    out = _graph_replays(q, lambda o: decode_attention(q, body, table, ml, tier, ttable, tml, cfg=fused, out=o), a)
     want = decode_attention(q, body, table, ml, tier, ttable, tml, cfg=unfused)
     assert ((out.float() - want.float()).norm() / want.float().norm()).item() < tol
 
@@ -632,20 +640,7 @@ def test_decode_tier_beside_the_body_kernel_matches_before_it_eager_and_in_a_gra
     assert torch.equal(run(beside), want)
     ref = decode_reference(q.float(), body, table, tier[0], tier[1], ttable)
     assert ((want.float() - ref).norm() / ref.norm()).item() < 2e-2
-    out = torch.empty_like(q)
-    decode_attention(q, body, table, ml, tier, ttable, tml, cfg=beside, out=out)  # warm-up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        decode_attention(q, body, table, ml, tier, ttable, tml, cfg=beside, out=out)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want)
-    q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(q))
-    graph.replay()
-    torch.cuda.synchronize()
+    out = _graph_replays(q, lambda o: decode_attention(q, body, table, ml, tier, ttable, tml, cfg=beside, out=o), want)
     assert torch.equal(out, run(base))
 
 
