@@ -65,6 +65,9 @@
 #                 (rows aqua4, refine4, long4, int4p4 and quarot4: oscar-aqua, oscar-refine, oscar-mix-long with artifacts/suite8k and int4,
 #                 each at its own sink and window, over 4 windows a domain, against the CPU runs of docs/results/gpu-cpu-2k; earlier:
 #                 docs/results/aqua-gpu-cpu)
+#                 (suite-gpu2k:ROW,ROW,... runs those rows; naive4, kivi4, pmkvq4 and base4: the baselines, base4 with artifacts/base: oscar-int2, optr-int2, oscar-pmkvq)
+#   tier-test     the decode kernels' GPU tests: the tier beside the body kernel (tier_stream), the merge, the graphs
+#   tier-e2e      rotkv bench, SmolLM2 64 x 8160, oscar-refine and bf16 compiled, default against ROTKV_TUNING=tier_stream=1
 #   suite-gpu8k   the suite's test split at 8K on the GPU, 16 windows x 128 tokens per domain: SUITE8K_ROWS (aqua, refine,
 #                 int4-w32, quanto: HF quanto INT4 from .whl/rotkv), artifacts/suite8k (the default oscar-mix-long with its 4096 and 8192 fits, plus aqua's maps)
 #   smol-niah48   NIAH at 4-8K on SmolLM2 (noise, essay, multikey; 8 haystacks a cell: 96 questions a method), NIAH_METHODS, NIAH_LENGTHS, NIAH_SAMPLES
@@ -131,7 +134,8 @@ EOF
   echo "queue: $(cat "$RUN/queue" 2>/dev/null | tr '\n' ' ') | done: $(cat "$RUN/done" 2>/dev/null | tr '\n' ' ')"
 }
 
-job() {  # one queued job
+job() {  # one queued job; NAME:ARG passes ARG (commas for spaces) to the jobs that read one (suite-gpu2k: its rows)
+  local arg=""; [[ $1 == *:* ]] && { arg=${1#*:}; arg=${arg//,/ }; set -- "${1%%:*}"; }
   local B=(python3 benchmarks/bench_vllm.py run --model-root "$MODELS" --out-dir "$RUN" --rotkv-config "$ROTKV_CONFIG")
   local GM=$GREEDY_METHODS
   if [[ ",$GM," == *",oscar-mix,"* ]] && [ ! -f artifacts/oscar-mix.safetensors ]; then
@@ -189,6 +193,20 @@ job() {  # one queued job
         --out "$RUN/jobs/decode-sweep.json"
       # where the 8 x 32K call's time goes: the body kernel, the tier kernel and the merge, timed apart
       timeout 300 python3 studies/decode_breakdown.py --batch 8 --context 32768 --out "$RUN/jobs/breakdown-8x32k.json" ;;
+    tier-test)  # the tier beside the CUDA body kernel (DecodeConfig.tier_stream) against the default order, and the
+                # decode kernels' other GPU tests
+      mkdir -p "$RUN/jobs"; timeout 600 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py \
+        -k "${TIER_TEST_K:-tier_beside or merge or graph}" > "$RUN/jobs/tier-test.log" 2>&1; echo "rc=$?"
+      tail -n 5 "$RUN/jobs/tier-test.log" ;;
+    tier-e2e)  # the tier beside the body kernel end to end: rotkv bench, real SmolLM2 64 x 8160, oscar-refine compiled
+               # (carry artifacts/suite8k), the default order and ROTKV_TUNING=tier_stream=1, twice each, interleaved
+      mkdir -p "$RUN/jobs"; E=(python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 --new-tokens 32
+         --artifact artifacts/suite8k/oscar-mix-long.safetensors --methods rotkv:oscar-refine+graph+compile rotkv:bf16+graph+compile)
+      for i in 1 2; do
+        timeout 420 "${E[@]}" --out "$RUN/jobs/tier-e2e-default-$i.json" >> "$RUN/jobs/tier-e2e.log" 2>&1
+        ROTKV_TUNING=tier_stream=1 timeout 420 "${E[@]}" --out "$RUN/jobs/tier-e2e-beside-$i.json" >> "$RUN/jobs/tier-e2e.log" 2>&1
+      done
+      grep "^| 64 x" "$RUN/jobs/tier-e2e.log" ;;
     admit-prof)  # issue 40's job bound: where one admission's time goes, INT2 (oscar-refine's tiers) and bf16, Qwen3-8B 36 layers
       mkdir -p "$RUN/jobs"; timeout 600 python3 studies/profile_admission.py --shape qwen3-8b \
         --out "$RUN/jobs/prof-admission.txt" > "$RUN/jobs/prof-admission.log" 2>&1; grep -E "^(##|median)" "$RUN/jobs/prof-admission.txt" ;;
@@ -243,13 +261,17 @@ job() {  # one queued job
     suite-gpu2k)  # the CPU rows of docs/results/test2k-2048 on the GPU: the same windows, artifacts and settings
       S=(python3 -m rotkv.cli eval --model "$GG/smollm2.gguf" --suite mixed --split test --profile full --lengths 2048 --windows 16 --new-tokens 128
          --device cuda --window-batch "${WB:-16}")
-      for r in ${SUITE_ROWS:-refine mix long int4-w32}; do
+      for r in ${arg:-${SUITE_ROWS:-refine mix long int4-w32}}; do
         case $r in
           aqua4)  A=(--methods oscar-aqua --artifact-dir artifacts/suite8k --sink preset --window preset --windows 4) ;;
           refine4) A=(--methods oscar-refine --artifact-dir artifacts/suite8k --sink preset --window preset --windows 4) ;;
           long4)  A=(--methods oscar-mix-long --artifact-dir artifacts/suite8k --sink preset --window preset --windows 4) ;;
           int4p4) A=(--methods int4 --sink preset --window preset --windows 4) ;;
           quarot4) A=(--methods quarot-int2 --sink preset --window preset --windows 4) ;;  # no artifact: the Hadamard
+          naive4) A=(--methods naive-int2 --sink preset --window preset --windows 4) ;;
+          kivi4)  A=(--methods kivi-2 --sink preset --window preset --windows 4) ;;
+          pmkvq4) A=(--methods pmkvq --sink preset --window preset --windows 4) ;;
+          base4)  A=(--methods oscar-int2,optr-int2,oscar-pmkvq --artifact-dir artifacts/base --sink preset --window preset --windows 4) ;;
           refine) A=(--methods oscar-refine --artifact-dir artifacts) ;;
           mix)    A=(--methods oscar-mix --artifact-dir artifacts) ;;
           long)   A=(--methods oscar-mix-long --artifact-dir artifacts) ;;
