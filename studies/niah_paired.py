@@ -2,7 +2,8 @@
 for each method against a reference the questions only one of them answered, with an exact two-sided sign test.
 
 Each run is ``LABEL=CACHE_DIR`` (a method's cache folder, ``.../cache/<method>``, holding ``niah-<variant>-<length>.json``
-files); runs over the same questions (same haystacks, needles and seed) pair question by question.
+files), or ``LABEL=DIR,DIR,...`` for one method's runs over different lengths taken together (a length found in two
+of them is refused); runs over the same questions (same haystacks, needles and seed) pair question by question.
 
     python studies/niah_paired.py bf16=docs/results/niah-aqua-4-8k-cpu/cache/bf16 \\
         refine=docs/results/niah-aqua-4-8k-cpu/cache/oscar-refine odd=OUT/cache/oscar-aqua --reference bf16
@@ -38,7 +39,7 @@ def sign_p(a: int, b: int) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", metavar="LABEL=CACHE_DIR")
+    ap.add_argument("runs", nargs="+", metavar="LABEL=CACHE_DIR[,CACHE_DIR...]")
     ap.add_argument("--reference", default=None, help="the label others are paired against (default: the first)")
     a = ap.parse_args(argv)
     runs = {}
@@ -46,7 +47,14 @@ def main(argv=None) -> int:
         label, _, folder = spec.partition("=")
         if not folder:
             ap.error(f"{spec!r}: write LABEL=CACHE_DIR")
-        runs[label] = answers(folder)
+        merged = {}
+        for part in folder.split(","):
+            got = answers(part)
+            clash = sorted({k[1] for k in got} & {k[1] for k in merged})
+            if clash:
+                ap.error(f"{spec!r}: length(s) {clash} in more than one of its folders")
+            merged |= got
+        runs[label] = merged
     ref = a.reference or next(iter(runs))
     common = set.intersection(*(set(r) for r in runs.values()))
     lengths = sorted({k[1] for k in common})
