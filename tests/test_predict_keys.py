@@ -4,7 +4,9 @@
 - a page's reads give back what its flush stored (the flush and the reads predict from the same keys), batched
   rows of different lengths included;
 - layer 0 stores what oscar-refine stores;
-- the refusals: an artifact without maps or with another model's, the CUDA graph, the vLLM backend, the kernels.
+- the refusals: an artifact without maps or with another model's, the CUDA graph, the vLLM backend, the kernels;
+- the maps that commute with RoPE (``--aqua-map rope``, ``rope-head``): the fit recovers such a map, and applied
+  before RoPE it equals itself applied to the post-RoPE keys.
 """
 
 import sys
@@ -335,3 +337,51 @@ def test_calibrate_writes_maps_the_preset_reads(tmp_path, capsys):
     assert main(["calibrate", "--method", "oscar-mix-long", "--aqua-layers", "odd", "--model", folder,
                  "--base-artifact", base, "--out", str(tmp_path / "x.safetensors")]) == 2
     assert "--aqua-layers" in capsys.readouterr().err
+    # --aqua-map rope: maps that commute with RoPE (no bias), which the preset reads as it reads dense ones
+    rp = tmp_path / "rope.safetensors"
+    assert main(["calibrate", "--method", "aqua", "--aqua-layers", "odd", "--aqua-map", "rope", "--model", folder,
+                 "--base-artifact", base, "--tokens", "4096", "--out", str(rp)]) == 0
+    art = load_artifact(str(rp))
+    assert art.meta["aqua_map_class"] == "rope" and art.meta["aqua_layers"] == "1,3"
+    for i in (1, 3):
+        A = art.tensors[map_name(i)].double()
+        assert not A[-1].any()  # no bias
+        blk = A[:-1].reshape(H, D, H, D)
+        assert torch.equal(blk[:, : D // 2, :, : D // 2], blk[:, D // 2:, :, D // 2:])  # complex-linear per pair
+        assert torch.equal(blk[:, : D // 2, :, D // 2:], -blk[:, D // 2:, :, : D // 2])
+    cache = RotkvCache(model, "oscar-aqua", str(rp))
+    _run(model, cache, _ids(200), new=4)
+    capsys.readouterr()
+    assert main(["calibrate", "--method", "oscar-mix-long", "--aqua-map", "rope", "--model", folder,
+                 "--base-artifact", base, "--out", str(tmp_path / "y.safetensors")]) == 2
+    assert "--aqua-map" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_rope_maps_are_recovered_and_commute_with_rope(per_head):
+    from rotkv.calibrate.aqua import apply_map, fit_rope_map
+    from rotkv.cache.predict import rope
+
+    g = torch.Generator().manual_seed(5)
+    h, d, n = 3, 8, 4000
+    f = d // 2
+    c = torch.complex(torch.randn(f, h, h, generator=g, dtype=torch.float64),
+                      torch.randn(f, h, h, generator=g, dtype=torch.float64))
+    if per_head:
+        c = c * torch.eye(h, dtype=torch.float64)
+    x = torch.randn(n, h * d, generator=g, dtype=torch.float64)
+    zx = torch.complex(x.reshape(n, h, d)[..., :f], x.reshape(n, h, d)[..., f:])
+    zy = torch.einsum("nhf,fhg->ngf", zx, c)
+    y = torch.cat([zy.real, zy.imag], -1).reshape(n, h * d)
+    A = fit_rope_map(x, y, h, ridge=0.0, per_head=per_head)
+    assert torch.allclose(x @ A[:-1], y, atol=1e-9) and not A[-1].any()
+    if per_head:  # each head from the same head only
+        blk = A[:-1].reshape(h, d, h, d)
+        assert not blk[0, :, 1].any() and not blk[2, :, 0].any()
+    # before RoPE (unRoPE, map, RoPE: what the cache does) equals the map on the post-RoPE keys as they are
+    t = 50
+    theta = torch.rand(t, f, generator=g, dtype=torch.float64) * 6.28
+    cos, sin = torch.cat([theta.cos()] * 2, -1), torch.cat([theta.sin()] * 2, -1)
+    prev = rope(torch.randn(h, t, d, generator=g, dtype=torch.float64), cos, sin)  # post-RoPE [H, T, D]
+    direct = (prev.permute(1, 0, 2).reshape(t, h * d) @ A[:-1]).reshape(t, h, d).permute(1, 0, 2)
+    assert torch.allclose(apply_map(A, prev, cos, sin), direct, atol=1e-9)

@@ -11,6 +11,17 @@ sink) are left out of the fit. The result is the base artifact plus ``aqua_map.{
 
 ``layers="odd"`` maps the odd layers only (``aqua_layers`` in the artifact): each predicts from the plain layer
 before it, so no read needs more than one other layer's keys (no chain).
+
+``map_class`` restricts the map (``aqua_map_class`` in the artifact; the cache reads every class as the dense matrix
+it is stored as):
+
+- ``dense`` (default): any ``[H D + 1, H D]`` map with a bias;
+- ``rope``: a map that commutes with RoPE: per frequency pair (dims ``i`` and ``i + D/2`` of each head, the pairs
+  ``rotate_half`` turns), a complex ``H x H`` matrix across the KV heads, no bias. RoPE multiplies pair ``i`` at
+  position ``t`` by ``exp(j theta_i t)``, which commutes with it, so the map can act on the post-RoPE keys as they
+  are: a decode kernel can fold it into the query (``q -> q A^T``) and read the previous layer's key codes with it,
+  with no per-token product, sine or cosine;
+- ``rope-head``: the same with one complex number per head and frequency (each head from the same head).
 """
 
 from __future__ import annotations
@@ -69,6 +80,38 @@ class KeyStore:
 
 
 LAYER_SETS = ("all", "odd")
+MAP_CLASSES = ("dense", "rope", "rope-head")
+
+
+def fit_rope_map(x: torch.Tensor, y: torch.Tensor, h: int, ridge: float = 1e-3, per_head: bool = False) -> torch.Tensor:
+    """The least-squares map that commutes with RoPE from pre-RoPE keys ``x [N, H D]`` to ``y [N, H D]`` (see the
+    module docstring), as the dense ``[H D + 1, H D]`` matrix :func:`apply_map` applies (bias row zero). Per frequency
+    pair ``f``: ``Y_f ~ X_f C_f`` in complex numbers (``X_f [N, H]``), ridge ``ridge`` times the mean diagonal of the
+    Gram matrix; ``per_head``: ``C_f`` diagonal."""
+    n, hd = x.shape
+    d = hd // h
+    f = d // 2
+    xc = x.reshape(n, h, d)
+    yc = y.reshape(n, h, d)
+    zx = torch.complex(xc[..., :f], xc[..., f:])  # [N, H, F]
+    zy = torch.complex(yc[..., :f], yc[..., f:])
+    out = torch.zeros(hd + 1, hd, dtype=x.dtype)
+    for i in range(f):
+        a, b = zx[:, :, i], zy[:, :, i]
+        g = a.conj().T @ a  # [H, H]
+        lam = ridge * torch.diagonal(g).real.mean()
+        if per_head:
+            c = torch.diag((a.conj() * b).sum(0) / (torch.diagonal(g).real + lam))
+        else:
+            c = torch.linalg.solve(g + lam * torch.eye(h, dtype=g.dtype), a.conj().T @ b)
+        # z_out = z_in c with z = (dim i) + j (dim i + D/2): real rows of input head hh, columns of output head gg
+        for hh in range(h):
+            for gg in range(h):
+                re, im = c[hh, gg].real, c[hh, gg].imag
+                r_in, i_in, r_out, i_out = hh * d + i, hh * d + i + f, gg * d + i, gg * d + i + f
+                out[r_in, r_out], out[i_in, r_out] = re, -im
+                out[r_in, i_out], out[i_in, i_out] = im, re
+    return out
 
 
 def layer_set(name: str, num_layers: int) -> list[int]:
@@ -80,14 +123,16 @@ def layer_set(name: str, num_layers: int) -> list[int]:
 
 def fit_maps(model, tokenizer, artifact, tokens: int = 16384, chunk: int = 2048, ridge: float = 1e-3,
              files: list[str] | None = None, progress: bool = True,
-             layers: str = "all") -> list[torch.Tensor | None]:
+             layers: str = "all", map_class: str = "dense") -> list[torch.Tensor | None]:
     """``[None, A_1, ..., A_{L-1}]`` (fp16; None for a layer that ``layers`` leaves out) for ``model`` on top of
-    ``artifact`` (see the module docstring)."""
+    ``artifact``, of ``map_class`` (see the module docstring)."""
     from tqdm.auto import tqdm
 
     from rotkv.calibrate.capture import capturing
     from rotkv.calibrate.corpus import token_chunks
 
+    if map_class not in MAP_CLASSES:
+        raise ValueError(f"aqua map class {map_class!r}: one of {', '.join(MAP_CLASSES)}")
     ks = KeyStore(model.config, artifact)
     nl, d, mu, store = ks.layers, ks.head_dim, ks.mu, ks.store
     chunks = token_chunks(tokenizer, files, tokens, chunk)
@@ -117,10 +162,13 @@ def fit_maps(model, tokenizer, artifact, tokens: int = 16384, chunk: int = 2048,
             continue
         x = torch.cat([torch.cat([_flat(unrope(r, cos, sin))[SKIP:], ones], -1) for r in rec])
         y = torch.cat([_flat(unrope(c[i].double(), cos, sin))[SKIP:] for c in calib])
-        gram = x.T @ x
-        reg = torch.eye(gram.shape[0], dtype=gram.dtype) * ridge * torch.diagonal(gram)[:-1].mean()
-        reg[-1, -1] = 0
-        A = torch.linalg.solve(gram + reg, x.T @ y).half()
+        if map_class == "dense":
+            gram = x.T @ x
+            reg = torch.eye(gram.shape[0], dtype=gram.dtype) * ridge * torch.diagonal(gram)[:-1].mean()
+            reg[-1, -1] = 0
+            A = torch.linalg.solve(gram + reg, x.T @ y).half()
+        else:
+            A = fit_rope_map(x[:, :-1], y, model.config.num_key_value_heads, ridge, map_class == "rope-head").half()
         maps.append(A)
         Ad = A.double()
         new = []
@@ -132,13 +180,14 @@ def fit_maps(model, tokenizer, artifact, tokens: int = 16384, chunk: int = 2048,
 
 
 def calibrate_aqua(loaded, base, tokens: int = 16384, chunk: int = 2048, ridge: float = 1e-3,
-                   files: list[str] | None = None, progress: bool = True, layers: str = "all") -> tuple[dict, dict]:
+                   files: list[str] | None = None, progress: bool = True, layers: str = "all",
+                   map_class: str = "dense") -> tuple[dict, dict]:
     """(tensors, meta) of an ``oscar-mix-long+aqua`` artifact: ``base`` (an oscar-mix-long Artifact) plus the maps
-    (of ``layers``: ``all`` or ``odd``)."""
+    (of ``layers``: ``all`` or ``odd``; of ``map_class``)."""
     from rotkv.contract import kind_meta
 
     t0 = time.time()
-    maps = fit_maps(loaded.model, loaded.tokenizer, base, tokens, chunk, ridge, files, progress, layers)
+    maps = fit_maps(loaded.model, loaded.tokenizer, base, tokens, chunk, ridge, files, progress, layers, map_class)
     tensors = dict(base.tensors)
     for i, m in enumerate(maps):
         if m is not None:
@@ -148,6 +197,8 @@ def calibrate_aqua(loaded, base, tokens: int = 16384, chunk: int = 2048, ridge: 
         "aqua_files": ",".join(files) if files else "default", "aqua_seconds": str(round(time.time() - t0)),
         "aqua_map_bytes": str(sum(m.numel() * 2 for m in maps if m is not None)),
     }
+    if map_class != "dense":
+        meta["aqua_map_class"] = map_class
     if layers != "all":
         meta["aqua_layers"] = ",".join(str(i) for i, m in enumerate(maps) if m is not None)
     return tensors, meta

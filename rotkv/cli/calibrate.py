@@ -64,6 +64,10 @@ def register(sub) -> None:
     aq.add_argument("--aqua-layers", choices=["all", "odd"], default="all",
                     help="the layers that get a map: all (default; each predicts from the one before, a chain) or "
                          "odd (each predicts from the plain even layer before it: no chain)")
+    aq.add_argument("--aqua-map", choices=["dense", "rope", "rope-head"], default="dense",
+                    help="the maps' class: dense (default; any map before RoPE, with a bias), rope (commutes with "
+                         "RoPE: a complex H x H matrix per frequency pair, no bias; a kernel could fold it into the "
+                         "query) or rope-head (one complex number per head and frequency)")
     p.set_defaults(func=run)
 
 
@@ -162,6 +166,8 @@ def check_args(args):
         read_text_file(path, "--data")
     if args.aqua_layers != "all" and args.method != AQUA:
         raise UsageError(f"--aqua-layers picks the layers of --method {AQUA}'s key maps, not of --method {args.method}")
+    if args.aqua_map != "dense" and args.method != AQUA:
+        raise UsageError(f"--aqua-map picks the class of --method {AQUA}'s key maps, not of --method {args.method}")
     if args.key_scale is not None and (args.method != MIX_LONG or not 0.0 <= args.key_scale <= 1.0):
         raise UsageError(f"--key-scale is an exponent in [0, 1] for --method {MIX_LONG} but got "
                          f"{args.key_scale} with --method {args.method}")
@@ -366,7 +372,7 @@ def aqua(args, base) -> int:
     except ArtifactMismatch as e:
         raise UsageError(f"--base-artifact: {e}") from None
     tensors, meta = calibrate_aqua(loaded, base, tokens=args.tokens or 16384, chunk=AQUA_CHUNK, files=args.data,
-                                   layers=args.aqua_layers)
+                                   layers=args.aqua_layers, map_class=args.aqua_map)
     save_artifact(args.out, tensors, meta)
     print(f"wrote {args.out}: {AQUA} (base {args.base_artifact}; key maps of {meta['aqua_map_bytes']} bytes fitted on "
           f"{meta['aqua_tokens']} tokens in {time.time() - t0:.0f} s)")
