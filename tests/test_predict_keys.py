@@ -337,15 +337,16 @@ def test_calibrate_writes_maps_the_preset_reads(tmp_path, capsys):
     assert main(["calibrate", "--method", "oscar-mix-long", "--aqua-layers", "odd", "--model", folder,
                  "--base-artifact", base, "--out", str(tmp_path / "x.safetensors")]) == 2
     assert "--aqua-layers" in capsys.readouterr().err
-    # --aqua-map rope: maps that commute with RoPE (no bias), which the preset reads as it reads dense ones
+    # --aqua-map rope: maps that commute with RoPE, their bias after RoPE
     rp = tmp_path / "rope.safetensors"
     assert main(["calibrate", "--method", "aqua", "--aqua-layers", "odd", "--aqua-map", "rope", "--model", folder,
                  "--base-artifact", base, "--tokens", "4096", "--out", str(rp)]) == 0
     art = load_artifact(str(rp))
     assert art.meta["aqua_map_class"] == "rope" and art.meta["aqua_layers"] == "1,3"
+    mu = [load_artifact(base).tensors[f"k_mean.{i}"].double().reshape(-1) for i in range(L)]
     for i in (1, 3):
         A = art.tensors[map_name(i)].double()
-        assert not A[-1].any()  # no bias
+        assert torch.allclose(A[-1], mu[i] - mu[i - 1] @ A[:-1], atol=2e-3)  # the bias maps the means
         blk = A[:-1].reshape(H, D, H, D)
         assert torch.equal(blk[:, : D // 2, :, : D // 2], blk[:, D // 2:, :, D // 2:])  # complex-linear per pair
         assert torch.equal(blk[:, : D // 2, :, D // 2:], -blk[:, D // 2:, :, : D // 2])
@@ -385,3 +386,27 @@ def test_rope_maps_are_recovered_and_commute_with_rope(per_head):
     prev = rope(torch.randn(h, t, d, generator=g, dtype=torch.float64), cos, sin)  # post-RoPE [H, T, D]
     direct = (prev.permute(1, 0, 2).reshape(t, h * d) @ A[:-1]).reshape(t, h, d).permute(1, 0, 2)
     assert torch.allclose(apply_map(A, prev, cos, sin), direct, atol=1e-9)
+
+
+def test_a_rope_map_predicts_after_rope_with_its_bias():
+    """The cache's prediction with a map of a class that commutes with RoPE (``post_bias``) equals the map applied to
+    the post-RoPE keys as they are, plus its bias (what the calibration fits)."""
+    from rotkv.cache.predict import KeyChain, rope
+    from rotkv.calibrate.aqua import apply_post_map, fit_rope_map
+
+    g = torch.Generator().manual_seed(9)
+    h, d, p, n = 2, 8, 4, 3
+    x = torch.randn(500, h * d, generator=g, dtype=torch.float64)
+    A = fit_rope_map(x, x @ torch.randn(h * d, h * d, generator=g, dtype=torch.float64), h)
+    A[-1] = torch.randn(h * d, generator=g, dtype=torch.float64)
+    chain = KeyChain(None, 0, p, h, d)
+    prev = torch.randn(n, h, p, d, generator=g, dtype=torch.float64)  # unRoPE'd keys of layer 0 by page id
+    chain.held[0], chain.fresh = prev.float(), {0}
+    pred = KeyPredictor(1, A.half(), chain, post_bias=True)
+    pred.A = A.float()
+    theta = torch.rand(n, 1, p, d // 2, generator=g, dtype=torch.float64) * 6.28
+    cos, sin = torch.cat([theta.cos()] * 2, -1), torch.cat([theta.sin()] * 2, -1)
+    got = pred.predict(torch.arange(n), (cos.float(), sin.float())).double()
+    post = rope(prev, cos, sin)  # [n, H, P, D]
+    want = torch.stack([apply_post_map(A, post[i]) for i in range(n)])
+    assert torch.allclose(got, want, atol=1e-4)

@@ -96,9 +96,9 @@ class RotkvCache(Cache):
         self.rotation_bytes = self.plan.rotation_bytes
         self.key_map_bytes = 0  # `predict_keys`: the inter-layer key maps (fp16), per model like the rotations
         if self.plan.key_maps is not None:
-            from rotkv.cache.predict import attach, map_bytes
+            from rotkv.cache.predict import attach, bias_after_rope, map_bytes
 
-            attach(self, model, self.plan.key_maps)
+            attach(self, model, self.plan.key_maps, bias_after_rope(self.plan.artifact.meta))
             self.key_map_bytes = map_bytes(self.plan.key_maps)
         if getattr(model.config, "rotkv_values_folded", False):
             self.fold_values(model)  # the weights hold R_V already: these very matrices leave the cache, others raise

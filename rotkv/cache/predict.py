@@ -8,6 +8,10 @@ the same tokens. For a body token at position ``t`` (page ``i`` of its row's bod
     stored: Q((k_l - mu_l) R_K - (p_l - mu_l) R_K)             (the layer's token codec, its bytes unchanged)
     read:   (p_l - mu_l) R_K + Q^-1(...)                        (the refine tier, if any, adds its bits on top)
 
+Maps of the classes that commute with RoPE (``rotkv calibrate --method aqua --aqua-map rope|rope-head``, the
+artifact's ``aqua_map_class``) are fitted on mean-centred post-RoPE keys; their last row is a bias added after RoPE:
+``p_l = RoPE_t(unRoPE_t(k^_{l-1}) A_l) + b_l`` (with ``A_l`` commuting with RoPE, ``k^_{l-1} A_l + b_l``).
+
 ``k^_{l-1}`` is what layer ``l - 1``'s body holds of the token without its refine bits (a page loses them when
 it ages, so a prediction from them would drift under the stored residual): its own prediction plus its decoded
 residual; layer 0 stores and reads its keys as the plain format does. The maps act before RoPE: both layers'
@@ -100,6 +104,14 @@ def load_key_maps(artifact, spec_name: str, num_layers: int, kv_heads: int, head
         raise ArtifactMismatch(f"artifact {artifact.path}: tensor {extra[0]!r} names no layer 1..{num_layers - 1} of "
                                f"this model (maps for another model?)")
     return maps
+
+
+POST_BIAS_CLASSES = ("rope", "rope-head")  # aqua_map_class values whose bias row is added after RoPE
+
+
+def bias_after_rope(meta: dict) -> bool:
+    """Whether an artifact's maps add their bias after RoPE (their class commutes with RoPE; module docstring)."""
+    return meta.get("aqua_map_class", "dense") in POST_BIAS_CLASSES
 
 
 def predicted_layers(meta: dict, num_layers: int, where: str = "artifact") -> list[int]:
@@ -200,8 +212,8 @@ class KeyChain:
 class KeyPredictor:
     """One layer's side of the prediction: its map (None for layer 0), rotation and key mean, and the chain."""
 
-    def __init__(self, layer: int, key_map: torch.Tensor | None, chain: KeyChain):
-        self.layer, self.key_map, self.chain = layer, key_map, chain
+    def __init__(self, layer: int, key_map: torch.Tensor | None, chain: KeyChain, post_bias: bool = False):
+        self.layer, self.key_map, self.chain, self.post_bias = layer, key_map, chain, post_bias
         self.A = self.R = self.mu = None
 
     def bind(self, rotation, device) -> None:
@@ -226,6 +238,9 @@ class KeyPredictor:
         prev = self.chain.previous(self.layer)[ids]  # [n, H, P, D] unRoPE'd
         n, h, p, d = prev.shape
         x = prev.permute(0, 2, 1, 3).reshape(n * p, h * d)
+        if self.post_bias:  # a map that commutes with RoPE, its bias after RoPE
+            pre = torch.mm(x, self.A[:-1]).reshape(n, p, h, d).permute(0, 2, 1, 3)
+            return rope(pre, *trig) + self.A[-1].reshape(h, d)[None, :, None]
         pre = torch.addmm(self.A[-1], x, self.A[:-1]).reshape(n, p, h, d).permute(0, 2, 1, 3)
         return rope(pre, *trig)
 
@@ -266,8 +281,9 @@ class KeyPredictor:
         self._leave(ids, pred, decoded, trig, capacity)
 
 
-def attach(cache, model, key_maps) -> KeyChain:
-    """Give every paged layer of ``cache`` its :class:`KeyPredictor` over one :class:`KeyChain`."""
+def attach(cache, model, key_maps, post_bias: bool = False) -> KeyChain:
+    """Give every paged layer of ``cache`` its :class:`KeyPredictor` over one :class:`KeyChain` (``post_bias``: the
+    maps add their bias after RoPE, :func:`bias_after_rope`)."""
     from rotkv.cache.layer import HybridLayer
 
     if not all(isinstance(layer, HybridLayer) for layer in cache.layers):
@@ -276,5 +292,5 @@ def attach(cache, model, key_maps) -> KeyChain:
     chain = KeyChain(rotary_of(model), cache.spec.sink, cache.spec.page_size, cache.kv_heads, cache.head_dim)
     chain.layers = list(cache.layers)
     for layer, m in zip(cache.layers, key_maps):
-        layer.predict = KeyPredictor(layer.layer_idx, m, chain)
+        layer.predict = KeyPredictor(layer.layer_idx, m, chain, post_bias)
     return chain

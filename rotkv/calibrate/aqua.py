@@ -17,10 +17,12 @@ it is stored as):
 
 - ``dense`` (default): any ``[H D + 1, H D]`` map with a bias;
 - ``rope``: a map that commutes with RoPE: per frequency pair (dims ``i`` and ``i + D/2`` of each head, the pairs
-  ``rotate_half`` turns), a complex ``H x H`` matrix across the KV heads, no bias. RoPE multiplies pair ``i`` at
-  position ``t`` by ``exp(j theta_i t)``, which commutes with it, so the map can act on the post-RoPE keys as they
-  are: a decode kernel can fold it into the query (``q -> q A^T``) and read the previous layer's key codes with it,
-  with no per-token product, sine or cosine;
+  ``rotate_half`` turns), a complex ``H x H`` matrix across the KV heads, fitted from layer ``l - 1``'s post-RoPE keys
+  less its key mean to layer ``l``'s less its own; the bias row is ``mu_l - mu_{l-1} A`` and is added after RoPE
+  (``rotkv.cache.predict``). RoPE multiplies pair ``i`` at position ``t`` by ``exp(j theta_i t)``, which commutes
+  with the map, so it can act on the post-RoPE keys as they are: a decode kernel can fold it into the query
+  (``q -> q A^T``) and read the previous layer's key codes with it (``k^_{l-1} - mu_{l-1}`` is their decoded,
+  turned-back value), with no per-token product, sine or cosine, the bias a constant per query;
 - ``rope-head``: the same with one complex number per head and frequency (each head from the same head).
 """
 
@@ -44,6 +46,12 @@ def _flat(x: torch.Tensor) -> torch.Tensor:  # [H, T, D] -> [T, H * D]
 
 def _unflat(x: torch.Tensor, h: int) -> torch.Tensor:  # [T, H * D] -> [H, T, D]
     return x.reshape(x.shape[0], h, -1).permute(1, 0, 2)
+
+
+def apply_post_map(A: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """A map that commutes with RoPE (``rope``, ``rope-head``) on the post-RoPE keys ``prev [H, T, D]`` as they are,
+    its bias after RoPE: what the cache's prediction equals for such a map."""
+    return _unflat(_flat(prev) @ A[:-1] + A[-1], prev.shape[0])
 
 
 def apply_map(A: torch.Tensor, prev: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -84,8 +92,8 @@ MAP_CLASSES = ("dense", "rope", "rope-head")
 
 
 def fit_rope_map(x: torch.Tensor, y: torch.Tensor, h: int, ridge: float = 1e-3, per_head: bool = False) -> torch.Tensor:
-    """The least-squares map that commutes with RoPE from pre-RoPE keys ``x [N, H D]`` to ``y [N, H D]`` (see the
-    module docstring), as the dense ``[H D + 1, H D]`` matrix :func:`apply_map` applies (bias row zero). Per frequency
+    """The least-squares map that commutes with RoPE from keys ``x [N, H D]`` to ``y [N, H D]`` (see the module
+    docstring; before or after RoPE, the same fit), as a dense ``[H D + 1, H D]`` matrix with a zero bias row. Per frequency
     pair ``f``: ``Y_f ~ X_f C_f`` in complex numbers (``X_f [N, H]``), ridge ``ridge`` times the mean diagonal of the
     Gram matrix; ``per_head``: ``C_f`` diagonal."""
     n, hd = x.shape
@@ -160,15 +168,21 @@ def fit_maps(model, tokenizer, artifact, tokens: int = 16384, chunk: int = 2048,
             maps.append(None)
             rec = [ks.plain(c[i].double(), i) for c in calib]
             continue
+        if map_class != "dense":  # centred post-RoPE keys; the bias (after RoPE) maps the means
+            x = torch.cat([_flat(r - mu[i - 1][:, None].double())[SKIP:] for r in rec])
+            y = torch.cat([_flat(c[i].double() - mu[i][:, None].double())[SKIP:] for c in calib])
+            M = fit_rope_map(x, y, model.config.num_key_value_heads, ridge, map_class == "rope-head")
+            M[-1] = mu[i].double().reshape(-1) - mu[i - 1].double().reshape(-1) @ M[:-1]
+            A = M.half()
+            maps.append(A)
+            rec = [(pr := apply_post_map(A.double(), r)) + store(c[i].double() - pr, i) for c, r in zip(calib, rec)]
+            continue
         x = torch.cat([torch.cat([_flat(unrope(r, cos, sin))[SKIP:], ones], -1) for r in rec])
         y = torch.cat([_flat(unrope(c[i].double(), cos, sin))[SKIP:] for c in calib])
-        if map_class == "dense":
-            gram = x.T @ x
-            reg = torch.eye(gram.shape[0], dtype=gram.dtype) * ridge * torch.diagonal(gram)[:-1].mean()
-            reg[-1, -1] = 0
-            A = torch.linalg.solve(gram + reg, x.T @ y).half()
-        else:
-            A = fit_rope_map(x[:, :-1], y, model.config.num_key_value_heads, ridge, map_class == "rope-head").half()
+        gram = x.T @ x
+        reg = torch.eye(gram.shape[0], dtype=gram.dtype) * ridge * torch.diagonal(gram)[:-1].mean()
+        reg[-1, -1] = 0
+        A = torch.linalg.solve(gram + reg, x.T @ y).half()
         maps.append(A)
         Ad = A.double()
         new = []
