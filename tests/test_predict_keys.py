@@ -29,8 +29,10 @@ L, H, D = 4, 2, 16
 K_BITS = [2, 4, 2, 2]  # one layer with 4-bit keys, as the real artifacts have
 
 
-def _artifact(model, path, maps=True, map_shape=None, kind="oscar-mix-long+aqua", layers=None, listed=None):
-    """``layers``: the layers that get a map (default: 1 .. L-1); ``listed``: the artifact's ``aqua_layers``."""
+def _artifact(model, path, maps=True, map_shape=None, kind="oscar-mix-long+aqua", layers=None, listed=None,
+              map_class=None):
+    """``layers``: the layers that get a map (default: 1 .. L-1); ``listed``: the artifact's ``aqua_layers``;
+    ``map_class``: its ``aqua_map_class``."""
     g = torch.Generator().manual_seed(1)
     t = {}
     for i in range(L):
@@ -52,6 +54,8 @@ def _artifact(model, path, maps=True, map_shape=None, kind="oscar-mix-long+aqua"
                                         "clip_k": ",".join(["0.96"] * L)}
     if listed is not None:
         meta["aqua_layers"] = listed
+    if map_class is not None:
+        meta["aqua_map_class"] = map_class
     save_artifact(str(path), t, meta)
     return str(path)
 
@@ -241,6 +245,11 @@ def test_odd_layer_artifacts_are_checked(tiny, tmp_path, layers, listed, match):
     path = _artifact(tiny, tmp_path / "a.safetensors", layers=layers, listed=listed)
     with pytest.raises(ArtifactMismatch, match=match):
         RotkvCache(tiny, "oscar-aqua", path)
+
+
+def test_an_unknown_map_class_is_refused(tiny, tmp_path):
+    with pytest.raises(ArtifactMismatch, match="aqua_map_class 'spline'"):
+        RotkvCache(tiny, "oscar-aqua", _artifact(tiny, tmp_path / "a.safetensors", map_class="spline"))
 
 
 def test_artifact_without_maps_is_refused(tiny, tmp_path):

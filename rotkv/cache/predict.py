@@ -67,6 +67,14 @@ def unrope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos - rotate_half(x) * sin
 
 
+POST_BIAS_CLASSES = ("rope", "rope-head")  # aqua_map_class values whose bias row is added after RoPE
+
+
+def bias_after_rope(meta: dict) -> bool:
+    """Whether an artifact's maps add their bias after RoPE (their class commutes with RoPE; module docstring)."""
+    return meta.get("aqua_map_class", "dense") in POST_BIAS_CLASSES
+
+
 def load_key_maps(artifact, spec_name: str, num_layers: int, kv_heads: int, head_dim: int) -> list:
     """``[None, A_1, ..., A_{L-1}]`` (fp16 ``[H D + 1, H D]``) from ``artifact``; ArtifactMismatch naming the preset
     and the command that makes them where a map is missing or has another model's shape."""
@@ -76,6 +84,10 @@ def load_key_maps(artifact, spec_name: str, num_layers: int, kv_heads: int, head
         raise ArtifactMismatch(f"artifact {artifact.path} scales its keys (k_scale); preset {spec_name!r} "
                                "(`predict_keys`) needs orthogonal key rotations")
     n = kv_heads * head_dim
+    cls = artifact.meta.get("aqua_map_class", "dense")
+    if cls not in ("dense",) + POST_BIAS_CLASSES:
+        raise ArtifactMismatch(f"artifact {artifact.path}: aqua_map_class {cls!r} is none of "
+                               f"{', '.join(('dense',) + POST_BIAS_CLASSES)} (made by a newer rotkv?)")
     want = predicted_layers(artifact.meta, num_layers, str(artifact.path))
     missing = [layer for layer in want if map_name(layer) not in artifact.tensors]
     if missing:
@@ -104,14 +116,6 @@ def load_key_maps(artifact, spec_name: str, num_layers: int, kv_heads: int, head
         raise ArtifactMismatch(f"artifact {artifact.path}: tensor {extra[0]!r} names no layer 1..{num_layers - 1} of "
                                f"this model (maps for another model?)")
     return maps
-
-
-POST_BIAS_CLASSES = ("rope", "rope-head")  # aqua_map_class values whose bias row is added after RoPE
-
-
-def bias_after_rope(meta: dict) -> bool:
-    """Whether an artifact's maps add their bias after RoPE (their class commutes with RoPE; module docstring)."""
-    return meta.get("aqua_map_class", "dense") in POST_BIAS_CLASSES
 
 
 def predicted_layers(meta: dict, num_layers: int, where: str = "artifact") -> list[int]:

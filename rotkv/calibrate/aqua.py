@@ -93,9 +93,9 @@ MAP_CLASSES = ("dense", "rope", "rope-head")
 
 def fit_rope_map(x: torch.Tensor, y: torch.Tensor, h: int, ridge: float = 1e-3, per_head: bool = False) -> torch.Tensor:
     """The least-squares map that commutes with RoPE from keys ``x [N, H D]`` to ``y [N, H D]`` (see the module
-    docstring; before or after RoPE, the same fit), as a dense ``[H D + 1, H D]`` matrix with a zero bias row. Per frequency
-    pair ``f``: ``Y_f ~ X_f C_f`` in complex numbers (``X_f [N, H]``), ridge ``ridge`` times the mean diagonal of the
-    Gram matrix; ``per_head``: ``C_f`` diagonal."""
+    docstring; before or after RoPE, the same fit), as a dense ``[H D + 1, H D]`` matrix with a zero bias row. Per
+    frequency pair ``f``: ``Y_f ~ X_f C_f`` in complex numbers (``X_f [N, H]``), ridge ``ridge`` times the mean
+    diagonal of the Gram matrix; ``per_head``: ``C_f`` diagonal."""
     n, hd = x.shape
     d = hd // h
     f = d // 2

@@ -66,8 +66,8 @@ def register(sub) -> None:
                          "odd (each predicts from the plain even layer before it: no chain)")
     aq.add_argument("--aqua-map", choices=["dense", "rope", "rope-head"], default="dense",
                     help="the maps' class: dense (default; any map before RoPE, with a bias), rope (commutes with "
-                         "RoPE: a complex H x H matrix per frequency pair, no bias; a kernel could fold it into the "
-                         "query) or rope-head (one complex number per head and frequency)")
+                         "RoPE: a complex H x H matrix per frequency pair on mean-centred keys, its bias after RoPE; a "
+                         "kernel could fold it into the query) or rope-head (one complex number per head and frequency)")
     p.set_defaults(func=run)
 
 
