@@ -68,6 +68,7 @@ def unrope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 POST_BIAS_CLASSES = ("rope", "rope-head")  # aqua_map_class values whose bias row is added after RoPE
+MAP_CLASSES = ("dense",) + POST_BIAS_CLASSES  # rotkv calibrate --method aqua --aqua-map
 
 
 def bias_after_rope(meta: dict) -> bool:
@@ -85,9 +86,9 @@ def load_key_maps(artifact, spec_name: str, num_layers: int, kv_heads: int, head
                                "(`predict_keys`) needs orthogonal key rotations")
     n = kv_heads * head_dim
     cls = artifact.meta.get("aqua_map_class", "dense")
-    if cls not in ("dense",) + POST_BIAS_CLASSES:
+    if cls not in MAP_CLASSES:
         raise ArtifactMismatch(f"artifact {artifact.path}: aqua_map_class {cls!r} is none of "
-                               f"{', '.join(('dense',) + POST_BIAS_CLASSES)} (made by a newer rotkv?)")
+                               f"{', '.join(MAP_CLASSES)} (made by a newer rotkv?)")
     want = predicted_layers(artifact.meta, num_layers, str(artifact.path))
     missing = [layer for layer in want if map_name(layer) not in artifact.tensors]
     if missing:

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from rotkv.cache.predict import map_name, rope, unrope
+from rotkv.cache.predict import MAP_CLASSES, map_name, rope, unrope
 from rotkv.quant.quantizer import fake_quantize
 
 SKIP = 16  # tokens at the start of each calibration chunk left out of the fit
@@ -88,7 +88,6 @@ class KeyStore:
 
 
 LAYER_SETS = ("all", "odd")
-MAP_CLASSES = ("dense", "rope", "rope-head")
 
 
 def fit_rope_map(x: torch.Tensor, y: torch.Tensor, h: int, ridge: float = 1e-3, per_head: bool = False) -> torch.Tensor:
@@ -112,13 +111,10 @@ def fit_rope_map(x: torch.Tensor, y: torch.Tensor, h: int, ridge: float = 1e-3, 
             c = torch.diag((a.conj() * b).sum(0) / (torch.diagonal(g).real + lam))
         else:
             c = torch.linalg.solve(g + lam * torch.eye(h, dtype=g.dtype), a.conj().T @ b)
-        # z_out = z_in c with z = (dim i) + j (dim i + D/2): real rows of input head hh, columns of output head gg
-        for hh in range(h):
-            for gg in range(h):
-                re, im = c[hh, gg].real, c[hh, gg].imag
-                r_in, i_in, r_out, i_out = hh * d + i, hh * d + i + f, gg * d + i, gg * d + i + f
-                out[r_in, r_out], out[i_in, r_out] = re, -im
-                out[r_in, i_out], out[i_in, i_out] = im, re
+        # z_out = z_in c, z = (dim i) + j (dim i + D/2): c[hh, gg] at input head hh's rows, output head gg's columns
+        re_, im_ = (torch.arange(h) * d + i)[:, None], (torch.arange(h) * d + i + f)[:, None]
+        out[re_, re_.T], out[im_, re_.T] = c.real, -c.imag
+        out[re_, im_.T], out[im_, im_.T] = c.imag, c.real
     return out
 
 
@@ -168,26 +164,24 @@ def fit_maps(model, tokenizer, artifact, tokens: int = 16384, chunk: int = 2048,
             maps.append(None)
             rec = [ks.plain(c[i].double(), i) for c in calib]
             continue
-        if map_class != "dense":  # centred post-RoPE keys; the bias (after RoPE) maps the means
-            x = torch.cat([_flat(r - mu[i - 1][:, None].double())[SKIP:] for r in rec])
-            y = torch.cat([_flat(c[i].double() - mu[i][:, None].double())[SKIP:] for c in calib])
+        if map_class == "dense":
+            x = torch.cat([torch.cat([_flat(unrope(r, cos, sin))[SKIP:], ones], -1) for r in rec])
+            y = torch.cat([_flat(unrope(c[i].double(), cos, sin))[SKIP:] for c in calib])
+            gram = x.T @ x
+            reg = torch.eye(gram.shape[0], dtype=gram.dtype) * ridge * torch.diagonal(gram)[:-1].mean()
+            reg[-1, -1] = 0
+            A = torch.linalg.solve(gram + reg, x.T @ y).half()
+        else:  # centred post-RoPE keys; the bias (after RoPE) maps the means
+            x = torch.cat([_flat(r - mu[i - 1][:, None])[SKIP:] for r in rec])
+            y = torch.cat([_flat(c[i].double() - mu[i][:, None])[SKIP:] for c in calib])
             M = fit_rope_map(x, y, model.config.num_key_value_heads, ridge, map_class == "rope-head")
-            M[-1] = mu[i].double().reshape(-1) - mu[i - 1].double().reshape(-1) @ M[:-1]
+            M[-1] = mu[i].reshape(-1) - mu[i - 1].reshape(-1) @ M[:-1]
             A = M.half()
-            maps.append(A)
-            rec = [(pr := apply_post_map(A.double(), r)) + store(c[i].double() - pr, i) for c, r in zip(calib, rec)]
-            continue
-        x = torch.cat([torch.cat([_flat(unrope(r, cos, sin))[SKIP:], ones], -1) for r in rec])
-        y = torch.cat([_flat(unrope(c[i].double(), cos, sin))[SKIP:] for c in calib])
-        gram = x.T @ x
-        reg = torch.eye(gram.shape[0], dtype=gram.dtype) * ridge * torch.diagonal(gram)[:-1].mean()
-        reg[-1, -1] = 0
-        A = torch.linalg.solve(gram + reg, x.T @ y).half()
         maps.append(A)
         Ad = A.double()
         new = []
         for c, r in zip(calib, rec):
-            pr = apply_map(Ad, r, cos, sin)
+            pr = apply_map(Ad, r, cos, sin) if map_class == "dense" else apply_post_map(Ad, r)
             new.append(pr + store(c[i].double() - pr, i))
         rec = new
     return maps
