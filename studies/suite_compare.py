@@ -34,6 +34,13 @@ from rotkv.eval.suite import paired_difference
 DOMAINS = ("prose", "code", "docs", "dialogue")
 
 
+def _num(x: float, sign: bool = False) -> str:
+    """Four decimals, or three significant digits in scientific form below 0.001 (pmkvq's KL)."""
+    if x and abs(x) < 1e-3:
+        return f"{x:+.2e}" if sign else f"{x:.2e}"
+    return f"{x:+.4f}" if sign else f"{x:.4f}"
+
+
 def load(spec: str, length: int):
     """(label, split, {domain: nll record}, {domain: (text file, windows, new tokens, chunk)}) of LABEL=DIR:METHOD.
     A run stopped before it wrote suite.json counts the domains it finished (in the suite's order); the split is
@@ -113,12 +120,12 @@ def main(argv=None) -> int:
             diff, lower = "-", "-"
         else:
             m, ci = t_interval(diffs) if over_domains else paired_difference(recs, base)
-            diff = f"{m:+.4f} ± {ci:.4f}"
+            diff = f"{_num(m, True)} ± {_num(ci)}"
             lower = f"{sum(x < 0 for x in diffs)}/{len(diffs)}"
-        cells = " | ".join(f"{recs[d]['kl']:.4f}" for d in domains)
+        cells = " | ".join(_num(recs[d]['kl']) for d in domains)
         lead = f"{sum(recs[d]['bpe_measured'] for d in domains) / len(domains):.3f} | " if bits else ""
         tail = f"{lower} | " if over_domains else ""
-        lines.append(f"| {label} | {lead}{cells} | {mean:.4f} | {diff} | {tail}{mean / base_mean:.2f}x |")
+        lines.append(f"| {label} | {lead}{cells} | {_num(mean)} | {diff} | {tail}{mean / base_mean:.2f}x |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
