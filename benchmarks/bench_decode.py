@@ -55,6 +55,10 @@ CONFIGS = {  # name -> DecodeConfig; the INT2 row reports the best, every one is
     "tier-beside": DecodeConfig(tier_stream=True),
     "tier-beside-w1792": DecodeConfig(tier_stream=True, cuda_target_warps=1792),
     "w1792": DecodeConfig(cuda_target_warps=1792),
+    # with the tier beside the body, the merge is what is left on the critical path: its slice and chunk
+    "tier-beside-s16": DecodeConfig(tier_stream=True, merge_slice=16),
+    "tier-beside-s64": DecodeConfig(tier_stream=True, merge_slice=64),
+    "tier-beside-c64": DecodeConfig(tier_stream=True, merge_chunk=64),
     # more bytes in flight per SM (the H200's higher bandwidth): more splits, or 32-token steps with more splits
     "cuda-pf-t1-w8k": DecodeConfig(backend="cuda", cuda_target_warps=8192),
     "cuda-pf-t2-w4k": DecodeConfig(backend="cuda", cuda_tiles=2, cuda_target_warps=4096),

@@ -68,6 +68,9 @@
 #                 (suite-gpu2k:ROW,ROW,... runs those rows; naive4, kivi4, pmkvq4 and base4: the baselines, base4 with artifacts/base: oscar-int2, optr-int2, oscar-pmkvq)
 #   tier-test     the decode kernels' GPU tests: the tier beside the body kernel (tier_stream), the merge, the graphs
 #   tier-e2e      rotkv bench, SmolLM2 64 x 8160, oscar-refine and bf16 compiled, default against ROTKV_TUNING=tier_stream=1
+#   refine-step   issue 40's refine targets in one job: rotkv bench, SmolLM2 64 x 8160, oscar-mix-long, oscar-refine and
+#                 bf16 compiled in one call (artifacts/suite8k), then the Qwen3-8B shape (8 layers, 16 x 32K) refined and
+#                 unrefined, then the SmolLM2 call again
 #   suite-gpu8k   the suite's test split at 8K on the GPU, 16 windows x 128 tokens per domain: SUITE8K_ROWS (aqua, refine,
 #                 int4-w32, quanto: HF quanto INT4 from .whl/rotkv), artifacts/suite8k (the default oscar-mix-long with its 4096 and 8192 fits, plus aqua's maps)
 #   smol-niah48   NIAH at 4-8K on SmolLM2 (noise, essay, multikey; 8 haystacks a cell: 96 questions a method), NIAH_METHODS, NIAH_LENGTHS, NIAH_SAMPLES
@@ -207,6 +210,19 @@ job() {  # one queued job; NAME:ARG passes ARG (commas for spaces) to the jobs t
         ROTKV_TUNING=tier_stream=1 timeout 420 "${E[@]}" --out "$RUN/jobs/tier-e2e-beside-$i.json" >> "$RUN/jobs/tier-e2e.log" 2>&1
       done
       grep "^| 64 x" "$RUN/jobs/tier-e2e.log" ;;
+    refine-step)  # the refine tier's step against the same tiers unrefined and against rotkv bf16, both shapes
+      mkdir -p "$RUN/jobs"; S=(python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 --new-tokens 32
+         --artifact artifacts/suite8k/oscar-mix-long.safetensors --methods rotkv:oscar-mix-long+graph+compile
+         rotkv:oscar-refine+graph+compile rotkv:bf16+graph+compile)
+      Q=(python3 -m rotkv.cli bench --random qwen3-8b --layers 8 --batch 16 --context 32768 --new-tokens 32
+         --sink 4 --window 32 --window-share 0.015625)
+      timeout 420 "${S[@]}" --out "$RUN/jobs/refine-step-smollm2-1.json" > "$RUN/jobs/refine-step.log" 2>&1
+      timeout 300 "${Q[@]}" --methods rotkv:quarot-int2+graph+compile --refine-tokens 224 --refine-values \
+        --refine-every 19 --out "$RUN/jobs/refine-step-qwen8L-refined.json" >> "$RUN/jobs/refine-step.log" 2>&1
+      timeout 300 "${Q[@]}" --methods rotkv:quarot-int2+graph+compile rotkv:bf16+graph+compile \
+        --out "$RUN/jobs/refine-step-qwen8L-plain.json" >> "$RUN/jobs/refine-step.log" 2>&1
+      timeout 420 "${S[@]}" --out "$RUN/jobs/refine-step-smollm2-2.json" >> "$RUN/jobs/refine-step.log" 2>&1
+      grep -E "^\| (64|16) x" "$RUN/jobs/refine-step.log" ;;
     admit-prof)  # issue 40's job bound: where one admission's time goes, INT2 (oscar-refine's tiers) and bf16, Qwen3-8B 36 layers
       mkdir -p "$RUN/jobs"; timeout 600 python3 studies/profile_admission.py --shape qwen3-8b \
         --out "$RUN/jobs/prof-admission.txt" > "$RUN/jobs/prof-admission.log" 2>&1; grep -E "^(##|median)" "$RUN/jobs/prof-admission.txt" ;;
