@@ -65,6 +65,26 @@ def test_progressive_body_equals_fixed_width_body(tiny_llama):
             assert torch.equal(getattr(prog.layers[0].rows[0], name)[part], parts[part][pages])
 
 
+@pytest.mark.parametrize("budgeted", ["progressive", "evicting"])
+def test_without_the_read_view_the_layers_read_the_same_and_hold_no_float32_copy(tiny_llama, budgeted):
+    # on a GPU the per-row layers keep no float32 read view (it would hold twice a bf16 cache); a read
+    # then decodes the stored pages: the same logits, widths and evictions as with the CPU's view
+    extra = dict(start_bits=16, budget_tokens=160) if budgeted == "progressive" else dict(budget_tokens=100)
+    spec = CacheSpec(bits=2, **extra, **BASE)
+    ids = torch.randint(1, 128, (2, 150))
+    with_view, without = make_cache(tiny_llama, spec), make_cache(tiny_llama, spec)
+    assert all(l.read_view is None for l in without.layers)  # decided at the first write, by the device
+    for l in without.layers:
+        l.read_view = False
+    a, trace_a = feed(tiny_llama, with_view, ids)
+    b, trace_b = feed(tiny_llama, without, ids)
+    assert all(l.read_view for l in with_view.layers)  # the CPU keeps it
+    assert torch.equal(a, b) and trace_a == trace_b
+    assert all(r.view_k is None for l in without.layers for r in l.rows)
+    assert sum(l.stats()["scratch_bytes"] for l in without.layers) == 0
+    assert sum(l.stats()["scratch_bytes"] for l in with_view.layers) > 0
+
+
 def test_16_bit_body_is_nearly_lossless(tiny_llama):
     ids = torch.randint(1, 128, (1, 64))
     a, trace = feed(tiny_llama, make_cache(tiny_llama, CacheSpec(bits=2, start_bits=16, budget_tokens=4096, **BASE)), ids)

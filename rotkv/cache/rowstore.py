@@ -47,8 +47,8 @@ class RowStore:
     # The reference reader's float32 view of every stored token in order (sink, dequantized
     # body, window): appends write into it and a page flush overwrites its tokens with their
     # dequantized values, so a read never re-decodes or concatenates. It is scratch memory of
-    # the CPU/PyTorch reference path (the Triton decode kernel reads the packed pages instead)
-    # and is reported apart as scratch_bytes, not as resident cache.
+    # the CPU reference path, kept on the CPU only (RowStoreLayer.read_view; on a GPU a read
+    # decodes the pages), and is reported apart as scratch_bytes, not as resident cache.
     view_k: torch.Tensor | None = None
     view_v: torch.Tensor | None = None
 
@@ -91,7 +91,10 @@ class RowStoreLayer(RotkvLayer):
         super().__init__(spec, rotation, head_dim, kv_heads, layer_idx, codecs, model_dtype)
         self.rows: list[RowStore] = []
         self.seen = 0  # slots the model has sent, pads included (what transformers calls the sequence length)
-        self.read_view = True
+        # the float32 read view (RowStore.view_k): None decides at the first write, on the CPU only (the
+        # reference path's speed); on a GPU a read decodes the row's pages, so the cache holds its codes
+        # and tiers and no float32 copy of every token (which would be twice a bf16 cache)
+        self.read_view: bool | None = None
 
     def __repr__(self) -> str:
         return f"RowStoreLayer({self.layer_idx}, {self.spec.name}, rows={len(self.rows)}, seen={self.seen})"
@@ -99,6 +102,8 @@ class RowStoreLayer(RotkvLayer):
     # ---- CacheLayerMixin -----------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
+        if self.read_view is None:
+            self.read_view = self.device.type == "cpu"
         self.rotation = self.rotation_cpu.to(self.device)
         self.rows = [RowStore.empty(self.kv_heads, self.head_dim, self.tier_dtype, self.device)
                      for _ in range(key_states.shape[0])]
