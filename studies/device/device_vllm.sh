@@ -70,7 +70,8 @@
 #   tier-e2e      rotkv bench, SmolLM2 64 x 8160, oscar-refine and bf16 compiled, default against ROTKV_TUNING=tier_stream=1
 #   refine-step   issue 40's refine targets in one job: rotkv bench, SmolLM2 64 x 8160, oscar-mix-long, oscar-refine and
 #                 bf16 compiled in one call (artifacts/suite8k), then the Qwen3-8B shape (8 layers, 16 x 32K) refined and
-#                 unrefined, then the SmolLM2 call again
+#                 unrefined (refine-step2: the SmolLM2 call again)
+#   pmkvq-mem     rotkv bench, SmolLM2 64 x 8160, pmkvq: memory and prefill with the per-row layers' read view off on a GPU
 #   suite-gpu8k   the suite's test split at 8K on the GPU, 16 windows x 128 tokens per domain: SUITE8K_ROWS (aqua, refine,
 #                 int4-w32, quanto: HF quanto INT4 from .whl/rotkv), artifacts/suite8k (the default oscar-mix-long with its 4096 and 8192 fits, plus aqua's maps)
 #   smol-niah48   NIAH at 4-8K on SmolLM2 (noise, essay, multikey; 8 haystacks a cell: 96 questions a method), NIAH_METHODS, NIAH_LENGTHS, NIAH_SAMPLES
@@ -221,8 +222,17 @@ job() {  # one queued job; NAME:ARG passes ARG (commas for spaces) to the jobs t
         --refine-every 19 --out "$RUN/jobs/refine-step-qwen8L-refined.json" >> "$RUN/jobs/refine-step.log" 2>&1
       timeout 300 "${Q[@]}" --methods rotkv:quarot-int2+graph+compile rotkv:bf16+graph+compile \
         --out "$RUN/jobs/refine-step-qwen8L-plain.json" >> "$RUN/jobs/refine-step.log" 2>&1
-      timeout 420 "${S[@]}" --out "$RUN/jobs/refine-step-smollm2-2.json" >> "$RUN/jobs/refine-step.log" 2>&1
       grep -E "^\| (64|16) x" "$RUN/jobs/refine-step.log" ;;
+    refine-step2)  # refine-step's SmolLM2 call again (a second sample of the same three rows)
+      mkdir -p "$RUN/jobs"; timeout 420 python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 \
+        --new-tokens 32 --artifact artifacts/suite8k/oscar-mix-long.safetensors --methods rotkv:oscar-mix-long+graph+compile \
+        rotkv:oscar-refine+graph+compile rotkv:bf16+graph+compile --out "$RUN/jobs/refine-step-smollm2-2.json" \
+        > "$RUN/jobs/refine-step2.log" 2>&1; grep -E "^\| 64 x" "$RUN/jobs/refine-step2.log" ;;
+    pmkvq-mem)  # the PM-KVQ preset's memory and prefill on the GPU without the per-row layers' float32 read view:
+                # rotkv bench, real SmolLM2 64 x 8160, 4 eager steps (prefill-base's row)
+      mkdir -p "$RUN/jobs"; timeout 420 python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 \
+        --new-tokens 4 --methods rotkv:pmkvq --out "$RUN/jobs/pmkvq-mem.json" > "$RUN/jobs/pmkvq-mem.log" 2>&1
+      grep -E "^\| 64 x" "$RUN/jobs/pmkvq-mem.log" ;;
     admit-prof)  # issue 40's job bound: where one admission's time goes, INT2 (oscar-refine's tiers) and bf16, Qwen3-8B 36 layers
       mkdir -p "$RUN/jobs"; timeout 600 python3 studies/profile_admission.py --shape qwen3-8b \
         --out "$RUN/jobs/prof-admission.txt" > "$RUN/jobs/prof-admission.log" 2>&1; grep -E "^(##|median)" "$RUN/jobs/prof-admission.txt" ;;
