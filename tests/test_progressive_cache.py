@@ -168,3 +168,24 @@ def test_artifact_widths_and_rotations_compose(tiny_llama, tmp_path):
     # a fixed-width spec ignores the widths: every layer's budget is at `bits`
     fixed = make_cache(tiny_llama, get_preset("oscar-int2", budget_tokens=150, **BASE), str(tmp_path / "a.safetensors"))
     assert all(isinstance(l, EvictingLayer) for l in fixed.layers) and fixed.layers[0].budget == fixed.layers[1].budget
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the per-row layers' GPU choices")
+def test_on_a_gpu_the_per_row_layers_keep_no_view_and_attend_bf16_tiers_in_bf16():
+    # a bf16 model on the GPU: no float32 read view (decided at the first write) and bf16 attention; its
+    # logits against the same cache on the CPU (the float32 reference attention over the same bf16 tiers)
+    from rotkv_testing import make_tiny_llama
+
+    spec = CacheSpec(bits=2, start_bits=16, budget_tokens=160, **(BASE | {"tier_dtype": "bfloat16"}))
+    ids = torch.randint(1, 128, (2, 150))
+    cpu_model = make_tiny_llama().to(torch.bfloat16)
+    gpu_model = make_tiny_llama().to(torch.bfloat16).cuda()
+    gpu_model.load_state_dict(cpu_model.state_dict())
+    on_cpu, on_gpu = make_cache(cpu_model, spec), make_cache(gpu_model, spec)
+    a, trace_a = feed(cpu_model, on_cpu, ids)
+    b, trace_b = feed(gpu_model, on_gpu, ids.cuda())
+    assert all(l.read_view is False for l in on_gpu.layers) and all(l.read_view for l in on_cpu.layers)
+    assert sum(l.stats()["scratch_bytes"] for l in on_gpu.layers) == 0
+    assert [[w for *_, w in t] for t in trace_a] == [[w for *_, w in t] for t in trace_b]  # the same shrinks
+    a, b = a.float(), b.float().cpu()
+    assert (a - b).norm() <= 0.02 * a.norm()  # bf16 attention and the GPU's matmuls: within a few bf16 roundings

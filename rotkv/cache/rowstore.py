@@ -214,13 +214,17 @@ class RowStoreLayer(RotkvLayer):
         rot = self.rotation
         qr, kr, vr = rot.queries(query), rot.keys(k_new), rot.values(v_new)
         out = torch.zeros(b, hq, q, d, dtype=torch.float32, device=query.device)
+        # bf16 attention on the GPU where the tiers are not float32 (as the paged layer's dense path),
+        # float32 elsewhere (the CPU reference; on the CPU the casts below copy nothing)
+        cdt = torch.bfloat16 if (query.is_cuda and self.tier_dtype != torch.float32) else torch.float32
         counts = self._counts(real, b, q).tolist()
         for i, row in enumerate(self.rows):
             for c0 in range(q - counts[i], q, self.spec.prefill_chunk):
                 c1 = min(c0 + self.spec.prefill_chunk, q)
                 kc, vc = kr[i, :, c0:c1], vr[i, :, c0:c1]
                 past_k, past_v = self.read(row)
-                o = _sdpa(qr[i, :, c0:c1], torch.cat([past_k, kc], 1), torch.cat([past_v, vc], 1), scaling)
+                o = _sdpa(qr[i, :, c0:c1].to(cdt), torch.cat([past_k.to(cdt), kc.to(cdt)], 1),
+                          torch.cat([past_v.to(cdt), vc.to(cdt)], 1), scaling)
                 out[i, :, c0:c1] = o
                 self._append(row, kc, vc)
         return rot.outputs(out).transpose(1, 2).to(query.dtype)

@@ -71,7 +71,8 @@
 #   refine-step   issue 40's refine targets in one job: rotkv bench, SmolLM2 64 x 8160, oscar-mix-long, oscar-refine and
 #                 bf16 compiled in one call (artifacts/suite8k), then the Qwen3-8B shape (8 layers, 16 x 32K) refined and
 #                 unrefined (refine-step2: the SmolLM2 call again)
-#   pmkvq-mem     rotkv bench, SmolLM2 64 x 8160, pmkvq: memory and prefill with the per-row layers' read view off on a GPU
+#   pmkvq-mem     tests/test_progressive_cache.py (its GPU test), then rotkv bench, SmolLM2 64 x 8160, pmkvq: memory and
+#                 prefill of the per-row layers on a GPU (no float32 read view, bf16 attention)
 #   suite-gpu8k   the suite's test split at 8K on the GPU, 16 windows x 128 tokens per domain: SUITE8K_ROWS (aqua, refine,
 #                 int4-w32, quanto: HF quanto INT4 from .whl/rotkv), artifacts/suite8k (the default oscar-mix-long with its 4096 and 8192 fits, plus aqua's maps)
 #   smol-niah48   NIAH at 4-8K on SmolLM2 (noise, essay, multikey; 8 haystacks a cell: 96 questions a method), NIAH_METHODS, NIAH_LENGTHS, NIAH_SAMPLES
@@ -230,7 +231,9 @@ job() {  # one queued job; NAME:ARG passes ARG (commas for spaces) to the jobs t
         > "$RUN/jobs/refine-step2.log" 2>&1; grep -E "^\| 64 x" "$RUN/jobs/refine-step2.log" ;;
     pmkvq-mem)  # the PM-KVQ preset's memory and prefill on the GPU without the per-row layers' float32 read view:
                 # rotkv bench, real SmolLM2 64 x 8160, 4 eager steps (prefill-base's row)
-      mkdir -p "$RUN/jobs"; timeout 420 python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 \
+      mkdir -p "$RUN/jobs"; timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_progressive_cache.py \
+        > "$RUN/jobs/pmkvq-test.log" 2>&1; tail -n 3 "$RUN/jobs/pmkvq-test.log"
+      timeout 420 python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 \
         --new-tokens 4 --methods rotkv:pmkvq --out "$RUN/jobs/pmkvq-mem.json" > "$RUN/jobs/pmkvq-mem.log" 2>&1
       grep -E "^\| 64 x" "$RUN/jobs/pmkvq-mem.log" ;;
     admit-prof)  # issue 40's job bound: where one admission's time goes, INT2 (oscar-refine's tiers) and bf16, Qwen3-8B 36 layers
