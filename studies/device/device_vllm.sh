@@ -337,7 +337,8 @@ job() {  # one queued job; NAME:ARG passes ARG (commas for spaces) to the jobs t
                 --methods "${NIAH_METHODS:-bf16,oscar-refine,int4}" --sink preset --window 32 --tasks niah \
                 --variants noise,essay,multikey --lengths "niah=${GEMMA_NIAH_LENGTHS:-1024,2048,3072,4096,6144,8192}" --samples 8 \
                 --out "$RUN/niah-gemma3" ;;
-    gpu-eq)   ROTKV_GGUF=$GG/smollm2.gguf timeout 420 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_equals_cpu.py \
+    gpu-eq)   # -v: each preset's verdict reaches the log as it ends, so a cut run keeps what it finished
+              ROTKV_GGUF=$GG/smollm2.gguf timeout 900 python3 -m pytest -v -rA -p no:cacheprovider tests/kernels/test_gpu_equals_cpu.py \
                 tests/kernels/test_refine_split.py ;;
     smol-kl)  timeout 600 python3 benchmarks/vllm_kl_compare.py --model-dir "$MODELS/smollm2" --gguf "$GG/smollm2.gguf" \
                 --methods "$GM" --artifact-dir artifacts --sink 16 --window 32 --out "$RUN/vllm-kl-smollm2.json" ;;
