@@ -443,6 +443,9 @@ def test_bench_fails_when_a_method_fails_and_reports_cpu_memory(tiny, capsys, mo
     rows = {r["method"]: r for r in data["rows"]}
     assert rows["hf-dynamic"]["peak_gb"] > 0.01  # the process's resident memory, not 0.0
     assert data["meta"]["tuning"]["refine_split"] == "0" and set(data["meta"]["tuning"]) == set(switches.TUNING_FIELDS)
+    # the JSON names what ran where: the commit (ROTKV_COMMIT or git), the device, the time, the model
+    assert data["meta"]["gpu"] == "cpu" and data["meta"]["model"] == "tiny" and data["meta"]["commit"]
+    assert data["meta"]["utc"].endswith("Z") and len(data["meta"]["utc"]) == 20
 
 
 def test_export_refuses_an_artifact_without_rotations(tiny, capsys, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 import time
@@ -212,7 +213,10 @@ def run(args) -> int:
         model, model_id = loaded.model, loaded.model_id
     import transformers
 
-    meta = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+    # what ran where: the JSON names its own commit, device and time (a results index need not trust file names)
+    meta = {"commit": bench.commit(), "gpu": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu",
+            "utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "model": model_id,
+            "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
             "methods": methods, "overrides": cache_overrides(args), "prompts": "random token ids",
             "prefill_chunk": args.prefill_chunk, "prefill_tokens": prefill_tokens_of(model) if args.prefill_tokens == "auto"
             else args.prefill_tokens, "prefill_tokens_auto": args.prefill_tokens == "auto",
