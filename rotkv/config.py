@@ -27,6 +27,7 @@ ROTATIONS = (*registry.data_free(), "artifact")
 CODECS = ("token", "kivi")
 TIER_DTYPES = ("bfloat16", "float16", "float32", "model")
 KEY_TABLES = ("grid", "pq")  # calibrated key formats read from the artifact (rotkv.calibrate.grids)
+KEY_MAP_CLASSES = ("dense", "rope", "rope-head")  # inter-layer key maps (--aqua-map; rotkv.cache.predict)
 SHIFTS = ("equivalent", "rounded", "plain")  # progressive precision: how a body shrinks
 ANCHORS = ("final", "start")  # progressive precision: whose step the stored scale is
 

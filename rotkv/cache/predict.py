@@ -38,6 +38,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rotkv.config import KEY_MAP_CLASSES
 from rotkv.rotations.artifact import ArtifactMismatch
 
 MAP_PREFIX = "aqua_map"  # the artifact's tensors: aqua_map.{l}, l = 1 .. L - 1
@@ -67,8 +68,8 @@ def unrope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos - rotate_half(x) * sin
 
 
-POST_BIAS_CLASSES = ("rope", "rope-head")  # aqua_map_class values whose bias row is added after RoPE
-MAP_CLASSES = ("dense",) + POST_BIAS_CLASSES  # rotkv calibrate --method aqua --aqua-map
+MAP_CLASSES = KEY_MAP_CLASSES  # rotkv calibrate --method aqua --aqua-map
+POST_BIAS_CLASSES = tuple(c for c in MAP_CLASSES if c != "dense")  # their bias row is added after RoPE
 
 
 def bias_after_rope(meta: dict) -> bool:

@@ -213,9 +213,9 @@ def run(args) -> int:
         model, model_id = loaded.model, loaded.model_id
     import transformers
 
-    # what ran where: the JSON names its own commit, device and time (a results index need not trust file names)
-    meta = {"commit": bench.commit(), "gpu": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu",
-            "utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "model": model_id,
+    # what ran where, once for the file (each row names its commit, device and model too) and when
+    meta = {"commit": bench.commit(), "gpu": bench.device_name(torch.device(device)), "model": model_id,
+            "utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
             "methods": methods, "overrides": cache_overrides(args), "prompts": "random token ids",
             "prefill_chunk": args.prefill_chunk, "prefill_tokens": prefill_tokens_of(model) if args.prefill_tokens == "auto"

@@ -4,6 +4,7 @@ or (``--refit-clip``) re-fit only the clip ratios of an existing artifact for ne
 from __future__ import annotations
 
 from rotkv.cli.errors import UsageError, check_model, check_out_path, resolve_device, warn
+from rotkv.config import KEY_MAP_CLASSES
 from rotkv.quant.widths import WIDTHS
 from rotkv.rotations import registry
 
@@ -64,7 +65,7 @@ def register(sub) -> None:
     aq.add_argument("--aqua-layers", choices=["all", "odd"], default="all",
                     help="the layers that get a map: all (default; each predicts from the one before, a chain) or "
                          "odd (each predicts from the plain even layer before it: no chain)")
-    aq.add_argument("--aqua-map", choices=["dense", "rope", "rope-head"], default="dense",
+    aq.add_argument("--aqua-map", choices=KEY_MAP_CLASSES, default="dense",
                     help="the maps' class: dense (default; any map before RoPE, with a bias), rope (commutes with "
                          "RoPE: a complex H x H matrix per frequency pair on mean-centred keys, its bias after RoPE; a "
                          "kernel could fold it into the query) or rope-head (one complex number per head and frequency)")

@@ -143,6 +143,10 @@ job() {  # one queued job; NAME:ARG passes ARG (commas for spaces) to the jobs t
   local arg=""; [[ $1 == *:* ]] && { arg=${1#*:}; arg=${arg//,/ }; set -- "${1%%:*}"; }
   local B=(python3 benchmarks/bench_vllm.py run --model-root "$MODELS" --out-dir "$RUN" --rotkv-config "$ROTKV_CONFIG")
   local GM=$GREEDY_METHODS
+  # refine-step's SmolLM2 call (refine-step2 repeats it): oscar-mix-long, oscar-refine and bf16, compiled, one artifact
+  local SMOL_REFINE=(python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 --new-tokens 32
+    --artifact artifacts/suite8k/oscar-mix-long.safetensors --methods rotkv:oscar-mix-long+graph+compile
+    rotkv:oscar-refine+graph+compile rotkv:bf16+graph+compile)
   if [[ ",$GM," == *",oscar-mix,"* ]] && [ ! -f artifacts/oscar-mix.safetensors ]; then
     echo "no artifacts/oscar-mix.safetensors (carry artifacts): greedy without oscar-mix"; GM=${GM//,oscar-mix/}
   fi
@@ -213,21 +217,16 @@ job() {  # one queued job; NAME:ARG passes ARG (commas for spaces) to the jobs t
       done
       grep "^| 64 x" "$RUN/jobs/tier-e2e.log" ;;
     refine-step)  # the refine tier's step against the same tiers unrefined and against rotkv bf16, both shapes
-      mkdir -p "$RUN/jobs"; S=(python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 --new-tokens 32
-         --artifact artifacts/suite8k/oscar-mix-long.safetensors --methods rotkv:oscar-mix-long+graph+compile
-         rotkv:oscar-refine+graph+compile rotkv:bf16+graph+compile)
-      Q=(python3 -m rotkv.cli bench --random qwen3-8b --layers 8 --batch 16 --context 32768 --new-tokens 32
+      mkdir -p "$RUN/jobs"; Q=(python3 -m rotkv.cli bench --random qwen3-8b --layers 8 --batch 16 --context 32768 --new-tokens 32
          --sink 4 --window 32 --window-share 0.015625)
-      timeout 420 "${S[@]}" --out "$RUN/jobs/refine-step-smollm2-1.json" > "$RUN/jobs/refine-step.log" 2>&1
+      timeout 420 "${SMOL_REFINE[@]}" --out "$RUN/jobs/refine-step-smollm2-1.json" > "$RUN/jobs/refine-step.log" 2>&1
       timeout 300 "${Q[@]}" --methods rotkv:quarot-int2+graph+compile --refine-tokens 224 --refine-values \
         --refine-every 19 --out "$RUN/jobs/refine-step-qwen8L-refined.json" >> "$RUN/jobs/refine-step.log" 2>&1
       timeout 300 "${Q[@]}" --methods rotkv:quarot-int2+graph+compile rotkv:bf16+graph+compile \
         --out "$RUN/jobs/refine-step-qwen8L-plain.json" >> "$RUN/jobs/refine-step.log" 2>&1
       grep -E "^\| (64|16) x" "$RUN/jobs/refine-step.log" ;;
     refine-step2)  # refine-step's SmolLM2 call again (a second sample of the same three rows)
-      mkdir -p "$RUN/jobs"; timeout 420 python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 \
-        --new-tokens 32 --artifact artifacts/suite8k/oscar-mix-long.safetensors --methods rotkv:oscar-mix-long+graph+compile \
-        rotkv:oscar-refine+graph+compile rotkv:bf16+graph+compile --out "$RUN/jobs/refine-step-smollm2-2.json" \
+      mkdir -p "$RUN/jobs"; timeout 420 "${SMOL_REFINE[@]}" --out "$RUN/jobs/refine-step-smollm2-2.json" \
         > "$RUN/jobs/refine-step2.log" 2>&1; grep -E "^\| 64 x" "$RUN/jobs/refine-step2.log" ;;
     pmkvq-mem)  # the PM-KVQ preset's memory and prefill on the GPU without the per-row layers' float32 read view:
                 # rotkv bench, real SmolLM2 64 x 8160, 4 eager steps (prefill-base's row)
