@@ -27,6 +27,15 @@ def tier_dtype(spec: CacheSpec, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if spec.tier_dtype == "model" else TIER_DTYPES[spec.tier_dtype]
 
 
+def attention_dtype(query: torch.Tensor, tier: torch.dtype) -> torch.dtype:
+    """The dtype of the PyTorch readers' attention (the dense path's scores, softmax and weighted sum):
+    bf16 on a GPU serving a 16-bit model from 16-bit tiers (the tiers' own precision), float32 otherwise:
+    on the CPU (the reference path) and for a float32 model on a GPU (the accuracy runs), so that there
+    the GPU computes what the CPU does instead of rounding every score to bf16."""
+    half = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and tier != torch.float32
+    return torch.bfloat16 if half else torch.float32
+
+
 class RotkvLayer(CacheLayerMixin):
     """A full-attention layer's cache; subclasses store the tokens and attend (see the module docstring).
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from rotkv import switches
-from rotkv.cache.base import RotkvLayer
+from rotkv.cache.base import RotkvLayer, attention_dtype
 from rotkv.cache.plan import PageState, Step, to_device
 from rotkv.cache.pools import READ_PAGES, LayerPools
 from rotkv.cache.tiers import build_tiers
@@ -208,7 +208,7 @@ class HybridLayer(RotkvLayer):
         the own part's scale), its output is turned back, and the two merge by their log-sum-exp
         (:func:`merge_lse`)."""
         dev = self.device
-        cdt = torch.bfloat16 if (q.is_cuda and self.tier_dtype != torch.float32) else torch.float32
+        cdt = attention_dtype(q, self.tier_dtype)
         b, hq, c, d = q.shape
         nb = int(step.body_count[0]) if self.spec.quantized else 0
         lt = int(step.tier_tokens[0])
@@ -345,15 +345,14 @@ class HybridLayer(RotkvLayer):
         return {} if body is None else self.pools.tier_args("kernel_args")
 
     def _attend_dense(self, step: Step, query: torch.Tensor, scaling: float, own=None) -> torch.Tensor:
-        """Dense attention of the step's queries ``[B, Hq, C, D]`` (float32 on the CPU, bf16 on the
-        GPU). ``own``: the call's rotated ``(keys, values)``, whose step tokens a prefill step reads
-        (they are not in the tier yet). Per group of rows (:func:`row_groups`: the history of one
-        group stays within ``ROTKV_PREFILL_HISTORY_MB``) the body is dequantized once and the tier
-        and the own tokens gathered into one K and one V buffer, then one SDPA (flash, lower-right
-        causal, when the rows hold the same tokens)."""
+        """Dense attention of the step's queries ``[B, Hq, C, D]`` (in :func:`attention_dtype`: bf16 on a
+        GPU serving a 16-bit model, float32 otherwise). ``own``: the call's rotated ``(keys, values)``,
+        whose step tokens a prefill step reads (they are not in the tier yet). Per group of rows
+        (:func:`row_groups`: the history of one group stays within ``ROTKV_PREFILL_HISTORY_MB``) the body
+        is dequantized once and the tier and the own tokens gathered into one K and one V buffer, then one
+        SDPA (flash, lower-right causal, when the rows hold the same tokens)."""
         dev = self.device
-        # bf16 SDPA on the GPU (the tier's own precision), float32 elsewhere (the CPU reference)
-        cdt = torch.bfloat16 if (query.is_cuda and self.tier_dtype != torch.float32) else torch.float32
+        cdt = attention_dtype(query, self.tier_dtype)
         b, hq, _, d = query.shape
         nb = int(step.body_count.max(initial=0)) if self.spec.quantized else 0
         # a decode step whose rows all hold the same tokens needs no mask (the common, unpadded case):

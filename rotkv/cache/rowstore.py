@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from rotkv.cache.base import RotkvLayer
+from rotkv.cache.base import RotkvLayer, attention_dtype
 from rotkv.config import CacheSpec
 from rotkv.rotations.base import LayerRotation
 
@@ -214,9 +214,9 @@ class RowStoreLayer(RotkvLayer):
         rot = self.rotation
         qr, kr, vr = rot.queries(query), rot.keys(k_new), rot.values(v_new)
         out = torch.zeros(b, hq, q, d, dtype=torch.float32, device=query.device)
-        # bf16 attention on the GPU where the tiers are not float32 (as the paged layer's dense path),
-        # float32 elsewhere (the CPU reference; on the CPU the casts below copy nothing)
-        cdt = torch.bfloat16 if (query.is_cuda and self.tier_dtype != torch.float32) else torch.float32
+        # bf16 attention on a GPU serving a 16-bit model from 16-bit tiers (as the paged layer's dense path),
+        # float32 elsewhere (on the CPU the casts below copy nothing)
+        cdt = attention_dtype(query, self.tier_dtype)
         counts = self._counts(real, b, q).tolist()
         for i, row in enumerate(self.rows):
             for c0 in range(q - counts[i], q, self.spec.prefill_chunk):
