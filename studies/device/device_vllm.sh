@@ -337,8 +337,9 @@ job() {  # one queued job; NAME:ARG passes ARG (commas for spaces) to the jobs t
                 --variants noise,essay,multikey --lengths "niah=${GEMMA_NIAH_LENGTHS:-1024,2048,3072,4096,6144,8192}" --samples 8 \
                 --out "$RUN/niah-gemma3" ;;
     gpu-eq)   # -v: each preset's verdict reaches the log as it ends, so a cut run keeps what it finished
+              # (GPU_EQ_K: a pytest -k expression that picks presets, e.g. "kivi or refine")
               ROTKV_GGUF=$GG/smollm2.gguf timeout 900 python3 -m pytest -v -rA -p no:cacheprovider tests/kernels/test_gpu_equals_cpu.py \
-                tests/kernels/test_refine_split.py ;;
+                tests/kernels/test_refine_split.py ${GPU_EQ_K:+-k "$GPU_EQ_K"} ;;
     smol-kl)  timeout 600 python3 benchmarks/vllm_kl_compare.py --model-dir "$MODELS/smollm2" --gguf "$GG/smollm2.gguf" \
                 --methods "$GM" --artifact-dir artifacts --sink 16 --window 32 --out "$RUN/vllm-kl-smollm2.json" ;;
     serve)    for m in ${SERVE_METHODS:-rotkv bf16}; do timeout 600 python3 benchmarks/vllm_serve_check.py --model-dir "$MODELS/smollm2" --method $m \
