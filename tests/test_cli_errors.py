@@ -357,6 +357,7 @@ def test_over_long_prompt_is_refused_unless_allowed(tiny, capsys):
     (["--depths", "x"], ["--depths"]),
     (["--window-share", "1"], ["--window-share has to be in [0, 1)"]),
     (["--sink", "-1"], ["--sink has to be >= 0 or 'preset'"]),
+    (["--seed", "-1"], ["--seed has to be >= 0"]),
 ])
 def test_eval_user_errors_before_the_model(no_model, capsys, tmp_path, argv, needles):
     rc, _, err = run_cli(capsys, "eval", "--out", str(tmp_path / "e"), *argv)

@@ -183,6 +183,22 @@ def test_needles_are_where_the_spans_say(loaded):
 
 
 @pytest.mark.slow
+def test_another_seed_asks_other_questions_and_caches_apart(loaded):
+    """`rotkv eval --seed N` (the flag reaches the config: tests/test_cli_errors.py): the NIAH haystacks and needles of seed 1 are not seed 0's, the same seed gives
+    the same ones, and the seed is in a unit's cache fingerprint (more questions, not the cached answers)."""
+    from rotkv.eval.config import make_config
+    from rotkv.eval.run import niah_samples, unit_settings
+
+    tok = loaded.tokenizer
+    essay = tok(open(EvalConfig().haystacks[0]).read()[:20000], add_special_tokens=False).input_ids
+    cfgs = [make_config("smoke", tasks=["niah"], lengths={"niah": [600]}, niah_samples=2, seed=s) for s in (0, 1, 1)]
+    answers = [[q[1] for x in niah_samples(tok, c, "multikey", 600, essay) for q in x.questions] for c in cfgs]
+    assert answers[1] == answers[2] and answers[0] != answers[1]
+    unit = ("niah", "multikey", 600)
+    assert unit_settings(cfgs[0], unit, "t", "h") != unit_settings(cfgs[1], unit, "t", "h")
+
+
+@pytest.mark.slow
 def test_rotkv_bytes_agree_with_the_walker(loaded):
     """The generic walker used for peers, applied to a rotkv cache's stored rows, gives its own accounting."""
     from rotkv.cache import RotkvCache

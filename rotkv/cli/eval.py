@@ -33,7 +33,7 @@ MIN_LENGTH = 256  # the smallest context the tasks are tested at (the smoke prof
 EVAL_FLAGS = {"methods": "--methods", "tasks": "--tasks", "niah_variants": "--variants", "lengths": "--lengths",
               "niah_samples": "--samples", "nll_windows": "--windows", "new_tokens": "--new-tokens",
               "window_batch": "--window-batch",
-              "threads": "--threads", "device": "--device"}
+              "threads": "--threads", "device": "--device", "seed": "--seed"}
 
 
 def parse_lengths(items: list[str] | None, tasks: list[str]) -> dict[str, list[int]] | None:
@@ -103,6 +103,8 @@ def register(sub) -> None:
     p.add_argument("--variants", default=None, help="niah variants: noise, essay, multikey, multivalue (default: all)")
     p.add_argument("--depths", default=None, help="needle depths of the single-needle variants, e.g. 0.1,0.5,0.9")
     p.add_argument("--samples", type=int, default=None, help="haystacks per niah cell")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the niah haystacks and needles (default 0): another seed asks other questions")
     p.add_argument("--windows", type=int, default=None, help="nll windows at 2K (fewer at longer contexts)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens teacher-forced after each nll context")
     p.add_argument("--window-batch", type=int, default=None,
@@ -159,7 +161,7 @@ def run(args) -> int:
             niah_variants=_list(args.variants),
             niah_depths=[float(x) for x in _list(args.depths)] if args.depths else None, niah_samples=args.samples,
             nll_windows=args.windows, new_tokens=args.new_tokens, window_batch=args.window_batch,
-            threads=args.threads, device=device,
+            threads=args.threads, device=device, seed=args.seed,
         )
     except UsageError:
         raise

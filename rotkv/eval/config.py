@@ -90,6 +90,8 @@ class EvalConfig:
                      "max_answer_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` has to be >= 1 but got {getattr(self, name)}")
+        if self.seed < 0:
+            raise ValueError(f"`seed` has to be >= 0 but got {self.seed}")
 
     def niah_lengths(self, variant: str) -> list[int]:
         return sorted(self.niah_variant_lengths.get(variant, self.lengths.get("niah", [])))
