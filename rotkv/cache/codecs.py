@@ -60,7 +60,7 @@ class ChannelCodec:
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         xt = x.transpose(-1, -2)  # [nb, H, D, P]: quantize each channel's P tokens as one group
         q = quantize(xt, self.bits, xt.shape[-1])
-        return {"codes": q.codes, "scale": q.scale, "lo": q.lo}
+        return {"codes": q.codes.contiguous(), "scale": q.scale, "lo": q.lo}
 
     def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         p = parts["codes"].shape[-1] * 8 // self.bits

@@ -22,11 +22,11 @@ import copy
 import numpy as np
 import torch
 
-from rotkv.cache.codecs import TokenCodec
+from rotkv.cache.codecs import ChannelCodec, TokenCodec
 from rotkv.cache.plan import to_device
 from rotkv.cache.tiers import published
 from rotkv.kernels import plan
-from rotkv.kernels.body import PagedBody, TokenPart
+from rotkv.kernels.body import ChannelPart, PagedBody, TokenPart
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -113,11 +113,15 @@ class LayerPools:
         return out
 
     def _type_body(self) -> None:
-        """(Re)build ``paged`` over the current body tensors (token codecs only)."""
-        if not all(isinstance(c, TokenCodec) for c in self.codecs):
+        """(Re)build ``paged`` over the current body tensors (token codecs, and KIVI's channel keys beside
+        token values)."""
+        kc, vc = self.codecs
+        if not (isinstance(kc, (TokenCodec, ChannelCodec)) and isinstance(vc, TokenCodec)):
             return
-        self.paged = PagedBody(*(TokenPart(parts["codes"], parts["scale"], parts["lo"], c.bits, c.group_size,
-                                           self.head_dim) for parts, c in zip(self.body, self.codecs)))
+        k, v = self.body
+        key = (ChannelPart(k["codes"], k["scale"], k["lo"], kc.bits, self.head_dim) if isinstance(kc, ChannelCodec)
+               else TokenPart(k["codes"], k["scale"], k["lo"], kc.bits, kc.group_size, self.head_dim))
+        self.paged = PagedBody(key, TokenPart(v["codes"], v["scale"], v["lo"], vc.bits, vc.group_size, self.head_dim))
 
     # ---- capacity ------------------------------------------------------------------------------
     def fit(self, tier_pages: int, body_pages: int, rows: int | None = None) -> None:

@@ -9,6 +9,9 @@ hands the kernels a :class:`PagedBody` whatever its parts are.
 - :class:`TokenPart`: per-token groups (``rotkv.quant.quantizer``): ``codes [pages, H, P,
   D*bits/8]`` uint8, planar packed (``rotkv.quant.packing``), and ``scale, lo [pages, H, P, D/G]``
   in the metadata dtype.
+- :class:`ChannelPart`: KIVI's keys, one group per channel and page (``rotkv.cache.codecs.ChannelCodec``):
+  ``codes [pages, H, D, P*bits/8]`` (each channel's P tokens planar packed) and ``scale, lo [pages, H,
+  D, 1]``. The dequant kernel reads it; the write and decode kernels read token parts only.
 """
 
 from __future__ import annotations
@@ -87,6 +90,57 @@ class TokenPart:
         return self.codes.shape[-1] + 2 * self.groups * self.scale.element_size()
 
 
+@dataclass(frozen=True, eq=False)
+class ChannelPart:
+    """KIVI keys: per channel over the ``P`` tokens of a page at ``bits`` bits; see the module docstring for
+    the shapes. Checked at construction."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    lo: torch.Tensor
+    bits: int
+    head_dim: int
+
+    format = "channel"
+
+    def __post_init__(self):
+        check_width(self.bits, "bits", QUANT_WIDTHS)
+        if self.codes.dim() != 4 or self.codes.dtype != torch.uint8 or self.codes.shape[2] != self.head_dim:
+            raise ValueError(f"codes must be uint8 [pages, heads, head_dim={self.head_dim}, bytes], got "
+                             f"{self.codes.dtype} {tuple(self.codes.shape)}")
+        want = (*self.codes.shape[:-1], 1)
+        if tuple(self.scale.shape) != want or tuple(self.lo.shape) != want:
+            raise ValueError(f"scale and lo must be {want} (one group per channel and page), got "
+                             f"{tuple(self.scale.shape)} and {tuple(self.lo.shape)}")
+        if self.scale.dtype != self.lo.dtype or not self.scale.dtype.is_floating_point:
+            raise ValueError(f"scale and lo must share one float dtype, got {self.scale.dtype} and {self.lo.dtype}")
+        if not (self.codes.device == self.scale.device == self.lo.device):
+            raise ValueError("codes, scale and lo must be on one device")
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.codes, self.scale, self.lo
+
+    @property
+    def page_size(self) -> int:
+        return self.codes.shape[-1] * 8 // self.bits
+
+    @property
+    def group_size(self) -> int:
+        """Tokens per group (a channel's page)."""
+        return self.page_size
+
+    @property
+    def meta(self) -> torch.dtype:
+        return self.scale.dtype
+
+
+def part_shape(part: TokenPart | ChannelPart) -> tuple[int, int, int]:
+    """``(pages, kv_heads, page_size)`` of a body part, whatever its format."""
+    pages, heads = part.codes.shape[:2]
+    return pages, heads, part.page_size if isinstance(part, ChannelPart) else part.codes.shape[2]
+
+
 @dataclass(frozen=True)
 class BodyLayout:
     """What a kernel plan reads of a body: shapes, widths, group sizes, metadata dtypes, and whether
@@ -111,24 +165,26 @@ class PagedBody:
     heads, page size and head_dim (their widths and group sizes may differ; a kernel that needs
     them alike says so in its plan)."""
 
-    k: TokenPart
+    k: TokenPart | ChannelPart
     v: TokenPart
     layout: BodyLayout = field(init=False, repr=False)
 
     def __post_init__(self):
-        for name, part in (("k", self.k), ("v", self.v)):
-            if not isinstance(part, TokenPart):
-                raise TypeError(f"`{name}` must be a body part (TokenPart), got {type(part).__name__}")
+        for name, part, types in (("k", self.k, (TokenPart, ChannelPart)), ("v", self.v, (TokenPart,))):
+            if not isinstance(part, types):
+                raise TypeError(f"`{name}` must be a body part ({', '.join(t.__name__ for t in types)}), "
+                                f"got {type(part).__name__}")
         kc, vc = self.k.codes, self.v.codes
-        if kc.shape[:3] != vc.shape[:3] or self.k.head_dim != self.v.head_dim:
+        ks, vs = part_shape(self.k), part_shape(self.v)
+        if ks != vs or self.k.head_dim != self.v.head_dim:
             raise ValueError(f"K and V parts must share pages, heads, page size and head_dim, got "
-                             f"{tuple(kc.shape[:3])}/{self.k.head_dim} and {tuple(vc.shape[:3])}/{self.v.head_dim}")
+                             f"{ks}/{self.k.head_dim} and {vs}/{self.v.head_dim}")
         if kc.device != vc.device:
             raise ValueError(f"K and V parts must be on one device, got {kc.device} and {vc.device}")
         aligned = all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in self.tensors())
         # the parts never change (a grown pool builds a new body): the layout is worked out once
         object.__setattr__(self, "layout", BodyLayout(
-            self.k.head_dim, kc.shape[1], kc.shape[2], kc.shape[0], (self.k.bits, self.v.bits),
+            self.k.head_dim, ks[1], ks[2], ks[0], (self.k.bits, self.v.bits),
             (self.k.group_size, self.v.group_size), (self.k.meta, self.v.meta), (self.k.format, self.v.format),
             aligned, kc.device.type))
 
@@ -138,7 +194,7 @@ class PagedBody:
         return cls(*(TokenPart.zeros(pages, kv_heads, page_size, head_dim, b, group_size, meta, device) for b in bits))
 
     @property
-    def parts(self) -> tuple[TokenPart, TokenPart]:
+    def parts(self) -> tuple[TokenPart | ChannelPart, TokenPart]:
         return self.k, self.v
 
     @property
@@ -166,7 +222,7 @@ class PagedBody:
 
     @property
     def page_size(self) -> int:
-        return self.k.codes.shape[2]
+        return self.layout.page_size
 
     @property
     def device(self) -> torch.device:

@@ -272,6 +272,22 @@ def part_reason(bits: int, meta: torch.dtype, fmt: str = "token",
     return None
 
 
+def dequant_reason(part, capability: tuple[int, int] | None = None) -> str | None:
+    """Why the dequant kernel (``rotkv.kernels.dequant``) does not read a body part, or None: a token part the
+    Triton kernels read (:func:`part_reason`), or a channel part (KIVI keys) of a kernel width with fp16
+    metadata, power-of-two pages of at least 8 tokens and a power-of-two head_dim."""
+    if part.format != "channel":
+        return part_reason(part.bits, part.meta, part.format, capability)
+    p, d = part.page_size, part.head_dim
+    if part.bits not in KERNEL_WIDTHS:
+        return f"the dequant kernel reads widths {list(KERNEL_WIDTHS)}, got {part.bits}"
+    if part.meta != torch.float16:
+        return f"the channel dequant kernel reads fp16 metadata, got {part.meta}"
+    if p < 8 or p & (p - 1) or d & (d - 1):
+        return f"the channel dequant kernel needs power-of-two pages of 8+ tokens and head_dim, got {p} and {d}"
+    return None
+
+
 def triton_decode_reason(layout: BodyLayout, capability: tuple[int, int] | None = None) -> str | None:
     """Why the Triton decode kernels do not read this body, or None."""
     for name, b, meta, fmt in zip("KV", layout.bits, layout.metas, layout.formats):
@@ -350,13 +366,15 @@ class PoolsPlan:
 
 def plan_pools(t: torch.Tensor, body: PagedBody | None) -> PoolsPlan:
     """The kernels of pools on ``t``'s device over the typed ``body`` (None: codecs the kernels do
-    not read): a part the kernels read (:func:`part_reason`, at the device's compute capability),
-    with the kernels on for the device (:func:`kernels_enabled`)."""
+    not read): the write kernel for a part the kernels read (:func:`part_reason`, at the device's compute
+    capability), the dequant kernel where it reads both parts (:func:`dequant_reason`), with the kernels on
+    for the device (:func:`kernels_enabled`)."""
     on = kernels_enabled(t)
     cap = device_capability(t.device) if on else None
     parts = body.parts if body is not None else (None, None)
     ok = tuple(on and body is not None and part_reason(pt.bits, pt.meta, pt.format, cap) is None for pt in parts)
-    return PoolsPlan(write=ok, dequant=all(ok))
+    dequant = on and body is not None and all(dequant_reason(pt, cap) is None for pt in parts)
+    return PoolsPlan(write=ok, dequant=dequant)
 
 
 def refine_reason() -> str | None:

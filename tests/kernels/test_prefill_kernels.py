@@ -55,3 +55,65 @@ def test_prefill_kernel_path_matches_reference(padded, device, kernels_on_cpu, s
         pages = torch.as_tensor(st.body_pages[row, :st.body_count[row]], device=device)
         assert (rk["codes"][pages] != gk["codes"][pages]).float().mean().item() < 1e-3
         assert torch.equal(rv["scale"][pages], gv["scale"][pages]) or device == "cuda"
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_channel_dequant_kernel_matches_the_codec(bits, device):
+    """KIVI's per-channel keys (``ChannelPart``): the dequant kernel gives the codec's decoding exactly, page by
+    page in each request's order, a short last page cut, and leaves the buffer past a request's tokens alone."""
+    from rotkv.cache.codecs import ChannelCodec
+    from rotkv.kernels.body import ChannelPart
+    from rotkv.kernels.dequant import dequant_dense
+
+    pages, h, p, d = 6, 2, 32, 64
+    codec = ChannelCodec(bits)
+    parts = codec.encode(3 * torch.randn(pages, h, p, d, generator=torch.Generator().manual_seed(0)))
+    ref = codec.decode(parts).to(device)
+    part = ChannelPart(*(parts[n].to(device) for n in ("codes", "scale", "lo")), bits, d)
+    order = [[3, 0, 5], [1, 4]]
+    i32 = dict(dtype=torch.int32, device=device)
+    table = (torch.tensor([0, 3, 5], **i32), torch.tensor(order[0] + order[1], **i32), torch.tensor([p, 20], **i32))
+    out = torch.full((2, h, 3 * p + 5, d), float("nan"), device=device)
+    dequant_dense(part, *table, 3 * p, out)
+    for b, (idx, n) in enumerate(zip(order, (3 * p, p + 20))):
+        want = ref[idx].permute(1, 0, 2, 3).reshape(h, -1, d)[:, :n]
+        assert torch.equal(out[b, :, :n], want)
+        assert torch.isnan(out[b, :, n:]).all()
+    with pytest.raises(ValueError, match="contiguous"):
+        dequant_dense(ChannelPart(part.codes.transpose(0, 1).contiguous().transpose(0, 1), part.scale, part.lo,
+                                  bits, d), *table, 3 * p, out)
+
+
+def test_kivi_layer_reads_its_body_with_the_dequant_kernel(device, kernels_on_cpu, setenv):
+    """kivi-2 (per-channel keys, per-token values): chunked prefill then decode steps, with the kernels (the
+    dequant kernel reads both parts, the write kernel stores the values) and without; the same outputs, and
+    the same stored bytes."""
+    from rotkv.config import PRESETS
+
+    h, b, d, rep = 2, 2, 64, 2
+    spec = PRESETS["kivi-2"].replace(window=32, prefill_chunk=48)
+    rot = build_rotations("identity", 1, h, d)[0]
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(2)
+    n, steps = 150, 20
+    ks, vs = torch.randn(b, h, n + steps, d, generator=gen), torch.randn(b, h, n + steps, d, generator=gen)
+    qs = torch.randn(b, h * rep, n + steps, d, generator=gen)
+    outs, layers = [], []
+    for use in ("0", "1"):
+        setenv("ROTKV_KERNELS", use)
+        layer = HybridLayer(spec, rot, d, h, 0, make_codecs("kivi", 2, spec.group_size, 1.0, 1.0), dt)
+        o = []
+        calls = [slice(c0, min(c0 + 48, n)) for c0 in range(0, n, 48)] + [slice(t, t + 1) for t in range(n, n + steps)]
+        for sl in calls:
+            layer.update(ks[:, :, sl].to(device, dt), vs[:, :, sl].to(device, dt))
+            o.append(layer.attend(qs[:, :, sl].to(device, dt), None, d ** -0.5).float().cpu())
+        outs.append(torch.cat(o, 1))
+        layers.append(layer)
+    assert layers[1].pools.dequant_kernel and layers[1].pools.part_kernels == (False, True)
+    assert not layers[0].pools.dequant_kernel
+    assert layers[0].state.body_count.min() >= 3  # pages reached the body, during prefill and decode
+    ref, got = outs
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < (2e-2 if device == "cuda" else 1e-5), err
+    (rk, _), (gk, _) = layers[0].pools.body, layers[1].pools.body
+    assert torch.equal(rk["codes"], gk["codes"]) and torch.equal(rk["scale"], gk["scale"])
