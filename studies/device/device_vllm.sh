@@ -71,6 +71,8 @@
 #   refine-step   issue 40's refine targets in one job: rotkv bench, SmolLM2 64 x 8160, oscar-mix-long, oscar-refine and
 #                 bf16 compiled in one call (artifacts/suite8k), then the Qwen3-8B shape (8 layers, 16 x 32K) refined and
 #                 unrefined (refine-step2: the SmolLM2 call again)
+#   kivi-gpu      tests/kernels/test_prefill_kernels.py (kivi-2's channel dequant kernel), then rotkv bench, SmolLM2 64 x 8160,
+#                 hf-static-compile and kivi-2: issue 40's prefill target for kivi-2
 #   pmkvq-mem     tests/test_progressive_cache.py (its GPU test), then rotkv bench, SmolLM2 64 x 8160, pmkvq: memory and
 #                 prefill of the per-row layers on a GPU (no float32 read view, bf16 attention)
 #   suite-gpu8k   the suite's test split at 8K on the GPU, 16 windows x 128 tokens per domain: SUITE8K_ROWS (aqua, refine,
@@ -235,6 +237,13 @@ job() {  # one queued job; NAME:ARG passes ARG (commas for spaces) to the jobs t
       timeout 420 python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 \
         --new-tokens 4 --methods rotkv:pmkvq --out "$RUN/jobs/pmkvq-mem.json" > "$RUN/jobs/pmkvq-mem.log" 2>&1
       grep -E "^\| 64 x" "$RUN/jobs/pmkvq-mem.log" ;;
+    kivi-gpu)  # kivi-2 through the dequant kernel (its per-channel keys): the prefill kernels' GPU tests, then
+               # issue 40's prefill target for it, real SmolLM2 64 x 8160, against HF StaticCache + compile
+      mkdir -p "$RUN/jobs"; timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_prefill_kernels.py \
+        > "$RUN/jobs/kivi-test.log" 2>&1; tail -n 3 "$RUN/jobs/kivi-test.log"
+      timeout 420 python3 -m rotkv.cli bench --model "$GG/smollm2.gguf" --batch 64 --context 8160 --new-tokens 4 \
+        --methods hf-static-compile rotkv:kivi-2 --out "$RUN/jobs/kivi-prefill.json" > "$RUN/jobs/kivi-prefill.log" 2>&1
+      grep -E "^\| 64 x" "$RUN/jobs/kivi-prefill.log" ;;
     admit-prof)  # issue 40's job bound: where one admission's time goes, INT2 (oscar-refine's tiers) and bf16, Qwen3-8B 36 layers
       mkdir -p "$RUN/jobs"; timeout 600 python3 studies/profile_admission.py --shape qwen3-8b \
         --out "$RUN/jobs/prof-admission.txt" > "$RUN/jobs/prof-admission.log" 2>&1; grep -E "^(##|median)" "$RUN/jobs/prof-admission.txt" ;;
