@@ -85,6 +85,38 @@ def test_without_the_read_view_the_layers_read_the_same_and_hold_no_float32_copy
     assert sum(l.stats()["scratch_bytes"] for l in with_view.layers) > 0
 
 
+@pytest.mark.parametrize("budgeted", ["progressive", "evicting"])
+def test_a_call_of_many_chunks_without_the_view_decodes_each_row_once(tiny_llama, budgeted, monkeypatch):
+    # without a kept view (the GPU), a prefill call of several chunks decodes each row's stored pages once into
+    # a view of the call's own, which its writes (flushes, shrinks, evictions) keep current and which goes with
+    # the call: the same logits as the kept view, one decode per row and call, no float32 copy afterwards
+    from rotkv.cache.rowstore import RowStoreLayer
+
+    extra = dict(start_bits=16, budget_tokens=160) if budgeted == "progressive" else dict(budget_tokens=100)
+    spec = CacheSpec(bits=2, **extra, **BASE)
+    ids = torch.randint(1, 128, (2, 150))
+    with_view, without = make_cache(tiny_llama, spec), make_cache(tiny_llama, spec)
+    for l in without.layers:
+        l.read_view = False
+    calls = []
+    decode = RowStoreLayer.decode_row
+    monkeypatch.setattr(RowStoreLayer, "decode_row", lambda self, row: calls.append(self) or decode(self, row))
+    a, trace_a = feed(tiny_llama, with_view, ids, step=75)  # calls of 5 chunks (prefill_chunk 16)
+    calls.clear()
+    with torch.no_grad():
+        tiny_llama(input_ids=ids[:, :75], **{cache_kwarg(tiny_llama): without})
+    assert len(calls) == 2 * len(without.layers)  # once per row and layer, not once per chunk
+    with torch.no_grad():
+        b = tiny_llama(input_ids=ids[:, 75:], **{cache_kwarg(tiny_llama): without}).logits
+    assert torch.equal(a[:, 75:], b)
+    assert all(r.view_k is None for l in without.layers for r in l.rows)
+    assert sum(l.stats()["scratch_bytes"] for l in without.layers) == 0
+    if budgeted == "progressive":
+        assert [l.bits for l in without.layers] == [l.bits for l in with_view.layers] and trace_a[-1][0][2] < 16
+    else:
+        assert [l.evicted for l in without.layers] == [l.evicted for l in with_view.layers] > [0] * len(without.layers)
+
+
 def test_16_bit_body_is_nearly_lossless(tiny_llama):
     ids = torch.randint(1, 128, (1, 64))
     a, trace = feed(tiny_llama, make_cache(tiny_llama, CacheSpec(bits=2, start_bits=16, budget_tokens=4096, **BASE)), ids)

@@ -48,7 +48,8 @@ class RowStore:
     # body, window): appends write into it and a page flush overwrites its tokens with their
     # dequantized values, so a read never re-decodes or concatenates. It is scratch memory of
     # the CPU reference path, kept on the CPU only (RowStoreLayer.read_view; on a GPU a read
-    # decodes the pages), and is reported apart as scratch_bytes, not as resident cache.
+    # decodes the pages, and a call of several prefill chunks keeps one for the row it is on,
+    # dropped at the call's end), and is reported apart as scratch_bytes, not as resident cache.
     view_k: torch.Tensor | None = None
     view_v: torch.Tensor | None = None
 
@@ -141,7 +142,7 @@ class RowStoreLayer(RotkvLayer):
         """Append rotated states ``[H, n, D]`` (float32) to a row: sink first, then the window;
         full pages leave the window for the body."""
         k, v = k.to(self.tier_dtype), v.to(self.tier_dtype)
-        if self.read_view:
+        if self.read_view or row.view_k is not None:
             row.write_view(row.length, k.float(), v.float())
         room = max(0, self.spec.sink - row.sink_k.shape[1])
         if room:
@@ -162,19 +163,20 @@ class RowStoreLayer(RotkvLayer):
             return
         m = pages * p
         start = row.sink_k.shape[1] + row.body_tokens
+        view = row.view_k is not None  # the read view, kept or this call's (attend), gets the dequantized pages
         decoded = {}
         for name, codec in (("k", self.key_codec), ("v", self.value_codec)):
             win = getattr(row, f"win_{name}")
             block = win[:, :m].float().reshape(self.kv_heads, pages, p, self.head_dim).transpose(0, 1)
             parts = codec.encode(block)
-            if self.read_view:
+            if view:
                 decoded[name] = codec.decode(parts).transpose(0, 1).reshape(self.kv_heads, m, self.head_dim)
             body = getattr(row, f"body_{name}")
             for key, t in parts.items():
                 body[key] = torch.cat([body[key], t], 0) if key in body else t
             setattr(row, f"win_{name}", win[:, m:].clone())
         row.body_tokens += m
-        if self.read_view:
+        if view:
             row.write_view(start, decoded["k"], decoded["v"])
 
     def read(self, row: RowStore) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,7 +221,13 @@ class RowStoreLayer(RotkvLayer):
         cdt = attention_dtype(query, self.tier_dtype)
         counts = self._counts(real, b, q).tolist()
         for i, row in enumerate(self.rows):
-            for c0 in range(q - counts[i], q, self.spec.prefill_chunk):
+            chunks = range(q - counts[i], q, self.spec.prefill_chunk)
+            # without a kept view, a call of several chunks decodes the row once into a view of its own that its
+            # writes keep current and that goes with the call: one row's float32 copy at a time, not every row's
+            transient = not self.read_view and len(chunks) > 1
+            if transient:
+                row.write_view(0, *self.decode_row(row))
+            for c0 in chunks:
                 c1 = min(c0 + self.spec.prefill_chunk, q)
                 kc, vc = kr[i, :, c0:c1], vr[i, :, c0:c1]
                 past_k, past_v = self.read(row)
@@ -227,6 +235,8 @@ class RowStoreLayer(RotkvLayer):
                           torch.cat([past_v.to(cdt), vc.to(cdt)], 1), scaling)
                 out[i, :, c0:c1] = o
                 self._append(row, kc, vc)
+            if transient:
+                row.view_k = row.view_v = None
         return rot.outputs(out).transpose(1, 2).to(query.dtype)
 
     # ---- accounting ------------------------------------------------------------------------------
