@@ -21,6 +21,8 @@ def feed(model, cache, ids, step=16):
             for l in cache.layers:
                 if not hasattr(l, "rows"):  # a paged layer (fixed width): nothing to cross-check here
                     continue
+                if hasattr(l, "held_bytes"):  # the budget's count, from token counts: every row's tensors' bytes
+                    assert l.held_bytes() == sum(r.tier_bytes() + r.body_bytes() for r in l.rows)
                 for r in l.rows:
                     read, stored = l.read(r), l.decode_row(r)
                     assert read[0].shape == stored[0].shape and torch.equal(read[0], stored[0]) and torch.equal(read[1], stored[1])

@@ -111,6 +111,23 @@ class ProgressiveLayer(RowStoreLayer):
     def bits(self) -> int:
         return self.key_codec.bits
 
+    def held_bytes(self) -> int:
+        """Bytes every row holds, tiers and body: ``sum(tier_bytes + body_bytes)`` over the rows, from token
+        counts. Every row's tiers are in the tier dtype, and every stored page has the same bytes (pages are
+        encoded, and shrunk, at the layer's one current width), so this takes one page's bytes instead of
+        each row's tensors: a flush checks the budget without a pass over every row's tensors."""
+        tier_tok = 2 * self.kv_heads * self.head_dim * self.tier_dtype.itemsize
+        tiers = body = 0
+        page_bytes = None
+        for r in self.rows:
+            tiers += r.sink_k.shape[1] + r.win_k.shape[1]
+            if r.body_tokens:
+                body += r.body_tokens
+                if page_bytes is None:
+                    pages = r.body_tokens // self.spec.page_size
+                    page_bytes = r.body_bytes() // pages
+        return tiers * tier_tok + (body // self.spec.page_size) * (page_bytes or 0)
+
     def shrink(self) -> None:
         """The whole body (every row, keys and values) one step down; the rows' float32 read
         views (the reference reader's) get the body's new values."""
@@ -137,7 +154,7 @@ class ProgressiveLayer(RowStoreLayer):
 
         def after() -> int:  # bytes held once the m tokens are in the body at the current width
             body_tok = 2 * self.kv_heads * self.key_codec.row_bytes(self.head_dim)
-            return sum(_bytes(r) for r in self.rows) - m * tier_tok + m * body_tok
+            return self.held_bytes() - m * tier_tok + m * body_tok
 
         while after() > budget and self.key_codec.can_shrink:
             self.shrink()
