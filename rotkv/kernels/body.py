@@ -28,6 +28,14 @@ def _row_bytes(head_dim: int, bits: int) -> int:
     return head_dim * bits // 8  # INT3 is bit-sliced: 2 + 1 bits, 3 * D / 8 bytes as well
 
 
+def _check_meta(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> None:
+    """A ValueError unless scale and lo share one float dtype and the three tensors one device."""
+    if scale.dtype != lo.dtype or not scale.dtype.is_floating_point:
+        raise ValueError(f"scale and lo must share one float dtype, got {scale.dtype} and {lo.dtype}")
+    if not (codes.device == scale.device == lo.device):
+        raise ValueError("codes, scale and lo must be on one device")
+
+
 @dataclass(frozen=True, eq=False)
 class TokenPart:
     """Keys or values in per-token groups of ``group_size`` dims at ``bits`` bits; see the module
@@ -57,10 +65,7 @@ class TokenPart:
         if tuple(self.scale.shape) != want or tuple(self.lo.shape) != want:
             raise ValueError(f"scale and lo must be {want} (group size {g}), got {tuple(self.scale.shape)} and "
                              f"{tuple(self.lo.shape)}")
-        if self.scale.dtype != self.lo.dtype or not self.scale.dtype.is_floating_point:
-            raise ValueError(f"scale and lo must share one float dtype, got {self.scale.dtype} and {self.lo.dtype}")
-        if not (self.codes.device == self.scale.device == self.lo.device):
-            raise ValueError("codes, scale and lo must be on one device")
+        _check_meta(self.codes, self.scale, self.lo)
 
     @classmethod
     def zeros(cls, pages: int, kv_heads: int, page_size: int, head_dim: int, bits: int, group_size: int,
@@ -112,10 +117,7 @@ class ChannelPart:
         if tuple(self.scale.shape) != want or tuple(self.lo.shape) != want:
             raise ValueError(f"scale and lo must be {want} (one group per channel and page), got "
                              f"{tuple(self.scale.shape)} and {tuple(self.lo.shape)}")
-        if self.scale.dtype != self.lo.dtype or not self.scale.dtype.is_floating_point:
-            raise ValueError(f"scale and lo must share one float dtype, got {self.scale.dtype} and {self.lo.dtype}")
-        if not (self.codes.device == self.scale.device == self.lo.device):
-            raise ValueError("codes, scale and lo must be on one device")
+        _check_meta(self.codes, self.scale, self.lo)
 
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

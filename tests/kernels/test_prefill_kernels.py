@@ -117,3 +117,25 @@ def test_kivi_layer_reads_its_body_with_the_dequant_kernel(device, kernels_on_cp
     assert err < (2e-2 if device == "cuda" else 1e-5), err
     (rk, _), (gk, _) = layers[0].pools.body, layers[1].pools.body
     assert torch.equal(rk["codes"], gk["codes"]) and torch.equal(rk["scale"], gk["scale"])
+
+
+def test_channel_part_is_checked_and_only_keys_take_it():
+    from rotkv.kernels.body import ChannelPart, PagedBody, TokenPart
+
+    codes = torch.zeros(3, 2, 64, 8, dtype=torch.uint8)  # 32-token pages at 2 bits
+    meta = torch.zeros(3, 2, 64, 1, dtype=torch.float16)
+    part = ChannelPart(codes, meta, meta, 2, 64)
+    assert part.page_size == part.group_size == 32
+    with pytest.raises(ValueError, match="one group per channel"):
+        ChannelPart(codes, meta[..., :0], meta, 2, 64)
+    with pytest.raises(ValueError, match="head_dim=128"):
+        ChannelPart(codes, meta, meta, 2, 128)
+    with pytest.raises(ValueError, match="one float dtype"):
+        ChannelPart(codes, meta, meta.float(), 2, 64)
+    values = TokenPart.zeros(3, 2, 32, 64, 2, 32)
+    body = PagedBody(part, values)
+    assert (body.page_size, body.layout.formats) == (32, ("channel", "token"))
+    with pytest.raises(TypeError, match="`v` must be a body part"):
+        PagedBody(values, part)
+    with pytest.raises(ValueError, match="page size"):
+        PagedBody(part, TokenPart.zeros(3, 2, 16, 64, 2, 32))
