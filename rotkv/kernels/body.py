@@ -81,6 +81,10 @@ class TokenPart:
         return self.codes, self.scale, self.lo
 
     @property
+    def page_size(self) -> int:
+        return self.codes.shape[2]
+
+    @property
     def groups(self) -> int:
         """Groups per head vector (``D / G``)."""
         return self.head_dim // self.group_size
@@ -140,7 +144,7 @@ class ChannelPart:
 def part_shape(part: TokenPart | ChannelPart) -> tuple[int, int, int]:
     """``(pages, kv_heads, page_size)`` of a body part, whatever its format."""
     pages, heads = part.codes.shape[:2]
-    return pages, heads, part.page_size if isinstance(part, ChannelPart) else part.codes.shape[2]
+    return pages, heads, part.page_size
 
 
 @dataclass(frozen=True)

@@ -89,12 +89,12 @@ def dequant_dense(part: TokenPart | ChannelPart, kv_indptr: torch.Tensor, kv_ind
         raise ValueError(f"the part's head_dim {part.head_dim} is not the output's {d}")
     if not all(t.is_contiguous() for t in part.tensors):
         raise ValueError("the dequant kernel reads contiguous parts (a pool's tensors)")
+    p = part.page_size
     if isinstance(part, ChannelPart):
-        p = part.page_size
         _dequant_channel_kernel[(b * h, triton.cdiv(max_len, p))](
             *part.tensors, kv_indptr, kv_indices, kv_last_page_len, out, h, length, D=d, P=p, BITS=part.bits)
         return out
     _dequant_kernel[(b * h, triton.cdiv(max_len, block))](
         *part.tensors, kv_indptr, kv_indices, kv_last_page_len, out, h, length, D=d, G=part.group_size,
-        P=part.codes.shape[2], BLOCK=block, BITS=part.bits)
+        P=p, BLOCK=block, BITS=part.bits)
     return out
